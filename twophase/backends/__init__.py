@@ -1,0 +1,1 @@
+"""Backends: the contract (``base``), discovery (``registry``) and the built-in implementations."""

@@ -1,0 +1,96 @@
+"""Backend discovery: pluggy over the ``twophase.backends`` entry-point group.
+
+Built-in backends register through the same entry points as third-party ones, so there is one
+discovery path. Entry points are loaded one by one (not with pluggy's
+``load_setuptools_entrypoints``, which stops at the first plugin that fails to import), so one
+broken plugin is reported and the others still load. ``TWOPHASE_PLUGINS`` (a comma list of entry
+point names) limits which third-party plugins load; built-in ones always do.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+
+import pluggy
+
+from twophase.backends import hookspecs
+from twophase.backends.base import Backend, BackendUnavailable
+from twophase.errors import ConfigError
+
+log = logging.getLogger(__name__)
+GROUP = "twophase.backends"
+BUILTIN_DIST = "twophase"
+
+
+@dataclass
+class BackendInfo:
+    name: str
+    source: str                    # "built-in" or the distribution that installed it
+    cls: type[Backend] | None
+    error: str | None = None       # why it failed to load (import error, contract violation)
+
+
+class Registry:
+    def __init__(self) -> None:
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        self.backends: dict[str, BackendInfo] = {}
+        self.failures: list[BackendInfo] = []
+        self._discover()
+
+    def _discover(self) -> None:
+        allowed = os.environ.get("TWOPHASE_PLUGINS")
+        allowed_names = {n.strip() for n in allowed.split(",") if n.strip()} if allowed else None
+        for ep in entry_points(group=GROUP):
+            dist = ep.dist.name if ep.dist is not None else "?"
+            source = "built-in" if dist == BUILTIN_DIST else dist
+            if source != "built-in" and allowed_names is not None and ep.name not in allowed_names:
+                continue
+            try:
+                plugin = ep.load()
+                if self.pm.is_registered(plugin):
+                    continue
+                self.pm.register(plugin, name=f"{dist}:{ep.name}")
+            except Exception as exc:  # a broken plugin must not break the others
+                self.failures.append(BackendInfo(ep.name, source, None, f"{type(exc).__name__}: {exc}"))
+                log.warning("backend plugin %s from %s failed to load: %s", ep.name, source, exc)
+                continue
+            hook = getattr(plugin, "twophase_backends", None)
+            try:
+                classes = hook() if hook is not None else []
+            except Exception as exc:
+                self.failures.append(BackendInfo(ep.name, source, None, f"{type(exc).__name__}: {exc}"))
+                continue
+            for cls in classes:
+                self._add(cls, source)
+
+    def _add(self, cls: type, source: str) -> None:
+        name = getattr(cls, "name", None)
+        if not (isinstance(cls, type) and issubclass(cls, Backend)) or not isinstance(name, str):
+            self.failures.append(BackendInfo(str(name), source, None,
+                                             f"{cls!r} is not a twophase Backend with a name"))
+            return
+        if name in self.backends:
+            self.failures.append(BackendInfo(name, source, None,
+                                             f"duplicate backend name {name!r}, "
+                                             f"already provided by {self.backends[name].source}"))
+            return
+        self.backends[name] = BackendInfo(name, source, cls)
+
+    def get(self, name: str, key: str = "backend.name") -> type[Backend]:
+        info = self.backends.get(name)
+        if info is None or info.cls is None:
+            allowed = ", ".join(sorted(self.backends)) or "none installed"
+            raise ConfigError(key, f"unknown backend {name!r}; installed backends: {allowed}")
+        return info.cls
+
+    def availability(self, name: str, device: str = "cpu") -> str | None:
+        """None if the backend can run on ``device`` here, else the reason it cannot."""
+        try:
+            self.get(name).check_available(device)
+        except BackendUnavailable as exc:
+            return str(exc)
+        return None

@@ -1,0 +1,121 @@
+"""The eager PyTorch backend (CPU and CUDA): runs ``twophase.models.llama`` directly.
+
+On CUDA, pure-decode steps replay CUDA graphs captured per (batch-size, context-blocks) bucket:
+an eager decode of a large model is bound by kernel launches, not by memory bandwidth.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from twophase.backends.base import (Backend, BackendConfig, BackendUnavailable, Capabilities,
+                                    DecodeBatch, KVCache, KVCacheSpec, ModelSpec, PrefillBatch)
+from twophase.backends.hookspecs import hookimpl
+from twophase.models.llama import AttnMeta, Llama
+from twophase.models.shapes import LlamaArch
+from twophase.models.weights import build_model
+
+log = logging.getLogger(__name__)
+OPTIONS = {"threads", "cuda_graphs"}
+
+
+class TorchBackend(Backend):
+    name = "torch"
+
+    def __init__(self) -> None:
+        self.model: Llama | None = None
+        self.kv: KVCache | None = None
+        self.graphs = None
+
+    @classmethod
+    def check_available(cls, device: str = "cpu") -> None:
+        kind = torch.device(device).type
+        if kind == "cuda" and not torch.cuda.is_available():
+            raise BackendUnavailable(
+                f"device {device!r}: torch {torch.__version__} sees no CUDA device "
+                f"(built with CUDA {torch.version.cuda or 'none'})")
+        if kind not in ("cpu", "cuda"):
+            raise BackendUnavailable(f"device {device!r}: the torch backend runs on cpu or cuda")
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(devices=("cpu", "cuda"),
+                            dtypes=(torch.float32, torch.bfloat16, torch.float16))
+
+    def load(self, model: ModelSpec, cfg: BackendConfig) -> None:
+        self.check_available(cfg.device)
+        unknown = set(cfg.options) - OPTIONS
+        if unknown:
+            from twophase.errors import ConfigError
+            raise ConfigError(f"backend.options.{sorted(unknown)[0]}",
+                              f"unknown option for the torch backend; allowed: {', '.join(sorted(OPTIONS))}")
+        if "threads" in cfg.options:
+            torch.set_num_threads(int(cfg.options["threads"]))
+        self.device = torch.device(cfg.device)
+        self.arch = LlamaArch.from_dict(model.arch)
+        folder = None if model.weights == "random" else Path(model.weights)
+        self.model = build_model(self.arch, model.dtype, self.device, folder, model.seed)
+        self.dtype = model.dtype
+        self.use_graphs = self.device.type == "cuda" and bool(cfg.options.get("cuda_graphs", True))
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return KVCacheSpec(self.arch.num_layers, self.arch.num_kv_heads, self.arch.head_dim,
+                           self.dtype, self.device, scratch_blocks=1 if self.use_graphs else 0)
+
+    def bind_kv_cache(self, kv: KVCache) -> None:
+        self.kv = kv
+        if self.use_graphs:
+            from twophase.backends.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self._forward_decode, kv)
+
+    # -- the two operations -----------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, batch: PrefillBatch) -> torch.Tensor:
+        meta = self._meta(batch)
+        dev = self.device
+        hidden = self.model(batch.token_ids.to(dev), batch.positions.to(dev), self.kv.pool, meta)
+        if batch.logits == "last":
+            last = torch.tensor(batch.query_start[1:], device=dev) - 1
+            hidden = hidden[last]
+        return self.model.logits(hidden)
+
+    @torch.inference_mode()
+    def decode(self, batch: DecodeBatch) -> torch.Tensor:
+        if self.graphs is not None:
+            return self.graphs.run(batch)
+        dev = self.device
+        return self._forward_decode(batch.token_ids.to(dev), batch.positions.to(dev),
+                                    batch.slot_mapping.to(dev), batch.block_tables.to(dev),
+                                    batch.context_lens.to(dev))
+
+    def _forward_decode(self, tokens, positions, slots, tables, lens) -> torch.Tensor:
+        """One token per sequence, all tensors on the device: the body a CUDA graph captures."""
+        meta = AttnMeta(slots, torch.arange(tokens.shape[0], device=tokens.device), tables, lens, [])
+        return self.model.logits(self.model(tokens, positions, self.kv.pool, meta))
+
+    def _meta(self, batch: PrefillBatch) -> AttnMeta:
+        dev, bs = self.device, self.kv.block_size
+        ctx = batch.context_lens.tolist()
+        dec = [i for i, n in enumerate(batch.query_lens) if n == 1]
+        decode_idx = decode_tables = decode_lens = None
+        if dec:
+            width = -(-max(ctx[i] for i in dec) // bs)
+            idx = torch.tensor(dec)
+            decode_idx = (torch.tensor(batch.query_start[:-1])[idx]).to(dev)
+            decode_tables = batch.block_tables[idx, :width].to(dev)
+            decode_lens = batch.context_lens[idx].to(dev)
+        chunks = []
+        starts = batch.query_start
+        for i, n in enumerate(batch.query_lens):
+            if n > 1:
+                table = batch.block_tables[i, :-(-ctx[i] // bs)].to(dev)
+                chunks.append((starts[i], n, batch.start_positions[i], table))
+        return AttnMeta(batch.slot_mapping.to(dev), decode_idx, decode_tables, decode_lens, chunks)
+
+
+@hookimpl
+def twophase_backends() -> list[type[Backend]]:
+    return [TorchBackend]

@@ -1,0 +1,217 @@
+"""Run configuration: one TOML file (or a dict of the same shape), checked key by key.
+
+Every key has a default, so a config with only ``[model]`` runs. Unknown keys, wrong types and
+values outside the allowed set raise ``ConfigError`` naming the key path and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from twophase.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    name: str = "smollm2-135m-instruct"   # a named model, or a shape with weights = "random"
+    path: str | None = None               # a local HF folder or .gguf file (overrides name)
+    weights: Literal["pretrained", "random"] = "pretrained"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"   # auto: fp32 on CPU, bf16 on CUDA
+    num_layers: int | None = None         # override a shape's depth
+    max_model_len: int | None = None      # context limit; default the model's own
+    seed: int = 0                         # random weights
+
+
+@dataclass
+class BackendSection:
+    name: str = "torch"
+    device: str = "cpu"
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SchedulerConfig:
+    policy: Literal["decode-first", "prefill-first"] = "decode-first"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None   # default: 512 on CPU, 4096 on CUDA
+    chunked_prefill: bool = True
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int | Literal["auto"] = "auto"
+    memory_gb: float | None = None         # pool budget for num_blocks = "auto"
+    prefix_caching: bool = True
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"   # auto: the model's
+
+
+@dataclass
+class SamplingConfig:
+    max_tokens: int = 64
+    min_tokens: int = 0
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+
+@dataclass
+class SyntheticConfig:
+    num_requests: int = 16
+    input_len: list[int] = field(default_factory=lambda: [32, 128])    # [min, max]
+    output_len: list[int] = field(default_factory=lambda: [32, 64])    # [min, max]
+    seed: int = 0
+
+
+@dataclass
+class WorkloadConfig:
+    prompts: list[str] = field(default_factory=list)
+    chat: bool = False                     # wrap each prompt in the model's chat template
+    jsonl: str | None = None               # one {"prompt": ..., optional sampling keys} a line
+    synthetic: SyntheticConfig | None = None
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    backend: BackendSection = field(default_factory=BackendSection)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    base_dir: Path = field(default=Path("."), metadata={"internal": True})
+
+    def resolve(self, relative: str) -> Path:
+        """A path from the config, relative to the config file's folder."""
+        p = Path(relative).expanduser()
+        return p if p.is_absolute() else self.base_dir / p
+
+
+def load_config(source: str | Path | dict[str, Any]) -> Config:
+    """A checked ``Config`` from a TOML path or a dict of the TOML's shape."""
+    if isinstance(source, dict):
+        cfg = _build(Config, source, "")
+        cfg.base_dir = Path(".")
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError("", f"config file {str(path)!r} not found")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError("", f"{path}: TOML syntax error: {exc}") from None
+        cfg = _build(Config, data, "")
+        cfg.base_dir = path.resolve().parent
+    _check(cfg)
+    return cfg
+
+
+def _check(cfg: Config) -> None:
+    """Cross-field rules a type cannot express."""
+    s, c, m = cfg.scheduler, cfg.cache, cfg.model
+    positive = [("scheduler.max_num_seqs", s.max_num_seqs), ("cache.block_size", c.block_size),
+                ("scheduler.max_num_batched_tokens", s.max_num_batched_tokens),
+                ("model.num_layers", m.num_layers), ("model.max_model_len", m.max_model_len),
+                ("sampling.max_tokens", cfg.sampling.max_tokens)]
+    if isinstance(c.num_blocks, int):
+        positive.append(("cache.num_blocks", c.num_blocks))
+    for key, value in positive:
+        if value is not None and value < 1:
+            raise ConfigError(key, f"must be a positive integer, got {value}")
+    if s.policy == "decode-first" and s.max_num_batched_tokens is not None \
+            and s.max_num_batched_tokens <= s.max_num_seqs and s.chunked_prefill:
+        raise ConfigError("scheduler.max_num_batched_tokens",
+                          f"must exceed scheduler.max_num_seqs ({s.max_num_seqs}) under "
+                          f"decode-first, so running decodes always leave budget for prefill")
+    if cfg.sampling.temperature < 0:
+        raise ConfigError("sampling.temperature", "must be >= 0")
+    if not 0 < cfg.sampling.top_p <= 1:
+        raise ConfigError("sampling.top_p", "must be in (0, 1]")
+    syn = cfg.workload.synthetic
+    if syn is not None:
+        for key in ("input_len", "output_len"):
+            v = getattr(syn, key)
+            if len(v) != 2 or not 1 <= v[0] <= v[1]:
+                raise ConfigError(f"workload.synthetic.{key}", f"must be [min, max] with 1 <= min <= max, got {v}")
+
+
+def _build(cls: type, data: Any, path: str):
+    if not isinstance(data, dict):
+        raise ConfigError(path or "config", f"must be a table, got {_kind(data)}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        key = f"{path}.{unknown[0]}" if path else unknown[0]
+        raise ConfigError(key, f"unknown key; allowed keys here: {', '.join(fields)}")
+    values = {name: _value(hints[name], data[name], f"{path}.{name}" if path else name)
+              for name in fields if name in data}
+    return cls(**values)
+
+
+def _value(tp: Any, v: Any, path: str):
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (Union, types.UnionType):
+        if v is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _value(arg, v, path)
+            except ConfigError as exc:
+                errors.append(exc)
+        allowed = " or ".join(_describe(a) for a in args if a is not type(None))
+        raise ConfigError(path, f"expected {allowed}, got {_kind(v)} {v!r}")
+    if origin is Literal:
+        if v not in args:
+            raise ConfigError(path, f"must be one of {', '.join(repr(a) for a in args)}; got {v!r}")
+        return v
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, v, path)
+    if origin is list:
+        if not isinstance(v, list):
+            raise ConfigError(path, f"expected a list of {_describe(args[0])}, got {_kind(v)}")
+        return [_value(args[0], x, f"{path}[{i}]") for i, x in enumerate(v)]
+    if origin is dict:
+        if not isinstance(v, dict):
+            raise ConfigError(path, f"expected a table, got {_kind(v)}")
+        return dict(v)
+    if tp is float and isinstance(v, int) and not isinstance(v, bool):
+        return float(v)
+    if tp is Any or (isinstance(v, tp) and not (tp is int and isinstance(v, bool))):
+        return v
+    raise ConfigError(path, f"expected {_describe(tp)}, got {_kind(v)} {v!r}")
+
+
+def _describe(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " or ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is list:
+        return "a list"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
+        tp, getattr(tp, "__name__", str(tp)))
+
+
+def _kind(v: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+            list: "a list", dict: "a table"}.get(type(v), type(v).__name__)

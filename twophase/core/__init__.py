@@ -1,0 +1,1 @@
+"""Backend-agnostic core: requests, KV-cache accounting, scheduling, sampling, the step loop."""

@@ -1,0 +1,103 @@
+"""What each request holds in the paged KV pool: its block table, and the hash chain of its
+full blocks for prefix caching.
+
+A full block's hash covers its tokens and its parent's hash, so equal hashes mean equal
+prefixes. A block is published to the cache only after its K/V have been computed.
+"""
+
+from __future__ import annotations
+
+from twophase.core.block_pool import BlockPool
+from twophase.core.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVManager:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.prefix_caching = prefix_caching
+        self.tables: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[int]] = {}      # chain hashes of each request's full blocks
+        self._published: dict[str, int] = {}         # how many of its blocks are in the cache
+        self.queries = 0                              # prefix-cache lookups, in tokens
+        self.hits = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_blocks - self.pool.num_free
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def block_table(self, req: Request) -> list[int]:
+        return self.tables.get(req.request_id, [])
+
+    def _chain(self, req: Request, num_blocks: int) -> list[int]:
+        hashes = self._hashes.setdefault(req.request_id, [])
+        bs, toks = self.block_size, req.token_ids
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash((parent, tuple(toks[i * bs:(i + 1) * bs]))))
+        return hashes[:num_blocks]
+
+    def computed_blocks(self, req: Request) -> list[int]:
+        """Cached blocks holding a prefix of ``req``'s tokens. At least one token is always left
+        to compute, since its logits are needed to sample."""
+        if not self.prefix_caching:
+            return []
+        hits = []
+        for h in self._chain(req, (req.num_tokens - 1) // self.block_size):
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.queries += num_tokens
+        self.hits += num_hit_tokens
+
+    def allocate(self, req: Request, num_new_tokens: int, computed: list[int] = ()) -> bool:
+        """Give ``req`` blocks for ``num_new_tokens`` more tokens (after ``computed`` hits, on
+        admission). False, with nothing changed, if the pool cannot."""
+        table = self.tables.get(req.request_id, [])
+        have = len(table) + len(computed)
+        cached_tokens = len(computed) * self.block_size
+        need = self.blocks_for(req.num_computed_tokens + cached_tokens + num_new_tokens) - have
+        reusable = sum(1 for b in computed if self.pool.ref_cnt[b] == 0)   # hits now in free queue
+        if need > self.pool.num_free - reusable:
+            return False
+        self.pool.touch(list(computed))
+        table = table + list(computed) + self.pool.allocate(max(need, 0))
+        self.tables[req.request_id] = table
+        return True
+
+    def cache_computed(self, req: Request) -> None:
+        """Publish ``req``'s blocks that are full and computed, so later requests can hit them."""
+        if not self.prefix_caching:
+            return
+        table = self.tables[req.request_id]
+        n = min(req.num_computed_tokens // self.block_size, len(table))
+        done = self._published.get(req.request_id, 0)
+        for block, h in zip(table[done:n], self._chain(req, n)[done:]):
+            self.pool.cache(block, h)
+        self._published[req.request_id] = max(done, n)
+
+    def free(self, req: Request) -> None:
+        table = self.tables.pop(req.request_id, [])
+        self._hashes.pop(req.request_id, None)
+        self._published.pop(req.request_id, None)
+        self.pool.release(table[::-1])

@@ -1,0 +1,105 @@
+"""Per-step records and the phase report built from them and from requests' clock readings."""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from twophase.core.request import RequestTimes
+
+
+@dataclass
+class StepRecord:
+    start: float
+    duration: float
+    prefill_tokens: int      # prompt tokens computed (decodes excluded)
+    prefill_seqs: int
+    decode_seqs: int         # one token each
+    kv_blocks_used: int
+    preemptions: int = 0
+
+    @property
+    def mix(self) -> str:
+        if self.prefill_seqs and self.decode_seqs:
+            return "mixed"
+        return "prefill" if self.prefill_seqs else "decode"
+
+
+class StepLog:
+    """The last ``maxlen`` steps, plus running totals that never drop anything."""
+
+    def __init__(self, maxlen: int = 200_000):
+        self.records: deque[StepRecord] = deque(maxlen=maxlen)
+        self.peak_kv_blocks = 0
+        self.total_prefill_tokens = 0
+        self.total_decode_tokens = 0
+
+    def add(self, rec: StepRecord) -> None:
+        self.records.append(rec)
+        self.peak_kv_blocks = max(self.peak_kv_blocks, rec.kv_blocks_used)
+        self.total_prefill_tokens += rec.prefill_tokens
+        self.total_decode_tokens += rec.decode_seqs
+
+    def clear(self) -> None:
+        self.__init__(self.records.maxlen)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile (numpy's default), ``q`` in [0, 100]."""
+    if not values:
+        return None
+    v = sorted(values)
+    k = (len(v) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+def summarize(values: list[float]) -> dict[str, float | None]:
+    return {"mean": statistics.fmean(values) if values else None,
+            "p50": percentile(values, 50), "p90": percentile(values, 90),
+            "p99": percentile(values, 99)}
+
+
+def phase_report(steps: list[StepRecord], requests: list[RequestTimes],
+                 output_tokens: int) -> dict[str, Any]:
+    """Throughput by phase and latency by request. A mixed step's time counts towards both
+    phases' rates (it did both at once); steps are also broken down by mix."""
+    prefill_steps = [s for s in steps if s.prefill_seqs]
+    decode_steps = [s for s in steps if s.decode_seqs]
+    prefill_tokens = sum(s.prefill_tokens for s in steps)
+    decode_tokens = sum(s.decode_seqs for s in steps)
+    prefill_time = sum(s.duration for s in prefill_steps)
+    decode_time = sum(s.duration for s in decode_steps)
+    by_mix: dict[str, dict[str, float]] = {}
+    for s in steps:
+        m = by_mix.setdefault(s.mix, {"steps": 0, "seconds": 0.0, "prefill_tokens": 0, "decode_tokens": 0})
+        m["steps"] += 1
+        m["seconds"] += s.duration
+        m["prefill_tokens"] += s.prefill_tokens
+        m["decode_tokens"] += s.decode_seqs
+    wall = (steps[-1].start + steps[-1].duration - steps[0].start) if steps else 0.0
+    out_tokens = output_tokens
+    return {
+        "wall_s": wall,
+        "requests": len(requests),
+        "output_tokens": out_tokens,
+        "output_tokens_per_s": out_tokens / wall if wall else None,
+        "prefill_tokens": prefill_tokens,
+        "prefill_tokens_per_s": prefill_tokens / prefill_time if prefill_time else None,
+        "decode_tokens": decode_tokens,
+        "decode_tokens_per_s": decode_tokens / decode_time if decode_time else None,
+        "steps_by_mix": by_mix,
+        "peak_kv_blocks": max((s.kv_blocks_used for s in steps), default=0),
+        "preemptions": sum(s.preemptions for s in steps),
+        "ttft_s": summarize([t.ttft for t in requests if t.ttft is not None]),
+        "tpot_s": summarize([t.tpot for t in requests if t.tpot is not None]),
+        "itl_s": summarize([x for t in requests for x in t.itl]),
+        "e2e_s": summarize([t.e2e for t in requests if t.e2e is not None]),
+    }
+
+
+def step_dicts(steps: list[StepRecord]) -> list[dict[str, Any]]:
+    return [dict(asdict(s), mix=s.mix) for s in steps]

@@ -1,0 +1,60 @@
+"""``SamplingParams``: what a request asks of the sampler and of its stopping rules."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 64
+    min_tokens: int = 0                  # EOS and stop tokens are suppressed before this many
+    temperature: float = 0.0             # 0: greedy
+    top_k: int = 0                       # 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0      # >1 discourages tokens seen in prompt or output
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None              # per-request generator: same seed, same tokens
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None          # top-n log-probabilities of each sampled token
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        checks = [
+            (self.max_tokens >= 1, "max_tokens", "must be at least 1"),
+            (0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be in [0, max_tokens]"),
+            (self.temperature >= 0, "temperature", "must be >= 0"),
+            (self.top_k >= 0, "top_k", "must be >= 0 (0 turns it off)"),
+            (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
+            (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
+            (self.repetition_penalty > 0, "repetition_penalty", "must be > 0"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
+        ]
+        for ok, name, msg in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams.{name} {msg}, got {getattr(self, name)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SamplingParams":
+        names = {f.name for f in fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
+        return cls(**d)

@@ -1,0 +1,98 @@
+"""A request's state as it moves waiting → running (→ preempted → waiting) → finished."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from twophase.core.params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestTimes:
+    """Clock readings; metrics (TTFT, TPOT, ITL, E2E) are derived from these alone."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.arrival if self.token_times else None
+
+    @property
+    def itl(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+    @property
+    def tpot(self) -> float | None:
+        t = self.token_times
+        return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
+
+    @property
+    def e2e(self) -> float | None:
+        return self.finished - self.arrival if self.finished is not None else None
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival: float, prompt: str | None = None):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.token_ids: list[int] = list(prompt_token_ids)     # prompt + output
+        self.num_computed_tokens = 0                            # tokens whose K/V are in the pool
+        self.num_cached_tokens = 0                              # prefix-cache hits at admission
+        self.num_preemptions = 0
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None
+        self.times = RequestTimes(arrival)
+        self.logprobs: list[dict[int, float]] = []
+        self.text = ""                                          # detokenized output so far
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens whose K/V still have to be computed (1 for a request in decode)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def in_decode(self) -> bool:
+        return self.num_output_tokens > 0 and self.num_pending_tokens == 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, {self.status.value})")

@@ -1,0 +1,25 @@
+"""Every error a user can meet, in one place: each names what the user can change."""
+
+
+class TwophaseError(Exception):
+    """Base class: a user-facing error with a message meant to be read, not a traceback."""
+
+
+class ConfigError(TwophaseError):
+    """A bad configuration: the message names the key path and what is allowed."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(f"{key}: {message}" if key else message)
+
+
+class BackendUnavailable(TwophaseError):
+    """A backend cannot run here (missing package, no device); the message says why."""
+
+
+class RequestRejected(TwophaseError):
+    """A request that can never be served (too long for the model or the KV pool)."""
+
+
+class ModelError(TwophaseError):
+    """A model that cannot be found, fetched, converted or does not fit in memory."""

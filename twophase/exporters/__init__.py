@@ -1,0 +1,1 @@
+"""Offline compilation paths (ONNX, TensorRT, MLIR); artefacts are cached on disk."""

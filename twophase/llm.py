@@ -1,0 +1,204 @@
+"""The Python API: ``LLM.from_config(...)``, ``llm.generate(prompts, params)``.
+
+``LLM`` wires a config into an ``Engine``: it resolves the model, loads the backend(s), sizes and
+allocates the KV pool, and builds the scheduler. ``llm.engine`` is the incremental API
+(``add_request`` / ``step`` / ``abort``) for servers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from twophase.backends.base import BackendConfig, KVCache, ModelSpec
+from twophase.backends.registry import Registry
+from twophase.config import Config, load_config
+from twophase.core.engine import Engine
+from twophase.core.kv_manager import KVManager
+from twophase.core.metrics import phase_report
+from twophase.core.params import SamplingParams
+from twophase.core.request import Request, RequestTimes
+from twophase.core.scheduler import Scheduler
+from twophase.errors import ConfigError, ModelError, RequestRejected
+from twophase.models import loader
+
+log = logging.getLogger(__name__)
+GiB = 1 << 30
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None          # "stop", "length", "abort" or "rejected"
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None            # why a rejected request was rejected
+    times: RequestTimes | None = None   # raw clock readings behind the metrics
+
+    @classmethod
+    def from_request(cls, r: Request) -> "RequestOutput":
+        t = r.times
+        return cls(r.request_id, r.prompt, r.prompt_token_ids, r.output_token_ids, r.text,
+                   r.finish_reason, r.logprobs,
+                   {"ttft_s": t.ttft, "tpot_s": t.tpot, "itl_s": t.itl, "e2e_s": t.e2e,
+                    "num_cached_tokens": r.num_cached_tokens, "num_preemptions": r.num_preemptions},
+                   times=t)
+
+
+class LLM:
+    def __init__(self, config: Config, registry: Registry | None = None):
+        t0 = time.perf_counter()
+        self.config = config
+        self.registry = registry or Registry()
+        mc, bc = config.model, config.backend
+        backend_cls = self.registry.get(bc.name)
+        backend_cls.check_available(bc.device)
+        self.model = loader.resolve(mc, bc.device)
+        arch = self.model.arch
+        self.max_model_len = min(mc.max_model_len or arch.max_position_embeddings,
+                                 arch.max_position_embeddings)
+        self._check_fits(bc.device)
+        spec = ModelSpec(arch.to_dict(), self.model.weights, self.model.dtype, self.model.model_id, mc.seed)
+        self.backend = backend_cls()
+        self.backend.load(spec, BackendConfig(bc.name, bc.device, dict(bc.options)))
+        self.kv_cache = self._allocate_pool(bc.device)
+        self.backend.bind_kv_cache(self.kv_cache)
+        self.engine = self._build_engine()
+        self.load_time_s = time.perf_counter() - t0
+        log.info("loaded %s on %s/%s in %.2f s (%d KV blocks of %d tokens)", self.model.model_id,
+                 bc.name, bc.device, self.load_time_s, self.num_blocks, config.cache.block_size)
+
+    @classmethod
+    def from_config(cls, source: str | Path | dict[str, Any]) -> "LLM":
+        return cls(load_config(source))
+
+    @property
+    def tokenizer(self):
+        return self.model.tokenizer
+
+    # -- setup ------------------------------------------------------------------------------
+    def _check_fits(self, device: str) -> None:
+        need = loader.weight_bytes(self.model.arch, self.model.dtype)
+        have = loader.available_memory(device)
+        if need > 0.9 * have:
+            raise ModelError(
+                f"{self.model.model_id} needs {need / GiB:.1f} GiB for its weights in "
+                f"{str(self.model.dtype).removeprefix('torch.')} but {device} has "
+                f"{have / GiB:.1f} GiB available; choose a smaller shape, fewer layers "
+                f"(model.num_layers) or a smaller dtype")
+
+    def _allocate_pool(self, device: str) -> KVCache:
+        cc = self.config.cache
+        spec = self.backend.kv_cache_spec()
+        if cc.dtype != "auto":
+            spec = type(spec)(**{**spec.__dict__, "dtype": loader.DTYPES[cc.dtype]})
+        per_block = spec.bytes_per_block(cc.block_size)
+        if cc.num_blocks == "auto":
+            wanted = self.config.scheduler.max_num_seqs * -(-self.max_model_len // cc.block_size)
+            free = loader.available_memory(device)
+            if cc.memory_gb is not None:
+                budget = int(cc.memory_gb * GiB)
+            elif torch.device(device).type == "cuda":
+                budget = int(0.85 * free)
+            else:
+                budget = min(4 * GiB, free // 4)
+            num_blocks = max(1, min(wanted, budget // per_block))
+        else:
+            num_blocks = cc.num_blocks
+        total = (num_blocks + spec.scratch_blocks) * per_block
+        free = loader.available_memory(device)
+        if total > 0.9 * free:
+            raise ModelError(f"the KV pool of {num_blocks} blocks needs {total / GiB:.2f} GiB but "
+                             f"{device} has {free / GiB:.2f} GiB free; lower cache.num_blocks or "
+                             f"cache.memory_gb")
+        self.num_blocks = num_blocks
+        pool = torch.zeros(spec.num_layers, 2, num_blocks + spec.scratch_blocks, spec.num_kv_heads,
+                           cc.block_size, spec.head_dim, dtype=spec.dtype, device=spec.device)
+        return KVCache(pool, cc.block_size)
+
+    def _build_engine(self, clock=time.perf_counter) -> Engine:
+        sc, cc = self.config.scheduler, self.config.cache
+        caps = self.backend.capabilities()
+        on_cuda = torch.device(self.config.backend.device).type == "cuda"
+        budget = sc.max_num_batched_tokens or (
+            (4096 if on_cuda else 512) if sc.chunked_prefill else self.max_model_len)
+        max_seqs = min(sc.max_num_seqs, caps.max_num_seqs or sc.max_num_seqs)
+        if caps.max_num_tokens:
+            budget = min(budget, caps.max_num_tokens)
+        if sc.policy == "decode-first" and sc.chunked_prefill and budget <= max_seqs:
+            raise ConfigError("scheduler.max_num_batched_tokens",
+                              f"{budget} must exceed scheduler.max_num_seqs ({max_seqs})")
+        kv = KVManager(self.num_blocks, cc.block_size, cc.prefix_caching)
+        scheduler = Scheduler(kv, max_seqs, budget, sc.policy,
+                              sc.chunked_prefill and caps.chunked_prefill)
+        return Engine(self.backend, self.backend, kv, scheduler, self.tokenizer,
+                      self.max_model_len, self.model.arch.eos_token_ids, clock)
+
+    # -- generation -------------------------------------------------------------------------
+    def apply_chat_template(self, prompt: str) -> str:
+        if self.tokenizer is None:
+            raise RequestRejected("this model has no tokenizer, so no chat template")
+        return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+
+    def generate(self, prompts: str | list[int] | list[str | list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run prompts to completion; outputs come back in the prompts' order. A prompt that can
+        never be served comes back with ``finish_reason = "rejected"`` and the reason."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        outputs: list[RequestOutput | None] = [None] * len(prompts)
+        pending: dict[str, int] = {}
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                req = self.engine.add_request(prompt, p)
+                pending[req.request_id] = i
+            except RequestRejected as exc:
+                log.warning("prompt %d rejected: %s", i, exc)
+                outputs[i] = RequestOutput(f"rejected-{i}", prompt if isinstance(prompt, str) else None,
+                                           [] if isinstance(prompt, str) else list(prompt), [], "",
+                                           "rejected", error=str(exc))
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(pending), desc="generating", unit="req")
+        while self.engine.has_unfinished():
+            for d in self.engine.step():
+                if d.finished and d.request_id in pending:
+                    req = self.engine.release(d.request_id)
+                    outputs[pending.pop(d.request_id)] = RequestOutput.from_request(req)
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return outputs  # type: ignore[return-value]
+
+    def report(self, outputs: list[RequestOutput] = ()) -> dict[str, Any]:
+        """The phase report over every step since the last ``reset_stats``, with latencies of
+        ``outputs``."""
+        served = [o for o in outputs if o.times is not None]
+        rep = phase_report(list(self.engine.steps.records), [o.times for o in served],
+                           sum(len(o.token_ids) for o in served))
+        rep["prefix_cache_hit_rate"] = self.engine.kv.hit_rate
+        rep["kv_blocks_total"] = self.num_blocks
+        rep["load_time_s"] = self.load_time_s
+        rep["backend"] = {"prefill": self.config.backend.name, "decode": self.config.backend.name,
+                          "device": self.config.backend.device}
+        return rep
+
+    def reset_stats(self) -> None:
+        self.engine.steps.clear()
+        self.engine.kv.queries = self.engine.kv.hits = 0

