@@ -110,7 +110,7 @@ class LLM:
             elif torch.device(device).type == "cuda":
                 budget = int(0.85 * free)
             else:
-                budget = min(4 * GiB, free // 4)
+                budget = min(2 * GiB, free // 4)
             num_blocks = max(1, min(wanted, budget // per_block))
         else:
             num_blocks = cc.num_blocks
@@ -121,9 +121,9 @@ class LLM:
                              f"{device} has {free / GiB:.2f} GiB free; lower cache.num_blocks or "
                              f"cache.memory_gb")
         self.num_blocks = num_blocks
-        pool = torch.zeros(spec.num_layers, 2, num_blocks + spec.scratch_blocks, spec.num_kv_heads,
-                           cc.block_size, spec.head_dim, dtype=spec.dtype, device=spec.device)
-        return KVCache(pool, cc.block_size)
+        shape = (spec.num_layers, 2, num_blocks + spec.scratch_blocks, spec.num_kv_heads,
+                 cc.block_size, spec.head_dim)
+        return KVCache(zeros(shape, spec.dtype, spec.device), cc.block_size)
 
     def _build_engine(self, clock=time.perf_counter) -> Engine:
         sc, cc = self.config.scheduler, self.config.cache
@@ -202,3 +202,16 @@ class LLM:
     def reset_stats(self) -> None:
         self.engine.steps.clear()
         self.engine.kv.queries = self.engine.kv.hits = 0
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled tensor. On the CPU it comes from calloc'd memory (numpy), which the OS
+    zeroes page by page on first touch, so a GiB-sized pool costs nothing until used."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import math
+
+    import numpy as np
+
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)

@@ -1,0 +1,3 @@
+from twophase.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,94 @@
+"""``twophase``: run a config, list backends. User mistakes end in one message, not a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from twophase.errors import ConfigError, TwophaseError
+
+log = logging.getLogger("twophase")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="twophase", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a config's workload and print completions and a phase report")
+    run.add_argument("config", help="TOML file")
+    run.add_argument("--json", metavar="FILE", help="write completions, report and steps as JSON")
+    run.add_argument("--quiet", action="store_true", help="report only, no completions")
+    sub.add_parser("backends", help="list registered backends and whether they can run here")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "run":
+            return cmd_run(args)
+        return cmd_backends()
+    except ConfigError as exc:
+        print(f"twophase: config error: {exc}", file=sys.stderr)
+        return 2
+    except TwophaseError as exc:
+        print(f"twophase: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def cmd_run(args) -> int:
+    from rich.console import Console
+
+    from twophase import workload
+    from twophase.config import load_config
+    from twophase.core.metrics import step_dicts
+    from twophase.llm import LLM
+    from twophase.report import phase_table
+
+    cfg = load_config(args.config)
+    llm = LLM(cfg)
+    items = workload.build(cfg, llm.tokenizer, llm.model.arch.vocab_size)
+    outputs = llm.generate([p for p, _ in items], [s for _, s in items], use_tqdm=True)
+    console = Console()
+    if not args.quiet:
+        for i, o in enumerate(outputs):
+            shown = o.text if llm.tokenizer is not None else str(o.token_ids)
+            if o.finish_reason == "rejected":
+                console.print(f"[bold red]#{i} rejected:[/] {o.error}")
+            else:
+                console.print(f"[bold]#{i}[/] [dim]({o.finish_reason}, {len(o.token_ids)} tokens)[/] {shown}",
+                              markup=True, highlight=False)
+    report = llm.report(outputs)
+    console.print(phase_table(report))
+    if args.json:
+        data = {"config": str(Path(args.config).resolve()), "report": report,
+                "outputs": [{k: v for k, v in o.__dict__.items() if k != "times"} for o in outputs],
+                "steps": step_dicts(list(llm.engine.steps.records))}
+        Path(args.json).write_text(json.dumps(data, indent=2, default=str))
+        log.info("wrote %s", args.json)
+    return 0
+
+
+def cmd_backends() -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from twophase.backends.registry import Registry
+
+    reg = Registry()
+    table = Table(title="twophase backends")
+    for col in ("name", "source", "cpu", "cuda"):
+        table.add_column(col)
+    for name, info in sorted(reg.backends.items()):
+        cells = []
+        for device in ("cpu", "cuda"):
+            why = reg.availability(name, device)
+            cells.append("[green]yes[/]" if why is None else f"[red]no[/]: {why}")
+        table.add_row(name, info.source, *cells)
+    for info in reg.failures:
+        table.add_row(info.name, info.source, f"[red]failed to load[/]: {info.error}", "")
+    Console().print(table)
+    return 0

@@ -1,0 +1,73 @@
+"""The prompts of a run, from ``[workload]``: inline, a JSONL file, or synthetic lengths."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict
+
+from twophase.config import Config
+from twophase.core.params import SamplingParams
+from twophase.errors import ConfigError
+
+DEFAULT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in one sentence why the sky is blue.",
+]
+
+
+def sampling_params(cfg: Config, **overrides) -> SamplingParams:
+    try:
+        return SamplingParams(**{**asdict(cfg.sampling), **overrides})
+    except (TypeError, ValueError) as exc:
+        raise ConfigError("sampling", str(exc)) from None
+
+
+def build(cfg: Config, tokenizer, vocab_size: int) -> list[tuple[str | list[int], SamplingParams]]:
+    w = cfg.workload
+    base = sampling_params(cfg)
+    items: list[tuple[str | list[int], SamplingParams]] = []
+    chat = (lambda p: tokenizer.apply_chat_template([{"role": "user", "content": p}])) \
+        if w.chat and tokenizer is not None else (lambda p: p)
+    items += [(chat(p), base) for p in w.prompts]
+    if w.jsonl:
+        items += _jsonl(cfg, chat)
+    if w.synthetic is not None:
+        s = w.synthetic
+        rng = random.Random(s.seed)
+        for _ in range(s.num_requests):
+            n = rng.randint(*s.input_len)
+            ids = [rng.randrange(3, vocab_size) for _ in range(n)]
+            items.append((ids, sampling_params(cfg, max_tokens=rng.randint(*s.output_len),
+                                               ignore_eos=True)))
+    if not items:
+        if tokenizer is None:
+            raise ConfigError("workload", "this model has no tokenizer: give workload.synthetic "
+                                          "or a JSONL file of prompt_token_ids")
+        items = [(chat(p), base) for p in DEFAULT_PROMPTS]
+    return items
+
+
+def _jsonl(cfg: Config, chat) -> list[tuple[str | list[int], SamplingParams]]:
+    path = cfg.resolve(cfg.workload.jsonl)
+    if not path.is_file():
+        raise ConfigError("workload.jsonl", f"file {str(path)!r} not found")
+    out = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"workload.jsonl ({path.name}:{lineno})"
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(where, f"not JSON: {exc}") from None
+        if not isinstance(rec, dict) or ("prompt" in rec) == ("prompt_token_ids" in rec):
+            raise ConfigError(where, "each line needs exactly one of 'prompt' or 'prompt_token_ids'")
+        prompt = chat(rec.pop("prompt")) if "prompt" in rec else rec.pop("prompt_token_ids")
+        try:
+            params = sampling_params(cfg, **rec)
+        except ConfigError as exc:
+            raise ConfigError(where, str(exc).removeprefix("sampling: ")) from None
+        out.append((prompt, params))
+    return out
