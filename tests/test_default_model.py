@@ -1,0 +1,95 @@
+"""The default model against an independent reference: HF transformers loading the same GGUF
+with its own loader (so a conversion error on our side cannot hide)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import GREEDY_TOKENS, assert_greedy_match, top2_gaps
+from twophase import SamplingParams
+from twophase.models import hub
+
+pytestmark = pytest.mark.slow
+REF_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def hf():
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    gguf = hub.gguf_path(hub.DEFAULT_MODEL)
+    tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    return tok, model.eval()
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(hf, default_prompts):
+    """Reference greedy tokens and the top-2 logit gap at each step, per prompt."""
+    tok, model = hf
+    out = []
+    for prompt in default_prompts:
+        ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+        with torch.no_grad():
+            g = model.generate(ids, max_new_tokens=REF_TOKENS, do_sample=False, output_logits=True,
+                               return_dict_in_generate=True, pad_token_id=tok.eos_token_id)
+        tokens = g.sequences[0, ids.shape[1]:].tolist()
+        gaps = [top2_gaps(s[0]) for s in g.logits]
+        out.append((ids[0].tolist(), tokens, gaps))
+    return out
+
+
+def test_tokenizer_and_chat_template_match_hf(hf, default_llm):
+    tok, _ = hf
+    messages = [{"role": "user", "content": "Hello there, how are you? 123 ½"}]
+    ours = default_llm.tokenizer.apply_chat_template(messages)
+    assert ours == tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert default_llm.tokenizer.encode(ours) == tok(ours, add_special_tokens=False).input_ids
+
+
+def test_greedy_tokens_equal_hf(default_llm, default_prompts, hf_greedy):
+    params = SamplingParams(max_tokens=REF_TOKENS)
+    outs = default_llm.generate(default_prompts, params)
+    for prompt, o, (ref_prompt, ref, gaps) in zip(default_prompts, outs, hf_greedy):
+        assert o.prompt_token_ids == ref_prompt
+        ref_cut = ref[:-1] if ref and ref[-1] == 2 else ref     # HF keeps the EOS token
+        ours = [t for t in o.token_ids if t != 2]
+        assert_greedy_match(ours, ref_cut, gaps, repr(prompt[-30:]))
+
+
+def test_prompt_logits_close_to_hf(hf, default_llm, default_prompts):
+    """Last-token logits of a prompt within 1e-4 of the reference, relative to max |ref|."""
+    _, model = hf
+    prompt = default_llm.tokenizer.encode(default_prompts[0])
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt])).logits[0, -1]
+    from twophase.backends.base import PrefillBatch
+
+    eng = default_llm.engine
+    req = eng.add_request(prompt, SamplingParams(max_tokens=1))
+    sched = eng.scheduler.schedule()
+    (r, n), = sched.prefills
+    logits = default_llm.backend.prefill(eng._prefill_batch([(r, r.num_computed_tokens, n)]))[0]
+    eng.abort(req.request_id)
+    eng.release(req.request_id)
+    err = (logits - ref).abs().max() / ref.abs().max()
+    assert err < 1e-4, f"relative logit error {err:.2e}"
+
+
+def test_batched_chunked_and_prefix_cached_runs_give_the_same_tokens(default_llm, default_prompts):
+    """All prompts together, chunked by a small budget, then again with prefix-cache hits."""
+    params = SamplingParams(max_tokens=GREEDY_TOKENS)
+    alone = [default_llm.generate([p], params)[0].token_ids for p in default_prompts]
+    sched = default_llm.engine.scheduler
+    old_budget, sched.budget = sched.budget, 80
+    try:
+        together = default_llm.generate(default_prompts, params)
+        again = default_llm.generate(default_prompts, params)
+    finally:
+        sched.budget = old_budget
+    assert [o.token_ids for o in together] == alone
+    assert [o.token_ids for o in again] == alone
+    long = [o for o in again if len(o.prompt_token_ids) > 16]     # at least one full block
+    assert long and all(o.metrics["num_cached_tokens"] >= 16 for o in long)
