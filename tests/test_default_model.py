@@ -93,3 +93,13 @@ def test_batched_chunked_and_prefix_cached_runs_give_the_same_tokens(default_llm
     assert [o.token_ids for o in again] == alone
     long = [o for o in again if len(o.prompt_token_ids) > 16]     # at least one full block
     assert long and all(o.metrics["num_cached_tokens"] >= 16 for o in long)
+
+
+def test_stop_string_cuts_the_text(default_llm, default_prompts):
+    free = default_llm.generate([default_prompts[2]], SamplingParams(max_tokens=GREEDY_TOKENS))[0]
+    words = free.text.split()
+    stop = words[len(words) // 2]
+    out = default_llm.generate([default_prompts[2]],
+                               SamplingParams(max_tokens=GREEDY_TOKENS, stop=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == free.text[:free.text.index(stop)]

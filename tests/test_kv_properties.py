@@ -43,22 +43,24 @@ tokens = st.integers(1, VOCAB - 1)
 
 @st.composite
 def workloads(draw: st.DrawFn) -> Workload:
-    """Small pools (preemption), small budgets (chunking), and prompts drawn from a few shared
-    prefixes (prefix-cache hits, including on blocks of finished or preempted requests)."""
+    """Pools between the smallest request and the sum of all (preemption), small budgets
+    (chunking), and prompts drawn from a few shared prefixes (prefix-cache hits, including on
+    blocks of finished or preempted requests)."""
     bs = draw(st.sampled_from([1, 2, 4, 16]))
     max_seqs = draw(st.integers(1, 6))
-    budget = draw(st.integers(max_seqs + 1, 80))
-    pool_tokens = draw(st.integers(8, 200))
     prefixes = draw(st.lists(st.lists(tokens, max_size=40), min_size=1, max_size=3))
     jobs = []
     for _ in range(draw(st.integers(1, 8))):
         prompt = draw(st.sampled_from(prefixes)) + draw(st.lists(tokens, min_size=1, max_size=20))
         abort = draw(st.integers(0, 160))
-        jobs.append(Job(prompt, draw(st.integers(1, 24)), draw(st.integers(0, 20)),
+        jobs.append(Job(prompt, draw(st.integers(1, 24)), draw(st.integers(0, 12)),
                         abort if abort < 40 else None))
-    return Workload(bs, -(-pool_tokens // bs), max_seqs, budget,
+    sizes = [len(j.prompt) + j.max_tokens for j in jobs]
+    pool_tokens = draw(st.integers(min(sizes), sum(sizes)))
+    return Workload(bs, -(-pool_tokens // bs), max_seqs, draw(st.integers(max_seqs + 1, 80)),
                     draw(st.sampled_from(["decode-first", "prefill-first"])),
-                    draw(st.booleans()), draw(st.booleans()), draw(st.integers(8, 100)), jobs)
+                    draw(st.booleans()), draw(st.booleans()), draw(st.integers(min(sizes), 128)),
+                    jobs)
 
 
 def check_pool(eng: Engine) -> None:
@@ -130,7 +132,7 @@ def run_workload(w: Workload) -> None:
     reqs = [eng.requests[rid] for rid in accepted]
     event(f"preempted: {eng.scheduler.num_preemptions > 0}")
     event(f"prefix-cache hit: {any(r.num_cached_tokens for r in reqs)}")
-    event(f"chunked a prompt: {any(n < len(j.prompt) for c in eng.prefill_backend.calls for n in c.query_lens for j in [w.jobs[0]]) and w.chunked_prefill}")
+    event(f"prompt longer than budget: {any(r.num_prompt_tokens > w.budget for r in reqs)}")
     event(f"rejected: {len(accepted) < len(w.jobs)}, aborted: {bool(aborted)}")
     for call in eng.prefill_backend.calls:
         assert call.num_tokens <= w.budget, f"{call} exceeds max_num_batched_tokens {w.budget}"

@@ -1,0 +1,131 @@
+"""Engine behaviour on the tiny random shape through the real torch backend."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from conftest import assert_greedy_match, tiny_llm
+from twophase import SamplingParams
+
+
+def _gaps(out) -> list[float]:
+    """Top-2 logit gaps from logprobs=2 (log-softmax keeps differences of logits)."""
+    gaps = []
+    for lp in out.logprobs:
+        top = sorted(lp.values(), reverse=True)
+        gaps.append(top[0] - top[1])
+    return gaps
+
+
+def test_batch_with_preemption_and_chunking_gives_each_request_its_alone_tokens():
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(1, 70))] for _ in range(32)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=2)
+    llm = tiny_llm(cache={"num_blocks": 40, "block_size": 4},
+                   scheduler={"max_num_batched_tokens": 48, "max_num_seqs": 16})
+    alone = [llm.generate([p], params)[0] for p in prompts]
+    llm.reset_stats()
+    together = llm.generate(prompts, params)
+    rep = llm.report(together)
+    assert rep["preemptions"] > 0, "the pool was meant to be small enough to force preemption"
+    assert rep["steps_by_mix"].get("mixed"), "decodes were meant to ride along prefill chunks"
+    assert any(o.metrics["num_preemptions"] for o in together)
+    for i, (a, t) in enumerate(zip(alone, together)):
+        assert_greedy_match(t.token_ids, a.token_ids, _gaps(a), f"prompt {i}")
+    assert llm.engine.kv.num_free_blocks == llm.num_blocks
+
+
+def test_prefix_cache_hits_give_the_same_tokens_as_misses():
+    prefix = list(range(10, 60))
+    prompts = [prefix + [100 + i] for i in range(4)]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    cold = tiny_llm(cache={"prefix_caching": False}).generate(prompts, params)
+    llm = tiny_llm()
+    warm = [llm.generate([p], params)[0] for p in prompts]
+    assert [o.token_ids for o in warm] == [o.token_ids for o in cold]
+    assert all(o.metrics["num_cached_tokens"] == 48 for o in warm[1:])
+    assert llm.engine.kv.hit_rate > 0
+
+
+def test_policies_and_unchunked_prefill_agree():
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(5, 90))] for _ in range(8)]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    base = [o.token_ids for o in tiny_llm().generate(prompts, params)]
+    for sched in ({"policy": "prefill-first"}, {"chunked_prefill": False},
+                  {"max_num_batched_tokens": 17, "max_num_seqs": 4}):
+        assert [o.token_ids for o in tiny_llm(scheduler=sched).generate(prompts, params)] == base, sched
+
+
+def test_seeded_sampling_is_reproducible_and_seeds_differ():
+    llm = tiny_llm()
+    p = [5, 6, 7]
+    a = llm.generate([p, p], [SamplingParams(max_tokens=16, temperature=1.0, seed=1, ignore_eos=True)] * 2)
+    b = llm.generate([p], SamplingParams(max_tokens=16, temperature=1.0, seed=1, ignore_eos=True))
+    c = llm.generate([p], SamplingParams(max_tokens=16, temperature=1.0, seed=2, ignore_eos=True))
+    assert a[0].token_ids == a[1].token_ids == b[0].token_ids
+    assert c[0].token_ids != b[0].token_ids
+
+
+def test_top_k_1_and_tiny_top_p_equal_greedy():
+    llm = tiny_llm()
+    p = [9, 8, 7, 6]
+    greedy = llm.generate([p], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
+    for kw in ({"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}):
+        out = llm.generate([p], SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8,
+                                               seed=3, **kw))[0]
+        assert out.token_ids == greedy, kw
+
+
+def test_penalties_change_greedy_output():
+    llm = tiny_llm()
+    p = [9, 8, 7, 6]
+    base = llm.generate([p], SamplingParams(max_tokens=24, ignore_eos=True))[0].token_ids
+    pen = llm.generate([p], SamplingParams(max_tokens=24, ignore_eos=True,
+                                           frequency_penalty=2.0, presence_penalty=2.0))[0].token_ids
+    assert pen != base
+    assert len(set(pen)) >= len(set(base))
+
+
+def test_stop_token_ids_min_tokens_and_max_tokens():
+    llm = tiny_llm()
+    p = [11, 12, 13]
+    free = llm.generate([p], SamplingParams(max_tokens=20, ignore_eos=True))[0]
+    stop_at = free.token_ids[5]
+    first = free.token_ids.index(stop_at)
+    out = llm.generate([p], SamplingParams(max_tokens=20, stop_token_ids=[stop_at]))[0]
+    assert out.finish_reason == "stop" and out.token_ids == free.token_ids[:first + 1]
+    late = llm.generate([p], SamplingParams(max_tokens=20, min_tokens=20, stop_token_ids=[stop_at]))[0]
+    assert late.finish_reason == "length" and len(late.token_ids) == 20
+    assert stop_at not in late.token_ids
+
+
+def test_logprobs_are_normalised_and_include_the_sampled_token():
+    llm = tiny_llm()
+    out = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=5, logprobs=3, ignore_eos=True))[0]
+    assert len(out.logprobs) == 5
+    for tok, lp in zip(out.token_ids, out.logprobs):
+        assert tok in lp and len(lp) == 3          # greedy: the sampled token is the top one
+        assert max(lp.values()) == pytest.approx(lp[tok])
+        assert all(v <= 0 for v in lp.values())
+
+
+def test_incremental_api_streams_deltas_and_abort_frees_blocks():
+    llm = tiny_llm()
+    eng = llm.engine
+    a = eng.add_request([5, 6, 7] * 10, SamplingParams(max_tokens=50, ignore_eos=True))
+    b = eng.add_request("hello", SamplingParams(max_tokens=4, ignore_eos=True))
+    seen: dict[str, list[int]] = {a.request_id: [], b.request_id: []}
+    for _ in range(3):
+        for d in eng.step():
+            seen[d.request_id] += d.token_ids
+    assert seen[a.request_id] and eng.kv.num_used_blocks > 0
+    assert eng.abort(a.request_id)
+    while eng.has_unfinished():
+        for d in eng.step():
+            seen[d.request_id] += d.token_ids
+    assert a.finish_reason == "abort" and b.finish_reason == "length"
+    assert seen[b.request_id] == b.output_token_ids and len(seen[b.request_id]) == 4
+    assert eng.kv.num_free_blocks == llm.num_blocks
