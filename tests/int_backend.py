@@ -59,6 +59,7 @@ class Call:
     num_tokens: int
     num_seqs: int
     query_lens: list[int] = field(default_factory=list)
+    start_positions: list[int] = field(default_factory=list)
 
 
 class IntBackend(Backend):
@@ -83,16 +84,22 @@ class IntBackend(Backend):
 
     def prefill(self, batch: PrefillBatch) -> torch.Tensor:
         assert batch.logits == "last", "the engine only asks for last-token logits"
-        self.calls.append(Call("prefill", batch.num_tokens, batch.num_seqs, list(batch.query_lens)))
+        self.calls.append(Call("prefill", batch.num_tokens, batch.num_seqs, list(batch.query_lens),
+                               list(batch.start_positions)))
+        starts, lens = batch.start_positions, batch.query_lens
+        assert all(n >= 1 for n in lens), f"an empty chunk has no last token: query_lens {lens}"
         ctx = batch.context_lens.tolist()
-        assert ctx == [s + n for s, n in zip(batch.start_positions, batch.query_lens)], (
-            f"context_lens {ctx} != start_positions + query_lens")
+        assert ctx == [s + n for s, n in zip(starts, lens)], (
+            f"context_lens {ctx} != start_positions {starts} + query_lens {lens}")
+        assert batch.positions.tolist() == [p for s, n in zip(starts, lens)
+                                            for p in range(s, s + n)], "positions != chunks"
         return self._run(batch.token_ids, batch.positions, batch.slot_mapping,
                          batch.block_tables, ctx)
 
     def decode(self, batch: DecodeBatch) -> torch.Tensor:
-        self.calls.append(Call("decode", batch.num_seqs, batch.num_seqs, [1] * batch.num_seqs))
         ctx = batch.context_lens.tolist()
+        self.calls.append(Call("decode", batch.num_seqs, batch.num_seqs, [1] * batch.num_seqs,
+                               [n - 1 for n in ctx]))
         assert batch.positions.tolist() == [n - 1 for n in ctx], "decode position != context - 1"
         return self._run(batch.token_ids, batch.positions, batch.slot_mapping,
                          batch.block_tables, ctx)

@@ -141,7 +141,8 @@ class LLM:
         scheduler = Scheduler(kv, max_seqs, budget, sc.policy,
                               sc.chunked_prefill and caps.chunked_prefill)
         return Engine(self.backend, self.backend, kv, scheduler, self.tokenizer,
-                      self.max_model_len, self.model.arch.eos_token_ids, clock)
+                      self.max_model_len, self.model.arch.eos_token_ids, clock,
+                      vocab_size=self.model.arch.vocab_size)
 
     # -- generation -------------------------------------------------------------------------
     def apply_chat_template(self, prompt: str) -> str:

@@ -42,7 +42,8 @@ class Delta:
 class Engine:
     def __init__(self, prefill_backend: Backend, decode_backend: Backend, kv: KVManager,
                  scheduler: Scheduler, tokenizer: Tokenizer | None, max_model_len: int,
-                 eos_token_ids: tuple[int, ...] = (), clock: Callable[[], float] = time.perf_counter):
+                 eos_token_ids: tuple[int, ...] = (), clock: Callable[[], float] = time.perf_counter,
+                 vocab_size: int | None = None):
         self.prefill_backend = prefill_backend
         self.decode_backend = decode_backend
         self.one_call = (prefill_backend is decode_backend
@@ -51,6 +52,7 @@ class Engine:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.clock = clock
         self.requests: dict[str, Request] = {}
@@ -84,6 +86,10 @@ class Engine:
     def _check_admissible(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
             raise RequestRejected("the prompt is empty")
+        vocab = self.vocab_size or float("inf")
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestRejected(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         total = len(ids) + params.max_tokens
         if total > self.max_model_len:
             raise RequestRejected(
