@@ -44,11 +44,13 @@ def cmd_run(args) -> int:
 
     from twophase import workload
     from twophase.config import load_config
+
+    cfg = load_config(args.config)          # before torch is imported: config errors come at once
+    workload.validate(cfg)
     from twophase.core.metrics import step_dicts
     from twophase.llm import LLM
     from twophase.report import phase_table
 
-    cfg = load_config(args.config)
     llm = LLM(cfg)
     items = workload.build(cfg, llm.tokenizer, llm.model.arch.vocab_size)
     outputs = llm.generate([p for p, _ in items], [s for _, s in items], use_tqdm=True)

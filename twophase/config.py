@@ -19,7 +19,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from twophase.errors import ConfigError
+from twophase.errors import ConfigError, InvalidSamplingParam
 
 
 @dataclass
@@ -117,7 +117,9 @@ def load_config(source: str | Path | dict[str, Any]) -> Config:
         if not path.is_file():
             raise ConfigError("", f"config file {str(path)!r} not found")
         try:
-            data = tomllib.loads(path.read_text())
+            data = tomllib.loads(path.read_text(encoding="utf-8-sig"))
+        except UnicodeDecodeError as exc:
+            raise ConfigError("", f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError("", f"{path}: TOML syntax error: {exc}") from None
         cfg = _build(Config, data, "")
@@ -143,12 +145,18 @@ def _check(cfg: Config) -> None:
         raise ConfigError("scheduler.max_num_batched_tokens",
                           f"must exceed scheduler.max_num_seqs ({s.max_num_seqs}) under "
                           f"decode-first, so running decodes always leave budget for prefill")
-    if cfg.sampling.temperature < 0:
-        raise ConfigError("sampling.temperature", "must be >= 0")
-    if not 0 < cfg.sampling.top_p <= 1:
-        raise ConfigError("sampling.top_p", "must be in (0, 1]")
+    if c.memory_gb is not None and c.memory_gb <= 0:
+        raise ConfigError("cache.memory_gb", f"must be a positive number of GiB, got {c.memory_gb}")
+    from twophase.core.params import SamplingParams
+
+    try:
+        SamplingParams(**dataclasses.asdict(cfg.sampling))
+    except InvalidSamplingParam as exc:
+        raise ConfigError(f"sampling.{exc.name}", exc.message) from None
     syn = cfg.workload.synthetic
     if syn is not None:
+        if syn.num_requests < 1:
+            raise ConfigError("workload.synthetic.num_requests", f"must be at least 1, got {syn.num_requests}")
         for key in ("input_len", "output_len"):
             v = getattr(syn, key)
             if len(v) != 2 or not 1 <= v[0] <= v[1]:
@@ -174,12 +182,15 @@ def _value(tp: Any, v: Any, path: str):
     if origin in (Union, types.UnionType):
         if v is None and type(None) in args:
             return None
-        errors = []
-        for arg in (a for a in args if a is not type(None)):
+        options = [a for a in args if a is not type(None)]
+        tables = [a for a in options if dataclasses.is_dataclass(a)]
+        if isinstance(v, dict) and tables:       # a section: report what is wrong inside it
+            return _value(tables[0], v, path)
+        for arg in options:
             try:
                 return _value(arg, v, path)
-            except ConfigError as exc:
-                errors.append(exc)
+            except ConfigError:
+                pass
         allowed = " or ".join(_describe(a) for a in args if a is not type(None))
         raise ConfigError(path, f"expected {allowed}, got {_kind(v)} {v!r}")
     if origin is Literal:
@@ -190,7 +201,7 @@ def _value(tp: Any, v: Any, path: str):
         return _build(tp, v, path)
     if origin is list:
         if not isinstance(v, list):
-            raise ConfigError(path, f"expected a list of {_describe(args[0])}, got {_kind(v)}")
+            raise ConfigError(path, f"expected a list of {_describe(args[0], plural=True)}, got {_kind(v)}")
         return [_value(args[0], x, f"{path}[{i}]") for i, x in enumerate(v)]
     if origin is dict:
         if not isinstance(v, dict):
@@ -203,11 +214,16 @@ def _value(tp: Any, v: Any, path: str):
     raise ConfigError(path, f"expected {_describe(tp)}, got {_kind(v)} {v!r}")
 
 
-def _describe(tp: Any) -> str:
+_PLURAL = {int: "integers", float: "numbers", str: "strings", bool: "booleans"}
+
+
+def _describe(tp: Any, plural: bool = False) -> str:
     if typing.get_origin(tp) is Literal:
         return " or ".join(repr(a) for a in typing.get_args(tp))
     if typing.get_origin(tp) is list:
         return "a list"
+    if tp in _PLURAL and plural:
+        return _PLURAL[tp]
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
         tp, getattr(tp, "__name__", str(tp)))
 

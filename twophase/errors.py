@@ -23,3 +23,12 @@ class RequestRejected(TwophaseError):
 
 class ModelError(TwophaseError):
     """A model that cannot be found, fetched, converted or does not fit in memory."""
+
+
+class InvalidSamplingParam(TwophaseError, ValueError):
+    """A ``SamplingParams`` value out of range; ``name`` is the parameter."""
+
+    def __init__(self, name: str, message: str):
+        self.name = name
+        self.message = message
+        super().__init__(f"SamplingParams.{name} {message}")

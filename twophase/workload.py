@@ -8,7 +8,7 @@ from dataclasses import asdict
 
 from twophase.config import Config
 from twophase.core.params import SamplingParams
-from twophase.errors import ConfigError
+from twophase.errors import ConfigError, InvalidSamplingParam
 
 DEFAULT_PROMPTS = [
     "What is the capital of France?",
@@ -20,8 +20,8 @@ DEFAULT_PROMPTS = [
 def sampling_params(cfg: Config, **overrides) -> SamplingParams:
     try:
         return SamplingParams(**{**asdict(cfg.sampling), **overrides})
-    except (TypeError, ValueError) as exc:
-        raise ConfigError("sampling", str(exc)) from None
+    except InvalidSamplingParam as exc:
+        raise ConfigError(f"sampling.{exc.name}", exc.message) from None
 
 
 def build(cfg: Config, tokenizer, vocab_size: int) -> list[tuple[str | list[int], SamplingParams]]:
@@ -49,6 +49,12 @@ def build(cfg: Config, tokenizer, vocab_size: int) -> list[tuple[str | list[int]
     return items
 
 
+def validate(cfg: Config) -> None:
+    """Check the workload's files before the model loads, so a typo costs no load time."""
+    if cfg.workload.jsonl:
+        _jsonl(cfg, lambda p: p)
+
+
 def _jsonl(cfg: Config, chat) -> list[tuple[str | list[int], SamplingParams]]:
     path = cfg.resolve(cfg.workload.jsonl)
     if not path.is_file():
@@ -68,6 +74,6 @@ def _jsonl(cfg: Config, chat) -> list[tuple[str | list[int], SamplingParams]]:
         try:
             params = sampling_params(cfg, **rec)
         except ConfigError as exc:
-            raise ConfigError(where, str(exc).removeprefix("sampling: ")) from None
+            raise ConfigError(where, f"{exc.key.removeprefix('sampling.')} {str(exc).split(': ', 1)[1]}") from None
         out.append((prompt, params))
     return out

@@ -32,7 +32,11 @@ class TorchBackend(Backend):
 
     @classmethod
     def check_available(cls, device: str = "cpu") -> None:
-        kind = torch.device(device).type
+        try:
+            kind = torch.device(device).type
+        except RuntimeError:
+            raise BackendUnavailable(f"backend.device {device!r} is not a device name "
+                                     f"(use 'cpu', 'cuda' or 'cuda:N')") from None
         if kind == "cuda" and not torch.cuda.is_available():
             raise BackendUnavailable(
                 f"device {device!r}: torch {torch.__version__} sees no CUDA device "

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from twophase.errors import InvalidSamplingParam
+
 
 @dataclass
 class SamplingParams:
@@ -40,7 +42,7 @@ class SamplingParams:
         ]
         for ok, name, msg in checks:
             if not ok:
-                raise ValueError(f"SamplingParams.{name} {msg}, got {getattr(self, name)!r}")
+                raise InvalidSamplingParam(name, f"{msg}, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:
@@ -56,5 +58,7 @@ class SamplingParams:
         names = {f.name for f in fields(cls)}
         unknown = set(d) - names
         if unknown:
-            raise ValueError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
+            name = sorted(unknown)[0]
+            raise InvalidSamplingParam(name, f"is not a sampling parameter; allowed: "
+                                             f"{', '.join(sorted(names))}")
         return cls(**d)

@@ -1,0 +1,491 @@
+"""Configuration checking and the ``twophase`` command line, seen the way a user meets them.
+
+``load_config`` is tested in-process (cheap): each bad config must raise ``ConfigError`` whose
+message names the key path and what is allowed. The CLI is tested as a user runs it
+(``python -m twophase`` in a subprocess): a user mistake ends with one readable line on stderr,
+a meaningful exit status and no traceback. The subprocesses are started together by one
+module-scoped fixture (each costs ~2 s of interpreter and torch start-up) and every test waits
+only for its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from twophase import LLM, SamplingParams
+from twophase.config import (BackendSection, CacheConfig, ModelConfig, SamplingConfig,
+                             SchedulerConfig, WorkloadConfig, load_config)
+from twophase.errors import ConfigError, TwophaseError
+
+TINY = {"name": "tiny", "weights": "random"}
+TINY_TOML = '[model]\nname = "tiny"\nweights = "random"\n'
+TINY_RUN_TOML = TINY_TOML + """
+[cache]
+num_blocks = 64
+
+[workload.synthetic]
+num_requests = 3
+input_len = [4, 12]
+output_len = [2, 6]
+"""
+
+
+def config_error(source) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        load_config(source)
+    return info.value
+
+
+def write(tmp_path: Path, text: str, name: str = "c.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# -- load_config: TOML files -----------------------------------------------------------------
+
+def test_toml_syntax_error_names_the_file(tmp_path):
+    path = write(tmp_path, '[model\nname = "tiny"\n')
+    err = config_error(path)
+    msg = str(err)
+    assert "TOML syntax error" in msg
+    assert str(path) in msg
+    assert "line 1" in msg
+
+
+def test_missing_config_file(tmp_path):
+    missing = tmp_path / "nope.toml"
+    msg = str(config_error(missing))
+    assert str(missing) in msg and "not found" in msg
+
+
+@pytest.mark.parametrize("text, key, allowed", [
+    ('[model]\nnam = "tiny"\n', "model.nam",
+     ["name", "path", "weights", "dtype", "num_layers", "max_model_len", "seed"]),
+    (TINY_TOML + "[scheduler]\nfoo = 1\n", "scheduler.foo",
+     ["policy", "max_num_seqs", "max_num_batched_tokens", "chunked_prefill"]),
+    ('[modle]\nname = "tiny"\n', "modle",
+     ["model", "backend", "scheduler", "cache", "sampling", "workload"]),
+    (TINY_TOML + "[cache]\nblock_sise = 16\n", "cache.block_sise",
+     ["block_size", "num_blocks", "memory_gb", "prefix_caching", "dtype"]),
+], ids=["model.nam", "scheduler.foo", "top-level-modle", "cache.block_sise"])
+def test_unknown_key_lists_allowed_keys(tmp_path, text, key, allowed):
+    err = config_error(write(tmp_path, text))
+    msg = str(err)
+    assert err.key == key
+    assert msg.startswith(f"{key}: unknown key")
+    listed = msg.split("allowed keys here:", 1)[1]
+    assert [k.strip() for k in listed.split(",")] == allowed
+
+
+def test_internal_field_is_not_a_key(tmp_path):
+    # base_dir is set from the file's location, never from the file itself
+    err = config_error(write(tmp_path, 'base_dir = "/etc"\n' + TINY_TOML))
+    assert err.key == "base_dir"
+    assert "base_dir" not in str(err).split("allowed keys here:", 1)[1]
+
+
+@pytest.mark.parametrize("text, key, expected, got", [
+    (TINY_TOML + '[scheduler]\nmax_num_seqs = "8"\n', "scheduler.max_num_seqs",
+     "expected an integer", "got a string '8'"),
+    (TINY_TOML + "[cache]\nblock_size = true\n", "cache.block_size",
+     "expected an integer", "got a boolean True"),
+    (TINY_TOML + "[scheduler]\nmax_num_seqs = 8.5\n", "scheduler.max_num_seqs",
+     "expected an integer", "got a number 8.5"),
+    (TINY_TOML + '[cache]\nnum_blocks = "many"\n', "cache.num_blocks",
+     "expected an integer or 'auto'", "got a string 'many'"),
+    (TINY_TOML + "[cache]\nnum_blocks = true\n", "cache.num_blocks",
+     "expected an integer or 'auto'", "got a boolean True"),
+    (TINY_TOML + "[sampling]\ntemperature = true\n", "sampling.temperature",
+     "expected a number", "got a boolean True"),
+    (TINY_TOML + '[sampling]\nstop = "END"\n', "sampling.stop",
+     "expected a list", "got a string"),
+    (TINY_TOML + '[sampling]\nstop_token_ids = [1, "a"]\n', "sampling.stop_token_ids[1]",
+     "expected an integer", "got a string 'a'"),
+    (TINY_TOML + "[scheduler]\nchunked_prefill = 1\n", "scheduler.chunked_prefill",
+     "expected true or false", "got an integer 1"),
+], ids=["str-for-int", "bool-for-int", "float-for-int", "str-for-int-or-auto",
+        "bool-for-int-or-auto", "bool-for-float", "str-for-list", "list-item", "int-for-bool"])
+def test_wrong_type_names_key_and_expected_type(tmp_path, text, key, expected, got):
+    err = config_error(write(tmp_path, text))
+    assert err.key == key
+    assert str(err).startswith(f"{key}: {expected}")
+    assert got in str(err)
+
+
+@pytest.mark.parametrize("text, message", [
+    ('[[model]]\nname = "tiny"\n', "model: must be a table, got a list"),   # array of tables
+    ('model = ["tiny"]\n', "model: must be a table, got a list"),
+    ('model = "tiny"\n', "model: must be a table, got a string"),
+    (TINY_TOML + "[backend]\noptions = [1, 2]\n", "backend.options: expected a table, got a list"),
+])
+def test_non_table_for_a_table(tmp_path, text, message):
+    err = config_error(write(tmp_path, text))
+    assert str(err) == message
+    assert err.key == message.split(":")[0]
+
+
+@pytest.mark.parametrize("section, key, value, allowed", [
+    ("scheduler", "policy", "fifo", "'decode-first', 'prefill-first'"),
+    ("model", "weights", "randon", "'pretrained', 'random'"),
+    ("model", "dtype", "fp16", "'auto', 'float32', 'bfloat16', 'float16'"),
+    ("cache", "dtype", "int8", "'auto', 'float32', 'bfloat16', 'float16'"),
+])
+def test_value_outside_literal_lists_allowed_values(section, key, value, allowed):
+    cfg = {"model": dict(TINY)}
+    cfg.setdefault(section, {})[key] = value
+    err = config_error(cfg)
+    assert err.key == f"{section}.{key}"
+    assert str(err) == f"{section}.{key}: must be one of {allowed}; got {value!r}"
+
+
+@pytest.mark.parametrize("section, key, value", [
+    ("cache", "block_size", 0),
+    ("cache", "num_blocks", 0),
+    ("scheduler", "max_num_seqs", -1),
+    ("scheduler", "max_num_batched_tokens", 0),
+    ("model", "num_layers", 0),
+    ("model", "max_model_len", -5),
+    ("sampling", "max_tokens", 0),
+])
+def test_non_positive_integers(section, key, value):
+    err = config_error({"model": dict(TINY), section: {key: value}})
+    assert err.key == f"{section}.{key}"
+    assert str(err) == f"{section}.{key}: must be a positive integer, got {value}"
+
+
+def test_non_positive_block_size_from_toml(tmp_path):
+    err = config_error(write(tmp_path, TINY_TOML + "[cache]\nblock_size = 0\n"))
+    assert str(err) == "cache.block_size: must be a positive integer, got 0"
+
+
+def test_batched_tokens_must_exceed_max_num_seqs_under_decode_first():
+    for tokens in (64, 10):
+        err = config_error({"model": dict(TINY),
+                            "scheduler": {"max_num_seqs": 64, "max_num_batched_tokens": tokens}})
+        assert err.key == "scheduler.max_num_batched_tokens"
+        assert "must exceed scheduler.max_num_seqs (64)" in str(err)
+        assert "decode-first" in str(err)
+    # one more token is enough; prefill-first and unchunked prefill do not need the margin
+    load_config({"model": dict(TINY), "scheduler": {"max_num_seqs": 64, "max_num_batched_tokens": 65}})
+    load_config({"model": dict(TINY), "scheduler": {"max_num_seqs": 64, "max_num_batched_tokens": 64,
+                                                    "policy": "prefill-first"}})
+    load_config({"model": dict(TINY), "scheduler": {"max_num_seqs": 64, "max_num_batched_tokens": 64,
+                                                    "chunked_prefill": False}})
+
+
+@pytest.mark.parametrize("key, value", [
+    ("input_len", [0, 8]),
+    ("input_len", [9, 8]),
+    ("input_len", [8]),
+    ("input_len", [1, 2, 3]),
+    ("output_len", [4, 2]),
+])
+def test_bad_synthetic_lengths(key, value):
+    err = config_error({"model": dict(TINY), "workload": {"synthetic": {key: value}}})
+    assert err.key == f"workload.synthetic.{key}"
+    assert str(err) == (f"workload.synthetic.{key}: must be [min, max] with 1 <= min <= max, "
+                        f"got {value}")
+
+
+@pytest.mark.parametrize("section, key, value, text", [
+    ("sampling", "temperature", -0.5, "must be >= 0"),
+    ("sampling", "top_p", 0.0, "must be in (0, 1]"),
+    ("sampling", "top_p", 1.5, "must be in (0, 1]"),
+])
+def test_sampling_ranges(section, key, value, text):
+    err = config_error({"model": dict(TINY), section: {key: value}})
+    assert str(err) == f"{section}.{key}: {text}, got {value!r}"
+
+
+def test_only_model_section_gets_every_default(tmp_path):
+    path = write(tmp_path, TINY_TOML)
+    cfg = load_config(path)
+    assert cfg.model == ModelConfig(name="tiny", weights="random")
+    assert cfg.backend == BackendSection()
+    assert cfg.scheduler == SchedulerConfig()
+    assert cfg.cache == CacheConfig()
+    assert cfg.sampling == SamplingConfig()
+    assert cfg.workload == WorkloadConfig()
+    assert cfg.workload.synthetic is None
+    assert (cfg.backend.name, cfg.backend.device) == ("torch", "cpu")
+    assert cfg.scheduler.policy == "decode-first" and cfg.cache.num_blocks == "auto"
+    # paths in the config are relative to the config file's folder
+    assert cfg.base_dir == tmp_path.resolve()
+    assert cfg.resolve("w.jsonl") == tmp_path.resolve() / "w.jsonl"
+    # the same from a dict
+    assert load_config({"model": dict(TINY)}).cache == CacheConfig()
+    # and it runs: an engine with an auto-sized pool that serves a prompt
+    llm = LLM(cfg)
+    assert llm.max_model_len == 2048 and llm.num_blocks >= 1
+    out, = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert out.finish_reason == "length" and len(out.token_ids) == 2
+
+
+def test_defaults_are_not_shared_between_configs():
+    a = load_config({"model": dict(TINY)})
+    a.sampling.stop.append("X")
+    a.backend.options["threads"] = 1
+    b = load_config({"model": dict(TINY)})
+    assert b.sampling.stop == [] and b.backend.options == {}
+
+
+# -- errors inside sections, file encodings and value ranges --------------------------------
+
+def test_unknown_key_inside_synthetic_is_named():
+    err = config_error({"model": dict(TINY), "workload": {"synthetic": {"num_request": 3}}})
+    assert err.key == "workload.synthetic.num_request"
+    assert "num_requests" in str(err).split("allowed keys here:", 1)[1]
+
+
+def test_wrong_type_inside_synthetic_is_named():
+    err = config_error({"model": dict(TINY), "workload": {"synthetic": {"num_requests": "3"}}})
+    assert err.key == "workload.synthetic.num_requests"
+
+
+def test_non_utf8_config_is_a_config_error(tmp_path):
+    path = tmp_path / "latin1.toml"
+    path.write_bytes(b'[model]\nname = "caf\xe9"\n')
+    assert str(path) in str(config_error(path))
+
+
+@pytest.mark.parametrize("n", [0, -2])
+def test_synthetic_num_requests_must_be_positive(n):
+    err = config_error({"model": dict(TINY), "workload": {"synthetic": {"num_requests": n}}})
+    assert err.key == "workload.synthetic.num_requests"
+
+
+def test_memory_gb_must_be_positive():
+    assert config_error({"model": dict(TINY), "cache": {"memory_gb": -1.0}}).key == "cache.memory_gb"
+
+
+def test_sampling_top_k_checked_by_load_config():
+    assert config_error({"model": dict(TINY), "sampling": {"top_k": -1}}).key == "sampling.top_k"
+
+
+def test_malformed_device_string_is_a_user_error():
+    with pytest.raises(TwophaseError, match="gpu"):
+        LLM.from_config({"model": dict(TINY), "backend": {"device": "gpu"}, "cache": {"num_blocks": 8}})
+
+
+# -- LLM.generate: a rejected request does not sink the others ------------------------------
+
+def test_rejected_prompt_among_good_ones():
+    llm = LLM.from_config({"model": {**TINY, "max_model_len": 64}, "cache": {"num_blocks": 64}})
+    assert llm.max_model_len == 64
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    too_long = list(range(3, 3 + 70))
+    prompts = [[5, 6, 7, 8], too_long, "hello", [9] * 60]   # 60 + 4 = 64 fits exactly
+    outs = llm.generate(prompts, params)
+    assert [o.finish_reason for o in outs] == ["length", "rejected", "length", "length"]
+    bad = outs[1]
+    assert "model.max_model_len" in bad.error
+    assert "prompt (70 tokens)" in bad.error and "context of 64 tokens" in bad.error
+    assert bad.token_ids == [] and bad.prompt_token_ids == too_long and bad.times is None
+    for i in (0, 2, 3):
+        assert len(outs[i].token_ids) == 4 and outs[i].error is None
+    assert outs[0].prompt_token_ids == [5, 6, 7, 8] and outs[2].prompt == "hello"
+    # a prompt one token over the limit is rejected too; the engine is still usable after
+    over, ok = llm.generate([[9] * 61, [4, 4]], params)
+    assert over.finish_reason == "rejected" and "= 65 exceeds" in over.error
+    assert ok.finish_reason == "length" and len(ok.token_ids) == 4
+    # the report counts only the served requests
+    assert llm.report([over, ok])["requests"] == 1
+
+
+# -- the CLI as a user runs it ---------------------------------------------------------------
+
+@dataclass
+class Result:
+    args: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+    wall_s: float
+    max_rss_mib: float
+
+    def __str__(self) -> str:
+        return (f"twophase {' '.join(self.args)} -> {self.returncode} in {self.wall_s:.1f} s\n"
+                f"--- stdout\n{self.stdout}\n--- stderr\n{self.stderr}")
+
+
+def _run_cli(args: list[str], cwd: Path, timeout: float = 180) -> Result:
+    """``python -m twophase ARGS`` in ``cwd``, with its own wall time and peak memory."""
+    env = {**os.environ, "COLUMNS": "200"}     # wide enough that rich does not wrap the report
+    out, err = cwd / ".stdout", cwd / ".stderr"
+    t0 = time.monotonic()
+    with open(out, "w") as fo, open(err, "w") as fe:
+        proc = subprocess.Popen([sys.executable, "-m", "twophase", *args], cwd=cwd, env=env,
+                                stdin=subprocess.DEVNULL, stdout=fo, stderr=fe)
+    deadline = t0 + timeout
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
+        if time.monotonic() > deadline:
+            proc.kill()
+            pid, status, usage = os.wait4(proc.pid, 0)
+            break
+        time.sleep(0.02)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return Result(args, proc.returncode, out.read_text(), err.read_text(), time.monotonic() - t0,
+                  usage.ru_maxrss / 1024)
+
+
+def _case_dir(root: Path, name: str, files: dict[str, str]) -> Path:
+    d = root / name
+    d.mkdir()
+    for fname, text in files.items():
+        (d / fname).write_text(text)
+    return d
+
+
+CLI_CASES = {
+    "unknown_key": ({"c.toml": '[model]\nname = "tiny"\nweights = "random"\nnam = "x"\n'},
+                    ["run", "c.toml"]),
+    "missing_file": ({}, ["run", "missing.toml"]),
+    "unknown_backend": ({"c.toml": TINY_TOML + '[backend]\nname = "nope"\n'}, ["run", "c.toml"]),
+    "no_cuda": ({"c.toml": TINY_TOML + '[backend]\ndevice = "cuda"\n'}, ["run", "c.toml"]),
+    "unknown_shape": ({"c.toml": '[model]\nname = "tiny2"\nweights = "random"\n'}, ["run", "c.toml"]),
+    "too_big": ({"c.toml": '[model]\nname = "llama3-70b"\nweights = "random"\ndtype = "float32"\n'},
+                ["run", "c.toml"]),
+    "bad_jsonl": ({"c.toml": TINY_TOML + '[cache]\nnum_blocks = 64\n[workload]\njsonl = "w.jsonl"\n',
+                   "w.jsonl": '{"prompt": "hi", "max_tokens": 2}\n\n{"prompt": oops}\n'},
+                  ["run", "c.toml"]),
+    "run_tiny": ({"c.toml": TINY_RUN_TOML}, ["run", "c.toml", "--json", "out.json"]),
+    "backends": ({}, ["backends"]),
+}
+
+
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory):
+    """Starts every CLI case in the background; ``cli(name)`` waits for that case's result."""
+    root = tmp_path_factory.mktemp("cli")
+    pool = ThreadPoolExecutor(max_workers=3)
+    futures: dict[str, Future] = {}
+    for name, (files, args) in CLI_CASES.items():
+        futures[name] = pool.submit(_run_cli, args, _case_dir(root, name, files))
+    yield lambda name: (futures[name].result(), root / name)
+    pool.shutdown(wait=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _start_cli_early(request):
+    """Start the CLI subprocesses with the module's first test, so they overlap the in-process
+    tests, but only if a selected test needs them."""
+    if any("cli" in item.fixturenames for item in request.session.items
+           if item.module is request.module):
+        request.getfixturevalue("cli")
+
+
+def assert_one_line_error(r: Result, prefix: str) -> str:
+    assert "Traceback" not in r.stderr + r.stdout, str(r)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, str(r)
+    assert lines[0].startswith(prefix), str(r)
+    return lines[0]
+
+
+def test_cli_bad_config_one_line(cli):
+    r, _ = cli("unknown_key")
+    assert r.returncode == 2, str(r)
+    line = assert_one_line_error(r, "twophase: config error: ")
+    assert "model.nam" in line and "allowed keys here: name, path, weights" in line
+    assert r.stdout == ""
+
+
+def test_cli_missing_config_file(cli):
+    r, _ = cli("missing_file")
+    assert r.returncode == 2, str(r)
+    line = assert_one_line_error(r, "twophase: config error: ")
+    assert "missing.toml" in line and "not found" in line
+
+
+def test_cli_unknown_backend_lists_installed(cli):
+    r, _ = cli("unknown_backend")
+    assert r.returncode == 2, str(r)
+    line = assert_one_line_error(r, "twophase: config error: backend.name: ")
+    assert "'nope'" in line
+    installed = [b.strip() for b in line.split("installed backends:", 1)[1].split(",")]
+    assert "torch" in installed
+
+
+def test_cli_cuda_on_cpu_only_machine(cli):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    r, _ = cli("no_cuda")
+    assert r.returncode != 0, str(r)
+    line = assert_one_line_error(r, "twophase: ")
+    assert "no CUDA device" in line and "'cuda'" in line
+
+
+def test_cli_unknown_shape_lists_shapes(cli):
+    r, _ = cli("unknown_shape")
+    assert r.returncode == 2, str(r)
+    line = assert_one_line_error(r, "twophase: config error: model.name: ")
+    assert "'tiny2'" in line
+    shapes = [s.strip() for s in line.split("shapes:", 1)[1].split(",")]
+    assert {"tiny", "llama3-8b", "llama3-70b"} <= set(shapes)
+
+
+def test_cli_too_big_model_refused_before_allocation(cli):
+    from twophase.models.loader import available_memory
+    if available_memory("cpu") > 300 * (1 << 30):
+        pytest.skip("this machine could hold llama3-70b in fp32")
+    r, _ = cli("too_big")
+    assert r.returncode == 1, str(r)
+    line = assert_one_line_error(r, "twophase: ")
+    m = re.search(r"llama3-70b\S* needs ([\d.]+) GiB .*float32.* but cpu has ([\d.]+) GiB "
+                  r"available", line)
+    assert m, line
+    need, have = float(m.group(1)), float(m.group(2))
+    assert 255 < need < 270, line              # 70.6 B parameters x 4 bytes = 262.8 GiB
+    assert 0 < have < need
+    # refused from the shape alone: no weights were allocated or initialised
+    assert r.max_rss_mib < 2048, f"peak RSS {r.max_rss_mib:.0f} MiB\n{r}"
+    assert r.wall_s < 60, str(r)
+
+
+def test_cli_bad_jsonl_line_names_file_and_line(cli):
+    r, _ = cli("bad_jsonl")
+    assert r.returncode == 2, str(r)
+    assert "Traceback" not in r.stderr, str(r)
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("twophase: config error: workload.jsonl (w.jsonl:3): not JSON"), str(r)
+
+
+def test_cli_run_tiny_prints_report_and_writes_json(cli):
+    r, d = cli("run_tiny")
+    assert r.returncode == 0, str(r)
+    assert "Traceback" not in r.stderr
+    assert "prefill tokens" in r.stdout and "decode tokens" in r.stdout, str(r)
+    data = json.loads((d / "out.json").read_text())
+    assert {"report", "outputs", "steps"} <= set(data)
+    assert len(data["outputs"]) == 3
+    for o in data["outputs"]:
+        assert o["finish_reason"] == "length"          # synthetic requests ignore EOS
+        assert 2 <= len(o["token_ids"]) <= 6
+        assert 4 <= len(o["prompt_token_ids"]) <= 12
+    assert isinstance(data["steps"], list) and data["steps"]
+    assert isinstance(data["report"], dict) and data["report"]["backend"]["prefill"] == "torch"
+    assert data["config"] == str((d / "c.toml").resolve())
+
+
+def test_cli_backends_lists_torch_builtin(cli):
+    r, _ = cli("backends")
+    assert r.returncode == 0, str(r)
+    assert "Traceback" not in r.stderr
+    rows = [line for line in r.stdout.splitlines() if "torch" in line and "built-in" in line]
+    assert rows, str(r)
+    assert "yes" in rows[0]          # the torch backend runs on the CPU here
