@@ -5,7 +5,9 @@ every sequence's whole context back *from the pool* through its block table. V m
 1, 2, ..., n: anything else means a wrong block table or slot mapping, or a block that another
 sequence overwrote. The next token is ``next_token(context read from the pool)``, so a stale or
 foreign K (a bad prefix-cache hit, a reused block) changes the output; tests compare it with
-``expected_tokens``, which runs the same function on the request alone.
+``expected_tokens``, which runs the same function on the request alone. The batch itself is checked
+too: no empty chunk (it has no last token to take logits from), no slot written twice in one
+call, positions and context lengths consistent with the chunks.
 
 Token ids are ``0 .. VOCAB-1``; ``EOS = 0``. ``next_token`` can return EOS (about one step in
 ``VOCAB``), so some requests stop early with ``finish_reason == "stop"``.
@@ -27,7 +29,8 @@ from twophase.core.scheduler import Scheduler
 VOCAB = 97
 EOS = 0
 
-__all__ = ["EOS", "VOCAB", "Call", "IntBackend", "expected_tokens", "greedy", "make_engine", "next_token"]
+__all__ = ["EOS", "VOCAB", "Call", "IntBackend", "expected_tokens", "greedy", "make_engine",
+           "next_token"]
 
 
 def next_token(tokens: list[int]) -> int:

@@ -66,8 +66,8 @@ class Scheduler:
         for req in list(self.running):
             if budget[0] == 0:
                 break
-            if req.status is not Status.RUNNING or not req.in_decode:
-                continue
+            if req.status is not Status.RUNNING or not req.in_decode or self._scheduled(req, out):
+                continue      # (a preempted request re-admitted this step may look like a decode)
             if self._allocate_or_preempt(req, 1, out, budget):
                 out.decodes.append(req)
                 budget[0] -= 1
