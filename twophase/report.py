@@ -20,8 +20,8 @@ def phase_table(r: dict[str, Any]) -> Table:
         ("requests / output tokens", f"{r['requests']} / {r['output_tokens']}"),
         ("wall time", f"{r['wall_s']:.2f} s"),
         ("output tokens/s", _f(r["output_tokens_per_s"])),
-        ("prefill tokens / tokens/s", f"{r['prefill_tokens']} / {_f(r['prefill_tokens_per_s'])}"),
-        ("decode tokens / tokens/s", f"{r['decode_tokens']} / {_f(r['decode_tokens_per_s'])}"),
+        ("prefill tokens / tokens/s*", f"{r['prefill_tokens']} / {_f(r['prefill_tokens_per_s'])}"),
+        ("decode tokens / tokens/s*", f"{r['decode_tokens']} / {_f(r['decode_tokens_per_s'])}"),
         ("TTFT p50 / p99 (ms)", f"{_f(r['ttft_s']['p50'], 1e3)} / {_f(r['ttft_s']['p99'], 1e3)}"),
         ("TPOT p50 / p99 (ms)", f"{_f(r['tpot_s']['p50'], 1e3)} / {_f(r['tpot_s']['p99'], 1e3)}"),
     ]
@@ -37,4 +37,5 @@ def phase_table(r: dict[str, Any]) -> Table:
     ]
     for k, v in rows:
         t.add_row(k, v)
+    t.caption = "* rates over steps that ran that phase alone; mixed steps are counted apart"
     return t

@@ -65,14 +65,15 @@ def summarize(values: list[float]) -> dict[str, float | None]:
 
 def phase_report(steps: list[StepRecord], requests: list[RequestTimes],
                  output_tokens: int) -> dict[str, Any]:
-    """Throughput by phase and latency by request. A mixed step's time counts towards both
-    phases' rates (it did both at once); steps are also broken down by mix."""
-    prefill_steps = [s for s in steps if s.prefill_seqs]
-    decode_steps = [s for s in steps if s.decode_seqs]
+    """Throughput by phase and latency by request. Each phase's rate is measured over the steps
+    that ran that phase alone (a mixed step does both at once, so its time belongs to neither);
+    mixed steps get their own line in ``steps_by_mix``."""
+    prefill_only = [s for s in steps if s.mix == "prefill"]
+    decode_only = [s for s in steps if s.mix == "decode"]
     prefill_tokens = sum(s.prefill_tokens for s in steps)
     decode_tokens = sum(s.decode_seqs for s in steps)
-    prefill_time = sum(s.duration for s in prefill_steps)
-    decode_time = sum(s.duration for s in decode_steps)
+    prefill_time = sum(s.duration for s in prefill_only)
+    decode_time = sum(s.duration for s in decode_only)
     by_mix: dict[str, dict[str, float]] = {}
     for s in steps:
         m = by_mix.setdefault(s.mix, {"steps": 0, "seconds": 0.0, "prefill_tokens": 0, "decode_tokens": 0})
@@ -88,9 +89,11 @@ def phase_report(steps: list[StepRecord], requests: list[RequestTimes],
         "output_tokens": out_tokens,
         "output_tokens_per_s": out_tokens / wall if wall else None,
         "prefill_tokens": prefill_tokens,
-        "prefill_tokens_per_s": prefill_tokens / prefill_time if prefill_time else None,
+        "prefill_tokens_per_s": (sum(s.prefill_tokens for s in prefill_only) / prefill_time
+                                 if prefill_time else None),
         "decode_tokens": decode_tokens,
-        "decode_tokens_per_s": decode_tokens / decode_time if decode_time else None,
+        "decode_tokens_per_s": (sum(s.decode_seqs for s in decode_only) / decode_time
+                                if decode_time else None),
         "steps_by_mix": by_mix,
         "peak_kv_blocks": max((s.kv_blocks_used for s in steps), default=0),
         "preemptions": sum(s.preemptions for s in steps),

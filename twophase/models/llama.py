@@ -116,13 +116,22 @@ class Attention(nn.Module):
         return o[0].transpose(0, 1)
 
     def _decode(self, q, kv_layer, meta: AttnMeta) -> torch.Tensor:
-        """q: [B, H, hd], one query per sequence at the end of its context."""
-        S = meta.decode_tables.shape[1] * kv_layer.shape[-2]
-        k, v = gather_kv(kv_layer, meta.decode_tables, S)                      # [B, KVH, S, hd]
-        mask = torch.arange(S, device=q.device)[None, :] < meta.decode_lens[:, None]   # [B, S]
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
-                                           scale=self.scale, enable_gqa=True)
-        return o.squeeze(2)
+        """q: [B, H, hd], one query per sequence at the end of its context.
+
+        Attends block by block on the gathered blocks ``[B, nb, KVH, BS, hd]`` without first
+        making each sequence's K/V contiguous: that transpose-copy cost more than attention
+        itself (2.7x slower per layer at batch 32, context 272 on CPU)."""
+        B, nb = meta.decode_tables.shape
+        _, _, kvh, bs, hd = kv_layer.shape
+        kv = gather_blocks(kv_layer, meta.decode_tables)                 # [2, B, nb, KVH, BS, hd]
+        qg = q.view(B, 1, kvh, self.h // kvh, hd)
+        s = (qg @ kv[0].transpose(-1, -2)).float() * self.scale        # [B, nb, KVH, g, BS]
+        pos = torch.arange(nb * bs, device=q.device).view(1, nb, 1, 1, bs)
+        s = s.masked_fill(pos >= meta.decode_lens.view(B, 1, 1, 1, 1), torch.finfo(s.dtype).min)
+        p = (s - s.amax(dim=(1, 4), keepdim=True)).exp()
+        den = p.sum(dim=(1, 4)).unsqueeze(-1)                            # [B, KVH, g, 1]
+        o = (p.to(kv.dtype) @ kv[1]).sum(1).float() / den                # [B, KVH, g, hd]
+        return o.to(q.dtype).reshape(B, self.h, hd)
 
 
 def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
@@ -133,11 +142,21 @@ def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: to
     kv_layer[1, blocks, :, offs] = v.to(kv_layer.dtype)
 
 
+def gather_blocks(kv_layer: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """The blocks of ``tables [B, nb]`` as ``[2, B, nb, KVH, BS, hd]``: one flat gather over the
+    layer's ``2 * NB`` blocks (indexing dim 1 of ``[2, NB, ...]`` ran up to 25x slower)."""
+    nb_total = kv_layer.shape[1]
+    flat = tables.reshape(-1)
+    out = kv_layer.reshape(2 * nb_total, *kv_layer.shape[2:]).index_select(
+        0, torch.cat([flat, flat + nb_total]))
+    return out.view(2, *tables.shape, *kv_layer.shape[2:])
+
+
 def gather_kv(kv_layer: torch.Tensor, tables: torch.Tensor, length: int):
     """The first ``length`` cached tokens of each table's sequence: ([B, KVH, S, hd],) * 2."""
     B, nb = tables.shape
     _, _, kvh, bs, hd = kv_layer.shape
-    kv = kv_layer[:, tables]                                   # [2, B, nb, KVH, BS, hd]
+    kv = gather_blocks(kv_layer, tables)
     kv = kv.permute(0, 1, 3, 2, 4, 5).reshape(2, B, kvh, nb * bs, hd)[:, :, :, :length]
     return kv[0], kv[1]
 
