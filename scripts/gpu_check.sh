@@ -7,4 +7,4 @@ pip install --no-deps --no-build-isolation -e . -q
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 python -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider
 python benchmarks/phase_sweep.py --shape "${SHAPE:-llama3-8b}" --device cuda --dtype bfloat16 \
-    --prompt-lens 128,512,2048 --batch-sizes 1,8,32,64 --context 512
+    --prompt-lens 128,512,2048 --batch-sizes 1,8,32,64 --context 512 --kv-gb 16

@@ -110,3 +110,17 @@ def test_stop_string_cuts_the_text(default_llm, default_prompts):
                                SamplingParams(max_tokens=GREEDY_TOKENS, stop=[stop]))[0]
     assert out.finish_reason == "stop"
     assert out.text == free.text[:free.text.index(stop)]
+
+
+def test_streamed_text_equals_final_text_with_stop_strings(default_llm, default_prompts):
+    """Text held back for a possible stop string is never streamed and then taken back."""
+    free = default_llm.generate([default_prompts[3]], SamplingParams(max_tokens=GREEDY_TOKENS))[0]
+    stop = free.text[len(free.text) // 2:len(free.text) // 2 + 3]
+    eng = default_llm.engine
+    req = eng.add_request(default_prompts[3], SamplingParams(max_tokens=GREEDY_TOKENS, stop=[stop, "zzzz"]))
+    streamed = []
+    while not req.finished:
+        streamed += [d.text for d in eng.step() if d.request_id == req.request_id]
+    eng.release(req.request_id)
+    assert "".join(streamed) == req.text == free.text[:free.text.index(stop)]
+    assert req.finish_reason == "stop"

@@ -129,3 +129,38 @@ def test_incremental_api_streams_deltas_and_abort_frees_blocks():
     assert a.finish_reason == "abort" and b.finish_reason == "length"
     assert seen[b.request_id] == b.output_token_ids and len(seen[b.request_id]) == 4
     assert eng.kv.num_free_blocks == llm.num_blocks
+
+
+def test_min_p_then_top_p_renormalises():
+    import torch
+
+    from twophase.core.request import Request
+    from twophase.core.sampler import _sample_row
+
+    row = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
+    params = SamplingParams(temperature=1.0, min_p=0.4, top_p=0.75, seed=0)
+    req = Request("r", [1], params, 0.0)
+    seen = {_sample_row(row, req, ()) for _ in range(300)}
+    assert seen == {0, 1}        # 0.2 survives min_p but not top_p over the renormalised mass
+
+
+def test_bad_sampling_values_are_rejected_not_crashes():
+    llm = tiny_llm()
+    out = llm.generate([[5, 6], [7, 8]], [SamplingParams(max_tokens=3, stop_token_ids=[100000]),
+                                          SamplingParams(max_tokens=3, temperature=1e-39)])
+    assert out[0].finish_reason == "rejected" and "stop token id 100000" in out[0].error
+    assert out[1].finish_reason == "length" and len(out[1].token_ids) == 3
+    assert llm.generate([[5, 6]], SamplingParams(max_tokens=2))[0].finish_reason == "length"
+
+
+def test_cache_dtype_can_differ_from_the_model_dtype():
+    llm = tiny_llm(cache={"dtype": "bfloat16"})
+    assert llm.kv_cache.pool.dtype.is_floating_point and llm.kv_cache.pool.element_size() == 2
+    out = llm.generate([list(range(3, 40)), [4, 5]], SamplingParams(max_tokens=6, ignore_eos=True))
+    assert [len(o.token_ids) for o in out] == [6, 6]
+
+
+def test_automatic_request_ids_skip_ids_in_use():
+    eng = tiny_llm().engine
+    eng.add_request([5], SamplingParams(max_tokens=1), request_id="0")
+    assert eng.add_request([6], SamplingParams(max_tokens=1)).request_id != "0"

@@ -108,7 +108,7 @@ class LLM:
             if cc.memory_gb is not None:
                 budget = int(cc.memory_gb * GiB)
             elif torch.device(device).type == "cuda":
-                budget = int(0.85 * free)
+                budget = int(0.8 * free)     # the rest: activations, CUDA graphs
             else:
                 budget = min(2 * GiB, free // 4)
             num_blocks = max(1, min(wanted, budget // per_block))
@@ -129,17 +129,17 @@ class LLM:
         sc, cc = self.config.scheduler, self.config.cache
         caps = self.backend.capabilities()
         on_cuda = torch.device(self.config.backend.device).type == "cuda"
+        chunked = sc.chunked_prefill and caps.chunked_prefill
         budget = sc.max_num_batched_tokens or (
-            (4096 if on_cuda else 512) if sc.chunked_prefill else self.max_model_len)
+            (4096 if on_cuda else 512) if chunked else self.max_model_len)
         max_seqs = min(sc.max_num_seqs, caps.max_num_seqs or sc.max_num_seqs)
         if caps.max_num_tokens:
             budget = min(budget, caps.max_num_tokens)
-        if sc.policy == "decode-first" and sc.chunked_prefill and budget <= max_seqs:
+        if sc.policy == "decode-first" and chunked and budget <= max_seqs:
             raise ConfigError("scheduler.max_num_batched_tokens",
                               f"{budget} must exceed scheduler.max_num_seqs ({max_seqs})")
         kv = KVManager(self.num_blocks, cc.block_size, cc.prefix_caching)
-        scheduler = Scheduler(kv, max_seqs, budget, sc.policy,
-                              sc.chunked_prefill and caps.chunked_prefill)
+        scheduler = Scheduler(kv, max_seqs, budget, sc.policy, chunked)
         return Engine(self.backend, self.backend, kv, scheduler, self.tokenizer,
                       self.max_model_len, self.model.arch.eos_token_ids, clock,
                       vocab_size=self.model.arch.vocab_size)

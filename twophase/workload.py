@@ -18,6 +18,10 @@ DEFAULT_PROMPTS = [
 
 
 def sampling_params(cfg: Config, **overrides) -> SamplingParams:
+    unknown = sorted(set(overrides) - set(asdict(cfg.sampling)))
+    if unknown:
+        raise ConfigError(f"sampling.{unknown[0]}", f"is not a sampling parameter; allowed: "
+                                                     f"{', '.join(asdict(cfg.sampling))}")
     try:
         return SamplingParams(**{**asdict(cfg.sampling), **overrides})
     except InvalidSamplingParam as exc:
@@ -71,6 +75,9 @@ def _jsonl(cfg: Config, chat) -> list[tuple[str | list[int], SamplingParams]]:
         if not isinstance(rec, dict) or ("prompt" in rec) == ("prompt_token_ids" in rec):
             raise ConfigError(where, "each line needs exactly one of 'prompt' or 'prompt_token_ids'")
         prompt = chat(rec.pop("prompt")) if "prompt" in rec else rec.pop("prompt_token_ids")
+        if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt))):
+            raise ConfigError(where, "'prompt' must be a string and 'prompt_token_ids' a list of integers")
         try:
             params = sampling_params(cfg, **rec)
         except ConfigError as exc:

@@ -57,6 +57,10 @@ class DecodeGraphs:
         return c.logits[:B].clone()
 
     def _capture(self, bsz: int, nblocks: int) -> _Captured:
+        with torch.cuda.device(self.device):
+            return self._capture_on_device(bsz, nblocks)
+
+    def _capture_on_device(self, bsz: int, nblocks: int) -> _Captured:
         dev = self.device
         z = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=dev)  # noqa: E731
         tokens, positions, tables = z(bsz), z(bsz), z(bsz, nblocks)

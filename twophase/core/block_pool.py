@@ -15,9 +15,9 @@ class BlockPool:
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         self.ref_cnt = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached: dict[int, int] = {}            # content hash -> block id
+        self.cached: dict[bytes, int] = {}          # content hash -> block id
 
     @property
     def num_free(self) -> int:
@@ -54,10 +54,10 @@ class BlockPool:
             if self.ref_cnt[b] == 0:
                 self.free[b] = None
 
-    def lookup(self, h: int) -> int | None:
+    def lookup(self, h: bytes) -> int | None:
         return self.cached.get(h)
 
-    def cache(self, block: int, h: int) -> None:
+    def cache(self, block: int, h: bytes) -> None:
         """Record that ``block`` holds the tokens hashed to ``h`` (first holder wins)."""
         if h not in self.cached and self.block_hash[block] is None:
             self.cached[h] = block

@@ -7,7 +7,10 @@ complete it arrive. Decoding a sliding window (not the whole output) keeps each 
 
 from __future__ import annotations
 
-from twophase.models.tokenizer import Tokenizer
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from twophase.models.tokenizer import Tokenizer
 
 
 class IncrementalDetokenizer:

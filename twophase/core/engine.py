@@ -12,6 +12,7 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,7 +25,9 @@ from twophase.core.request import Request, Status
 from twophase.core.sampler import sample
 from twophase.core.scheduler import Scheduler, SchedulerOutput
 from twophase.errors import RequestRejected
-from twophase.models.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from twophase.models.tokenizer import Tokenizer
 
 
 @dataclass
@@ -65,7 +68,8 @@ class Engine:
                     request_id: str | None = None, arrival: float | None = None) -> Request:
         """Queue a request; raises ``RequestRejected`` if it could never be served."""
         params = params or SamplingParams()
-        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id is None:
+            request_id = next(i for i in map(str, self._ids) if i not in self.requests)
         if request_id in self.requests:
             raise RequestRejected(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
@@ -90,6 +94,9 @@ class Engine:
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestRejected(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
+        if bad is not None:
+            raise RequestRejected(f"stop token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         total = len(ids) + params.max_tokens
         if total > self.max_model_len:
             raise RequestRejected(
@@ -125,9 +132,16 @@ class Engine:
         for req in itertools.chain(sched.decodes, (r for r, _ in sched.prefills)):
             if req.times.first_scheduled is None:
                 req.times.first_scheduled = start
-        rows = self._run(sched)
-        now = self.clock()
-        deltas = self._postprocess(rows, now)
+        try:
+            rows = self._run(sched)
+            now = self.clock()
+            deltas = self._postprocess(rows, now)
+        except Exception:
+            # a failed step must not leave half-updated requests behind: end them, free blocks
+            for req in itertools.chain(sched.decodes, (r for r, _ in sched.prefills)):
+                if not req.finished:
+                    self._finish(req, "error")
+            raise
         self.steps.add(StepRecord(start=start, duration=now - start,
                                   prefill_tokens=sched.num_prefill_tokens,
                                   prefill_seqs=len(sched.prefills), decode_seqs=len(sched.decodes),
@@ -207,37 +221,41 @@ class Engine:
             req.logprobs.append(logprobs)
         p = req.params
         detok = self.detok.get(req.request_id)
-        text = detok.push(token) if detok else ""
-        reason, hit_stop_string = None, False
-        if p.stop and text:
-            text, hit_stop_string = self._apply_stop_strings(req, text)
-            reason = "stop" if hit_stop_string else None
-        if reason is None:
-            if req.num_output_tokens >= p.min_tokens and (
-                    token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)):
-                reason = "stop"
-            elif req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
-                reason = "length"
-        if reason is not None and detok is not None and not hit_stop_string:
-            text += detok.flush()
+        new_text = detok.push(token) if detok else ""
+        reason = None
+        if req.num_output_tokens >= p.min_tokens and (
+                token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)):
+            reason = "stop"
+        elif req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None and detok is not None:
+            new_text += detok.flush()
+        text, hit = self._release(req, new_text, final=reason is not None)
+        if hit:
+            reason = "stop"
         req.text += text
         if reason is not None:
             self._finish(req, reason, now)
         return Delta(req.request_id, [token], text, reason is not None, reason, req)
 
-    def _apply_stop_strings(self, req: Request, new_text: str) -> tuple[str, bool]:
-        """Cut the output before the first stop string; (text to release, whether one hit)."""
-        longest = max(len(s) for s in req.params.stop)
-        base = max(0, len(req.text) - longest + 1)
-        window = req.text[base:] + new_text
-        cut = min((i for i in (window.find(s) for s in req.params.stop) if i >= 0), default=-1)
-        if cut < 0:
+    def _release(self, req: Request, new_text: str, final: bool) -> tuple[str, bool]:
+        """The text that may go out now, and whether a stop string ended the request.
+
+        With stop strings, the last ``len(longest) - 1`` characters are held back: a stop string
+        may begin in them, and text that has been streamed cannot be taken back."""
+        p = req.params
+        if not p.stop:
             return new_text, False
-        keep = base + cut - len(req.text)          # characters of new_text before the stop string
-        if keep < 0:                               # the stop string began in released text
-            req.text = req.text[:base + cut]
-            return "", True
-        return new_text[:keep], True
+        window = req.held_text + new_text
+        if req.num_output_tokens >= p.min_tokens:
+            cut = min((i for i in (window.find(s) for s in p.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                req.held_text = ""
+                return window[:cut], True
+        keep = 0 if final else max(len(s) for s in p.stop) - 1
+        split = max(0, len(window) - keep)
+        req.held_text = window[split:]
+        return window[:split], False
 
     def _finish(self, req: Request, reason: str, now: float | None = None) -> None:
         self.scheduler.finish(req, reason)

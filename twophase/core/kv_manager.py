@@ -7,6 +7,9 @@ prefixes. A block is published to the cache only after its K/V have been compute
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+
 from twophase.core.block_pool import BlockPool
 from twophase.core.request import Request
 
@@ -21,7 +24,7 @@ class KVManager:
         self.block_size = block_size
         self.prefix_caching = prefix_caching
         self.tables: dict[str, list[int]] = {}
-        self._hashes: dict[str, list[int]] = {}      # chain hashes of each request's full blocks
+        self._hashes: dict[str, list[bytes]] = {}      # chain hashes of each request's full blocks
         self._published: dict[str, int] = {}         # how many of its blocks are in the cache
         self.queries = 0                              # prefix-cache lookups, in tokens
         self.hits = 0
@@ -44,13 +47,14 @@ class KVManager:
     def block_table(self, req: Request) -> list[int]:
         return self.tables.get(req.request_id, [])
 
-    def _chain(self, req: Request, num_blocks: int) -> list[int]:
+    def _chain(self, req: Request, num_blocks: int) -> list[bytes]:
         hashes = self._hashes.setdefault(req.request_id, [])
         bs, toks = self.block_size, req.token_ids
         while len(hashes) < num_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash((parent, tuple(toks[i * bs:(i + 1) * bs]))))
+            h = hashlib.sha256(hashes[-1] if hashes else b"")
+            h.update(array("q", toks[i * bs:(i + 1) * bs]).tobytes())
+            hashes.append(h.digest())      # sha256: a collision would silently reuse others' K/V
         return hashes[:num_blocks]
 
     def computed_blocks(self, req: Request) -> list[int]:

@@ -27,6 +27,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        for f in fields(self):
+            check, kind = _KINDS[f.name]
+            if not check(getattr(self, f.name)):
+                raise InvalidSamplingParam(f.name, f"must be {kind}, got {getattr(self, f.name)!r}")
         checks = [
             (self.max_tokens >= 1, "max_tokens", "must be at least 1"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be in [0, max_tokens]"),
@@ -62,3 +66,25 @@ class SamplingParams:
             raise InvalidSamplingParam(name, f"is not a sampling parameter; allowed: "
                                              f"{', '.join(sorted(names))}")
         return cls(**d)
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _num(v) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool))
+
+
+_KINDS = {
+    "max_tokens": (_int, "an integer"), "min_tokens": (_int, "an integer"),
+    "temperature": (_num, "a number"), "top_k": (_int, "an integer"), "top_p": (_num, "a number"),
+    "min_p": (_num, "a number"), "repetition_penalty": (_num, "a number"),
+    "presence_penalty": (_num, "a number"), "frequency_penalty": (_num, "a number"),
+    "seed": (lambda v: v is None or _int(v), "an integer or None"),
+    "stop": (lambda v: isinstance(v, list), "a string or a list of strings"),
+    "stop_token_ids": (lambda v: isinstance(v, list) and all(_int(t) and t >= 0 for t in v),
+                       "a list of non-negative token ids"),
+    "ignore_eos": (lambda v: isinstance(v, bool), "true or false"),
+    "logprobs": (lambda v: v is None or _int(v), "an integer or None"),
+}

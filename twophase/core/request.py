@@ -59,7 +59,8 @@ class Request:
         self.finish_reason: str | None = None
         self.times = RequestTimes(arrival)
         self.logprobs: list[dict[int, float]] = []
-        self.text = ""                                          # detokenized output so far
+        self.text = ""                                          # detokenized output released so far
+        self.held_text = ""                                     # held back: a stop string may start here
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

@@ -34,7 +34,7 @@ def _sample_row(row: torch.Tensor, req: Request, eos_ids: tuple[int, ...]) -> in
         banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_ids))
         if banned:
             row[banned] = float("-inf")
-    if p.greedy:
+    if p.greedy or p.temperature < 1e-5:      # a tiny temperature is greedy (and avoids inf)
         return int(row.argmax())
     row = row / p.temperature
     if p.top_k > 0 and p.top_k < row.shape[-1]:
@@ -43,6 +43,7 @@ def _sample_row(row: torch.Tensor, req: Request, eos_ids: tuple[int, ...]) -> in
     probs = torch.softmax(row, dim=-1)
     if p.min_p > 0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+        probs = probs / probs.sum()
     if p.top_p < 1.0:
         sorted_p, idx = probs.sort(descending=True)
         cum = sorted_p.cumsum(-1)

@@ -89,7 +89,7 @@ class Scheduler:
             return
         while self.waiting and budget[0] > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            computed = self.kv.computed_blocks(req)
+            computed = self.kv.computed_blocks(req) if self.chunked_prefill else []
             cached = len(computed) * self.kv.block_size
             pending = req.num_tokens - cached
             n = min(pending, budget[0])
@@ -98,7 +98,8 @@ class Scheduler:
             if not self.kv.allocate(req, n, computed):
                 return
             self.waiting.popleft()
-            self.kv.record_lookup(req.num_tokens, cached)
+            if req.num_preemptions == 0:       # a recompute's hits are not new traffic
+                self.kv.record_lookup(req.num_tokens, cached)
             req.num_computed_tokens = cached
             req.num_cached_tokens = max(req.num_cached_tokens, cached)
             req.status = Status.RUNNING

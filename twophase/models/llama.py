@@ -2,10 +2,10 @@
 embeddings), with attention that reads and writes core's paged KV pool.
 
 The pool is ``[layers, 2, num_blocks, kv_heads, block_size, head_dim]``. Each forward first
-writes the new tokens' K/V at their slots, then attends over the cached context. The causal mask
-is built from positions (key ``j`` is visible to a query at position ``p`` iff ``j <= p``), never
-with ``is_causal=True``, which aligns the mask top-left and would hide the cached prefix of a
-chunk that follows cached tokens.
+writes the new tokens' K/V at their slots, then attends over the cached context. For a chunk that
+follows cached tokens the causal mask is built from positions (key ``j`` is visible to a query at
+position ``p`` iff ``j <= p``): ``is_causal=True`` aligns its mask top-left and would hide the
+cached prefix, so it is used only for a chunk with nothing cached before it.
 
 Tokens arrive packed (``[T]``); the q/k/v, o and MLP projections run once over all of them,
 whatever mix of prefill chunks and decodes the step holds: one read of the weights a step.
@@ -108,11 +108,16 @@ class Attention(nn.Module):
     def _prefill(self, q, k, v, start: int) -> torch.Tensor:
         """q: [n, H, hd]; k, v: [S, KVH, hd] with S = start + n. Mask from positions."""
         n, S = q.shape[0], k.shape[0]
-        qpos = torch.arange(start, start + n, device=q.device)
-        mask = torch.arange(S, device=q.device)[None, :] <= qpos[:, None]    # [n, S]
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-            v.transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=self.scale, enable_gqa=True)
+        dt = q.dtype
+        q, k, v = (t.transpose(0, 1).unsqueeze(0).to(dt) for t in (q, k, v))
+        if start == 0:      # no cache before the chunk: plain causal, so fused kernels apply
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                               enable_gqa=True)
+        else:
+            qpos = torch.arange(start, start + n, device=q.device)
+            mask = torch.arange(S, device=q.device)[None, :] <= qpos[:, None]    # [n, S]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
+                                               enable_gqa=True)
         return o[0].transpose(0, 1)
 
     def _decode(self, q, kv_layer, meta: AttnMeta) -> torch.Tensor:
@@ -125,6 +130,7 @@ class Attention(nn.Module):
         _, _, kvh, bs, hd = kv_layer.shape
         kv = gather_blocks(kv_layer, meta.decode_tables)                 # [2, B, nb, KVH, BS, hd]
         qg = q.view(B, 1, kvh, self.h // kvh, hd)
+        kv = kv.to(q.dtype)                                              # (a cache.dtype override)
         s = (qg @ kv[0].transpose(-1, -2)).float() * self.scale        # [B, nb, KVH, g, BS]
         pos = torch.arange(nb * bs, device=q.device).view(1, nb, 1, 1, bs)
         s = s.masked_fill(pos >= meta.decode_lens.view(B, 1, 1, 1, 1), torch.finfo(s.dtype).min)

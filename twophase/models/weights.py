@@ -63,7 +63,7 @@ def build_model(arch: LlamaArch, dtype: torch.dtype, device: torch.device,
         if arch.tie_word_embeddings:
             model.lm_head.weight = model.embed.weight
     else:
-        model = model.to_empty(device=device).to(dtype)
+        model = model.to(dtype).to_empty(device=device)      # allocate once, in the final dtype
         gen = torch.Generator(device=device).manual_seed(seed)
         with torch.no_grad():
             for name, p in model.named_parameters():
