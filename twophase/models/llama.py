@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from twophase.models.graph_attention import GraphMeta, flat_gather, graph_attention
 from twophase.models.shapes import LlamaArch
 
 
@@ -84,12 +85,15 @@ class Attention(nn.Module):
         self.o = nn.Linear(self.h * self.hd, arch.hidden_size, bias=arch.attention_bias)
         self.scale = self.hd ** -0.5
 
-    def forward(self, x, cos, sin, kv_layer: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+    def forward(self, x, cos, sin, kv_layer: torch.Tensor, meta: AttnMeta | GraphMeta) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv(x).split([self.h * self.hd, self.kvh * self.hd, self.kvh * self.hd], -1)
         q = apply_rope(q.view(T, self.h, self.hd), cos, sin)
         k = apply_rope(k.view(T, self.kvh, self.hd), cos, sin)
         v = v.view(T, self.kvh, self.hd)
+        if isinstance(meta, GraphMeta):        # traced for export: K/V are outputs, not writes
+            meta.new_kv.append((k, v))
+            return self.o(graph_attention(q, k, v, kv_layer, meta, self.scale).reshape(T, -1))
         write_kv(kv_layer, k, v, meta.slot_mapping)
 
         out = torch.empty_like(q)
@@ -128,7 +132,7 @@ class Attention(nn.Module):
         itself (2.7x slower per layer at batch 32, context 272 on CPU)."""
         B, nb = meta.decode_tables.shape
         _, _, kvh, bs, hd = kv_layer.shape
-        kv = gather_blocks(kv_layer, meta.decode_tables)                 # [2, B, nb, KVH, BS, hd]
+        kv = flat_gather(kv_layer, meta.decode_tables)                 # [2, B, nb, KVH, BS, hd]
         qg = q.view(B, 1, kvh, self.h // kvh, hd)
         kv = kv.to(q.dtype)                                              # (a cache.dtype override)
         s = (qg @ kv[0].transpose(-1, -2)).float() * self.scale        # [B, nb, KVH, g, BS]
@@ -148,21 +152,11 @@ def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: to
     kv_layer[1, blocks, :, offs] = v.to(kv_layer.dtype)
 
 
-def gather_blocks(kv_layer: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """The blocks of ``tables [B, nb]`` as ``[2, B, nb, KVH, BS, hd]``: one flat gather over the
-    layer's ``2 * NB`` blocks (indexing dim 1 of ``[2, NB, ...]`` ran up to 25x slower)."""
-    nb_total = kv_layer.shape[1]
-    flat = tables.reshape(-1)
-    out = kv_layer.reshape(2 * nb_total, *kv_layer.shape[2:]).index_select(
-        0, torch.cat([flat, flat + nb_total]))
-    return out.view(2, *tables.shape, *kv_layer.shape[2:])
-
-
 def gather_kv(kv_layer: torch.Tensor, tables: torch.Tensor, length: int):
     """The first ``length`` cached tokens of each table's sequence: ([B, KVH, S, hd],) * 2."""
     B, nb = tables.shape
     _, _, kvh, bs, hd = kv_layer.shape
-    kv = gather_blocks(kv_layer, tables)
+    kv = flat_gather(kv_layer, tables)
     kv = kv.permute(0, 1, 3, 2, 4, 5).reshape(2, B, kvh, nb * bs, hd)[:, :, :, :length]
     return kv[0], kv[1]
 

@@ -1,0 +1,69 @@
+"""The exported graphs' function (static-dataflow paged attention) equals the eager model on
+mixed batches: decodes, chunks after cached tokens and fresh prompts in one step."""
+
+from __future__ import annotations
+
+import torch
+
+from conftest import tiny_llm
+from twophase import SamplingParams
+from twophase.exporters.onnx import PagedStep, graph_inputs, run_eager, write_new_kv
+
+
+def _mixed_batch(llm):
+    """Advance an engine until a step mixes decodes with chunks; return that step's batch."""
+    eng = llm.engine
+    for i, n in enumerate([40, 3, 75, 1, 20]):
+        eng.add_request([3 + (7 * i + j) % 500 for j in range(n)],
+                        SamplingParams(max_tokens=30, ignore_eos=True))
+    eng.step()
+    eng.step()
+    eng.add_request(list(range(10, 60)), SamplingParams(max_tokens=5))
+    sched = eng.scheduler.schedule()
+    assert sched.decodes and sched.prefills
+    items = [(r, r.num_computed_tokens, 1) for r in sched.decodes] + \
+            [(r, r.num_computed_tokens, n) for r, n in sched.prefills]
+    assert any(s > 0 and n > 1 for _, s, n in items), "want a chunk after cached tokens"
+    return eng._prefill_batch(items)
+
+
+def test_graph_function_equals_eager_on_a_mixed_batch():
+    llm = tiny_llm(scheduler={"max_num_batched_tokens": 40, "max_num_seqs": 8},
+                   cache={"block_size": 4, "num_blocks": 128})
+    batch = _mixed_batch(llm)
+    pool = llm.kv_cache.pool
+    before = pool.clone()
+    for mode in ("last", "all"):
+        batch.logits = mode
+        pool.copy_(before)
+        want = llm.backend.prefill(batch)
+        after = pool.clone()
+        logits, new_k, new_v = run_eager(PagedStep(llm.backend.model), before.clone(),
+                                         graph_inputs(batch, 4))
+        assert logits.shape == want.shape
+        assert float((logits - want).abs().max() / want.abs().max()) < 1e-5, mode
+        mine = before.clone()
+        write_new_kv(mine, new_k, new_v, batch.slot_mapping)
+        assert torch.allclose(mine, after, atol=1e-6)
+
+
+def test_graph_function_handles_decodes_only_and_chunks_only():
+    llm = tiny_llm(cache={"block_size": 4, "num_blocks": 128})
+    eng = llm.engine
+    reqs = [eng.add_request(list(range(5, 5 + n)), SamplingParams(max_tokens=9, ignore_eos=True))
+            for n in (9, 17)]
+    sched = eng.scheduler.schedule()
+    chunks = eng._prefill_batch([(r, 0, n) for r, n in sched.prefills])
+    before = llm.kv_cache.pool.clone()
+    want = llm.backend.prefill(chunks)
+    got, _, _ = run_eager(PagedStep(llm.backend.model), before, graph_inputs(chunks, 4))
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+    for r, n in sched.prefills:
+        r.num_computed_tokens += n
+        r.token_ids.append(7)
+    eng.scheduler.schedule()        # allocates the decode slots
+    dec = eng._prefill_batch([(r, r.num_computed_tokens, 1) for r in reqs])
+    before = llm.kv_cache.pool.clone()
+    want = llm.backend.prefill(dec)
+    got, _, _ = run_eager(PagedStep(llm.backend.model), before, graph_inputs(dec, 4))
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-5

@@ -1,0 +1,99 @@
+"""Paged attention as one static dataflow, for exported graphs (ONNX, MLIR, TensorRT).
+
+The eager path loops over prefill chunks in Python; a graph cannot. Here a step's sequences form
+two groups, each a dense tensor problem, while the projections still run once over all packed
+tokens: *decodes* (one query each, attended block by block on one flat gather of their blocks,
+no transpose: the layout that cost x1.08 over contiguous K/V in the prototype) and *chunks*
+(padded to the longest chunk, cached blocks gathered and transposed once, x1.11). A mixed step
+is still one graph run. Either group may be empty.
+
+A graph cannot update its pool input in place, so it attends to the cached tokens from the pool
+plus the step's own new K/V, and returns the new K/V for the backend to write at their slots.
+Masked scores take ``finfo.min`` (never ``-inf``: a fully masked padding row would be NaN).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class GraphMeta:
+    """Inputs of the exported graph besides tokens, positions and the pool (int64 tensors)."""
+
+    dec_index: torch.Tensor      # [D] token index of each one-token sequence
+    dec_tables: torch.Tensor     # [D, Wd] its blocks (cached tokens only need to be covered)
+    dec_cached: torch.Tensor     # [D] tokens cached before this step's token
+    chunk_index: torch.Tensor    # [C, Q] token index of each padded query slot; padding = T
+    chunk_tables: torch.Tensor   # [C, Wc]
+    chunk_cached: torch.Tensor   # [C] tokens cached before the chunk
+    chunk_lens: torch.Tensor     # [C] real tokens in the chunk
+    new_kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+
+def flat_gather(kv_layer: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """``[2, B, nb, KVH, BS, hd]``: one gather over the layer's ``2 * NB`` blocks."""
+    nb_total = kv_layer.shape[1]
+    flat = tables.reshape(-1)
+    rest = kv_layer.shape[2:]
+    out = kv_layer.reshape(2 * nb_total, *rest).index_select(0, torch.cat([flat, flat + nb_total]))
+    return out.reshape(2, tables.shape[0], tables.shape[1], *rest)
+
+
+def graph_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+                    m: GraphMeta, scale: float) -> torch.Tensor:
+    """q: [T, H, hd]; k, v: [T, KVH, hd]; kv_layer: [2, NB, KVH, BS, hd] → [T, H, hd]."""
+    T, H, hd = q.shape
+    kvh, bs = kv_layer.shape[2], kv_layer.shape[3]
+    g = H // kvh
+    minf = torch.finfo(torch.float32).min
+    # one zero row at index T: where chunk padding slots read from and write to
+    q1 = torch.cat([q, q.new_zeros(1, H, hd)])
+    k1 = torch.cat([k, k.new_zeros(1, kvh, hd)])
+    v1 = torch.cat([v, v.new_zeros(1, kvh, hd)])
+    out = q.new_zeros(T + 1, H, hd)
+
+    # decodes: cached blocks, block by block, plus the token's own new key
+    D, Wd = m.dec_tables.shape
+    qd = q1.index_select(0, m.dec_index).reshape(D, 1, kvh, g, hd)
+    kvd = flat_gather(kv_layer, m.dec_tables).to(q.dtype)                  # [2, D, Wd, KVH, BS, hd]
+    s = (qd @ kvd[0].transpose(-1, -2)).float() * scale                   # [D, Wd, KVH, g, BS]
+    pos = torch.arange(Wd * bs, device=q.device).reshape(1, Wd, 1, 1, bs)
+    s = s.masked_fill(pos >= m.dec_cached.reshape(D, 1, 1, 1, 1), minf)
+    k_self = k1.index_select(0, m.dec_index).reshape(D, kvh, 1, hd)
+    v_self = v1.index_select(0, m.dec_index).reshape(D, kvh, 1, hd)
+    s_self = (qd.reshape(D, kvh, g, hd) * k_self).float().sum(-1) * scale    # [D, KVH, g]
+    mx = torch.maximum(s.amax(dim=(1, 4)), s_self)
+    p = (s - mx.reshape(D, 1, kvh, g, 1)).exp()
+    p_self = (s_self - mx).exp()
+    den = p.sum(dim=(1, 4)) + p_self
+    o = (p.to(q.dtype) @ kvd[1]).sum(1).float() + p_self.unsqueeze(-1) * v_self.float()
+    o = (o / den.unsqueeze(-1)).to(q.dtype).reshape(D, H, hd)
+    out = out.index_copy(0, m.dec_index, o)
+
+    # chunks: padded queries over [cached tokens from the pool | the chunk's own new keys]
+    C, Q = m.chunk_index.shape
+    Wc = m.chunk_tables.shape[1]
+    idx = m.chunk_index.reshape(-1)
+    qc = q1.index_select(0, idx).reshape(C, Q, kvh, g, hd).permute(0, 2, 3, 1, 4)  # [C,KVH,g,Q,hd]
+    kvc = flat_gather(kv_layer, m.chunk_tables).to(q.dtype)
+    kvc = kvc.permute(0, 1, 3, 2, 4, 5).reshape(2, C, kvh, Wc * bs, hd)
+    kn = k1.index_select(0, idx).reshape(C, Q, kvh, hd).transpose(1, 2)
+    vn = v1.index_select(0, idx).reshape(C, Q, kvh, hd).transpose(1, 2)
+    keys = torch.cat([kvc[0], kn], dim=2).unsqueeze(2)                     # [C, KVH, 1, S+Q, hd]
+    vals = torch.cat([kvc[1], vn], dim=2).unsqueeze(2)
+    s = (qc @ keys.transpose(-1, -2)).float() * scale                     # [C, KVH, g, Q, S+Q]
+    j = torch.arange(Wc * bs + Q, device=q.device)
+    i = torch.arange(Q, device=q.device)
+    cached = j.reshape(1, 1, -1) < m.chunk_cached.reshape(C, 1, 1)         # [C, 1, S+Q]
+    jn = j - Wc * bs                                                        # index among new keys
+    new = (jn.reshape(1, 1, -1) >= 0) & (jn.reshape(1, 1, -1) <= i.reshape(1, Q, 1)) & \
+        (jn.reshape(1, 1, -1) < m.chunk_lens.reshape(C, 1, 1))
+    visible = (cached | new).reshape(C, 1, 1, Q, Wc * bs + Q)
+    s = s.masked_fill(~visible, minf)
+    p = torch.softmax(s, dim=-1).to(q.dtype)
+    oc = (p @ vals).permute(0, 3, 1, 2, 4).reshape(C * Q, H, hd)
+    out = out.index_copy(0, idx, oc)
+    return out[:T]
