@@ -76,6 +76,7 @@ def cmd_run(args) -> int:
 
 def cmd_backends() -> int:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from twophase.backends.registry import Registry
@@ -88,9 +89,9 @@ def cmd_backends() -> int:
         cells = []
         for device in ("cpu", "cuda"):
             why = reg.availability(name, device)
-            cells.append("[green]yes[/]" if why is None else f"[red]no[/]: {why}")
+            cells.append("[green]yes[/]" if why is None else f"[red]no[/]: {escape(why)}")
         table.add_row(name, info.source, *cells)
     for info in reg.failures:
-        table.add_row(info.name, info.source, f"[red]failed to load[/]: {info.error}", "")
+        table.add_row(info.name, info.source, f"[red]failed to load[/]: {escape(info.error)}", "")
     Console().print(table)
     return 0

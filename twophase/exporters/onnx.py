@@ -14,16 +14,24 @@ each sequence's last token, or all). Outputs: ``logits [N, vocab]`` float32, ``n
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
 import torch
 from torch import nn
 
-from twophase.backends.base import PrefillBatch
+from twophase.backends.base import ModelSpec, PrefillBatch
 from twophase.models.graph_attention import GraphMeta
 from twophase.models.llama import Llama
 
 INPUTS = ["input_ids", "positions", "kv_pool", "dec_index", "dec_tables", "dec_cached",
           "chunk_index", "chunk_tables", "chunk_cached", "chunk_lens", "logits_index"]
 OUTPUTS = ["logits", "new_k", "new_v"]
+log = logging.getLogger(__name__)
 
 
 class PagedStep(nn.Module):
@@ -92,3 +100,142 @@ def write_new_kv(pool: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor,
     for layer in range(pool.shape[0]):
         pool[layer, 0, blocks, :, offs] = new_k[layer].to(pool.dtype)
         pool[layer, 1, blocks, :, offs] = new_v[layer].to(pool.dtype)
+
+
+# -- export, cached by manifest ---------------------------------------------------------------
+OPSET = 18
+FORMAT = "twophase-onnx/1"
+
+
+def weights_digest(model: ModelSpec) -> str:
+    """sha256 of the weights' files (remembered beside them per file size and mtime, so a
+    second load does not re-read hundreds of MB); for random weights, the seed."""
+    if model.weights == "random":
+        return f"random:{model.seed}"
+    folder = Path(model.weights)
+    memo_path = folder / ".twophase-sha256.json"
+    memo = json.loads(memo_path.read_text()) if memo_path.exists() else {}
+    h = hashlib.sha256()
+    for f in sorted(folder.glob("*.safetensors")):
+        st = f.stat()
+        key = f"{f.name}:{st.st_size}:{st.st_mtime_ns}"
+        if key not in memo:
+            fh = hashlib.sha256()
+            with open(f, "rb") as src:
+                while chunk := src.read(1 << 24):
+                    fh.update(chunk)
+            memo[key] = fh.hexdigest()
+        h.update(memo[key].encode())
+    try:
+        memo_path.write_text(json.dumps(memo))
+    except OSError:           # a read-only model folder: hash again next time
+        pass
+    return h.hexdigest()
+
+
+def manifest_for(model: ModelSpec) -> dict[str, Any]:
+    import onnx
+
+    return {"format": FORMAT, "model_id": model.model_id, "arch": model.arch,
+            "dtype": str(model.dtype).removeprefix("torch."), "opset": OPSET,
+            "exporter": f"torch {torch.__version__}", "onnx": onnx.__version__,
+            "weights_sha256": weights_digest(model), "inputs": INPUTS, "outputs": OUTPUTS}
+
+
+def export_dir(manifest: dict[str, Any]) -> Path:
+    from twophase.models.hub import cache_dir
+
+    key = hashlib.sha256(json.dumps(manifest, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return cache_dir() / "onnx" / f"{manifest['model_id']}-{key}"
+
+
+def is_fresh(folder: Path, manifest: dict[str, Any]) -> bool:
+    """The export in ``folder`` was made from exactly this model and is complete."""
+    path = folder / "manifest.json"
+    if not path.exists():
+        return False
+    try:
+        saved = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return False
+    files = saved.pop("files", {})
+    same = json.loads(json.dumps(manifest, default=str)) == saved
+    return same and bool(files) and all(
+        (folder / name).exists() and (folder / name).stat().st_size == size
+        for name, size in files.items())
+
+
+def export(model: ModelSpec, out_dir: Path | None = None, force: bool = False) -> Path:
+    """The ONNX graph for ``model`` (``model.onnx`` + external weights + ``manifest.json``),
+    exported now unless an up-to-date one is already in ``out_dir`` (default: the cache)."""
+    manifest = manifest_for(model)
+    folder = Path(out_dir) if out_dir else export_dir(manifest)
+    if not force and is_fresh(folder, manifest):
+        return folder / "model.onnx"
+    if (folder / "manifest.json").exists():
+        log.warning("export in %s is stale or incomplete: rebuilding it", folder)
+    log.info("exporting %s to ONNX in %s (once; later runs reuse it)", model.model_id, folder)
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    step = PagedStep(_cpu_model(model)).eval()
+    args, dynamic = _example(step.model.arch, model.dtype)
+    import warnings
+
+    quiet = [logging.getLogger(n) for n in ("onnxscript", "onnx_ir", "torch.onnx")]
+    levels = [lg.level for lg in quiet]
+    for lg in quiet:                       # the exporter's passes log every node at INFO
+        lg.setLevel(logging.WARNING)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+                torch.onnx.export(step, args, str(tmp / "model.onnx"), dynamo=True, input_names=INPUTS,
+                              output_names=OUTPUTS, dynamic_shapes=dynamic, opset_version=OPSET,
+                              external_data=True)
+        finally:
+            for lg, level in zip(quiet, levels):
+                lg.setLevel(level)
+    manifest["files"] = {p.name: p.stat().st_size for p in tmp.iterdir()}
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return folder / "model.onnx"
+
+
+def _cpu_model(model: ModelSpec) -> Llama:
+    from twophase.models.shapes import LlamaArch
+    from twophase.models.weights import build_model
+
+    folder = None if model.weights == "random" else Path(model.weights)
+    return build_model(LlamaArch.from_dict(model.arch), model.dtype, torch.device("cpu"), folder,
+                       model.seed)
+
+
+def _example(arch, dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], dict[str, dict[int, Any]]]:
+    """A small mixed batch (2 decodes, 2 chunks after cached tokens) and every dim dynamic."""
+    from torch.export import Dim
+
+    L, kvh, hd = arch.num_layers, arch.num_kv_heads, arch.head_dim
+    bs, nb = 4, 16
+    pool = torch.zeros(L, 2, nb, kvh, bs, hd, dtype=dtype)
+    T = 8                                      # 2 decode tokens + chunks of 3 and 3
+    ex = {
+        "input_ids": torch.arange(T) % arch.vocab_size,
+        "positions": torch.tensor([5, 9, 2, 3, 4, 6, 7, 8]),
+        "kv_pool": pool,
+        "dec_index": torch.tensor([0, 1]),
+        "dec_tables": torch.tensor([[0, 1, 0], [2, 3, 4]]),
+        "dec_cached": torch.tensor([5, 9]),
+        "chunk_index": torch.tensor([[2, 3, 4], [5, 6, 7]]),
+        "chunk_tables": torch.tensor([[5, 0], [6, 7]]),
+        "chunk_cached": torch.tensor([2, 6]),
+        "chunk_lens": torch.tensor([3, 3]),
+        "logits_index": torch.tensor([0, 1, 4, 7]),
+    }
+    dims = {n: Dim(n) for n in ("T", "NB", "D", "Wd", "C", "Q", "Wc", "N")}
+    dynamic = {"input_ids": {0: dims["T"]}, "positions": {0: dims["T"]}, "kv_pool": {2: dims["NB"]},
+               "dec_index": {0: dims["D"]}, "dec_tables": {0: dims["D"], 1: dims["Wd"]},
+               "dec_cached": {0: dims["D"]}, "chunk_index": {0: dims["C"], 1: dims["Q"]},
+               "chunk_tables": {0: dims["C"], 1: dims["Wc"]}, "chunk_cached": {0: dims["C"]},
+               "chunk_lens": {0: dims["C"]}, "logits_index": {0: dims["N"]}}
+    return tuple(ex[n] for n in INPUTS), dynamic

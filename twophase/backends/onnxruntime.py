@@ -1,0 +1,166 @@
+"""The ONNX Runtime backend: the exported step graph (``twophase.exporters.onnx``) in an ORT
+session, CPU execution provider on ``device = "cpu"``, CUDA execution provider on ``"cuda"``.
+
+Zero-copy: the engine's KV pool, the small index inputs and the outputs are bound with IOBinding
+on the tensors' own memory (device pointers on CUDA), so a step copies neither the pool nor
+anything through the host. The graph returns the new tokens' K/V; they are written into the pool
+at the batch's slots (``index_put`` on the pool itself).
+
+The CUDA path is written from ONNX Runtime's documentation and has not run on this project's
+machines (none has ``onnxruntime-gpu`` and a GPU together).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+from twophase.backends.base import (Backend, BackendConfig, BackendUnavailable, Capabilities,
+                                    DecodeBatch, KVCache, KVCacheSpec, ModelSpec, PrefillBatch)
+from twophase.backends.hookspecs import hookimpl
+from twophase.errors import ConfigError
+from twophase.models.shapes import LlamaArch
+
+log = logging.getLogger(__name__)
+OPTIONS = {"threads", "inter_op_threads", "graph_optimization_level", "spinning", "export_dir"}
+LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC",
+          "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
+NP_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64}
+
+
+def _ort():
+    try:
+        import onnxruntime
+    except ImportError:
+        raise BackendUnavailable("onnxruntime is not installed: pip install 'twophase[onnx]' "
+                                 "(CPU) or 'twophase[onnx-cuda]' (GPU)") from None
+    return onnxruntime
+
+
+class OnnxRuntimeBackend(Backend):
+    name = "onnxruntime"
+
+    @classmethod
+    def check_available(cls, device: str = "cpu") -> None:
+        ort = _ort()
+        try:
+            kind = torch.device(device).type
+        except RuntimeError:
+            raise BackendUnavailable(f"backend.device {device!r} is not a device name") from None
+        if kind == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
+            raise BackendUnavailable(
+                f"onnxruntime {ort.__version__} has no CUDA execution provider "
+                f"(providers: {', '.join(ort.get_available_providers())}): install "
+                f"'twophase[onnx-cuda]' (onnxruntime-gpu, never beside onnxruntime)")
+        if kind == "cuda" and not torch.cuda.is_available():
+            raise BackendUnavailable("the CUDA execution provider needs a CUDA device torch can see "
+                                     "(the KV pool is a torch tensor)")
+        if kind not in ("cpu", "cuda"):
+            raise BackendUnavailable(f"device {device!r}: onnxruntime runs on cpu or cuda here")
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(devices=("cpu", "cuda"), dtypes=(torch.float32, torch.float16))
+
+    def load(self, model: ModelSpec, cfg: BackendConfig) -> None:
+        self.check_available(cfg.device)
+        unknown = set(cfg.options) - OPTIONS
+        if unknown:
+            raise ConfigError(f"backend.options.{sorted(unknown)[0]}", "unknown option for the "
+                              f"onnxruntime backend; allowed: {', '.join(sorted(OPTIONS))}")
+        if model.dtype not in NP_DTYPES or (model.dtype == torch.float16 and cfg.device == "cpu"):
+            raise ConfigError("model.dtype", f"{model.dtype} is not supported by the onnxruntime "
+                                             f"backend on {cfg.device}; use float32")
+        from twophase.exporters import onnx as exporter
+
+        self.device = torch.device(cfg.device)
+        self.arch = LlamaArch.from_dict(model.arch)
+        self.dtype = model.dtype
+        out = cfg.options.get("export_dir")
+        path = exporter.export(model, out)
+        try:
+            self.session = self._session(path, cfg.options)
+        except Exception as exc:     # a corrupt export (truncated weights, bad protobuf)
+            if isinstance(exc, BackendUnavailable):
+                raise
+            log.warning("could not load %s (%s): exporting again", path, exc)
+            path = exporter.export(model, out, force=True)
+            self.session = self._session(path, cfg.options)
+
+    def _session(self, path, options: dict[str, Any]):
+        ort = _ort()
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = int(options.get("threads", torch.get_num_threads()))
+        so.inter_op_num_threads = int(options.get("inter_op_threads", 1))
+        level = options.get("graph_optimization_level", "all")
+        if level not in LEVELS:
+            raise ConfigError("backend.options.graph_optimization_level",
+                              f"must be one of {', '.join(LEVELS)}; got {level!r}")
+        so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, LEVELS[level])
+        # spinning threads steal the cores torch needs when both run in one process
+        spin = "1" if options.get("spinning", False) else "0"
+        so.add_session_config_entry("session.intra_op.allow_spinning", spin)
+        so.add_session_config_entry("session.inter_op.allow_spinning", spin)
+        if self.device.type == "cuda":
+            providers = [("CUDAExecutionProvider", {"device_id": self.device.index or 0}),
+                         "CPUExecutionProvider"]
+        else:
+            providers = ["CPUExecutionProvider"]
+        sess = ort.InferenceSession(str(path), so, providers=providers)
+        if self.device.type == "cuda" and "CUDAExecutionProvider" not in sess.get_providers():
+            raise BackendUnavailable("onnxruntime could not start its CUDA execution provider "
+                                     "(check that the CUDA and cuDNN libraries it needs load)")
+        return sess
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return KVCacheSpec(self.arch.num_layers, self.arch.num_kv_heads, self.arch.head_dim,
+                           self.dtype, self.device)
+
+    def bind_kv_cache(self, kv: KVCache) -> None:
+        if kv.pool.dtype != self.dtype:
+            raise ConfigError("cache.dtype", f"the onnxruntime backend's graph reads a "
+                              f"{self.dtype} pool, not {kv.pool.dtype}")
+        self.kv = kv
+
+    # -- the two operations -----------------------------------------------------------------
+    def prefill(self, batch: PrefillBatch) -> torch.Tensor:
+        from twophase.exporters.onnx import graph_inputs, write_new_kv
+
+        inputs = graph_inputs(batch, self.kv.block_size)
+        logits, new_k, new_v = self._run(inputs)
+        write_new_kv(self.kv.pool, new_k, new_v, batch.slot_mapping.to(self.device))
+        return logits
+
+    def decode(self, batch: DecodeBatch) -> torch.Tensor:
+        return self.prefill(batch.as_prefill())
+
+    def _run(self, inputs: dict[str, torch.Tensor]):
+        dev = self.device
+        kind, index = ("cuda", dev.index or 0) if dev.type == "cuda" else ("cpu", 0)
+        io = self.session.io_binding()
+        keep = []                                   # tensors must outlive the run
+        for name, t in [("kv_pool", self.kv.pool), *inputs.items()]:
+            t = t.to(dev).contiguous()
+            keep.append(t)
+            io.bind_input(name, kind, index, NP_DTYPES[t.dtype], list(t.shape), t.data_ptr())
+        T, N = inputs["input_ids"].shape[0], inputs["logits_index"].shape[0]
+        a = self.arch
+        outs = {"logits": torch.empty(N, a.vocab_size, dtype=torch.float32, device=dev),
+                "new_k": torch.empty(a.num_layers, T, a.num_kv_heads, a.head_dim, dtype=self.dtype, device=dev),
+                "new_v": torch.empty(a.num_layers, T, a.num_kv_heads, a.head_dim, dtype=self.dtype, device=dev)}
+        for name, t in outs.items():
+            io.bind_output(name, kind, index, NP_DTYPES[t.dtype], list(t.shape), t.data_ptr())
+        if dev.type == "cuda":
+            torch.cuda.current_stream(dev).synchronize()     # inputs copied before ORT reads
+        io.synchronize_inputs()
+        self.session.run_with_iobinding(io)
+        io.synchronize_outputs()
+        return outs["logits"], outs["new_k"], outs["new_v"]
+
+
+@hookimpl
+def twophase_backends() -> list[type[Backend]]:
+    return [OnnxRuntimeBackend]
