@@ -38,6 +38,9 @@ class BackendSection:
     name: str = "torch"
     device: str = "cpu"
     options: dict[str, Any] = field(default_factory=dict)
+    # the phases on different backends over one KV pool: [backend.prefill] and [backend.decode]
+    prefill: BackendSection | None = None
+    decode: BackendSection | None = None
 
 
 @dataclass
@@ -101,6 +104,11 @@ class Config:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     base_dir: Path = field(default=Path("."), metadata={"internal": True})
 
+    def phases(self) -> tuple[BackendSection, BackendSection]:
+        """The (prefill, decode) backend sections: the pair if given, else [backend] twice."""
+        b = self.backend
+        return (b.prefill, b.decode) if b.prefill is not None else (b, b)
+
     def resolve(self, relative: str) -> Path:
         """A path from the config, relative to the config file's folder."""
         p = Path(relative).expanduser()
@@ -110,6 +118,7 @@ class Config:
 def load_config(source: str | Path | dict[str, Any]) -> Config:
     """A checked ``Config`` from a TOML path or a dict of the TOML's shape."""
     if isinstance(source, dict):
+        _check_backend_shape(source)
         cfg = _build(Config, source, "")
         cfg.base_dir = Path(".")
     else:
@@ -122,10 +131,27 @@ def load_config(source: str | Path | dict[str, Any]) -> Config:
             raise ConfigError("", f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError("", f"{path}: TOML syntax error: {exc}") from None
+        _check_backend_shape(data)
         cfg = _build(Config, data, "")
         cfg.base_dir = path.resolve().parent
     _check(cfg)
     return cfg
+
+
+def _check_backend_shape(data: dict[str, Any]) -> None:
+    b = data.get("backend")
+    if not isinstance(b, dict):
+        return
+    split = [k for k in ("prefill", "decode") if k in b]
+    if split and len(split) != 2:
+        raise ConfigError(f"backend.{split[0]}", "give both [backend.prefill] and [backend.decode]")
+    if split and set(b) - {"prefill", "decode"}:
+        other = sorted(set(b) - {"prefill", "decode"})[0]
+        raise ConfigError(f"backend.{other}", "give either [backend] (one backend for both "
+                          "phases) or [backend.prefill] and [backend.decode], not both")
+    for k in split:
+        if isinstance(b[k], dict) and {"prefill", "decode"} & set(b[k]):
+            raise ConfigError(f"backend.{k}", "a phase's backend cannot be split again")
 
 
 def _check(cfg: Config) -> None:

@@ -59,23 +59,55 @@ class LLM:
         t0 = time.perf_counter()
         self.config = config
         self.registry = registry or Registry()
-        mc, bc = config.model, config.backend
-        backend_cls = self.registry.get(bc.name)
-        backend_cls.check_available(bc.device)
-        self.model = loader.resolve(mc, bc.device)
+        mc = config.model
+        pcfg, dcfg = config.phases()
+        split = config.backend.prefill is not None
+        for key, sec in ((("backend.prefill", pcfg), ("backend.decode", dcfg)) if split
+                         else (("backend", pcfg),)):
+            self.registry.get(sec.name, f"{key}.name").check_available(sec.device)
+        if _device_key(pcfg.device) != _device_key(dcfg.device):
+            raise ConfigError("backend.decode.device",
+                              f"prefill runs on {pcfg.device!r} and decode on {dcfg.device!r}: both "
+                              f"phases read and write one KV pool, so they must share a device")
+        device = pcfg.device
+        self.model = loader.resolve(mc, device)
         arch = self.model.arch
         self.max_model_len = min(mc.max_model_len or arch.max_position_embeddings,
                                  arch.max_position_embeddings)
-        self._check_fits(bc.device)
+        self._check_fits(device)
         spec = ModelSpec(arch.to_dict(), self.model.weights, self.model.dtype, self.model.model_id, mc.seed)
-        self.backend = backend_cls()
-        self.backend.load(spec, BackendConfig(bc.name, bc.device, dict(bc.options)))
-        self.kv_cache = self._allocate_pool(bc.device)
-        self.backend.bind_kv_cache(self.kv_cache)
+        self.prefill_backend = self._load_backend(pcfg, spec)
+        same = (pcfg.name, pcfg.device, pcfg.options) == (dcfg.name, dcfg.device, dcfg.options)
+        self.decode_backend = self.prefill_backend if same else self._load_backend(dcfg, spec)
+        if not same:
+            self._check_pool_sharing(pcfg, dcfg)
+        self.backend = self.prefill_backend
+        self.kv_cache = self._allocate_pool(device)
+        for b in {id(self.prefill_backend): self.prefill_backend,
+                  id(self.decode_backend): self.decode_backend}.values():
+            b.bind_kv_cache(self.kv_cache)
         self.engine = self._build_engine()
         self.load_time_s = time.perf_counter() - t0
+        names = pcfg.name if same else f"{pcfg.name} prefill + {dcfg.name} decode"
         log.info("loaded %s on %s/%s in %.2f s (%d KV blocks of %d tokens)", self.model.model_id,
-                 bc.name, bc.device, self.load_time_s, self.num_blocks, config.cache.block_size)
+                 names, device, self.load_time_s, self.num_blocks, config.cache.block_size)
+
+    def _load_backend(self, sec, spec: ModelSpec):
+        backend = self.registry.get(sec.name)()
+        backend.load(spec, BackendConfig(sec.name, sec.device, dict(sec.options)))
+        return backend
+
+    def _check_pool_sharing(self, pcfg, dcfg) -> None:
+        p, d = self.prefill_backend, self.decode_backend
+        for key, b, sec in (("backend.prefill", p, pcfg), ("backend.decode", d, dcfg)):
+            if not b.capabilities().shares_kv_pool:
+                raise ConfigError(f"{key}.name", f"the {sec.name} backend keeps its own KV pool, "
+                                  f"so it cannot share the phases with another backend")
+        ps, ds = p.kv_cache_spec(), d.kv_cache_spec()
+        if ps.dtype != ds.dtype:
+            raise ConfigError("backend.decode.name", f"prefill ({pcfg.name}) keeps K/V in "
+                              f"{ps.dtype} and decode ({dcfg.name}) in {ds.dtype}: the phases "
+                              f"share one pool, so they must agree")
 
     @classmethod
     def from_config(cls, source: str | Path | dict[str, Any]) -> "LLM":
@@ -98,7 +130,9 @@ class LLM:
 
     def _allocate_pool(self, device: str) -> KVCache:
         cc = self.config.cache
-        spec = self.backend.kv_cache_spec()
+        spec = self.prefill_backend.kv_cache_spec()
+        scratch = max(spec.scratch_blocks, self.decode_backend.kv_cache_spec().scratch_blocks)
+        spec = type(spec)(**{**spec.__dict__, "scratch_blocks": scratch})
         if cc.dtype != "auto":
             spec = type(spec)(**{**spec.__dict__, "dtype": loader.DTYPES[cc.dtype]})
         per_block = spec.bytes_per_block(cc.block_size)
@@ -127,20 +161,20 @@ class LLM:
 
     def _build_engine(self, clock=time.perf_counter) -> Engine:
         sc, cc = self.config.scheduler, self.config.cache
-        caps = self.backend.capabilities()
-        on_cuda = torch.device(self.config.backend.device).type == "cuda"
-        chunked = sc.chunked_prefill and caps.chunked_prefill
+        pc, dc = self.prefill_backend.capabilities(), self.decode_backend.capabilities()
+        on_cuda = torch.device(self.config.phases()[0].device).type == "cuda"
+        chunked = sc.chunked_prefill and pc.chunked_prefill
         budget = sc.max_num_batched_tokens or (
             (4096 if on_cuda else 512) if chunked else self.max_model_len)
-        max_seqs = min(sc.max_num_seqs, caps.max_num_seqs or sc.max_num_seqs)
-        if caps.max_num_tokens:
-            budget = min(budget, caps.max_num_tokens)
+        max_seqs = min(x for x in (sc.max_num_seqs, pc.max_num_seqs, dc.max_num_seqs) if x)
+        if pc.max_num_tokens:
+            budget = min(budget, pc.max_num_tokens)
         if sc.policy == "decode-first" and chunked and budget <= max_seqs:
             raise ConfigError("scheduler.max_num_batched_tokens",
                               f"{budget} must exceed scheduler.max_num_seqs ({max_seqs})")
         kv = KVManager(self.num_blocks, cc.block_size, cc.prefix_caching)
         scheduler = Scheduler(kv, max_seqs, budget, sc.policy, chunked)
-        return Engine(self.backend, self.backend, kv, scheduler, self.tokenizer,
+        return Engine(self.prefill_backend, self.decode_backend, kv, scheduler, self.tokenizer,
                       self.max_model_len, self.model.arch.eos_token_ids, clock,
                       vocab_size=self.model.arch.vocab_size)
 
@@ -196,8 +230,8 @@ class LLM:
         rep["prefix_cache_hit_rate"] = self.engine.kv.hit_rate
         rep["kv_blocks_total"] = self.num_blocks
         rep["load_time_s"] = self.load_time_s
-        rep["backend"] = {"prefill": self.config.backend.name, "decode": self.config.backend.name,
-                          "device": self.config.backend.device}
+        p, d = self.config.phases()
+        rep["backend"] = {"prefill": p.name, "decode": d.name, "device": p.device}
         return rep
 
     def reset_stats(self) -> None:
@@ -216,3 +250,8 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
 
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
+def _device_key(device: str) -> tuple[str, int]:
+    d = torch.device(device)
+    return d.type, d.index or 0

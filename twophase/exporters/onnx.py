@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -180,8 +181,6 @@ def export(model: ModelSpec, out_dir: Path | None = None, force: bool = False) -
     tmp.mkdir(parents=True)
     step = PagedStep(_cpu_model(model)).eval()
     args, dynamic = _example(step.model.arch, model.dtype)
-    import warnings
-
     quiet = [logging.getLogger(n) for n in ("onnxscript", "onnx_ir", "torch.onnx")]
     levels = [lg.level for lg in quiet]
     for lg in quiet:                       # the exporter's passes log every node at INFO
@@ -189,9 +188,9 @@ def export(model: ModelSpec, out_dir: Path | None = None, force: bool = False) -
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-                torch.onnx.export(step, args, str(tmp / "model.onnx"), dynamo=True, input_names=INPUTS,
-                              output_names=OUTPUTS, dynamic_shapes=dynamic, opset_version=OPSET,
-                              external_data=True)
+            torch.onnx.export(step, args, str(tmp / "model.onnx"), dynamo=True,
+                              input_names=INPUTS, output_names=OUTPUTS, dynamic_shapes=dynamic,
+                              opset_version=OPSET, external_data=True)
         finally:
             for lg, level in zip(quiet, levels):
                 lg.setLevel(level)
