@@ -22,12 +22,19 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--json", metavar="FILE", help="write completions, report and steps as JSON")
     run.add_argument("--quiet", action="store_true", help="report only, no completions")
     sub.add_parser("backends", help="list registered backends and whether they can run here")
+    exp = sub.add_parser("export", help="export a config's model to a compiled format (cached)")
+    exp.add_argument("config", help="TOML file")
+    exp.add_argument("--format", choices=["onnx"], default="onnx")
+    exp.add_argument("--out", metavar="DIR", help="folder (default: under $TWOPHASE_CACHE)")
+    exp.add_argument("--force", action="store_true", help="export again even if up to date")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "run":
             return cmd_run(args)
+        if args.command == "export":
+            return cmd_export(args)
         return cmd_backends()
     except ConfigError as exc:
         print(f"twophase: config error: {exc}", file=sys.stderr)
@@ -94,4 +101,19 @@ def cmd_backends() -> int:
     for info in reg.failures:
         table.add_row(info.name, info.source, f"[red]failed to load[/]: {escape(info.error)}", "")
     Console().print(table)
+    return 0
+
+
+def cmd_export(args) -> int:
+    from twophase.config import load_config
+
+    cfg = load_config(args.config)
+    from twophase.backends.base import ModelSpec
+    from twophase.exporters import onnx as exporter
+    from twophase.models import loader
+
+    m = loader.resolve(cfg.model, "cpu")          # exporting never needs a GPU
+    spec = ModelSpec(m.arch.to_dict(), m.weights, m.dtype, m.model_id, cfg.model.seed)
+    path = exporter.export(spec, args.out, force=args.force)
+    print(path)
     return 0

@@ -1,0 +1,168 @@
+"""The onnxruntime backend: the exported graph equals the torch model, alone and with the
+phases routed to different backends; stale or corrupt exports are rebuilt."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from conftest import GREEDY_TOKENS, assert_greedy_match, tiny_llm
+from twophase import LLM, SamplingParams
+from twophase.backends.base import BackendUnavailable
+from twophase.exporters import onnx as exporter
+
+pytest.importorskip("onnxruntime")
+
+TINY = {"cache": {"num_blocks": 64, "block_size": 4},
+        "scheduler": {"max_num_batched_tokens": 48, "max_num_seqs": 8}}
+
+
+def _prompts(n=12, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(rng.randint(1, 70))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def torch_tokens():
+    return [o.token_ids for o in tiny_llm(**TINY).generate(
+        _prompts(), SamplingParams(max_tokens=16, ignore_eos=True))]
+
+
+@pytest.mark.parametrize("backend", [
+    {"name": "onnxruntime"},
+    {"prefill": {"name": "onnxruntime"}, "decode": {"name": "torch"}},
+    {"prefill": {"name": "torch"}, "decode": {"name": "onnxruntime"}},
+])
+def test_greedy_tokens_equal_torch_with_chunking_and_preemption(backend, torch_tokens):
+    llm = tiny_llm(**TINY, backend=backend)
+    outs = llm.generate(_prompts(), SamplingParams(max_tokens=16, ignore_eos=True))
+    rep = llm.report(outs)
+    assert rep["preemptions"] > 0 and rep["steps_by_mix"].get("mixed")
+    assert [o.token_ids for o in outs] == torch_tokens
+    assert llm.engine.kv.num_free_blocks == llm.num_blocks
+
+
+def test_prefix_cache_hits_through_onnxruntime():
+    llm = tiny_llm(backend={"name": "onnxruntime"})
+    ref = tiny_llm()
+    prefix = list(range(10, 60))
+    prompts = [prefix + [100 + i] for i in range(3)]
+    p = SamplingParams(max_tokens=6, ignore_eos=True)
+    got = [llm.generate([q], p)[0] for q in prompts]
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref.generate(prompts, p)]
+    assert got[-1].metrics["num_cached_tokens"] == 48
+
+
+@pytest.mark.parametrize("case", ["fresh prompts", "chunk after cached tokens",
+                                  "decodes of unequal lengths", "all positions"])
+def test_logits_match_torch_on_the_same_pool(case):
+    """Both backends run the same batch on copies of one pool: logits within 1e-4 relative."""
+    llm = tiny_llm(cache={"num_blocks": 128, "block_size": 4})
+    ort = llm.registry.get("onnxruntime")()
+    from twophase.backends.base import BackendConfig, KVCache, ModelSpec
+
+    m = llm.model
+    ort.load(ModelSpec(m.arch.to_dict(), m.weights, m.dtype, m.model_id, 0), BackendConfig("onnxruntime"))
+    eng = llm.engine
+    reqs = [eng.add_request(list(range(3 + i, 3 + i + n)), SamplingParams(max_tokens=8, ignore_eos=True))
+            for i, n in enumerate((9, 30, 21))]
+    if case != "fresh prompts":
+        while any(r.num_output_tokens < 2 for r in reqs):
+            eng.step()
+    if case == "chunk after cached tokens":
+        reqs = [eng.add_request(list(range(3, 3 + 9)) + list(range(200, 230)), SamplingParams(max_tokens=3))]
+    sched = eng.scheduler.schedule()
+    items = [(r, r.num_computed_tokens, 1) for r in sched.decodes] + \
+            [(r, r.num_computed_tokens, n) for r, n in sched.prefills]
+    if case == "chunk after cached tokens":
+        assert any(s > 0 and n > 1 for _, s, n in items)
+    if case == "decodes of unequal lengths":
+        assert len({s for _, s, _ in items}) > 1 and all(n == 1 for _, _, n in items)
+    batch = eng._prefill_batch(items)
+    batch.logits = "all" if case == "all positions" else "last"
+    before = llm.kv_cache.pool.clone()
+    want = llm.backend.prefill(batch)
+    torch_pool = llm.kv_cache.pool.clone()
+    ort.bind_kv_cache(KVCache(before, 4))
+    got = ort.prefill(batch)
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-4
+    assert torch.allclose(before, torch_pool, atol=1e-5)       # the same K/V written
+
+
+def test_stale_and_corrupt_exports_are_rebuilt(tmp_path, caplog):
+    import shutil
+
+    from twophase.backends.base import BackendConfig, ModelSpec
+
+    llm = tiny_llm()
+    m = llm.model
+    spec = ModelSpec(m.arch.to_dict(), m.weights, m.dtype, m.model_id, 0)
+    cached = exporter.export(spec)                      # shared with the other tests
+    assert exporter.export(spec) == cached               # reused, not exported again
+    manifest = json.loads((cached.parent / "manifest.json").read_text())
+    assert manifest["weights_sha256"] == "random:0" and manifest["opset"] == exporter.OPSET
+    other = ModelSpec(m.arch.to_dict(), m.weights, m.dtype, m.model_id, 1)
+    assert not exporter.is_fresh(cached.parent, exporter.manifest_for(other))   # stale weights
+    folder = tmp_path / "export"
+    shutil.copytree(cached.parent, folder)
+    data = folder / "model.onnx.data"
+    data.write_bytes(data.read_bytes()[:100])            # truncated: caught by the manifest
+    assert not exporter.is_fresh(folder, exporter.manifest_for(spec))
+    shutil.rmtree(folder)
+    shutil.copytree(cached.parent, folder)
+    graph = folder / "model.onnx"
+    graph.write_bytes(b"\0" * graph.stat().st_size)     # same size, garbage: caught by ORT
+    ort = llm.registry.get("onnxruntime")()
+    ort.load(spec, BackendConfig("onnxruntime", options={"export_dir": str(folder)}))
+    assert "exporting again" in caplog.text
+    assert exporter.is_fresh(folder, exporter.manifest_for(spec))
+    assert graph.read_bytes()[:1] != b"\0"
+
+
+def test_cuda_without_the_cuda_provider_is_a_clear_error():
+    import onnxruntime
+
+    if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
+        pytest.skip("this onnxruntime has the CUDA provider")
+    with pytest.raises(BackendUnavailable, match="onnxruntime-gpu"):
+        tiny_llm(backend={"name": "onnxruntime", "device": "cuda"})
+
+
+def test_split_phases_must_share_a_device_and_pool():
+    from twophase.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="not both"):
+        tiny_llm(backend={"name": "torch", "prefill": {"name": "onnxruntime"},
+                          "decode": {"name": "torch"}})
+    with pytest.raises(ConfigError, match="give both"):
+        tiny_llm(backend={"prefill": {"name": "onnxruntime"}})
+
+
+@pytest.mark.slow
+def test_default_model_greedy_equals_torch(default_llm, default_prompts):
+    ort = LLM.from_config({"backend": {"name": "onnxruntime"}, "cache": {"num_blocks": 256},
+                           "scheduler": {"max_num_batched_tokens": 64}})
+    p = SamplingParams(max_tokens=GREEDY_TOKENS, logprobs=2)
+    ref = default_llm.generate(default_prompts, p)
+    got = ort.generate(default_prompts, p)
+    for i, (r, g) in enumerate(zip(ref, got)):
+        gaps = [sorted(lp.values(), reverse=True) for lp in r.logprobs]
+        assert_greedy_match(g.token_ids, r.token_ids, [a - b for a, b, *_ in gaps], f"prompt {i}")
+
+
+@pytest.mark.gpu
+def test_cuda_execution_provider_equals_torch_on_cuda():
+    import onnxruntime
+
+    if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+        pytest.skip("needs onnxruntime-gpu")
+    cfg = {"model": {"name": "tiny", "weights": "random", "dtype": "float32"},
+           "cache": {"num_blocks": 64}}
+    a = LLM.from_config({**cfg, "backend": {"name": "torch", "device": "cuda"}})
+    b = LLM.from_config({**cfg, "backend": {"name": "onnxruntime", "device": "cuda"}})
+    p = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompts = _prompts(6)
+    assert [o.token_ids for o in a.generate(prompts, p)] == [o.token_ids for o in b.generate(prompts, p)]
