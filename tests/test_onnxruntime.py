@@ -144,7 +144,7 @@ def test_split_phases_must_share_a_device_and_pool():
 @pytest.mark.slow
 def test_default_model_greedy_equals_torch(default_llm, default_prompts):
     ort = LLM.from_config({"backend": {"name": "onnxruntime"}, "cache": {"num_blocks": 256},
-                           "scheduler": {"max_num_batched_tokens": 64}})
+                           "scheduler": {"max_num_batched_tokens": 64, "max_num_seqs": 8}})
     p = SamplingParams(max_tokens=GREEDY_TOKENS, logprobs=2)
     ref = default_llm.generate(default_prompts, p)
     got = ort.generate(default_prompts, p)

@@ -2,8 +2,8 @@
 
 One graph serves both phases and any mix: a batch of one-token decodes, prefill chunks after
 cached tokens, or both at once (``twophase.models.graph_attention``). Every dimension is dynamic
-(tokens, sequences, chunk length, block-table widths, pool size), so one export serves any
-batch and any pool. The dynamo exporter is used: the TorchScript one hard-coded the block-table
+(tokens, sequences, chunk length, block-table widths, pool size, block size), so one export
+serves any batch and any pool. The dynamo exporter is used: the TorchScript one hard-coded the block-table
 width and failed at run time.
 
 Inputs: ``input_ids [T]``, ``positions [T]``, ``kv_pool [L, 2, NB, KVH, BS, hd]``, the seven
@@ -105,7 +105,7 @@ def write_new_kv(pool: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor,
 
 # -- export, cached by manifest ---------------------------------------------------------------
 OPSET = 18
-FORMAT = "twophase-onnx/1"
+FORMAT = "twophase-onnx/3"      # 2: block size dynamic; 3: not optimised by onnxscript
 
 
 def weights_digest(model: ModelSpec) -> str:
@@ -190,7 +190,8 @@ def export(model: ModelSpec, out_dir: Path | None = None, force: bool = False) -
         try:
             torch.onnx.export(step, args, str(tmp / "model.onnx"), dynamo=True,
                               input_names=INPUTS, output_names=OUTPUTS, dynamic_shapes=dynamic,
-                              opset_version=OPSET, external_data=True)
+                              opset_version=OPSET, external_data=True,
+                              optimize=False)   # ORT optimises at load; onnxscript's pass took minutes
         finally:
             for lg, level in zip(quiet, levels):
                 lg.setLevel(level)
@@ -231,8 +232,9 @@ def _example(arch, dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], dict[s
         "chunk_lens": torch.tensor([3, 3]),
         "logits_index": torch.tensor([0, 1, 4, 7]),
     }
-    dims = {n: Dim(n) for n in ("T", "NB", "D", "Wd", "C", "Q", "Wc", "N")}
-    dynamic = {"input_ids": {0: dims["T"]}, "positions": {0: dims["T"]}, "kv_pool": {2: dims["NB"]},
+    dims = {n: Dim(n) for n in ("T", "NB", "BS", "D", "Wd", "C", "Q", "Wc", "N")}
+    dynamic = {"input_ids": {0: dims["T"]}, "positions": {0: dims["T"]},
+               "kv_pool": {2: dims["NB"], 4: dims["BS"]},
                "dec_index": {0: dims["D"]}, "dec_tables": {0: dims["D"], 1: dims["Wd"]},
                "dec_cached": {0: dims["D"]}, "chunk_index": {0: dims["C"], 1: dims["Q"]},
                "chunk_tables": {0: dims["C"], 1: dims["Wc"]}, "chunk_cached": {0: dims["C"]},
