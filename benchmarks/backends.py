@@ -30,7 +30,10 @@ def build(args, prefill: str, decode: str) -> LLM:
     backend = {"name": prefill} if prefill == decode else \
         {"prefill": {"name": prefill}, "decode": {"name": decode}}
     return LLM.from_config({"model": model, "backend": backend,
-                            "scheduler": {"max_num_batched_tokens": 512, "max_num_seqs": 64},
+                            "scheduler": {"max_num_batched_tokens": 512, "max_num_seqs": 64,
+                                          # every prompt prefilled before any decode: the
+                                          # decode steps then all carry the whole batch
+                                          "policy": "prefill-first"},
                             "cache": {"prefix_caching": False, "num_blocks": 1024}})
 
 

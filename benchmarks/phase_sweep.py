@@ -27,7 +27,8 @@ def build(args, budget: int) -> LLM:
               **({"num_layers": args.num_layers} if args.num_layers else {})})
     return LLM.from_config({
         "model": model, "backend": {"name": args.backend, "device": args.device},
-        "scheduler": {"max_num_batched_tokens": budget, "max_num_seqs": max(args.batch_sizes)},
+        "scheduler": {"max_num_batched_tokens": budget, "max_num_seqs": max(args.batch_sizes),
+                      "policy": "prefill-first"},   # all prompts in before decodes start
         "cache": {"prefix_caching": False, "memory_gb": args.kv_gb}})
 
 

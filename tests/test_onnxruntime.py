@@ -143,14 +143,20 @@ def test_split_phases_must_share_a_device_and_pool():
 
 @pytest.mark.slow
 def test_default_model_greedy_equals_torch(default_llm, default_prompts):
-    ort = LLM.from_config({"backend": {"name": "onnxruntime"}, "cache": {"num_blocks": 256},
+    """Chunked mixed batches under a pool small enough to preempt, then again with prefix hits."""
+    ort = LLM.from_config({"backend": {"name": "onnxruntime"}, "cache": {"num_blocks": 8},
                            "scheduler": {"max_num_batched_tokens": 64, "max_num_seqs": 8}})
     p = SamplingParams(max_tokens=GREEDY_TOKENS, logprobs=2)
     ref = default_llm.generate(default_prompts, p)
-    got = ort.generate(default_prompts, p)
-    for i, (r, g) in enumerate(zip(ref, got)):
+    first = ort.generate(default_prompts, p)
+    assert ort.report(first)["preemptions"] > 0
+    again = [ort.generate([q], p)[0] for q in default_prompts]    # chat prompts share a prefix
+    assert any(o.metrics["num_cached_tokens"] for o in again)
+    for i, r in enumerate(ref):
         gaps = [sorted(lp.values(), reverse=True) for lp in r.logprobs]
-        assert_greedy_match(g.token_ids, r.token_ids, [a - b for a, b, *_ in gaps], f"prompt {i}")
+        gaps = [a - b for a, b, *_ in gaps]
+        assert_greedy_match(first[i].token_ids, r.token_ids, gaps, f"prompt {i}")
+        assert_greedy_match(again[i].token_ids, r.token_ids, gaps, f"prompt {i}, prefix hits")
 
 
 @pytest.mark.gpu
