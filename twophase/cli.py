@@ -1,4 +1,7 @@
-"""``twophase``: run a config, list backends. User mistakes end in one message, not a traceback."""
+"""twophase: run a config, list backends, export models.
+
+User mistakes end in one message (exit status 2 for config errors), never a traceback.
+"""
 
 from __future__ import annotations
 

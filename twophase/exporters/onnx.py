@@ -105,7 +105,7 @@ def write_new_kv(pool: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor,
 
 # -- export, cached by manifest ---------------------------------------------------------------
 OPSET = 18
-FORMAT = "twophase-onnx/3"      # 2: block size dynamic; 3: not optimised by onnxscript
+FORMAT = "twophase-onnx/4"      # 2: dynamic block size; 3: no onnxscript pass; 4: flat pool gather
 
 
 def weights_digest(model: ModelSpec) -> str:

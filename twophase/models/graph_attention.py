@@ -31,6 +31,7 @@ class GraphMeta:
     chunk_cached: torch.Tensor   # [C] tokens cached before the chunk
     chunk_lens: torch.Tensor     # [C] real tokens in the chunk
     new_kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    layer: int = 0               # the layer being traced (set by the model's layer loop)
 
 
 def flat_gather(kv_layer: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
@@ -42,11 +43,22 @@ def flat_gather(kv_layer: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     return out.reshape(2, tables.shape[0], tables.shape[1], *rest)
 
 
-def graph_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+def pool_gather(pool: torch.Tensor, layer: int, tables: torch.Tensor) -> torch.Tensor:
+    """Like ``flat_gather`` but indexing the whole pool ``[L, 2, NB, ...]`` as one flat array of
+    blocks: in a graph, selecting ``pool[layer]`` first becomes a Gather that copies the whole
+    layer's slab on every step."""
+    nb_total = pool.shape[2]
+    flat = tables.reshape(-1) + 2 * layer * nb_total
+    rest = pool.shape[3:]
+    out = pool.reshape(-1, *rest).index_select(0, torch.cat([flat, flat + nb_total]))
+    return out.reshape(2, tables.shape[0], tables.shape[1], *rest)
+
+
+def graph_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor,
                     m: GraphMeta, scale: float) -> torch.Tensor:
-    """q: [T, H, hd]; k, v: [T, KVH, hd]; kv_layer: [2, NB, KVH, BS, hd] → [T, H, hd]."""
+    """q: [T, H, hd]; k, v: [T, KVH, hd]; pool: [L, 2, NB, KVH, BS, hd] → [T, H, hd]."""
     T, H, hd = q.shape
-    kvh, bs = kv_layer.shape[2], kv_layer.shape[3]
+    kvh, bs = pool.shape[3], pool.shape[4]
     g = H // kvh
     minf = torch.finfo(torch.float32).min
     # one zero row at index T: where chunk padding slots read from and write to
@@ -58,7 +70,7 @@ def graph_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer:
     # decodes: cached blocks, block by block, plus the token's own new key
     D, Wd = m.dec_tables.shape
     qd = q1.index_select(0, m.dec_index).reshape(D, 1, kvh, g, hd)
-    kvd = flat_gather(kv_layer, m.dec_tables).to(q.dtype)                  # [2, D, Wd, KVH, BS, hd]
+    kvd = pool_gather(pool, m.layer, m.dec_tables).to(q.dtype)                  # [2, D, Wd, KVH, BS, hd]
     s = (qd @ kvd[0].transpose(-1, -2)).float() * scale                   # [D, Wd, KVH, g, BS]
     pos = torch.arange(Wd * bs, device=q.device).reshape(1, Wd, 1, 1, bs)
     s = s.masked_fill(pos >= m.dec_cached.reshape(D, 1, 1, 1, 1), minf)
@@ -78,7 +90,7 @@ def graph_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer:
     Wc = m.chunk_tables.shape[1]
     idx = m.chunk_index.reshape(-1)
     qc = q1.index_select(0, idx).reshape(C, Q, kvh, g, hd).permute(0, 2, 3, 1, 4)  # [C,KVH,g,Q,hd]
-    kvc = flat_gather(kv_layer, m.chunk_tables).to(q.dtype)
+    kvc = pool_gather(pool, m.layer, m.chunk_tables).to(q.dtype)
     kvc = kvc.permute(0, 1, 3, 2, 4, 5).reshape(2, C, kvh, Wc * bs, hd)
     kn = k1.index_select(0, idx).reshape(C, Q, kvh, hd).transpose(1, 2)
     vn = v1.index_select(0, idx).reshape(C, Q, kvh, hd).transpose(1, 2)

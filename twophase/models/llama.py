@@ -206,7 +206,11 @@ class Llama(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         cos, sin = emb.cos(), emb.sin()
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_pool[i], meta)
+            if isinstance(meta, GraphMeta):     # graphs index the whole pool (see pool_gather)
+                meta.layer = i
+                x = layer(x, cos, sin, kv_pool, meta)
+            else:
+                x = layer(x, cos, sin, kv_pool[i], meta)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
