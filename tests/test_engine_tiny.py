@@ -164,3 +164,11 @@ def test_automatic_request_ids_skip_ids_in_use():
     eng = tiny_llm().engine
     eng.add_request([5], SamplingParams(max_tokens=1), request_id="0")
     assert eng.add_request([6], SamplingParams(max_tokens=1)).request_id != "0"
+
+
+@pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
+def test_unknown_backend_option_names_the_key_and_the_allowed_ones(backend):
+    from twophase.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"backend\.options\.thread: .*allowed: .*threads"):
+        tiny_llm(backend={"name": backend, "options": {"thread": 1}})

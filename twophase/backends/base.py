@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from twophase.errors import BackendUnavailable
+from twophase.errors import BackendUnavailable, ConfigError
 
 __all__ = [
     "Backend",
@@ -52,6 +52,13 @@ class BackendConfig:
     name: str = "torch"
     device: str = "cpu"
     options: dict[str, Any] = field(default_factory=dict)
+
+    def check_options(self, allowed: set[str]) -> None:
+        """Refuse an option this backend does not know, naming the key and the allowed ones."""
+        unknown = sorted(set(self.options) - allowed)
+        if unknown:
+            raise ConfigError(f"backend.options.{unknown[0]}", f"unknown option for the {self.name} "
+                              f"backend; allowed: {', '.join(sorted(allowed))}")
 
 
 @dataclass(frozen=True)

@@ -67,10 +67,7 @@ class OnnxRuntimeBackend(Backend):
 
     def load(self, model: ModelSpec, cfg: BackendConfig) -> None:
         self.check_available(cfg.device)
-        unknown = set(cfg.options) - OPTIONS
-        if unknown:
-            raise ConfigError(f"backend.options.{sorted(unknown)[0]}", "unknown option for the "
-                              f"onnxruntime backend; allowed: {', '.join(sorted(OPTIONS))}")
+        cfg.check_options(OPTIONS)
         if model.dtype not in NP_DTYPES or (model.dtype == torch.float16 and cfg.device == "cpu"):
             raise ConfigError("model.dtype", f"{model.dtype} is not supported by the onnxruntime "
                                              f"backend on {cfg.device}; use float32")

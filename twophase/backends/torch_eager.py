@@ -56,11 +56,7 @@ class TorchBackend(Backend):
 
     def load(self, model: ModelSpec, cfg: BackendConfig) -> None:
         self.check_available(cfg.device)
-        unknown = set(cfg.options) - OPTIONS
-        if unknown:
-            from twophase.errors import ConfigError
-            raise ConfigError(f"backend.options.{sorted(unknown)[0]}",
-                              f"unknown option for the torch backend; allowed: {', '.join(sorted(OPTIONS))}")
+        cfg.check_options(OPTIONS)
         if "threads" in cfg.options:
             torch.set_num_threads(int(cfg.options["threads"]))
         if torch.device(cfg.device).type == "cpu" and cfg.options.get("keep_freed_memory", True):

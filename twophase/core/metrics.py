@@ -28,22 +28,16 @@ class StepRecord:
 
 
 class StepLog:
-    """The last ``maxlen`` steps, plus running totals that never drop anything."""
+    """The last ``maxlen`` steps (a server runs for ever; memory must not grow with it)."""
 
     def __init__(self, maxlen: int = 200_000):
         self.records: deque[StepRecord] = deque(maxlen=maxlen)
-        self.peak_kv_blocks = 0
-        self.total_prefill_tokens = 0
-        self.total_decode_tokens = 0
 
     def add(self, rec: StepRecord) -> None:
         self.records.append(rec)
-        self.peak_kv_blocks = max(self.peak_kv_blocks, rec.kv_blocks_used)
-        self.total_prefill_tokens += rec.prefill_tokens
-        self.total_decode_tokens += rec.decode_seqs
 
     def clear(self) -> None:
-        self.__init__(self.records.maxlen)
+        self.records.clear()
 
 
 def percentile(values: list[float], q: float) -> float | None:

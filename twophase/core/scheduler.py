@@ -44,6 +44,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._left = max_num_batched_tokens
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -53,46 +54,46 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = [self.budget]
+        self._left = self.budget                 # tokens still unscheduled this step
         if self.policy == "decode-first":
-            self._schedule_decodes(out, budget)
-            self._schedule_prefills(out, budget)
+            self._schedule_decodes(out)
+            self._schedule_prefills(out)
         else:
-            self._schedule_prefills(out, budget)
-            self._schedule_decodes(out, budget)
+            self._schedule_prefills(out)
+            self._schedule_decodes(out)
         return out
 
-    def _schedule_decodes(self, out: SchedulerOutput, budget: list[int]) -> None:
+    def _schedule_decodes(self, out: SchedulerOutput) -> None:
         for req in list(self.running):
-            if budget[0] == 0:
+            if self._left == 0:
                 break
             if req.status is not Status.RUNNING or not req.in_decode or self._scheduled(req, out):
                 continue      # (a preempted request re-admitted this step may look like a decode)
-            if self._allocate_or_preempt(req, 1, out, budget):
+            if self._allocate_or_preempt(req, 1, out):
                 out.decodes.append(req)
-                budget[0] -= 1
+                self._left -= 1
 
-    def _schedule_prefills(self, out: SchedulerOutput, budget: list[int]) -> None:
+    def _schedule_prefills(self, out: SchedulerOutput) -> None:
         # requests already running whose prompt is not fully computed (earlier chunks done)
         for req in list(self.running):
-            if budget[0] == 0:
+            if self._left == 0:
                 return
             if req.status is not Status.RUNNING or req.in_decode or self._scheduled(req, out):
                 continue
-            n = min(req.num_pending_tokens, budget[0])
+            n = min(req.num_pending_tokens, self._left)
             if n < req.num_pending_tokens and not self.chunked_prefill:
                 continue
-            if self._allocate_or_preempt(req, n, out, budget):
+            if self._allocate_or_preempt(req, n, out):
                 out.prefills.append((req, n))
-                budget[0] -= n
+                self._left -= n
         if out.preempted:      # the pool is short: admit nothing new this step
             return
-        while self.waiting and budget[0] > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and self._left > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             computed = self.kv.computed_blocks(req) if self.chunked_prefill else []
             cached = len(computed) * self.kv.block_size
             pending = req.num_tokens - cached
-            n = min(pending, budget[0])
+            n = min(pending, self._left)
             if n < pending and not self.chunked_prefill:
                 return
             if not self.kv.allocate(req, n, computed):
@@ -105,17 +106,16 @@ class Scheduler:
             req.status = Status.RUNNING
             self.running.append(req)
             out.prefills.append((req, n))
-            budget[0] -= n
+            self._left -= n
 
-    def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput,
-                             budget: list[int]) -> bool:
+    def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         """Blocks for ``n`` more tokens of ``req``, preempting the newest running requests
         until they fit. False if ``req`` itself had to be preempted."""
         while not self.kv.allocate(req, n):
             victim = self.running[-1]
             self.preempt(victim)
             out.preempted.append(victim)
-            budget[0] += self._unschedule(victim, out)
+            self._left += self._unschedule(victim, out)
             if victim is req:
                 return False
         return True
