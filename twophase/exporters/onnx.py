@@ -105,7 +105,7 @@ def write_new_kv(pool: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor,
 
 # -- export, cached by manifest ---------------------------------------------------------------
 OPSET = 18
-FORMAT = "twophase-onnx/4"      # 2: dynamic block size; 3: no onnxscript pass; 4: flat pool gather
+FORMAT = "twophase-onnx/5"      # 2: dynamic block size; 3: no onnxscript pass; 4: flat pool gather; 5: K and V gathered apart
 
 
 def weights_digest(model: ModelSpec) -> str:

@@ -43,15 +43,17 @@ def flat_gather(kv_layer: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     return out.reshape(2, tables.shape[0], tables.shape[1], *rest)
 
 
-def pool_gather(pool: torch.Tensor, layer: int, tables: torch.Tensor) -> torch.Tensor:
-    """Like ``flat_gather`` but indexing the whole pool ``[L, 2, NB, ...]`` as one flat array of
-    blocks: in a graph, selecting ``pool[layer]`` first becomes a Gather that copies the whole
-    layer's slab on every step."""
+def pool_gather(pool: torch.Tensor, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V blocks ``[B, nb, KVH, BS, hd]`` of ``layer``, indexing the whole pool
+    ``[L, 2, NB, ...]`` as one flat array of blocks. In a graph, selecting ``pool[layer]`` first
+    becomes a Gather that copies the layer's whole slab, and gathering K and V together then
+    splitting them copies the gathered blocks a second time: two gathers copy each byte once."""
     nb_total = pool.shape[2]
     flat = tables.reshape(-1) + 2 * layer * nb_total
-    rest = pool.shape[3:]
-    out = pool.reshape(-1, *rest).index_select(0, torch.cat([flat, flat + nb_total]))
-    return out.reshape(2, tables.shape[0], tables.shape[1], *rest)
+    blocks = pool.reshape(-1, *pool.shape[3:])
+    shape = (*tables.shape, *pool.shape[3:])
+    return (blocks.index_select(0, flat).reshape(shape),
+            blocks.index_select(0, flat + nb_total).reshape(shape))
 
 
 def graph_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor,
@@ -70,8 +72,8 @@ def graph_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: tor
     # decodes: cached blocks, block by block, plus the token's own new key
     D, Wd = m.dec_tables.shape
     qd = q1.index_select(0, m.dec_index).reshape(D, 1, kvh, g, hd)
-    kvd = pool_gather(pool, m.layer, m.dec_tables).to(q.dtype)                  # [2, D, Wd, KVH, BS, hd]
-    s = (qd @ kvd[0].transpose(-1, -2)).float() * scale                   # [D, Wd, KVH, g, BS]
+    kd, vd = (t.to(q.dtype) for t in pool_gather(pool, m.layer, m.dec_tables))  # [D, Wd, KVH, BS, hd]
+    s = (qd @ kd.transpose(-1, -2)).float() * scale                   # [D, Wd, KVH, g, BS]
     pos = torch.arange(Wd * bs, device=q.device).reshape(1, Wd, 1, 1, bs)
     s = s.masked_fill(pos >= m.dec_cached.reshape(D, 1, 1, 1, 1), minf)
     k_self = k1.index_select(0, m.dec_index).reshape(D, kvh, 1, hd)
@@ -81,7 +83,7 @@ def graph_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: tor
     p = (s - mx.reshape(D, 1, kvh, g, 1)).exp()
     p_self = (s_self - mx).exp()
     den = p.sum(dim=(1, 4)) + p_self
-    o = (p.to(q.dtype) @ kvd[1]).sum(1).float() + p_self.unsqueeze(-1) * v_self.float()
+    o = (p.to(q.dtype) @ vd).sum(1).float() + p_self.unsqueeze(-1) * v_self.float()
     o = (o / den.unsqueeze(-1)).to(q.dtype).reshape(D, H, hd)
     out = out.index_copy(0, m.dec_index, o)
 
@@ -90,12 +92,12 @@ def graph_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: tor
     Wc = m.chunk_tables.shape[1]
     idx = m.chunk_index.reshape(-1)
     qc = q1.index_select(0, idx).reshape(C, Q, kvh, g, hd).permute(0, 2, 3, 1, 4)  # [C,KVH,g,Q,hd]
-    kvc = pool_gather(pool, m.layer, m.chunk_tables).to(q.dtype)
-    kvc = kvc.permute(0, 1, 3, 2, 4, 5).reshape(2, C, kvh, Wc * bs, hd)
+    kc, vc = (t.to(q.dtype).transpose(1, 2).reshape(C, kvh, Wc * bs, hd)
+              for t in pool_gather(pool, m.layer, m.chunk_tables))
     kn = k1.index_select(0, idx).reshape(C, Q, kvh, hd).transpose(1, 2)
     vn = v1.index_select(0, idx).reshape(C, Q, kvh, hd).transpose(1, 2)
-    keys = torch.cat([kvc[0], kn], dim=2).unsqueeze(2)                     # [C, KVH, 1, S+Q, hd]
-    vals = torch.cat([kvc[1], vn], dim=2).unsqueeze(2)
+    keys = torch.cat([kc, kn], dim=2).unsqueeze(2)                     # [C, KVH, 1, S+Q, hd]
+    vals = torch.cat([vc, vn], dim=2).unsqueeze(2)
     s = (qc @ keys.transpose(-1, -2)).float() * scale                     # [C, KVH, g, Q, S+Q]
     j = torch.arange(Wc * bs + Q, device=q.device)
     i = torch.arange(Q, device=q.device)
