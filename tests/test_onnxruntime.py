@@ -13,6 +13,7 @@ from conftest import GREEDY_TOKENS, assert_greedy_match, tiny_llm
 from twophase import LLM, SamplingParams
 from twophase.backends.base import BackendUnavailable
 from twophase.exporters import onnx as exporter
+from twophase.exporters.cache import is_fresh
 
 pytest.importorskip("onnxruntime")
 
@@ -105,12 +106,12 @@ def test_stale_and_corrupt_exports_are_rebuilt(tmp_path, caplog):
     manifest = json.loads((cached.parent / "manifest.json").read_text())
     assert manifest["weights_sha256"] == "random:0" and manifest["opset"] == exporter.OPSET
     other = ModelSpec(m.arch.to_dict(), m.weights, m.dtype, m.model_id, 1)
-    assert not exporter.is_fresh(cached.parent, exporter.manifest_for(other))   # stale weights
+    assert not is_fresh(cached.parent, exporter.manifest_for(other))   # stale weights
     folder = tmp_path / "export"
     shutil.copytree(cached.parent, folder)
     data = folder / "model.onnx.data"
     data.write_bytes(data.read_bytes()[:100])            # truncated: caught by the manifest
-    assert not exporter.is_fresh(folder, exporter.manifest_for(spec))
+    assert not is_fresh(folder, exporter.manifest_for(spec))
     shutil.rmtree(folder)
     shutil.copytree(cached.parent, folder)
     graph = folder / "model.onnx"
@@ -118,7 +119,7 @@ def test_stale_and_corrupt_exports_are_rebuilt(tmp_path, caplog):
     ort = llm.registry.get("onnxruntime")()
     ort.load(spec, BackendConfig("onnxruntime", options={"export_dir": str(folder)}))
     assert "exporting again" in caplog.text
-    assert exporter.is_fresh(folder, exporter.manifest_for(spec))
+    assert is_fresh(folder, exporter.manifest_for(spec))
     assert graph.read_bytes()[:1] != b"\0"
 
 

@@ -14,11 +14,9 @@ each sequence's last token, or all). Outputs: ``logits [N, vocab]`` float32, ``n
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import shutil
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +24,13 @@ import torch
 from torch import nn
 
 from twophase.backends.base import ModelSpec, PrefillBatch
+from twophase.exporters.cache import build_cached, cache_folder, weights_digest
 from twophase.models.graph_attention import GraphMeta
 from twophase.models.llama import Llama
 
 INPUTS = ["input_ids", "positions", "kv_pool", "dec_index", "dec_tables", "dec_cached",
           "chunk_index", "chunk_tables", "chunk_cached", "chunk_lens", "logits_index"]
 OUTPUTS = ["logits", "new_k", "new_v"]
-log = logging.getLogger(__name__)
 
 
 class PagedStep(nn.Module):
@@ -46,6 +44,9 @@ class PagedStep(nn.Module):
                 chunk_index, chunk_tables, chunk_cached, chunk_lens, logits_index):
         meta = GraphMeta(dec_index, dec_tables, dec_cached, chunk_index, chunk_tables,
                          chunk_cached, chunk_lens)
+        return self.run(input_ids, positions, kv_pool, meta, logits_index)
+
+    def run(self, input_ids, positions, kv_pool, meta: GraphMeta, logits_index):
         hidden = self.model(input_ids, positions, kv_pool, meta)
         logits = self.model.logits(hidden.index_select(0, logits_index))
         new_k = torch.stack([k for k, _ in meta.new_kv])
@@ -53,13 +54,14 @@ class PagedStep(nn.Module):
         return logits, new_k, new_v
 
 
-def graph_inputs(batch: PrefillBatch, block_size: int) -> dict[str, torch.Tensor]:
+def graph_inputs(batch: PrefillBatch, block_size: int, decodes: bool = True) -> dict[str, torch.Tensor]:
     """The graph's inputs for ``batch`` (CPU int64), ``kv_pool`` aside. Sequences with one new
-    token go to the decode group, the others to the (padded) chunk group."""
+    token go to the decode group (unless ``decodes`` is false), the others to the (padded) chunk
+    group."""
     T = batch.num_tokens
     starts, lens, first = batch.start_positions, batch.query_lens, batch.query_start
-    dec = [i for i, n in enumerate(lens) if n == 1]
-    chk = [i for i, n in enumerate(lens) if n > 1]
+    dec = [i for i, n in enumerate(lens) if n == 1 and decodes]
+    chk = [i for i, n in enumerate(lens) if not (n == 1 and decodes)]
 
     def tables(rows: list[int], cached: list[int]) -> torch.Tensor:
         width = max([-(-c // block_size) for c in cached] + [1])
@@ -108,32 +110,6 @@ OPSET = 18
 FORMAT = "twophase-onnx/5"      # 2: dynamic block size; 3: no onnxscript pass; 4: flat pool gather; 5: K and V gathered apart
 
 
-def weights_digest(model: ModelSpec) -> str:
-    """sha256 of the weights' files (remembered beside them per file size and mtime, so a
-    second load does not re-read hundreds of MB); for random weights, the seed."""
-    if model.weights == "random":
-        return f"random:{model.seed}"
-    folder = Path(model.weights)
-    memo_path = folder / ".twophase-sha256.json"
-    memo = json.loads(memo_path.read_text()) if memo_path.exists() else {}
-    h = hashlib.sha256()
-    for f in sorted(folder.glob("*.safetensors")):
-        st = f.stat()
-        key = f"{f.name}:{st.st_size}:{st.st_mtime_ns}"
-        if key not in memo:
-            fh = hashlib.sha256()
-            with open(f, "rb") as src:
-                while chunk := src.read(1 << 24):
-                    fh.update(chunk)
-            memo[key] = fh.hexdigest()
-        h.update(memo[key].encode())
-    try:
-        memo_path.write_text(json.dumps(memo))
-    except OSError:           # a read-only model folder: hash again next time
-        pass
-    return h.hexdigest()
-
-
 def manifest_for(model: ModelSpec) -> dict[str, Any]:
     import onnx
 
@@ -144,26 +120,7 @@ def manifest_for(model: ModelSpec) -> dict[str, Any]:
 
 
 def export_dir(manifest: dict[str, Any]) -> Path:
-    from twophase.models.hub import cache_dir
-
-    key = hashlib.sha256(json.dumps(manifest, sort_keys=True, default=str).encode()).hexdigest()[:12]
-    return cache_dir() / "onnx" / f"{manifest['model_id']}-{key}"
-
-
-def is_fresh(folder: Path, manifest: dict[str, Any]) -> bool:
-    """The export in ``folder`` was made from exactly this model and is complete."""
-    path = folder / "manifest.json"
-    if not path.exists():
-        return False
-    try:
-        saved = json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return False
-    files = saved.pop("files", {})
-    same = json.loads(json.dumps(manifest, default=str)) == saved
-    return same and bool(files) and all(
-        (folder / name).exists() and (folder / name).stat().st_size == size
-        for name, size in files.items())
+    return cache_folder("onnx", manifest)
 
 
 def export(model: ModelSpec, out_dir: Path | None = None, force: bool = False) -> Path:
@@ -171,35 +128,34 @@ def export(model: ModelSpec, out_dir: Path | None = None, force: bool = False) -
     exported now unless an up-to-date one is already in ``out_dir`` (default: the cache)."""
     manifest = manifest_for(model)
     folder = Path(out_dir) if out_dir else export_dir(manifest)
-    if not force and is_fresh(folder, manifest):
-        return folder / "model.onnx"
-    if (folder / "manifest.json").exists():
-        log.warning("export in %s is stale or incomplete: rebuilding it", folder)
-    log.info("exporting %s to ONNX in %s (once; later runs reuse it)", model.model_id, folder)
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    build_cached(folder, manifest, lambda tmp: _export_to(model, tmp), force, "ONNX export")
+    return folder / "model.onnx"
+
+
+def _export_to(model: ModelSpec, folder: Path) -> None:
     step = PagedStep(_cpu_model(model)).eval()
     args, dynamic = _example(step.model.arch, model.dtype)
-    quiet = [logging.getLogger(n) for n in ("onnxscript", "onnx_ir", "torch.onnx")]
-    levels = [lg.level for lg in quiet]
-    for lg in quiet:                       # the exporter's passes log every node at INFO
-        lg.setLevel(logging.WARNING)
-    with warnings.catch_warnings():
+    with quiet_exporter_logs(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        try:
-            torch.onnx.export(step, args, str(tmp / "model.onnx"), dynamo=True,
-                              input_names=INPUTS, output_names=OUTPUTS, dynamic_shapes=dynamic,
-                              opset_version=OPSET, external_data=True,
-                              optimize=False)   # ORT optimises at load; onnxscript's pass took minutes
-        finally:
-            for lg, level in zip(quiet, levels):
-                lg.setLevel(level)
-    manifest["files"] = {p.name: p.stat().st_size for p in tmp.iterdir()}
-    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
-    return folder / "model.onnx"
+        torch.onnx.export(step, args, str(folder / "model.onnx"), dynamo=True,
+                          input_names=INPUTS, output_names=OUTPUTS, dynamic_shapes=dynamic,
+                          opset_version=OPSET, external_data=True,
+                          optimize=False)   # ORT optimises at load; onnxscript's pass took minutes
+
+
+@contextmanager
+def quiet_exporter_logs():
+    """The exporters' passes log every node at INFO."""
+    loggers = [logging.getLogger(n) for n in ("onnxscript", "onnx_ir", "torch.onnx", "torch.export",
+                                              "iree.turbine")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def _cpu_model(model: ModelSpec) -> Llama:

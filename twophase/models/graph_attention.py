@@ -5,7 +5,8 @@ two groups, each a dense tensor problem, while the projections still run once ov
 tokens: *decodes* (one query each, attended block by block on one flat gather of their blocks,
 no transpose: the layout that cost x1.08 over contiguous K/V in the prototype) and *chunks*
 (padded to the longest chunk, cached blocks gathered and transposed once, x1.11). A mixed step
-is still one graph run. Either group may be empty.
+is still one graph run. Either group may be empty, or absent (``None``: a graph traced for one
+phase only, like the MLIR module's ``prefill`` and ``decode`` entry points).
 
 A graph cannot update its pool input in place, so it attends to the cached tokens from the pool
 plus the step's own new K/V, and returns the new K/V for the backend to write at their slots.
@@ -23,13 +24,13 @@ import torch
 class GraphMeta:
     """Inputs of the exported graph besides tokens, positions and the pool (int64 tensors)."""
 
-    dec_index: torch.Tensor      # [D] token index of each one-token sequence
-    dec_tables: torch.Tensor     # [D, Wd] its blocks (cached tokens only need to be covered)
-    dec_cached: torch.Tensor     # [D] tokens cached before this step's token
-    chunk_index: torch.Tensor    # [C, Q] token index of each padded query slot; padding = T
-    chunk_tables: torch.Tensor   # [C, Wc]
-    chunk_cached: torch.Tensor   # [C] tokens cached before the chunk
-    chunk_lens: torch.Tensor     # [C] real tokens in the chunk
+    dec_index: torch.Tensor | None     # [D] token index of each one-token sequence
+    dec_tables: torch.Tensor | None    # [D, Wd] its blocks (cached tokens only need to be covered)
+    dec_cached: torch.Tensor | None    # [D] tokens cached before this step's token
+    chunk_index: torch.Tensor | None   # [C, Q] token index of each padded query slot; padding = T
+    chunk_tables: torch.Tensor | None  # [C, Wc]
+    chunk_cached: torch.Tensor | None  # [C] tokens cached before the chunk
+    chunk_lens: torch.Tensor | None    # [C] real tokens in the chunk
     new_kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     layer: int = 0               # the layer being traced (set by the model's layer loop)
 
@@ -60,21 +61,30 @@ def graph_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: tor
                     m: GraphMeta, scale: float) -> torch.Tensor:
     """q: [T, H, hd]; k, v: [T, KVH, hd]; pool: [L, 2, NB, KVH, BS, hd] → [T, H, hd]."""
     T, H, hd = q.shape
-    kvh, bs = pool.shape[3], pool.shape[4]
-    g = H // kvh
-    minf = torch.finfo(torch.float32).min
+    kvh = pool.shape[3]
     # one zero row at index T: where chunk padding slots read from and write to
     q1 = torch.cat([q, q.new_zeros(1, H, hd)])
     k1 = torch.cat([k, k.new_zeros(1, kvh, hd)])
     v1 = torch.cat([v, v.new_zeros(1, kvh, hd)])
     out = q.new_zeros(T + 1, H, hd)
+    if m.dec_index is not None:
+        out = out.index_copy(0, m.dec_index, _decodes(q1, k1, v1, pool, m, scale))
+    if m.chunk_index is not None:
+        out = out.index_copy(0, m.chunk_index.reshape(-1), _chunks(q1, k1, v1, pool, m, scale))
+    return out[:T]
 
-    # decodes: cached blocks, block by block, plus the token's own new key
+
+def _decodes(q1, k1, v1, pool, m: GraphMeta, scale: float) -> torch.Tensor:
+    """One query per sequence: cached blocks, block by block, plus the token's own new key."""
+    H, hd = q1.shape[1:]
+    kvh, bs = pool.shape[3], pool.shape[4]
+    g = H // kvh
+    minf = torch.finfo(torch.float32).min
     D, Wd = m.dec_tables.shape
     qd = q1.index_select(0, m.dec_index).reshape(D, 1, kvh, g, hd)
-    kd, vd = (t.to(q.dtype) for t in pool_gather(pool, m.layer, m.dec_tables))  # [D, Wd, KVH, BS, hd]
+    kd, vd = (t.to(q1.dtype) for t in pool_gather(pool, m.layer, m.dec_tables))  # [D, Wd, KVH, BS, hd]
     s = (qd @ kd.transpose(-1, -2)).float() * scale                   # [D, Wd, KVH, g, BS]
-    pos = torch.arange(Wd * bs, device=q.device).reshape(1, Wd, 1, 1, bs)
+    pos = torch.arange(Wd * bs, device=q1.device).reshape(1, Wd, 1, 1, bs)
     s = s.masked_fill(pos >= m.dec_cached.reshape(D, 1, 1, 1, 1), minf)
     k_self = k1.index_select(0, m.dec_index).reshape(D, kvh, 1, hd)
     v_self = v1.index_select(0, m.dec_index).reshape(D, kvh, 1, hd)
@@ -83,31 +93,36 @@ def graph_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: tor
     p = (s - mx.reshape(D, 1, kvh, g, 1)).exp()
     p_self = (s_self - mx).exp()
     den = p.sum(dim=(1, 4)) + p_self
-    o = (p.to(q.dtype) @ vd).sum(1).float() + p_self.unsqueeze(-1) * v_self.float()
-    o = (o / den.unsqueeze(-1)).to(q.dtype).reshape(D, H, hd)
-    out = out.index_copy(0, m.dec_index, o)
+    o = (p.to(q1.dtype) @ vd).sum(1).float() + p_self.unsqueeze(-1) * v_self.float()
+    return (o / den.unsqueeze(-1)).to(q1.dtype).reshape(D, H, hd)
 
-    # chunks: padded queries over [cached tokens from the pool | the chunk's own new keys]
+
+def _chunks(q1, k1, v1, pool, m: GraphMeta, scale: float) -> torch.Tensor:
+    """Padded queries over [cached tokens from the pool | the chunk's own new keys]."""
+    H, hd = q1.shape[1:]
+    kvh, bs = pool.shape[3], pool.shape[4]
+    g = H // kvh
+    minf = torch.finfo(torch.float32).min
     C, Q = m.chunk_index.shape
     Wc = m.chunk_tables.shape[1]
     idx = m.chunk_index.reshape(-1)
     qc = q1.index_select(0, idx).reshape(C, Q, kvh, g, hd).permute(0, 2, 3, 1, 4)  # [C,KVH,g,Q,hd]
-    kc, vc = (t.to(q.dtype).transpose(1, 2).reshape(C, kvh, Wc * bs, hd)
+    kc, vc = (t.to(q1.dtype).transpose(1, 2).reshape(C, kvh, Wc * bs, hd)
               for t in pool_gather(pool, m.layer, m.chunk_tables))
     kn = k1.index_select(0, idx).reshape(C, Q, kvh, hd).transpose(1, 2)
     vn = v1.index_select(0, idx).reshape(C, Q, kvh, hd).transpose(1, 2)
     keys = torch.cat([kc, kn], dim=2).unsqueeze(2)                     # [C, KVH, 1, S+Q, hd]
     vals = torch.cat([vc, vn], dim=2).unsqueeze(2)
     s = (qc @ keys.transpose(-1, -2)).float() * scale                     # [C, KVH, g, Q, S+Q]
-    j = torch.arange(Wc * bs + Q, device=q.device)
-    i = torch.arange(Q, device=q.device)
+    j = torch.arange(Wc * bs + Q, device=q1.device)
+    i = torch.arange(Q, device=q1.device)
     cached = j.reshape(1, 1, -1) < m.chunk_cached.reshape(C, 1, 1)         # [C, 1, S+Q]
     jn = j - Wc * bs                                                        # index among new keys
-    new = (jn.reshape(1, 1, -1) >= 0) & (jn.reshape(1, 1, -1) <= i.reshape(1, Q, 1)) & \
-        (jn.reshape(1, 1, -1) < m.chunk_lens.reshape(C, 1, 1))
-    visible = (cached | new).reshape(C, 1, 1, Q, Wc * bs + Q)
+    jn = jn.reshape(1, 1, -1)
+    # logical_and/or, not & and |: IREE does not compile broadcast & on booleans
+    new = torch.logical_and(torch.logical_and(jn >= 0, jn <= i.reshape(1, Q, 1)),
+                            jn < m.chunk_lens.reshape(C, 1, 1))
+    visible = torch.logical_or(cached, new).reshape(C, 1, 1, Q, Wc * bs + Q)
     s = s.masked_fill(~visible, minf)
-    p = torch.softmax(s, dim=-1).to(q.dtype)
-    oc = (p @ vals).permute(0, 3, 1, 2, 4).reshape(C * Q, H, hd)
-    out = out.index_copy(0, idx, oc)
-    return out[:T]
+    p = torch.softmax(s, dim=-1).to(q1.dtype)
+    return (p @ vals).permute(0, 3, 1, 2, 4).reshape(C * Q, H, hd)

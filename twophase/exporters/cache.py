@@ -1,0 +1,90 @@
+"""Compiled artefacts (ONNX graphs, IREE modules, TensorRT engines) cached by a manifest.
+
+A manifest is a small JSON dict naming everything the artefact was built from (model, weights'
+hash, dtype, format version, tool versions, target). It keys the cache folder and is saved beside
+the files with their sizes: a stale, half-written or truncated artefact is detected and rebuilt,
+never silently reused. Builds go to a temporary folder that is renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+from twophase.backends.base import ModelSpec
+
+log = logging.getLogger(__name__)
+
+
+def weights_digest(model: ModelSpec) -> str:
+    """sha256 of the weights' files (remembered beside them per file size and mtime, so a
+    second load does not re-read hundreds of MB); for random weights, the seed."""
+    if model.weights == "random":
+        return f"random:{model.seed}"
+    folder = Path(model.weights)
+    memo_path = folder / ".twophase-sha256.json"
+    memo = json.loads(memo_path.read_text()) if memo_path.exists() else {}
+    h = hashlib.sha256()
+    for f in sorted(folder.glob("*.safetensors")):
+        st = f.stat()
+        key = f"{f.name}:{st.st_size}:{st.st_mtime_ns}"
+        if key not in memo:
+            fh = hashlib.sha256()
+            with open(f, "rb") as src:
+                while chunk := src.read(1 << 24):
+                    fh.update(chunk)
+            memo[key] = fh.hexdigest()
+        h.update(memo[key].encode())
+    try:
+        memo_path.write_text(json.dumps(memo))
+    except OSError:           # a read-only model folder: hash again next time
+        pass
+    return h.hexdigest()
+
+
+def cache_folder(kind: str, manifest: dict[str, Any]) -> Path:
+    """``$TWOPHASE_CACHE/<kind>/<model>-<hash of the manifest>``."""
+    from twophase.models.hub import cache_dir
+
+    key = hashlib.sha256(json.dumps(manifest, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return cache_dir() / kind / f"{manifest['model_id']}-{key}"
+
+
+def is_fresh(folder: Path, manifest: dict[str, Any]) -> bool:
+    """The artefact in ``folder`` was built from exactly ``manifest`` and is complete."""
+    path = folder / "manifest.json"
+    if not path.exists():
+        return False
+    try:
+        saved = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return False
+    files = saved.pop("files", {})
+    same = json.loads(json.dumps(manifest, default=str)) == saved
+    return same and bool(files) and all(
+        (folder / name).exists() and (folder / name).stat().st_size == size
+        for name, size in files.items())
+
+
+def build_cached(folder: Path, manifest: dict[str, Any], build: Callable[[Path], None],
+                 force: bool = False, what: str = "artefact") -> Path:
+    """``folder``, built by ``build(tmp_folder)`` unless an up-to-date build is already there."""
+    if not force and is_fresh(folder, manifest):
+        return folder
+    if (folder / "manifest.json").exists():
+        log.warning("%s in %s is stale or incomplete: rebuilding it", what, folder)
+    log.info("building %s for %s in %s (once; later runs reuse it)", what,
+             manifest["model_id"], folder)
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    build(tmp)
+    manifest = dict(manifest, files={p.name: p.stat().st_size for p in tmp.iterdir()})
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return folder

@@ -1,0 +1,160 @@
+"""torch → MLIR → an IREE module (``.vmfb``) with two entry points, ``prefill`` and ``decode``.
+
+Route: the project's torch model through ``iree.turbine.aot`` (``FxProgramsBuilder``), not the
+ONNX export through ``iree-import-onnx``. One builder exports two programs over the same weights,
+so the module carries one copy of them and two specialised functions; and the static-dataflow
+attention (``twophase.models.graph_attention``) is traced with a group *absent* rather than
+empty, so ``decode`` contains no chunk path and ``prefill`` no decode path. The attention is the
+explicit-softmax one the ONNX graph uses: IREE's lowering of ``scaled_dot_product_attention``
+ran about 5x slower than torch on this CPU.
+
+Entry points (int64 indices, the pool ``[L, 2, NB, KVH, BS, hd]``):
+
+- ``prefill(input_ids [T], positions [T], kv_pool, chunk_index [C, Q], chunk_tables [C, Wc],
+  chunk_cached [C], chunk_lens [C], logits_index [N])``: chunks after cached tokens, padded to
+  the longest (padding index = T); decodes in a mixed step ride along as one-token chunks.
+- ``decode(input_ids [D], positions [D], kv_pool, dec_tables [D, Wd], dec_cached [D])``: one
+  token per sequence, logits for each.
+
+Both return ``logits [N, vocab]`` float32 and ``new_k``/``new_v [L, T, KVH, hd]``. Like the ONNX
+graph, a module does not update its pool argument: the backend writes the new K/V at the batch's
+slots. (shark-ai's exported paged models instead mutate ``cache_state`` in place inside the
+module; that saves the write-back, 0.05–0.8 ms a step, at the price of a donated pool.)
+
+The pool's block size is compiled in (a static dimension lets IREE tile the per-block matmuls);
+the manifest names it, so a config with another block size gets its own module.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from twophase.backends.base import ModelSpec
+from twophase.exporters.cache import build_cached, cache_folder, weights_digest
+from twophase.exporters.onnx import PagedStep, _cpu_model, quiet_exporter_logs
+from twophase.models.graph_attention import GraphMeta
+
+FORMAT = "twophase-mlir/1"
+PREFILL_INPUTS = ["input_ids", "positions", "kv_pool", "chunk_index", "chunk_tables",
+                  "chunk_cached", "chunk_lens", "logits_index"]
+DECODE_INPUTS = ["input_ids", "positions", "kv_pool", "dec_tables", "dec_cached"]
+log = logging.getLogger(__name__)
+
+
+class PhaseSteps(nn.Module):
+    """The two entry points as methods of one module (one copy of the weights)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.step = PagedStep(model)
+
+    def prefill(self, input_ids, positions, kv_pool, chunk_index, chunk_tables, chunk_cached,
+                chunk_lens, logits_index):
+        meta = GraphMeta(None, None, None, chunk_index, chunk_tables, chunk_cached, chunk_lens)
+        return self.step.run(input_ids, positions, kv_pool, meta, logits_index)
+
+    def decode(self, input_ids, positions, kv_pool, dec_tables, dec_cached):
+        index = torch.arange(input_ids.shape[0], device=input_ids.device)
+        meta = GraphMeta(index, dec_tables, dec_cached, None, None, None, None)
+        return self.step.run(input_ids, positions, kv_pool, meta, index)
+
+
+def iree_versions() -> dict[str, str]:
+    from importlib.metadata import version
+
+    return {p: version(p) for p in ("iree-base-compiler", "iree-base-runtime", "iree-turbine")}
+
+
+def target_flags(device: str) -> list[str]:
+    """Compiler flags for ``device``: the host CPU for ``cpu``; for ``cuda``, sm_80 code (IREE
+    ships no sm_90 target; newer GPUs run it through the driver's PTX JIT)."""
+    kind = torch.device(device).type
+    if kind == "cpu":
+        return ["--iree-hal-target-device=local", "--iree-hal-local-target-device-backends=llvm-cpu",
+                "--iree-llvmcpu-target-cpu=host"]
+    if kind == "cuda":
+        return ["--iree-hal-target-device=cuda", "--iree-cuda-target=sm_80"]
+    raise ValueError(f"no IREE target for device {device!r}")
+
+
+def manifest_for(model: ModelSpec, device: str, block_size: int) -> dict[str, Any]:
+    return {"format": FORMAT, "model_id": model.model_id, "arch": model.arch,
+            "dtype": str(model.dtype).removeprefix("torch."), "block_size": block_size,
+            "target": target_flags(device), "host_cpu": _host_cpu() if device == "cpu" else None,
+            "exporter": f"torch {torch.__version__}", **iree_versions(),
+            "weights_sha256": weights_digest(model)}
+
+
+def export(model: ModelSpec, device: str = "cpu", block_size: int = 16,
+           out_dir: Path | None = None, force: bool = False) -> Path:
+    """The compiled module for ``model`` (``model.vmfb`` + ``manifest.json``), built now unless
+    an up-to-date one is already in ``out_dir`` (default: the cache)."""
+    manifest = manifest_for(model, device, block_size)
+    folder = Path(out_dir) if out_dir else cache_folder("mlir", manifest)
+    build_cached(folder, manifest, lambda tmp: _compile_to(model, device, block_size, tmp),
+                 force, "IREE module")
+    return folder / "model.vmfb"
+
+
+def _compile_to(model: ModelSpec, device: str, block_size: int, folder: Path) -> None:
+    from iree.turbine import aot
+
+    steps = PhaseSteps(_cpu_model(model)).eval()
+    pre_args, pre_dyn, dec_args, dec_dyn = _examples(steps.step.model.arch, model.dtype, block_size)
+    fxb = aot.FxProgramsBuilder(steps)
+
+    # turbine inspects these functions' signatures: the arguments must be spelled out
+    @fxb.export_program(name="prefill", args=pre_args, dynamic_shapes=pre_dyn, strict=False)
+    def prefill(module, input_ids, positions, kv_pool, chunk_index, chunk_tables, chunk_cached,
+                chunk_lens, logits_index):
+        return module.prefill(input_ids, positions, kv_pool, chunk_index, chunk_tables,
+                              chunk_cached, chunk_lens, logits_index)
+
+    @fxb.export_program(name="decode", args=dec_args, dynamic_shapes=dec_dyn, strict=False)
+    def decode(module, input_ids, positions, kv_pool, dec_tables, dec_cached):
+        return module.decode(input_ids, positions, kv_pool, dec_tables, dec_cached)
+
+    log.info("compiling %s with IREE (%s): a few minutes on two cores", model.model_id,
+             " ".join(target_flags(device)))
+    with quiet_exporter_logs(), warnings.catch_warnings(), torch.inference_mode():
+        warnings.simplefilter("ignore")
+        out = aot.export(fxb)
+        out.session.set_flags(*target_flags(device))
+        out.compile(save_to=str(folder / "model.vmfb"), target_backends=None)
+
+
+def _examples(arch, dtype: torch.dtype, bs: int):
+    from torch.export import Dim
+
+    L, kvh, hd = arch.num_layers, arch.num_kv_heads, arch.head_dim
+    pool = torch.zeros(L, 2, 16, kvh, bs, hd, dtype=dtype)
+    T = 6                                         # chunks of 2 and 4 tokens after cached ones
+    pre = (torch.arange(T) % arch.vocab_size, torch.tensor([3, 4, 5, 6, 7, 8]), pool,
+           torch.tensor([[0, 1, T, T], [2, 3, 4, 5]]), torch.tensor([[0, 1], [2, 3]]),
+           torch.tensor([3, 5]), torch.tensor([2, 4]), torch.tensor([1, 5]))
+    t, nb, c, q, wc, n = (Dim(x) for x in ("T", "NB", "C", "Q", "Wc", "N"))
+    pre_dyn = ({0: t}, {0: t}, {2: nb}, {0: c, 1: q}, {0: c, 1: wc}, {0: c}, {0: c}, {0: n})
+    D = 3
+    dec = (torch.arange(D) % arch.vocab_size, torch.tensor([5, 9, 2]), pool,
+           torch.tensor([[0, 1, 0], [2, 3, 4], [5, 0, 0]]), torch.tensor([5, 9, 2]))
+    d, wd, nb2 = Dim("D"), Dim("Wd"), Dim("NB")
+    dec_dyn = ({0: d}, {0: d}, {2: nb2}, {0: d, 1: wd}, {0: d})
+    return pre, pre_dyn, dec, dec_dyn
+
+
+def _host_cpu() -> str:
+    """The CPU model the module was tuned for (``target-cpu=host``): another CPU rebuilds."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return os.uname().machine
