@@ -105,29 +105,40 @@ def export(model: ModelSpec, device: str = "cpu", block_size: int = 16,
 
 def _compile_to(model: ModelSpec, device: str, block_size: int, folder: Path) -> None:
     from iree.turbine import aot
+    from tqdm import tqdm
 
-    steps = PhaseSteps(_cpu_model(model)).eval()
-    pre_args, pre_dyn, dec_args, dec_dyn = _examples(steps.step.model.arch, model.dtype, block_size)
-    fxb = aot.FxProgramsBuilder(steps)
-
-    # turbine inspects these functions' signatures: the arguments must be spelled out
-    @fxb.export_program(name="prefill", args=pre_args, dynamic_shapes=pre_dyn, strict=False)
-    def prefill(module, input_ids, positions, kv_pool, chunk_index, chunk_tables, chunk_cached,
-                chunk_lens, logits_index):
-        return module.prefill(input_ids, positions, kv_pool, chunk_index, chunk_tables,
-                              chunk_cached, chunk_lens, logits_index)
-
-    @fxb.export_program(name="decode", args=dec_args, dynamic_shapes=dec_dyn, strict=False)
-    def decode(module, input_ids, positions, kv_pool, dec_tables, dec_cached):
-        return module.decode(input_ids, positions, kv_pool, dec_tables, dec_cached)
-
-    log.info("compiling %s with IREE (%s): a few minutes on two cores", model.model_id,
-             " ".join(target_flags(device)))
+    stages = tqdm(total=4, desc=f"IREE module for {model.model_id}", unit="stage")
     with quiet_exporter_logs(), warnings.catch_warnings(), torch.inference_mode():
         warnings.simplefilter("ignore")
+        steps = PhaseSteps(_cpu_model(model)).eval()
+        pre_args, pre_dyn, dec_args, dec_dyn = _examples(steps.step.model.arch, model.dtype,
+                                                         block_size)
+        fxb = aot.FxProgramsBuilder(steps)
+        stages.set_postfix_str("tracing prefill")
+
+        # turbine inspects these functions' signatures: the arguments must be spelled out
+        @fxb.export_program(name="prefill", args=pre_args, dynamic_shapes=pre_dyn, strict=False)
+        def prefill(module, input_ids, positions, kv_pool, chunk_index, chunk_tables,
+                    chunk_cached, chunk_lens, logits_index):
+            return module.prefill(input_ids, positions, kv_pool, chunk_index, chunk_tables,
+                                  chunk_cached, chunk_lens, logits_index)
+
+        stages.update()
+        stages.set_postfix_str("tracing decode")
+
+        @fxb.export_program(name="decode", args=dec_args, dynamic_shapes=dec_dyn, strict=False)
+        def decode(module, input_ids, positions, kv_pool, dec_tables, dec_cached):
+            return module.decode(input_ids, positions, kv_pool, dec_tables, dec_cached)
+
+        stages.update()
+        stages.set_postfix_str("importing to MLIR")
         out = aot.export(fxb)
+        stages.update()
+        stages.set_postfix_str("compiling")
         out.session.set_flags(*target_flags(device))
         out.compile(save_to=str(folder / "model.vmfb"), target_backends=None)
+        stages.update()
+    stages.close()
 
 
 def _examples(arch, dtype: torch.dtype, bs: int):

@@ -1,0 +1,153 @@
+"""The iree backend: the module compiled through MLIR equals the torch model, alone and with the
+phases routed to different backends; its module is cached by manifest."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from conftest import GREEDY_TOKENS, assert_greedy_match, tiny_llm
+from twophase import LLM, SamplingParams
+from twophase.backends.base import BackendConfig, BackendUnavailable, KVCache, ModelSpec
+
+pytest.importorskip("iree.runtime")
+pytest.importorskip("iree.turbine")
+
+TINY = {"cache": {"num_blocks": 64, "block_size": 4},
+        "scheduler": {"max_num_batched_tokens": 48, "max_num_seqs": 8}}
+
+
+def _prompts(n=12, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(rng.randint(1, 70))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def torch_tokens():
+    return [o.token_ids for o in tiny_llm(**TINY).generate(
+        _prompts(), SamplingParams(max_tokens=16, ignore_eos=True))]
+
+
+@pytest.mark.parametrize("backend", [
+    {"name": "iree"},
+    {"prefill": {"name": "iree"}, "decode": {"name": "torch"}},
+    {"prefill": {"name": "onnxruntime"}, "decode": {"name": "iree"}},
+])
+def test_greedy_tokens_equal_torch_with_chunking_and_preemption(backend, torch_tokens):
+    llm = tiny_llm(**TINY, backend=backend)
+    outs = llm.generate(_prompts(), SamplingParams(max_tokens=16, ignore_eos=True))
+    rep = llm.report(outs)
+    assert rep["preemptions"] > 0 and rep["steps_by_mix"].get("mixed")
+    assert [o.token_ids for o in outs] == torch_tokens
+    assert llm.engine.kv.num_free_blocks == llm.num_blocks
+
+
+def test_prefix_cache_hits_through_iree():
+    llm = tiny_llm(backend={"name": "iree"})
+    ref = tiny_llm()
+    prefix = list(range(10, 60))
+    prompts = [prefix + [100 + i] for i in range(3)]
+    p = SamplingParams(max_tokens=6, ignore_eos=True)
+    got = [llm.generate([q], p)[0] for q in prompts]
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref.generate(prompts, p)]
+    assert got[-1].metrics["num_cached_tokens"] == 48
+
+
+def _iree_for(llm):
+    m = llm.model
+    backend = llm.registry.get("iree")()
+    backend.load(ModelSpec(m.arch.to_dict(), m.weights, m.dtype, m.model_id, 0), BackendConfig("iree"))
+    return backend
+
+
+@pytest.mark.parametrize("case", ["fresh prompts", "chunk after cached tokens",
+                                  "decodes of unequal lengths", "all positions"])
+def test_logits_match_torch_on_the_same_pool(case):
+    """Both backends run the same batch on copies of one pool: logits within 1e-4 relative, and
+    the same K/V written. Decodes go through the module's ``decode`` entry point."""
+    llm = tiny_llm(cache={"num_blocks": 128, "block_size": 4})
+    eng = llm.engine
+    reqs = [eng.add_request(list(range(3 + i, 3 + i + n)), SamplingParams(max_tokens=8, ignore_eos=True))
+            for i, n in enumerate((9, 30, 21))]
+    if case != "fresh prompts":
+        while any(r.num_output_tokens < 2 for r in reqs):
+            eng.step()
+    if case == "chunk after cached tokens":
+        reqs = [eng.add_request(list(range(3, 3 + 9)) + list(range(200, 230)), SamplingParams(max_tokens=3))]
+    sched = eng.scheduler.schedule()
+    before = llm.kv_cache.pool.clone()
+    iree = _iree_for(llm)
+    iree.bind_kv_cache(KVCache(before, 4))
+    if case == "decodes of unequal lengths":
+        assert not sched.prefills and len({r.num_computed_tokens for r in sched.decodes}) > 1
+        batch = eng._decode_batch(sched.decodes)
+        want, got = llm.backend.decode(batch), iree.decode(batch)
+    else:
+        items = [(r, r.num_computed_tokens, 1) for r in sched.decodes] + \
+                [(r, r.num_computed_tokens, n) for r, n in sched.prefills]   # decodes as chunks
+        if case == "chunk after cached tokens":
+            assert any(s > 0 and n > 1 for _, s, n in items)
+        batch = eng._prefill_batch(items)
+        batch.logits = "all" if case == "all positions" else "last"
+        want, got = llm.backend.prefill(batch), iree.prefill(batch)
+    assert got.shape == want.shape
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-4
+    assert torch.allclose(before, llm.kv_cache.pool, atol=1e-5)       # the same K/V written
+
+
+def test_module_is_cached_by_manifest_and_rebuilt_when_stale(tmp_path, caplog):
+    from twophase.exporters import mlir
+    from twophase.exporters.cache import is_fresh
+
+    llm = tiny_llm()
+    m = llm.model
+    spec = ModelSpec(m.arch.to_dict(), m.weights, m.dtype, m.model_id, 0)
+    cached = mlir.export(spec, "cpu", 16)                     # the other tests' module
+    assert mlir.export(spec, "cpu", 16) == cached
+    manifest = json.loads((cached.parent / "manifest.json").read_text())
+    assert manifest["block_size"] == 16 and "--iree-llvmcpu-target-cpu=host" in manifest["target"]
+    assert manifest["files"]["model.vmfb"] == cached.stat().st_size
+    other = ModelSpec(m.arch.to_dict(), m.weights, m.dtype, m.model_id, 1)
+    assert not is_fresh(cached.parent, mlir.manifest_for(other, "cpu", 16))     # stale weights
+    assert not is_fresh(cached.parent, mlir.manifest_for(spec, "cpu", 8))       # other block size
+    folder = tmp_path / "module"
+    import shutil
+
+    shutil.copytree(cached.parent, folder)
+    vmfb = folder / "model.vmfb"
+    vmfb.write_bytes(vmfb.read_bytes()[:1000])                 # truncated: rebuilt
+    assert mlir.export(spec, "cpu", 16, out_dir=folder) == vmfb
+    assert "stale or incomplete" in caplog.text and vmfb.stat().st_size == cached.stat().st_size
+
+
+def test_iree_refuses_cuda_and_other_dtypes():
+    with pytest.raises(BackendUnavailable, match="cpu only"):
+        tiny_llm(backend={"name": "iree", "device": "cuda"})
+    from twophase.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="float32"):
+        LLM.from_config({"model": {"name": "tiny", "weights": "random", "dtype": "bfloat16"},
+                         "backend": {"name": "iree"}})
+    with pytest.raises(ConfigError, match="threads"):
+        tiny_llm(backend={"name": "iree", "options": {"threads": 0}})
+
+
+@pytest.mark.slow
+def test_default_model_greedy_equals_torch(default_llm, default_prompts):
+    """Single requests, then a mixed batch with chunked prefill under a small token budget."""
+    llm = LLM.from_config({"backend": {"name": "iree"}, "cache": {"num_blocks": 64},
+                           "scheduler": {"max_num_batched_tokens": 32, "max_num_seqs": 8}})
+    p = SamplingParams(max_tokens=GREEDY_TOKENS, logprobs=2)
+    ref = default_llm.generate(default_prompts, p)
+    mixed = llm.generate(default_prompts, p)
+    assert llm.report(mixed)["steps_by_mix"].get("mixed")
+    single = [llm.generate([q], p)[0] for q in default_prompts[:2]]
+    for i, r in enumerate(ref):
+        gaps = [sorted(lp.values(), reverse=True) for lp in r.logprobs]
+        gaps = [a - b for a, b, *_ in gaps]
+        if i < len(single):
+            assert_greedy_match(single[i].token_ids, r.token_ids, gaps, f"prompt {i} alone")
+        assert_greedy_match(mixed[i].token_ids, r.token_ids, gaps, f"prompt {i} in a batch")
