@@ -21,8 +21,11 @@ from rich.table import Table
 
 from twophase import LLM, SamplingParams
 
-ROUTINGS = [("torch", "torch"), ("onnxruntime", "onnxruntime"),
-            ("torch", "onnxruntime"), ("onnxruntime", "torch")]
+
+
+def routings(names: list[str]) -> list[tuple[str, str]]:
+    """Each backend alone (the first is the baseline), then every prefill → decode pair."""
+    return [(n, n) for n in names] + [(p, d) for p in names for d in names if p != d]
 
 
 def build(args, prefill: str, decode: str) -> LLM:
@@ -60,8 +63,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--backends", default="torch,onnxruntime,iree",
+                    help="comma list; those not installed here are skipped")
     args = ap.parse_args()
     console = Console()
+    from twophase.backends.registry import Registry
+
+    reg = Registry()
+    names = [n for n in args.backends.split(",") if reg.availability(n, "cpu") is None]
+    ROUTINGS = routings(names)
     llms = {r: build(args, *r) for r in ROUTINGS}
     cases = [("prefill 512", lambda llm, k: prefill_rate(llm, 512, k)),
              ("decode b1", lambda llm, k: decode_rate(llm, 1, args.ctx, args.steps, k)),

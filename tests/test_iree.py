@@ -151,3 +151,20 @@ def test_default_model_greedy_equals_torch(default_llm, default_prompts):
         if i < len(single):
             assert_greedy_match(single[i].token_ids, r.token_ids, gaps, f"prompt {i} alone")
         assert_greedy_match(mixed[i].token_ids, r.token_ids, gaps, f"prompt {i} in a batch")
+
+
+def test_cli_exports_the_module(tmp_path):
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text('[model]\nname = "tiny"\nweights = "random"\n[cache]\nblock_size = 16\n')
+    run = subprocess.run([sys.executable, "-m", "twophase", "export", "--format", "mlir", str(cfg)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    path = run.stdout.strip().splitlines()[-1]
+    assert path.endswith("model.vmfb") and "mlir" in path
+    bad = subprocess.run([sys.executable, "-m", "twophase", "export", "--format", "tensorrt", str(cfg)],
+                         capture_output=True, text=True, timeout=600)
+    if "TensorRT is not installed" in bad.stderr:             # this machine: a clear message
+        assert bad.returncode == 1 and "Traceback" not in bad.stderr

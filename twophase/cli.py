@@ -27,7 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("backends", help="list registered backends and whether they can run here")
     exp = sub.add_parser("export", help="export a config's model to a compiled format (cached)")
     exp.add_argument("config", help="TOML file")
-    exp.add_argument("--format", choices=["onnx"], default="onnx")
+    exp.add_argument("--format", choices=["onnx", "mlir", "tensorrt"], default="onnx",
+                     help="onnx: the step graph; mlir: an IREE module for the config's block size; "
+                          "tensorrt: an engine for this GPU with prefill and decode profiles")
     exp.add_argument("--out", metavar="DIR", help="folder (default: under $TWOPHASE_CACHE)")
     exp.add_argument("--force", action="store_true", help="export again even if up to date")
     args = parser.parse_args(argv)
@@ -112,11 +114,39 @@ def cmd_export(args) -> int:
 
     cfg = load_config(args.config)
     from twophase.backends.base import ModelSpec
-    from twophase.exporters import onnx as exporter
     from twophase.models import loader
 
-    m = loader.resolve(cfg.model, "cpu")          # exporting never needs a GPU
+    m = loader.resolve(cfg.model, "cpu")          # exporting never needs a GPU (TensorRT aside)
     spec = ModelSpec(m.arch.to_dict(), m.weights, m.dtype, m.model_id, cfg.model.seed)
-    path = exporter.export(spec, args.out, force=args.force)
+    if args.format == "onnx":
+        from twophase.exporters import onnx
+
+        path = onnx.export(spec, args.out, force=args.force)
+    elif args.format == "mlir":
+        from twophase.backends.iree import IreeBackend
+        from twophase.exporters import mlir
+
+        IreeBackend.check_available("cpu")
+        path = mlir.export(spec, "cpu", cfg.cache.block_size, args.out, force=args.force)
+    else:
+        path = _build_tensorrt_engine(cfg, args)
     print(path)
     return 0
+
+
+def _build_tensorrt_engine(cfg, args) -> Path:
+    """The engine's profiles depend on the pool's size, which only loading the config fixes:
+    load it with the tensorrt backend (building the engine on the way)."""
+    from dataclasses import replace
+
+    from twophase.config import BackendSection
+    from twophase.llm import LLM
+
+    device = cfg.phases()[0].device
+    options = {"engine_dir": args.out} if args.out else {}
+    if args.force:
+        options["rebuild"] = True
+    section = BackendSection(name="tensorrt", device=device if device != "cpu" else "cuda",
+                             options=options)
+    llm = LLM(replace(cfg, backend=section))
+    return llm.backend.engine_path

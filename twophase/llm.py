@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from twophase.backends.base import BackendConfig, KVCache, ModelSpec
+from twophase.backends.base import BackendConfig, EngineLimits, KVCache, ModelSpec
 from twophase.backends.registry import Registry
 from twophase.config import Config, load_config
 from twophase.core.engine import Engine
@@ -94,7 +94,9 @@ class LLM:
 
     def _load_backend(self, sec, spec: ModelSpec):
         backend = self.registry.get(sec.name)()
-        backend.load(spec, BackendConfig(sec.name, sec.device, dict(sec.options)))
+        sc = self.config.scheduler
+        limits = EngineLimits(sc.max_num_seqs, self._token_budget(sc.chunked_prefill), self.max_model_len)
+        backend.load(spec, BackendConfig(sec.name, sec.device, dict(sec.options), limits))
         return backend
 
     def _check_pool_sharing(self, pcfg, dcfg) -> None:
@@ -159,13 +161,17 @@ class LLM:
                  cc.block_size, spec.head_dim)
         return KVCache(zeros(shape, spec.dtype, spec.device), cc.block_size)
 
+    def _token_budget(self, chunked: bool) -> int:
+        """Tokens one step may compute: the config's, else a default for the device."""
+        on_cuda = torch.device(self.config.phases()[0].device).type == "cuda"
+        return self.config.scheduler.max_num_batched_tokens or (
+            (4096 if on_cuda else 512) if chunked else self.max_model_len)
+
     def _build_engine(self, clock=time.perf_counter) -> Engine:
         sc, cc = self.config.scheduler, self.config.cache
         pc, dc = self.prefill_backend.capabilities(), self.decode_backend.capabilities()
-        on_cuda = torch.device(self.config.phases()[0].device).type == "cuda"
         chunked = sc.chunked_prefill and pc.chunked_prefill
-        budget = sc.max_num_batched_tokens or (
-            (4096 if on_cuda else 512) if chunked else self.max_model_len)
+        budget = self._token_budget(chunked)
         max_seqs = min(x for x in (sc.max_num_seqs, pc.max_num_seqs, dc.max_num_seqs) if x)
         if pc.max_num_tokens:
             budget = min(budget, pc.max_num_tokens)

@@ -27,6 +27,7 @@ __all__ = [
     "BackendUnavailable",
     "Capabilities",
     "DecodeBatch",
+    "EngineLimits",
     "KVCache",
     "KVCacheSpec",
     "ModelSpec",
@@ -46,12 +47,23 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
+class EngineLimits:
+    """The scheduler's bounds on any one call, for backends that compile shapes ahead of time
+    (TensorRT's optimisation profiles)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+@dataclass(frozen=True)
 class BackendConfig:
     """One backend's TOML section: ``[backend]`` or ``[backend.prefill]`` / ``[backend.decode]``."""
 
     name: str = "torch"
     device: str = "cpu"
     options: dict[str, Any] = field(default_factory=dict)
+    limits: EngineLimits | None = None
 
     def check_options(self, allowed: set[str]) -> None:
         """Refuse an option this backend does not know, naming the key and the allowed ones."""

@@ -1,0 +1,159 @@
+"""ONNX → a TensorRT engine with two optimisation profiles, one per phase.
+
+The engine is built from the ONNX step graph (``twophase.exporters.onnx``), so TensorRT computes
+the same function as every other backend. The graph's shapes differ by phase, and one profile
+spanning both would tune its kernels for neither:
+
+- profile 0, **prefill**: few sequences with many tokens each; the packed token count up to the
+  scheduler's token budget, chunks up to that long, decodes riding along in mixed steps.
+- profile 1, **decode**: 1..``max_num_seqs`` sequences of one token each, contexts up to the
+  model's length limit; the chunk group is empty.
+
+TensorRT 11 networks are strongly typed (the FP16/BF16 builder flags are gone): precision is the
+exported graph's, i.e. ``model.dtype``. The engine is saved with a manifest naming the GPU, its
+compute capability, the TensorRT version and the profile shapes; any difference rebuilds it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from twophase.backends.base import EngineLimits, ModelSpec
+from twophase.errors import BackendUnavailable, TwophaseError
+
+FORMAT = "twophase-tensorrt/1"
+PREFILL, DECODE = 0, 1
+WORKSPACE_BYTES = 4 << 30
+log = logging.getLogger(__name__)
+
+Shape = tuple[int, ...]
+Profile = dict[str, tuple[Shape, Shape, Shape]]      # input name → (min, opt, max)
+
+
+class EngineMismatch(TwophaseError):
+    """A serialised engine built for another GPU, TensorRT version or set of shapes."""
+
+
+def profile_shapes(arch: dict[str, Any], limits: EngineLimits, block_size: int,
+                   num_blocks: int) -> list[Profile]:
+    """The min/opt/max shape of every graph input in the prefill and the decode profile."""
+    L, kvh, hd = arch["num_layers"], arch["num_kv_heads"], arch["head_dim"]
+    tokens, seqs = limits.max_num_batched_tokens, limits.max_num_seqs
+    width = -(-limits.max_model_len // block_size)          # blocks of the longest context
+    pool = (L, 2, num_blocks, kvh, block_size, hd)
+
+    def rng(lo: int, opt: int, hi: int) -> tuple[int, int, int]:
+        return lo, min(max(opt, lo), hi), hi
+
+    def shapes(**dims: tuple[int, int, int]) -> Profile:
+        spec = {"input_ids": ("T",), "positions": ("T",), "kv_pool": pool,
+                "dec_index": ("D",), "dec_tables": ("D", "Wd"), "dec_cached": ("D",),
+                "chunk_index": ("C", "Q"), "chunk_tables": ("C", "Wc"), "chunk_cached": ("C",),
+                "chunk_lens": ("C",), "logits_index": ("N",)}
+        return {name: tuple(tuple(d if isinstance(d, int) else dims[d][i] for d in dd)
+                            for i in range(3))
+                for name, dd in spec.items()}
+
+    prefill = shapes(T=rng(1, tokens, tokens), N=rng(1, min(seqs, tokens), tokens),
+                     C=rng(0, 1, min(seqs, tokens)), Q=rng(1, tokens, tokens),
+                     Wc=rng(1, width // 2, width), D=rng(0, 0, seqs), Wd=rng(1, width // 2, width))
+    decode = shapes(T=rng(1, seqs, seqs), N=rng(1, seqs, seqs), D=rng(1, seqs, seqs),
+                    Wd=rng(1, width // 2, width), C=(0, 0, 0), Q=(1, 1, 1), Wc=(1, 1, 1))
+    return [prefill, decode]
+
+
+def gpu_identity(device_index: int = 0) -> dict[str, Any]:
+    import torch
+
+    props = torch.cuda.get_device_properties(device_index)
+    return {"gpu": props.name, "compute_capability": f"{props.major}.{props.minor}"}
+
+
+def manifest_for(model: ModelSpec, profiles: list[Profile], trt_version: str,
+                 gpu: dict[str, Any], onnx_manifest: dict[str, Any]) -> dict[str, Any]:
+    return {"format": FORMAT, "model_id": model.model_id, "tensorrt": trt_version, **gpu,
+            "profiles": [{n: [list(s) for s in mmo] for n, mmo in p.items()} for p in profiles],
+            "onnx": {k: onnx_manifest[k] for k in ("format", "weights_sha256", "dtype", "opset")}}
+
+
+def check_manifest(folder: Path, expected: dict[str, Any]) -> None:
+    """Refuse an engine in a folder the user named whose build does not match this machine."""
+    path = folder / "manifest.json"
+    if not path.exists():
+        raise EngineMismatch(f"{folder} holds no manifest.json: not a twophase TensorRT engine")
+    saved = json.loads(path.read_text())
+    for key, what in (("gpu", "GPU"), ("compute_capability", "compute capability"),
+                      ("tensorrt", "TensorRT version"), ("onnx", "model export"),
+                      ("profiles", "profile shapes")):
+        if saved.get(key) != json.loads(json.dumps(expected[key])):
+            mine = expected[key] if key != "profiles" else "this config's"
+            theirs = saved.get(key) if key != "profiles" else "other"
+            raise EngineMismatch(f"the engine in {folder} was built for {what} {theirs}, not "
+                                 f"{mine}: delete it or build again with "
+                                 f"`twophase export --format tensorrt --force`")
+
+
+def build_engine(trt, onnx_path: Path, profiles: list[Profile], out: Path) -> None:
+    """Parse the ONNX graph into a strongly typed network and build one engine with the
+    prefill profile (index 0) and the decode profile (index 1)."""
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    network = builder.create_network()                # strongly typed: no precision flags
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):    # reads the external weights beside it
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise TwophaseError(f"TensorRT could not parse {onnx_path}: {errors}")
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, WORKSPACE_BYTES)
+    for index, shapes in enumerate(profiles):
+        profile = builder.create_optimization_profile()
+        for name, (lo, opt, hi) in shapes.items():
+            profile.set_shape(name, lo, opt, hi)
+        got = config.add_optimization_profile(profile)
+        if got != index:
+            raise TwophaseError(f"TensorRT numbered profile {index} as {got}")
+    serialized = builder.build_serialized_network(network, config)
+    if serialized is None:
+        raise TwophaseError("TensorRT failed to build the engine (see its log above)")
+    out.write_bytes(bytes(serialized))
+
+
+def export(model: ModelSpec, limits: EngineLimits, block_size: int, num_blocks: int,
+           out_dir: Path | None = None, force: bool = False, device_index: int = 0) -> Path:
+    """The engine for ``model`` on this GPU (``model.engine`` + ``manifest.json``), built now
+    unless an up-to-date one is in the cache. A folder the user names (``out_dir``) is used as
+    it is if it holds an engine, and refused if that engine was built for something else."""
+    from twophase.exporters import onnx
+    from twophase.exporters.cache import build_cached, cache_folder, is_fresh
+
+    trt = import_tensorrt()
+    profiles = profile_shapes(model.arch, limits, block_size, num_blocks)
+    onnx_manifest = onnx.manifest_for(model)
+    manifest = manifest_for(model, profiles, trt.__version__, gpu_identity(device_index),
+                            onnx_manifest)
+    if out_dir and (Path(out_dir) / "model.engine").exists() and not force:
+        check_manifest(Path(out_dir), manifest)
+        if is_fresh(Path(out_dir), manifest):
+            return Path(out_dir) / "model.engine"
+    folder = Path(out_dir) if out_dir else cache_folder("tensorrt", manifest)
+
+    def build(tmp: Path) -> None:
+        graph = onnx.export(model)
+        log.info("building a TensorRT engine for %s (prefill and decode profiles): minutes",
+                 model.model_id)
+        build_engine(trt, graph, profiles, tmp / "model.engine")
+
+    build_cached(folder, manifest, build, force, "TensorRT engine")
+    return folder / "model.engine"
+
+
+def import_tensorrt():
+    try:
+        import tensorrt
+    except ImportError:
+        raise BackendUnavailable("TensorRT is not installed: pip install 'twophase[tensorrt]' "
+                                 "(NVIDIA's wheel, with its CUDA libraries)") from None
+    return tensorrt
