@@ -1,4 +1,4 @@
-"""twophase: run a config, list backends, export models.
+"""twophase: run a config, benchmark backends, list backends, export models.
 
 User mistakes end in one message (exit status 2 for config errors), never a traceback.
 """
@@ -32,7 +32,22 @@ def main(argv: list[str] | None = None) -> int:
                           "tensorrt: an engine for this GPU with prefill and decode profiles")
     exp.add_argument("--out", metavar="DIR", help="folder (default: under $TWOPHASE_CACHE)")
     exp.add_argument("--force", action="store_true", help="export again even if up to date")
+    bench = sub.add_parser("bench", help="compare backends phase by phase and on a serving "
+                                         "workload, against the roofline (tables, JSON, Markdown, plots)")
+    bench.add_argument("config", help="TOML file; its [bench] section sets the sweeps")
+    bench.add_argument("--backends", help="comma list (default: bench.backends)")
+    bench.add_argument("--out", metavar="DIR", default="bench-results",
+                       help="where results.json, report.md and the plots go (default: %(default)s)")
+    bench.add_argument("--compare-chunked", action="store_true",
+                       help="also run a long prompt among running decodes with chunked prefill "
+                            "on and off, and show the inter-token latency spike without it")
+    cal = sub.add_parser("calibrate", help="measure (and cache) this device's matmul peak and "
+                                           "memory bandwidth, the roofline's ceilings")
+    cal.add_argument("--device", default="cpu")
+    cal.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    cal.add_argument("--force", action="store_true", help="measure again even if cached")
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -40,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_run(args)
         if args.command == "export":
             return cmd_export(args)
+        if args.command == "bench":
+            return cmd_bench(args)
+        if args.command == "calibrate":
+            return cmd_calibrate(args)
         return cmd_backends()
     except ConfigError as exc:
         print(f"twophase: config error: {exc}", file=sys.stderr)
@@ -83,6 +102,37 @@ def cmd_run(args) -> int:
                 "steps": step_dicts(list(llm.engine.steps.records))}
         Path(args.json).write_text(json.dumps(data, indent=2, default=str))
         log.info("wrote %s", args.json)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from twophase.config import load_config
+
+    cfg = load_config(args.config)
+    from rich.console import Console
+
+    from twophase.bench import run as bench
+    from twophase.bench.report import print_tables
+
+    names = [n.strip() for n in args.backends.split(",") if n.strip()] if args.backends else None
+    if names is not None and not names:
+        raise ConfigError("--backends", "name at least one backend")
+    res = bench.run(cfg, names, args.compare_chunked, bench.command_line(args.argv))
+    print_tables(res, Console())
+    for path in bench.write(res, args.out):
+        log.info("wrote %s", path)
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    import torch
+
+    from twophase.bench.calibrate import ceilings
+
+    c = ceilings(args.device, getattr(torch, args.dtype), force=args.force)
+    print(f"{c.device} ({c.dtype}, {c.threads or 'all'} threads): matmul peak "
+          f"{c.peak_flops / 1e9:.1f} GFLOP/s, memory bandwidth {c.bandwidth / 1e9:.1f} GB/s, "
+          f"ridge {c.ridge:.1f} FLOP/byte")
     return 0
 
 

@@ -95,6 +95,30 @@ class WorkloadConfig:
 
 
 @dataclass
+class ServingConfig:
+    num_requests: int = 32
+    rate: float | None = None              # requests/s, Poisson arrivals; none: all at once
+    input_len: list[int] = field(default_factory=lambda: [32, 256])    # [min, max]
+    output_len: list[int] = field(default_factory=lambda: [16, 64])    # [min, max]
+    jsonl: str | None = None               # a trace instead: {"prompt_token_ids", "max_tokens", "arrival_s"}
+    seed: int = 0
+
+
+@dataclass
+class BenchConfig:
+    backends: list[str] = field(default_factory=lambda: ["torch"])
+    prompt_lens: list[int] = field(default_factory=lambda: [128, 256, 512, 1024, 2048])
+    cache_depth: int = 0                   # prefill after this many cached tokens (a prefix hit)
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+    decode_context: int = 256
+    decode_steps: int = 8
+    repeats: int = 3
+    baseline: Literal["hf", "none"] = "hf"
+    hf_batch_size: int = 16                # static batch of the baseline's serving run
+    serving: ServingConfig = field(default_factory=ServingConfig)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     backend: BackendSection = field(default_factory=BackendSection)
@@ -102,6 +126,7 @@ class Config:
     cache: CacheConfig = field(default_factory=CacheConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
     base_dir: Path = field(default=Path("."), metadata={"internal": True})
 
     def phases(self) -> tuple[BackendSection, BackendSection]:
@@ -179,6 +204,7 @@ def _check(cfg: Config) -> None:
         SamplingParams(**dataclasses.asdict(cfg.sampling))
     except InvalidSamplingParam as exc:
         raise ConfigError(f"sampling.{exc.name}", exc.message) from None
+    _check_bench(cfg)
     syn = cfg.workload.synthetic
     if syn is not None:
         if syn.num_requests < 1:
@@ -187,6 +213,32 @@ def _check(cfg: Config) -> None:
             v = getattr(syn, key)
             if len(v) != 2 or not 1 <= v[0] <= v[1]:
                 raise ConfigError(f"workload.synthetic.{key}", f"must be [min, max] with 1 <= min <= max, got {v}")
+
+
+def _check_bench(cfg: Config) -> None:
+    b = cfg.bench
+    for key in ("prompt_lens", "batch_sizes"):
+        v = getattr(b, key)
+        if not v or any(x < 1 for x in v):
+            raise ConfigError(f"bench.{key}", f"must be a non-empty list of positive integers, got {v}")
+    for key in ("decode_context", "decode_steps", "repeats", "hf_batch_size"):
+        if getattr(b, key) < 1:
+            raise ConfigError(f"bench.{key}", f"must be a positive integer, got {getattr(b, key)}")
+    if b.cache_depth < 0 or b.cache_depth % cfg.cache.block_size:
+        raise ConfigError("bench.cache_depth", f"must be a multiple of cache.block_size "
+                          f"({cfg.cache.block_size}) so the cached prefix is whole blocks; got {b.cache_depth}")
+    if not b.backends:
+        raise ConfigError("bench.backends", "name at least one backend")
+    s = b.serving
+    if s.num_requests < 1:
+        raise ConfigError("bench.serving.num_requests", f"must be at least 1, got {s.num_requests}")
+    if s.rate is not None and s.rate <= 0:
+        raise ConfigError("bench.serving.rate", f"must be a positive number of requests/s (leave "
+                          f"it out for all at once), got {s.rate}")
+    for key in ("input_len", "output_len"):
+        v = getattr(s, key)
+        if len(v) != 2 or not 1 <= v[0] <= v[1]:
+            raise ConfigError(f"bench.serving.{key}", f"must be [min, max] with 1 <= min <= max, got {v}")
 
 
 def _build(cls: type, data: Any, path: str):

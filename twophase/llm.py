@@ -7,6 +7,8 @@ allocates the KV pool, and builds the scheduler. ``llm.engine`` is the increment
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import time
 from dataclasses import dataclass, field
@@ -17,7 +19,7 @@ import torch
 
 from twophase.backends.base import BackendConfig, EngineLimits, KVCache, ModelSpec
 from twophase.backends.registry import Registry
-from twophase.config import Config, load_config
+from twophase.config import Config, SchedulerConfig, load_config
 from twophase.core.engine import Engine
 from twophase.core.kv_manager import KVManager
 from twophase.core.metrics import phase_report
@@ -239,6 +241,12 @@ class LLM:
         p, d = self.config.phases()
         rep["backend"] = {"prefill": p.name, "decode": d.name, "device": p.device}
         return rep
+
+    def reschedule(self, scheduler: SchedulerConfig) -> None:
+        """New scheduler settings over the same backends and pool (between runs: any request
+        still in flight is dropped with the old engine)."""
+        self.config = dataclasses.replace(self.config, scheduler=scheduler)
+        self.engine = self._build_engine()
 
     def reset_stats(self) -> None:
         self.engine.steps.clear()

@@ -1,0 +1,190 @@
+"""``twophase bench``: its figures come from measured events (checked exactly on a fake clock),
+its roofline from a hand-countable cost model, and a run on the tiny model writes every
+artefact."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import tiny_llm
+from twophase.bench import serving
+from twophase.bench.roofline import CostModel
+from twophase.models.shapes import LlamaArch, named_shape
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def sleep(self, dt: float) -> None:
+        self.t += dt
+
+
+def test_serving_figures_from_a_fake_clock_are_exact():
+    """Each step takes exactly 10 ms of fake time. Request 0 arrives at 0, request 1 at 15 ms
+    while request 0 decodes; each wants 3 tokens."""
+    llm = tiny_llm()
+    clock = FakeClock()
+    engine = llm._build_engine(clock=clock)
+    step = engine.step
+
+    def timed_step():
+        clock.t += 0.010
+        return step()
+
+    engine.step = timed_step
+    reqs = [serving.TimedRequest(0.0, list(range(5, 25)), 3),
+            serving.TimedRequest(0.015, list(range(30, 42)), 3)]
+    res = serving.run(engine, reqs, clock=clock, sleep=clock.sleep)
+    # req 0: tokens at 10, 20, 30 ms; req 1 added at 20 ms (arrived 15), tokens at 30, 40, 50
+    assert res["wall_s"] == pytest.approx(0.050)
+    assert res["output_tokens"] == 6 and res["output_tokens_per_s"] == pytest.approx(120)
+    assert res["request_throughput"] == pytest.approx(40)
+    assert sorted(res["ttft_values"]) == pytest.approx([0.010, 0.015])
+    assert res["ttft_s"]["mean"] == pytest.approx(0.0125)
+    assert res["ttft_s"]["p50"] == pytest.approx(0.0125)
+    assert res["ttft_s"]["p90"] == pytest.approx(0.0145)
+    assert res["ttft_s"]["p99"] == pytest.approx(0.01495)
+    assert res["itl_values"] == pytest.approx([0.010] * 4)
+    assert res["tpot_s"]["p99"] == pytest.approx(0.010)
+    assert res["e2e_s"]["p50"] == pytest.approx(0.0325)       # 30 ms and 35 ms
+    assert res["max_decode_batch"] == 1
+
+
+def test_poisson_arrivals_follow_the_rate():
+    reqs = serving.synthetic(2000, 4.0, [1, 4], [1, 2], 100, seed=1)
+    gaps = [b.offset_s - a.offset_s for a, b in zip(reqs, reqs[1:])]
+    assert sum(gaps) / len(gaps) == pytest.approx(0.25, rel=0.08)
+    assert all(g >= 0 for g in gaps)
+    assert {r.offset_s for r in serving.synthetic(5, None, [1, 4], [1, 2], 100)} == {0.0}
+
+
+TOY = LlamaArch(vocab_size=10, hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2,
+                num_kv_heads=1, head_dim=4)
+
+
+def test_cost_model_matches_a_hand_count():
+    cost = CostModel(TOY, weight_bytes=4, kv_bytes=4)
+    # per layer: q 8x8, k and v 8x4 each, o 8x8, gate/up/down 3 x 8x16  = 64+64+64+384
+    assert cost.layer_params == 576 and cost.head_params == 80
+    # prefill of 3 tokens, nothing cached: 2*3*1152 linear + 2*80 head (last token only)
+    # + attention 4 * L(2) * H(2) * hd(4) * (1+2+3 keys seen) = 384
+    p = cost.prefill(3)
+    assert p.flops == 6912 + 160 + 384
+    kv_per_token = 2 * 2 * 1 * 4 * 4                         # L * (K,V) * KVH * hd * 4 bytes
+    assert cost.kv_bytes_per_token == kv_per_token == 64
+    assert p.bytes == (1152 + 80) * 4 + 3 * kv_per_token
+    # decode of 2 sequences with 5 cached tokens: each token sees 6 keys
+    d = cost.decode(2, 5)
+    assert d.flops == 2 * (2 * 1232 + 4 * 2 * 2 * 4 * 6)
+    assert d.bytes == 1232 * 4 + 2 * 6 * kv_per_token
+    assert d.bound_s(1e3, 1e2) == max(d.flops / 1e3, d.bytes / 1e2)
+
+
+def test_roofline_of_an_8b_model_on_an_h200_matches_the_known_bounds():
+    """An 8B bf16 model holds 16.06 GB of weights, but a decode step reads 15.0 of them: the
+    embedding table is read only at the batch's rows, so 3.5 ms at 4.3 TB/s, not the 3.7 ms of
+    all 16 GB. A 2048-token prefill is 2 x 2048 x 8.03e9 = 33 TFLOP counted naively (42 ms at
+    790 TFLOP/s), but the engine computes logits for the last token only and the embedding is a
+    lookup: 28.6 TFLOP of projections + 1.1 of causal attention = 29.7 TFLOP, 37.6 ms."""
+    arch = named_shape("llama3-8b")
+    cost = CostModel(arch, weight_bytes=2, kv_bytes=2)
+    embedding = arch.vocab_size * arch.hidden_size * 2
+    d = cost.decode(1, 0)
+    assert d.bytes + embedding == pytest.approx(16.06e9, rel=0.01)
+    assert d.bound_s(790e12, 4.3e12) * 1e3 == pytest.approx(3.5, abs=0.05)
+    p = cost.prefill(2048)
+    naive = 2 * 2048 * (d.bytes + embedding) / 2
+    assert naive == pytest.approx(32.9e12, rel=0.01)
+    assert p.flops == pytest.approx(29.7e12, rel=0.01)
+    assert p.bound_s(790e12, 4.3e12) * 1e3 == pytest.approx(37.6, abs=0.3)
+    cross = cost.decode_crossover(0, 790e12, 4.3e12)
+    assert cost.decode(cross, 0).intensity >= 790 / 4.3 > cost.decode(cross - 1, 0).intensity
+
+
+def test_bench_on_the_tiny_model_writes_every_artefact(tmp_path):
+    cfg = tmp_path / "bench.toml"
+    cfg.write_text("""
+[model]
+name = "tiny"
+weights = "random"
+
+[bench]
+backends = ["torch"]
+prompt_lens = [16, 48]
+batch_sizes = [1, 4]
+decode_context = 24
+decode_steps = 3
+repeats = 2
+
+[bench.serving]
+num_requests = 6
+input_len = [8, 24]
+output_len = [3, 8]
+rate = 100
+""")
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, "-m", "twophase", "bench", str(cfg), "--out", str(out),
+                          "--compare-chunked"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for name in ("results.json", "report.md", "prefill_tokens_per_s.png",
+                 "decode_tokens_per_s.png", "ttft_itl.png", "chunked_itl.png"):
+        assert (out / name).stat().st_size > 100, name
+    res = json.loads((out / "results.json").read_text())
+    assert res["lines"] == ["torch", "hf"]
+    for phase, shapes in (("prefill", [16, 48]), ("decode", [1, 4])):
+        for line in res["lines"]:
+            got = res[phase][line]
+            assert sorted(map(int, got)) == shapes
+            assert all(m["rounds"] == 2 and m["tokens_per_s"] > 0 and 0 < m["roofline_fraction"] <= 1.0
+                       for m in got.values())
+    assert res["serving"]["torch"]["requests"] == 6 and res["serving"]["torch"]["ttft_s"]["p99"] > 0
+    assert set(res["chunked"]) == {"on", "off"}
+    assert res["ceilings"]["peak_flops"] > 0 and res["ceilings"]["bandwidth"] > 0
+    assert "decode (tokens/s)" in run.stdout and "serving" in run.stdout
+    md = (out / "report.md").read_text()
+    assert "| 48 | torch |" in md and "![decode_tokens_per_s](decode_tokens_per_s.png)" in md
+
+
+@pytest.mark.parametrize("bench, message", [
+    ({"cache_depth": 5}, "bench.cache_depth: must be a multiple of cache.block_size"),
+    ({"serving": {"rate": 0}}, "bench.serving.rate: must be a positive number"),
+    ({"batch_sizes": []}, "bench.batch_sizes: must be a non-empty list"),
+])
+def test_bad_bench_config_is_one_clear_line(tmp_path, bench, message):
+    from twophase.config import load_config
+    from twophase.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        load_config({"bench": bench})
+    assert str(info.value).startswith(message)
+
+
+def test_unknown_backend_in_bench_is_a_config_error(tmp_path):
+    cfg = tmp_path / "b.toml"
+    cfg.write_text('[model]\nname = "tiny"\nweights = "random"\n')
+    run = subprocess.run([sys.executable, "-m", "twophase", "bench", str(cfg), "--backends",
+                          "torch,nosuch"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "nosuch" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_calibration_is_cached(tmp_path, monkeypatch):
+    from twophase.bench import calibrate
+
+    monkeypatch.setenv("TWOPHASE_CACHE", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(calibrate, "_peak", lambda d, t: calls.append("peak") or 2e9)
+    monkeypatch.setattr(calibrate, "_bandwidth", lambda d: calls.append("bw") or 1e9)
+    c = calibrate.ceilings("cpu", torch.float32)
+    assert c.peak_flops == 2e9 and c.ridge == 2.0
+    assert calibrate.ceilings("cpu", torch.float32) == c and calls == ["peak", "bw"]
+    calibrate.ceilings("cpu", torch.float32, force=True)
+    assert calls == ["peak", "bw"] * 2

@@ -1,0 +1,55 @@
+"""Phase sweeps, llama-bench style: prefill and decode measured apart, one step at a time.
+
+- prefill of ``n`` tokens (after ``depth`` cached ones, a prefix-cache hit): one prompt per
+  round whose new tokens fit the token budget, so the prompt is one pure-prefill step; the step's
+  duration is the measurement.
+- decode at batch ``b``, context ``c``: ``b`` prompts of ``c`` tokens prefilled first
+  (prefill-first policy), then the median of the pure-decode steps that carry all ``b``.
+
+Each call measures one round; the caller interleaves rounds across backends, so drift on a
+shared machine hits every backend alike, and takes the median and spread over rounds.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from twophase.core.params import SamplingParams
+
+
+def _tokens(n: int, salt: int, vocab: int) -> list[int]:
+    return [3 + (i * 7 + salt * 7919) % (vocab - 3) for i in range(n)]
+
+
+def prefill_round(llm, n: int, depth: int, salt: int) -> float:
+    """Seconds of one pure-prefill step computing ``n`` tokens after ``depth`` cached ones."""
+    vocab = llm.model.arch.vocab_size
+    prompt = _tokens(depth + n, salt * 131 + n, vocab)        # no prefix shared across lengths
+    if depth:
+        llm.generate([prompt[:depth]], SamplingParams(max_tokens=1, ignore_eos=True))
+    llm.reset_stats()
+    llm.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))
+    step = llm.engine.steps.records[0]
+    if step.mix != "prefill" or step.prefill_tokens != n:
+        raise RuntimeError(f"prefill sweep: expected one step of {n} new tokens, got "
+                           f"{step.prefill_tokens} ({step.mix}); is the token budget below {n}?")
+    return step.duration
+
+
+def decode_round(llm, batch: int, context: int, steps: int, salt: int) -> float:
+    """Median seconds of the pure-decode steps that carry all ``batch`` sequences."""
+    vocab = llm.model.arch.vocab_size
+    prompts = [_tokens(context, salt * 1000 + j, vocab) for j in range(batch)]
+    llm.reset_stats()
+    llm.generate(prompts, SamplingParams(max_tokens=steps + 1, ignore_eos=True))
+    times = [s.duration for s in llm.engine.steps.records
+             if s.mix == "decode" and s.decode_seqs == batch]
+    if not times:
+        raise RuntimeError(f"decode sweep: no step carried all {batch} sequences")
+    return statistics.median(times[1:] or times)        # the first one warms caches
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Median, min and max of a measurement's rounds."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "rounds": len(values)}
