@@ -30,7 +30,8 @@ def _bench_llm(cfg: Config, backend: str):
     bs = cc.block_size
     blocks = lambda tokens: -(-tokens // bs)  # noqa: E731
     s = b.serving
-    need = max(max(b.batch_sizes) * blocks(b.decode_context + b.decode_steps + 2),
+    # room for every decode sweep's contexts at once, so later rounds find them in the prefix cache
+    need = max(sum(b.batch_sizes) * blocks(b.decode_context + b.decode_steps + 2),
                2 * blocks(b.cache_depth + max(b.prompt_lens) + 2),
                sc.max_num_seqs * blocks(s.input_len[1] + s.output_len[1]),
                blocks(max(b.prompt_lens) + s.output_len[1]) + max(b.batch_sizes) * blocks(s.input_len[1] + s.output_len[1]))

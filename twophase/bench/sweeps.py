@@ -4,7 +4,8 @@
   round whose new tokens fit the token budget, so the prompt is one pure-prefill step; the step's
   duration is the measurement.
 - decode at batch ``b``, context ``c``: ``b`` prompts of ``c`` tokens prefilled first
-  (prefill-first policy), then the median of the pure-decode steps that carry all ``b``.
+  (prefill-first policy; from the prefix cache after the first round), then the median of the
+  pure-decode steps that carry all ``b``.
 
 Each call measures one round; the caller interleaves rounds across backends, so drift on a
 shared machine hits every backend alike, and takes the median and spread over rounds.
@@ -37,9 +38,11 @@ def prefill_round(llm, n: int, depth: int, salt: int) -> float:
 
 
 def decode_round(llm, batch: int, context: int, steps: int, salt: int) -> float:
-    """Median seconds of the pure-decode steps that carry all ``batch`` sequences."""
+    """Median seconds of the pure-decode steps that carry all ``batch`` sequences. Every round
+    uses the same contexts, so after the first one the prefix cache holds them and a round
+    costs its decode steps only (``salt`` is unused: rounds need not differ)."""
     vocab = llm.model.arch.vocab_size
-    prompts = [_tokens(context, salt * 1000 + j, vocab) for j in range(batch)]
+    prompts = [_tokens(context, 1000 * batch + j, vocab) for j in range(batch)]
     llm.reset_stats()
     llm.generate(prompts, SamplingParams(max_tokens=steps + 1, ignore_eos=True))
     times = [s.duration for s in llm.engine.steps.records

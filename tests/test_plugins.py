@@ -1,0 +1,142 @@
+"""Third-party backends: the example plugin installs, is discovered, runs and uninstalls; broken
+plugins are reported without breaking the others; the conformance kit passes every built-in
+backend and the plugin, and fails a backend that writes K/V at the wrong slots."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PLUGIN = ROOT / "plugins" / "twophase-numpy"
+KIT = ["-m", "pytest", "-p", "twophase.testing", "--pyargs", "twophase.testing", "-q",
+       "-p", "no:cacheprovider"]
+
+
+def _run(python, *args, env=None, cwd=None, timeout=900):
+    return subprocess.run([str(python), *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})}, cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory):
+    """A virtual environment that sees this one's packages (twophase, torch) and gets the
+    plugin installed with pip, as a user would."""
+    path = tmp_path_factory.mktemp("venv")
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip",
+                    str(path)], check=True)
+    python = path / "bin" / "python"
+    assert _pip(python, "install", "--no-deps", "--no-build-isolation", str(PLUGIN)).returncode == 0
+    return python
+
+
+def _pip(python, *args):
+    """This environment's pip (and its setuptools) acting on ``python``'s environment."""
+    run = _run(sys.executable, "-m", "pip", "--python", str(python), "-q", *args)
+    assert run.returncode == 0 or "show" in args, run.stderr
+    return run
+
+
+def test_plugin_is_discovered_runs_and_uninstalls(venv, tmp_path):
+    listed = _run(venv, "-m", "twophase", "backends", env={"COLUMNS": "200"})
+    assert listed.returncode == 0
+    row = next(line for line in listed.stdout.splitlines() if "numpy" in line)
+    assert "twophase-numpy" in row and "yes" in row
+    cfg = tmp_path / "numpy.toml"
+    cfg.write_text('[model]\nname = "tiny"\nweights = "random"\n[backend]\nname = "numpy"\n'
+                   '[workload.synthetic]\nnum_requests = 3\ninput_len = [4, 20]\noutput_len = [3, 6]\n')
+    ran = _run(venv, "-m", "twophase", "run", str(cfg), "--quiet", env={"COLUMNS": "200"})
+    assert ran.returncode == 0, ran.stderr
+    assert "numpy" in ran.stdout + ran.stderr
+    # TWOPHASE_PLUGINS limits third-party plugins; built-in backends always load
+    only = _run(venv, "-m", "twophase", "backends", env={"COLUMNS": "200", "TWOPHASE_PLUGINS": "other"})
+    assert "twophase-numpy" not in only.stdout and "torch" in only.stdout
+    _pip(venv, "uninstall", "-y", "twophase-numpy")
+    after = _run(venv, "-m", "twophase", "backends", env={"COLUMNS": "200"})
+    assert "twophase-numpy" not in after.stdout and "torch" in after.stdout
+
+
+def _fake_dist(site: Path, dist: str, module: str, source: str) -> None:
+    """An installed distribution (a dist-info with an entry point) and its module, on a path."""
+    info = site / f"{dist.replace('-', '_')}-0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[twophase.backends]\n{module} = {module}\n")
+    (site / f"{module}.py").write_text(textwrap.dedent(source))
+
+
+def test_broken_plugins_are_reported_and_the_others_still_load(tmp_path):
+    site = tmp_path / "site"
+    _fake_dist(site, "broken-import", "broken_import", "raise ImportError('needs libfoo.so')\n")
+    _fake_dist(site, "dup-plugin", "dup_plugin", """
+        from twophase.backends.hookspecs import hookimpl
+        from twophase.backends.torch_eager import TorchBackend
+        class Again(TorchBackend):
+            name = "torch"
+        @hookimpl
+        def twophase_backends():
+            return [Again]
+        """)
+    _fake_dist(site, "bad-contract", "bad_contract", """
+        from twophase.backends.hookspecs import hookimpl
+        class NotABackend:
+            name = "oops"
+        @hookimpl
+        def twophase_backends():
+            return [NotABackend]
+        """)
+    out = _run(sys.executable, "-m", "twophase", "backends",
+               env={"PYTHONPATH": str(site), "COLUMNS": "250"})
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "broken-import" in text and "ImportError: needs libfoo.so" in text
+    assert "dup-plugin" in text and "duplicate backend name 'torch'" in text
+    assert "bad-contract" in text and "not a twophase Backend" in text
+    assert "onnxruntime" in text and "built-in" in text
+    torch_rows = [line for line in text.splitlines() if line.startswith("│ torch")]
+    assert torch_rows and "built-in" in torch_rows[0]
+
+
+def test_conformance_kit_passes_the_builtin_backends(tmp_path):
+    """From a directory outside the repository, as a plugin author would run it. The iree
+    modules come from the cache the iree tests filled; tensorrt cannot run here and is skipped
+    with its reason."""
+    for name in ("torch", "onnxruntime", "iree"):
+        run = _run(sys.executable, *KIT, "--backend", name, cwd=tmp_path)
+        assert run.returncode == 0, f"{name}:\n{run.stdout[-3000:]}"
+        assert "8 passed" in run.stdout, run.stdout[-500:]
+    run = _run(sys.executable, *KIT, "--backend", "tensorrt", "-rs", cwd=tmp_path)
+    assert run.returncode == 0 and "8 skipped" in run.stdout and "TensorRT" in run.stdout
+
+
+def test_conformance_kit_passes_the_numpy_plugin(venv, tmp_path):
+    if _pip(venv, "show", "twophase-numpy").returncode:            # uninstalled above
+        _pip(venv, "install", "--no-deps", "--no-build-isolation", str(PLUGIN))
+    run = _run(venv, *KIT, "--backend", "numpy", cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert "8 passed" in run.stdout
+
+
+def test_conformance_kit_fails_a_backend_that_writes_kv_at_the_wrong_slots(tmp_path):
+    site = tmp_path / "site"
+    _fake_dist(site, "wrong-slots", "wrong_slots", """
+        from twophase.backends.hookspecs import hookimpl
+        from twophase.backends.torch_eager import TorchBackend
+        class WrongSlots(TorchBackend):
+            name = "wrong-slots"
+            def prefill(self, batch):
+                batch.slot_mapping = batch.slot_mapping + 1      # one slot off
+                return super().prefill(batch)
+        @hookimpl
+        def twophase_backends():
+            return [WrongSlots]
+        """)
+    run = _run(sys.executable, *KIT, "--backend", "wrong-slots", "--skip-default-model",
+               "-k", "fresh_prompts", env={"PYTHONPATH": str(site)}, cwd=tmp_path)
+    assert run.returncode == 1, run.stdout[-2000:]
+    assert "K/V written at the wrong slots" in run.stdout
