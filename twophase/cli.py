@@ -1,4 +1,4 @@
-"""twophase: run a config, benchmark backends, list backends, export models.
+"""twophase: run a config, serve it over HTTP, benchmark backends, list backends, export models.
 
 User mistakes end in one message (exit status 2 for config errors), never a traceback.
 """
@@ -41,6 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--compare-chunked", action="store_true",
                        help="also run a long prompt among running decodes with chunked prefill "
                             "on and off, and show the inter-token latency spike without it")
+    serve = sub.add_parser("serve", help="serve the config's model over an OpenAI-compatible HTTP API")
+    serve.add_argument("config", help="TOML file; its [server] section sets the defaults")
+    serve.add_argument("--host", help="default: server.host (127.0.0.1)")
+    serve.add_argument("--port", type=int, help="default: server.port (8000)")
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: "
+                                         "server.api_key or $TWOPHASE_API_KEY)")
     cal = sub.add_parser("calibrate", help="measure (and cache) this device's matmul peak and "
                                            "memory bandwidth, the roofline's ceilings")
     cal.add_argument("--device", default="cpu")
@@ -59,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_bench(args)
         if args.command == "calibrate":
             return cmd_calibrate(args)
+        if args.command == "serve":
+            return cmd_serve(args)
         return cmd_backends()
     except ConfigError as exc:
         print(f"twophase: config error: {exc}", file=sys.stderr)
@@ -121,6 +129,29 @@ def cmd_bench(args) -> int:
     print_tables(res, Console())
     for path in bench.write(res, args.out):
         log.info("wrote %s", path)
+    return 0
+
+
+def cmd_serve(args) -> int:
+    import os
+
+    from twophase.config import load_config
+
+    cfg = load_config(args.config)
+    import uvicorn
+
+    from twophase.llm import LLM
+    from twophase.server.app import create_app
+
+    sv = cfg.server
+    llm = LLM(cfg)
+    name = sv.model_name or llm.model.model_id
+    key = args.api_key or sv.api_key or os.environ.get("TWOPHASE_API_KEY")
+    app = create_app(llm, name, key, sv.max_queue, sv.default_max_tokens)
+    host, port = args.host or sv.host, args.port if args.port is not None else sv.port
+    log.info("serving %s at http://%s:%d/v1 (API key %s)", name, host, port,
+             "required" if key else "off")
+    uvicorn.run(app, host=host, port=port, log_level="warning")
     return 0
 
 

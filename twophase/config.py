@@ -119,6 +119,16 @@ class BenchConfig:
 
 
 @dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None             # or TWOPHASE_API_KEY; checked on all routes but /health
+    max_queue: int = 256                   # requests in flight before new ones get 503
+    model_name: str | None = None          # the model id clients send; default the model's
+    default_max_tokens: int = 256          # chat requests without max_tokens
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     backend: BackendSection = field(default_factory=BackendSection)
@@ -127,6 +137,7 @@ class Config:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
     base_dir: Path = field(default=Path("."), metadata={"internal": True})
 
     def phases(self) -> tuple[BackendSection, BackendSection]:
@@ -205,6 +216,12 @@ def _check(cfg: Config) -> None:
     except InvalidSamplingParam as exc:
         raise ConfigError(f"sampling.{exc.name}", exc.message) from None
     _check_bench(cfg)
+    sv = cfg.server
+    if not 0 <= sv.port <= 65535:
+        raise ConfigError("server.port", f"must be in [0, 65535], got {sv.port}")
+    for key in ("max_queue", "default_max_tokens"):
+        if getattr(sv, key) < 1:
+            raise ConfigError(f"server.{key}", f"must be a positive integer, got {getattr(sv, key)}")
     syn = cfg.workload.synthetic
     if syn is not None:
         if syn.num_requests < 1:

@@ -120,8 +120,15 @@ def write_markdown(res: dict[str, Any], path: Path, plots: list[str]) -> None:
 
 
 def plot(res: dict[str, Any], out: Path) -> list[str]:
-    """PNG plots; returns their paths."""
-    import matplotlib
+    """PNG plots; returns their paths (none, with a warning, without matplotlib)."""
+    try:
+        import matplotlib
+    except ImportError:
+        import logging
+
+        logging.getLogger(__name__).warning("no plots: matplotlib is not installed "
+                                            "(pip install 'twophase[bench]')")
+        return []
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -1,0 +1,189 @@
+"""The OpenAI-compatible server, for real: uvicorn on a free loopback port, the ``openai`` client
+and raw HTTP against it. Greedy text equals ``LLM.generate``; concurrent clients batch; bad
+input, disconnects and a full queue get the right status and leave every KV block free."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+import pytest
+
+from twophase import LLM, SamplingParams
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+from twophase.server.app import create_app  # noqa: E402
+
+MODEL = "smollm2"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serving(llm: LLM, **kwargs):
+    app = create_app(llm, MODEL, **kwargs)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}", app
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
+
+
+def _all_blocks_free(llm: LLM, app, timeout: float = 10.0) -> None:
+    """Wait for the engine to settle, then every block must be free."""
+    deadline = time.monotonic() + timeout
+    while app.state.loop.in_flight or llm.engine.has_unfinished():
+        assert time.monotonic() < deadline, f"{app.state.loop.in_flight} requests still in flight"
+        time.sleep(0.05)
+    assert llm.engine.kv.num_free_blocks == llm.num_blocks
+
+
+@pytest.fixture(scope="module")
+def default_server():
+    llm = LLM.from_config({"model": {"name": "smollm2-135m-instruct"}, "cache": {"num_blocks": 256}})
+    with serving(llm) as (url, app):
+        yield llm, url, app
+
+
+@pytest.fixture(scope="module")
+def client(default_server):
+    return openai.OpenAI(base_url=default_server[1] + "/v1", api_key="unused", max_retries=0)
+
+
+def test_completions_and_chat_equal_generate(default_server, client, default_llm):
+    llm, url, app = default_server
+    prompt = "The capital of France is"
+    want = default_llm.generate([prompt], SamplingParams(max_tokens=16))[0]
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
+    assert got.choices[0].text == want.text and got.usage.completion_tokens == 16
+    assert got.choices[0].finish_reason == want.finish_reason == "length"
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                       stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == want.text
+
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chat_prompt = default_llm.tokenizer.apply_chat_template(messages)
+    want = default_llm.generate([chat_prompt], SamplingParams(max_tokens=12))[0]
+    got = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12)
+    assert got.choices[0].message.content == want.text and got.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
+    assert chunks[-1].usage.completion_tokens == len(want.token_ids)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    lp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, logprobs=2)
+    assert len(lp.choices[0].logprobs.token_logprobs) == 3
+    assert all(v <= 0 for v in lp.choices[0].logprobs.token_logprobs)
+    _all_blocks_free(llm, app)
+
+
+def test_32_concurrent_streams_batch_together(default_server, default_llm):
+    llm, url, app = default_server
+    prompts = [f"Count from {i} to {i + 5}:" for i in range(32)]
+    want = [o.text for o in default_llm.generate(prompts, SamplingParams(max_tokens=10))]
+    aclient = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    async def one(p: str) -> str:
+        stream = await aclient.completions.create(model=MODEL, prompt=p, max_tokens=10, stream=True)
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def all_of_them():
+        return await asyncio.wait_for(asyncio.gather(*(one(p) for p in prompts)), 180)
+
+    assert asyncio.run(all_of_them()) == want
+    text = httpx.get(url + "/metrics").text
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    steps = values["twophase_step_decode_sequences_count"]
+    single = values['twophase_step_decode_sequences_bucket{le="1.0"}']
+    assert steps - single > 0, "no step decoded more than one sequence"
+    assert values["twophase_time_to_first_token_seconds_count"] >= 32
+    assert values["twophase_decode_tokens_total"] >= 32 * 9
+    _all_blocks_free(llm, app)
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ("{not json", 400, None),
+    ({"model": "gpt-4", "prompt": "hi"}, 400, "model"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+    ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"model": MODEL}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "word " * 9000}, 400, "prompt"),
+])
+def test_bad_requests_get_an_openai_error(default_server, body, status, param):
+    llm, url, app = default_server
+    r = httpx.post(url + "/v1/completions", content=body if isinstance(body, str) else json.dumps(body),
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["type"] and err["message"] and err["param"] == param
+    _all_blocks_free(llm, app)
+
+
+def test_disconnecting_clients_abort_and_free_blocks(default_server):
+    llm, url, app = default_server
+    body = {"model": MODEL, "prompt": "1, 2, 3, 4, 5,", "max_tokens": 400, "stream": True}   # counts on
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+    # the stream was closed after one event: the request must be aborted, not finished
+    _all_blocks_free(llm, app)
+    assert llm.engine.steps.records[-1].decode_seqs <= 1
+    with pytest.raises(httpx.ReadTimeout):           # a non-streamed request, given up on
+        httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=0.5)
+    _all_blocks_free(llm, app)
+
+
+def test_full_queue_gets_503(default_server):
+    llm, url, app = default_server
+    loop = app.state.loop
+    loop.max_queue = 1                                   # as if server.max_queue = 1
+    try:
+        long = {"model": MODEL, "prompt": "1, 2, 3, 4, 5,", "max_tokens": 300, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=long, timeout=30) as r:
+            assert r.status_code == 200
+            next(line for line in r.iter_lines() if line.startswith("data:"))
+            busy = httpx.post(url + "/v1/completions", timeout=30,
+                              json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+            assert busy.status_code == 503 and busy.json()["error"]["code"] == "overloaded"
+    finally:
+        loop.max_queue = 256
+    _all_blocks_free(llm, app)
+
+
+def test_api_key_is_checked_on_every_route_but_health():
+    llm = LLM.from_config({"model": {"name": "tiny", "weights": "random"},
+                           "cache": {"num_blocks": 64}})
+    with serving(llm, api_key="sekret") as (url, app):
+        assert httpx.get(url + "/health").status_code == 200                 # no key needed
+        for route in ("/v1/models", "/metrics"):
+            r = httpx.get(url + route)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        bad = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=2)
+        ok = openai.OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0)
+        out = ok.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=3)
+        assert 1 <= out.usage.completion_tokens <= 3
+        _all_blocks_free(llm, app)

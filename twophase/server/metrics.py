@@ -1,0 +1,54 @@
+"""Prometheus metrics of a server: one registry per app (tests start several servers)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("twophase_requests", "HTTP requests by route and status",
+                                ["route", "status"], registry=r)
+        self.ttft = Histogram("twophase_time_to_first_token_seconds", "arrival to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("twophase_time_per_output_token_seconds",
+                              "mean gap between a request's output tokens", buckets=LATENCY_BUCKETS,
+                              registry=r)
+        self.e2e = Histogram("twophase_e2e_request_latency_seconds", "arrival to last token",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill_tokens = Counter("twophase_prefill_tokens", "prompt tokens computed", registry=r)
+        self.decode_tokens = Counter("twophase_decode_tokens", "tokens decoded", registry=r)
+        self.preemptions = Counter("twophase_preemptions", "requests preempted for KV blocks",
+                                   registry=r)
+        self.decode_batch = Histogram("twophase_step_decode_sequences",
+                                      "sequences decoding in one engine step",
+                                      buckets=BATCH_BUCKETS, registry=r)
+        self.running = Gauge("twophase_requests_running", "requests being computed", registry=r)
+        self.waiting = Gauge("twophase_requests_waiting", "requests queued in the scheduler",
+                             registry=r)
+        self.kv_used = Gauge("twophase_kv_blocks_used", "KV blocks held by requests", registry=r)
+        self.kv_total = Gauge("twophase_kv_blocks_total", "KV blocks in the pool", registry=r)
+
+    def step(self, rec, scheduler, kv) -> None:
+        """After each engine step (on the engine's thread)."""
+        self.prefill_tokens.inc(rec.prefill_tokens)
+        self.decode_tokens.inc(rec.decode_seqs)
+        self.preemptions.inc(rec.preemptions)
+        if rec.decode_seqs:
+            self.decode_batch.observe(rec.decode_seqs)
+        self.running.set(len(scheduler.running))
+        self.waiting.set(len(scheduler.waiting))
+        self.kv_used.set(kv.num_used_blocks)
+
+    def finished(self, req) -> None:
+        t = req.times
+        if t.ttft is not None:
+            self.ttft.observe(t.ttft)
+        if t.tpot is not None:
+            self.tpot.observe(t.tpot)
+        if t.e2e is not None:
+            self.e2e.observe(t.e2e)
