@@ -31,6 +31,8 @@ class ModelConfig:
     num_layers: int | None = None         # override a shape's depth
     max_model_len: int | None = None      # context limit; default the model's own
     seed: int = 0                         # random weights
+    quantization: Literal["none", "q4"] = "none"   # q4: 4-bit block weights (onnxruntime)
+    accuracy_level: int = 4               # q4: 4 quantises activations to int8 per block (fastest)
 
 
 @dataclass
@@ -216,6 +218,8 @@ def _check(cfg: Config) -> None:
     except InvalidSamplingParam as exc:
         raise ConfigError(f"sampling.{exc.name}", exc.message) from None
     _check_bench(cfg)
+    if not 0 <= m.accuracy_level <= 4:
+        raise ConfigError("model.accuracy_level", f"must be in [0, 4], got {m.accuracy_level}")
     sv = cfg.server
     if not 0 <= sv.port <= 65535:
         raise ConfigError("server.port", f"must be in [0, 65535], got {sv.port}")

@@ -77,7 +77,8 @@ class LLM:
         self.max_model_len = min(mc.max_model_len or arch.max_position_embeddings,
                                  arch.max_position_embeddings)
         self._check_fits(device)
-        spec = ModelSpec(arch.to_dict(), self.model.weights, self.model.dtype, self.model.model_id, mc.seed)
+        spec = ModelSpec(arch.to_dict(), self.model.weights, self.model.dtype, self.model.model_id,
+                         mc.seed, mc.quantization, mc.accuracy_level)
         self.prefill_backend = self._load_backend(pcfg, spec)
         same = (pcfg.name, pcfg.device, pcfg.options) == (dcfg.name, dcfg.device, dcfg.options)
         self.decode_backend = self.prefill_backend if same else self._load_backend(dcfg, spec)
@@ -96,6 +97,12 @@ class LLM:
 
     def _load_backend(self, sec, spec: ModelSpec):
         backend = self.registry.get(sec.name)()
+        if spec.quantization not in backend.quantizations:
+            runs = [n for n, i in self.registry.backends.items()
+                    if i.cls is not None and spec.quantization in i.cls.quantizations]
+            raise ConfigError("model.quantization", f"the {sec.name} backend does not run "
+                              f"{spec.quantization!r} weights; backends that do: "
+                              f"{', '.join(runs) or 'none installed'}")
         sc = self.config.scheduler
         limits = EngineLimits(sc.max_num_seqs, self._token_budget(sc.chunked_prefill), self.max_model_len)
         backend.load(spec, BackendConfig(sec.name, sec.device, dict(sec.options), limits))

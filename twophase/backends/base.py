@@ -44,6 +44,8 @@ class ModelSpec:
     dtype: torch.dtype            # weights' and activations' dtype
     model_id: str                 # a name for reports and caches
     seed: int = 0                 # for random weights
+    quantization: str = "none"    # "none", or "q4": 4-bit block weights (backends that declare it)
+    accuracy_level: int = 4       # q4: ORT MatMulNBits' accuracy level (4: int8 activations)
 
 
 @dataclass(frozen=True)
@@ -178,6 +180,8 @@ class Backend(ABC):
     """
 
     name: ClassVar[str]
+    # the weight formats it runs (``model.quantization``); core refuses the others before load
+    quantizations: ClassVar[tuple[str, ...]] = ("none",)
 
     @classmethod
     def check_available(cls, device: str = "cpu") -> None:

@@ -43,6 +43,7 @@ def _ort():
 
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
+    quantizations = ("none", "q4")      # q4: MatMulNBits over the GGUF's blocks (CPU)
 
     @classmethod
     def check_available(cls, device: str = "cpu") -> None:

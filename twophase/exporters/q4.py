@@ -1,0 +1,133 @@
+"""Rewrite an exported step graph to run its projections and head on 4-bit (and 8-bit) weights
+with ONNX Runtime's ``MatMulNBits`` contrib operator (MLAS kernels).
+
+Each ``Gemm(x, W, transB=1)`` whose weight has a quantised form becomes
+``MatMulNBits(x, codes, scales, zero_points)``, with *uint8* zero points: with float zero points
+ORT's CPU kernel skips pre-packing and dequantises all of B on every call (see ``PrePack`` in
+``contrib_ops/cpu/quantization/matmul_nbits.cc``: ``has_unquantized_zero_point_``). Q4_1's
+per-block minimum ``m`` is not a zero point but an additive term, so it is added exactly:
+``x @ (d*q + m)ᵀ = MatMulNBits(x) + blocksum(x) @ mᵀ``, where ``blocksum`` sums ``x`` over each
+block of 32 inputs: a matmul 32x smaller than the weight's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from twophase.models.quant import BLOCK, QWeight, pack
+
+MS_DOMAIN = "com.microsoft"
+
+
+def quantize_graph(src: Path, dst: Path, weights: dict[str, QWeight], accuracy_level: int) -> int:
+    """Read ``src`` (with its external data), write the rewritten graph to ``dst`` (weights as
+    external data beside it); returns how many matmuls now run quantised."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    model = onnx.load(str(src))
+    g = model.graph
+    added: list = []
+    nodes = []
+    done = 0
+    for node in g.node:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        name = node.input[1] if len(node.input) > 1 else None
+        key = name.removeprefix("model.") if name else None
+        if node.op_type != "Gemm" or key not in weights or attrs.get("transB") != 1 \
+                or attrs.get("transA", 0) or (len(node.input) > 2 and node.input[2]):
+            nodes.append(node)
+            continue
+        qw = weights[key]
+        n, k = qw.shape
+        b, scales, zeros = pack(qw)
+        stem = f"{key}.q{qw.bits}"
+        added += [numpy_helper.from_array(b, stem + ".codes"),
+                  numpy_helper.from_array(scales, stem + ".scales"),
+                  numpy_helper.from_array(zeros, stem + ".zero_points")]
+        x, y = node.input[0], node.output[0]
+        out = y if qw.minimum is None else stem + ".dq"
+        nodes.append(helper.make_node(
+            "MatMulNBits", [x, stem + ".codes", stem + ".scales", stem + ".zero_points"], [out],
+            name=stem + ".matmul", domain=MS_DOMAIN, K=k, N=n, bits=qw.bits, block_size=BLOCK,
+            accuracy_level=accuracy_level))
+        if qw.minimum is not None:
+            added += [numpy_helper.from_array(np.array([-1, k // BLOCK, BLOCK], np.int64), stem + ".blocks"),
+                      numpy_helper.from_array(np.array([2], np.int64), stem + ".axis"),
+                      numpy_helper.from_array(np.ascontiguousarray(qw.minimum.T), stem + ".min_t")]
+            nodes += [
+                helper.make_node("Reshape", [x, stem + ".blocks"], [stem + ".xb"]),
+                helper.make_node("ReduceSum", [stem + ".xb", stem + ".axis"], [stem + ".xsum"], keepdims=0),
+                helper.make_node("MatMul", [stem + ".xsum", stem + ".min_t"], [stem + ".mterm"]),
+                helper.make_node("Add", [out, stem + ".mterm"], [y]),
+            ]
+        done += 1
+    del g.node[:]
+    g.node.extend(nodes)
+    used = {i for nd in g.node for i in nd.input}
+    kept = [i for i in g.initializer if i.name in used]
+    del g.initializer[:]
+    g.initializer.extend(kept + added)
+    if not any(o.domain == MS_DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
+              location=dst.name + ".data", size_threshold=1024)
+    return done
+
+
+def model_qweights(model, arch, gguf_path: Path | None) -> dict[str, QWeight]:
+    """Quantised forms of every projection and the head, keyed by parameter name: the GGUF's
+    own blocks where the model came from one, else the float weights quantised (projections
+    to 4 bits, the head to 8)."""
+    if gguf_path is not None:
+        return gguf_qweights(gguf_path, arch)
+    from twophase.models.quant import quantize_q4, quantize_q8
+
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    out = {f"layers.{i}.{p}.weight": quantize_q4(sd[f"layers.{i}.{p}.weight"])
+           for i in range(arch.num_layers) for p in ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")}
+    out["lm_head.weight"] = quantize_q8(sd.get("lm_head.weight", sd["embed.weight"]))
+    return out
+
+
+def gguf_qweights(path: Path, arch) -> dict[str, QWeight]:
+    """The GGUF's quantised blocks as they are, fused the way the model fuses its projections
+    (Q/K rows un-permuted as in the float conversion). Tensor types other than Q4_1 and Q8_0 are
+    dequantised and requantised to 4 bits."""
+    import gguf
+
+    from twophase.models.gguf import unpermute_rope
+    from twophase.models.quant import from_q4_1, from_q8_0, quantize_q4
+
+    reader = gguf.GGUFReader(str(path))
+    T = gguf.GGMLQuantizationType
+    tensors = {t.name: t for t in reader.tensors}
+
+    def q(name: str) -> QWeight:
+        t = tensors[name]
+        k, n = (int(d) for d in t.shape)
+        if t.tensor_type == T.Q4_1:
+            return from_q4_1(t.data, n, k)
+        if t.tensor_type == T.Q8_0:
+            return from_q8_0(t.data, n, k)
+        return quantize_q4(gguf.quants.dequantize(t.data, t.tensor_type).reshape(n, k).astype(np.float32))
+
+    def unpermuted(qw: QWeight, heads: int) -> QWeight:
+        order = unpermute_rope(np.arange(qw.shape[0]), heads)
+        return qw.rows(order)
+
+    out = {}
+    for i in range(arch.num_layers):
+        b = f"blk.{i}."
+        out[f"layers.{i}.attn.qkv.weight"] = QWeight.stack([
+            unpermuted(q(b + "attn_q.weight"), arch.num_heads),
+            unpermuted(q(b + "attn_k.weight"), arch.num_kv_heads), q(b + "attn_v.weight")])
+        out[f"layers.{i}.attn.o.weight"] = q(b + "attn_output.weight")
+        out[f"layers.{i}.mlp.gate_up.weight"] = QWeight.stack([q(b + "ffn_gate.weight"),
+                                                               q(b + "ffn_up.weight")])
+        out[f"layers.{i}.mlp.down.weight"] = q(b + "ffn_down.weight")
+    out["lm_head.weight"] = q("output.weight" if "output.weight" in tensors else "token_embd.weight")
+    return out

@@ -1,0 +1,69 @@
+"""Quality of a model as served: perplexity on a text and greedy agreement with a reference,
+both computed by the engine's own prefill backend (so a quantised graph is measured as it runs).
+
+The text is fed in chunks through ``prefill`` with logits at every position, over KV blocks the
+engine's KV manager lends for the duration and takes back (never published to the prefix cache).
+"""
+
+from __future__ import annotations
+
+import math
+from importlib.resources import files
+
+import torch
+
+from twophase.core.params import SamplingParams
+from twophase.core.request import Request
+from twophase.errors import TwophaseError
+
+
+def shipped_text() -> str:
+    """A few KB of public-domain prose shipped with the package (see ``twophase/data``)."""
+    return files("twophase.data").joinpath("prose.txt").read_text(encoding="utf-8")
+
+
+def all_logits(llm, ids: list[int], chunk: int | None = None):
+    """Yield ``(start, logits [n, vocab])`` for consecutive chunks of ``ids``."""
+    eng = llm.engine
+    if eng.has_unfinished():
+        raise TwophaseError("the engine is busy: measure quality between runs")
+    req = Request("quality", ids, SamplingParams(max_tokens=1), eng.clock())
+    if not eng.kv.allocate(req, len(ids)):
+        raise TwophaseError(f"{len(ids)} tokens need {eng.kv.blocks_for(len(ids))} KV blocks; "
+                            f"the pool has {eng.kv.num_free_blocks} free")
+    chunk = chunk or eng.scheduler.budget
+    try:
+        for start in range(0, len(ids), chunk):
+            n = min(chunk, len(ids) - start)
+            batch = eng._prefill_batch([(req, start, n)])
+            batch.logits = "all"
+            yield start, llm.prefill_backend.prefill(batch).float().cpu()
+    finally:
+        eng.kv.free(req)
+
+
+def perplexity(llm, text: str | list[int]) -> float:
+    """exp of the mean negative log-likelihood of each token given all before it."""
+    ids = llm.tokenizer.encode(text) if isinstance(text, str) else list(text)
+    nll, count = 0.0, 0
+    for start, logits in all_logits(llm, ids):
+        targets = torch.tensor(ids[start + 1:start + 1 + logits.shape[0]])
+        lp = torch.log_softmax(logits[:len(targets)], dim=-1)
+        nll -= float(lp[torch.arange(len(targets)), targets].sum())
+        count += len(targets)
+    return math.exp(nll / count)
+
+
+def greedy_agreement(llm, reference, prompts: list[str | list[int]], max_tokens: int = 32) -> float:
+    """The share of positions where ``llm``'s greedy token equals ``reference``'s, along the
+    reference's own greedy continuations (teacher-forced, so one early difference does not
+    count every later token against it)."""
+    agree = total = 0
+    for out in reference.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True)):
+        ids = list(out.prompt_token_ids) + list(out.token_ids)
+        first = len(out.prompt_token_ids) - 1           # the logits that chose output token 0
+        want = torch.tensor(out.token_ids)
+        got = torch.cat([logits.argmax(-1) for _, logits in all_logits(llm, ids)])[first:first + len(want)]
+        agree += int((got == want).sum())
+        total += len(want)
+    return agree / total
