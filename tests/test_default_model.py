@@ -70,7 +70,6 @@ def test_prompt_logits_close_to_hf(hf, default_llm, default_prompts):
     prompt = default_llm.tokenizer.encode(default_prompts[0])
     with torch.no_grad():
         ref = model(torch.tensor([prompt])).logits[0, -1]
-    from twophase.backends.base import PrefillBatch
 
     eng = default_llm.engine
     req = eng.add_request(prompt, SamplingParams(max_tokens=1))

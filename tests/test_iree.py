@@ -4,31 +4,17 @@ phases routed to different backends; its module is cached by manifest."""
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
 
-from conftest import GREEDY_TOKENS, assert_greedy_match, tiny_llm
+from conftest import (GREEDY_TOKENS, assert_greedy_match, assert_prefix_hits_give_torch_tokens,
+                      assert_same_tokens_with_preemption, tiny_llm)
 from twophase import LLM, SamplingParams
 from twophase.backends.base import BackendConfig, BackendUnavailable, KVCache, ModelSpec
 
 pytest.importorskip("iree.runtime")
 pytest.importorskip("iree.turbine")
-
-TINY = {"cache": {"num_blocks": 64, "block_size": 4},
-        "scheduler": {"max_num_batched_tokens": 48, "max_num_seqs": 8}}
-
-
-def _prompts(n=12, seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 512) for _ in range(rng.randint(1, 70))] for _ in range(n)]
-
-
-@pytest.fixture(scope="module")
-def torch_tokens():
-    return [o.token_ids for o in tiny_llm(**TINY).generate(
-        _prompts(), SamplingParams(max_tokens=16, ignore_eos=True))]
 
 
 @pytest.mark.parametrize("backend", [
@@ -36,24 +22,12 @@ def torch_tokens():
     {"prefill": {"name": "iree"}, "decode": {"name": "torch"}},
     {"prefill": {"name": "onnxruntime"}, "decode": {"name": "iree"}},
 ])
-def test_greedy_tokens_equal_torch_with_chunking_and_preemption(backend, torch_tokens):
-    llm = tiny_llm(**TINY, backend=backend)
-    outs = llm.generate(_prompts(), SamplingParams(max_tokens=16, ignore_eos=True))
-    rep = llm.report(outs)
-    assert rep["preemptions"] > 0 and rep["steps_by_mix"].get("mixed")
-    assert [o.token_ids for o in outs] == torch_tokens
-    assert llm.engine.kv.num_free_blocks == llm.num_blocks
+def test_greedy_tokens_equal_torch_with_chunking_and_preemption(backend, preempting_torch_tokens):
+    assert_same_tokens_with_preemption(backend, preempting_torch_tokens)
 
 
 def test_prefix_cache_hits_through_iree():
-    llm = tiny_llm(backend={"name": "iree"})
-    ref = tiny_llm()
-    prefix = list(range(10, 60))
-    prompts = [prefix + [100 + i] for i in range(3)]
-    p = SamplingParams(max_tokens=6, ignore_eos=True)
-    got = [llm.generate([q], p)[0] for q in prompts]
-    assert [o.token_ids for o in got] == [o.token_ids for o in ref.generate(prompts, p)]
-    assert got[-1].metrics["num_cached_tokens"] == 48
+    assert_prefix_hits_give_torch_tokens("iree")
 
 
 def _iree_for(llm):

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from twophase import LLM, SamplingParams
-from twophase.backends.base import PrefillBatch
 
 transformers = pytest.importorskip("transformers")
 

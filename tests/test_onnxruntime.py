@@ -4,12 +4,12 @@ phases routed to different backends; stale or corrupt exports are rebuilt."""
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
 
-from conftest import GREEDY_TOKENS, assert_greedy_match, tiny_llm
+from conftest import (GREEDY_TOKENS, assert_greedy_match, assert_prefix_hits_give_torch_tokens,
+                      assert_same_tokens_with_preemption, random_prompts, tiny_llm)
 from twophase import LLM, SamplingParams
 from twophase.backends.base import BackendUnavailable
 from twophase.exporters import onnx as exporter
@@ -17,44 +17,18 @@ from twophase.exporters.cache import is_fresh
 
 pytest.importorskip("onnxruntime")
 
-TINY = {"cache": {"num_blocks": 64, "block_size": 4},
-        "scheduler": {"max_num_batched_tokens": 48, "max_num_seqs": 8}}
-
-
-def _prompts(n=12, seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 512) for _ in range(rng.randint(1, 70))] for _ in range(n)]
-
-
-@pytest.fixture(scope="module")
-def torch_tokens():
-    return [o.token_ids for o in tiny_llm(**TINY).generate(
-        _prompts(), SamplingParams(max_tokens=16, ignore_eos=True))]
-
 
 @pytest.mark.parametrize("backend", [
     {"name": "onnxruntime"},
     {"prefill": {"name": "onnxruntime"}, "decode": {"name": "torch"}},
     {"prefill": {"name": "torch"}, "decode": {"name": "onnxruntime"}},
 ])
-def test_greedy_tokens_equal_torch_with_chunking_and_preemption(backend, torch_tokens):
-    llm = tiny_llm(**TINY, backend=backend)
-    outs = llm.generate(_prompts(), SamplingParams(max_tokens=16, ignore_eos=True))
-    rep = llm.report(outs)
-    assert rep["preemptions"] > 0 and rep["steps_by_mix"].get("mixed")
-    assert [o.token_ids for o in outs] == torch_tokens
-    assert llm.engine.kv.num_free_blocks == llm.num_blocks
+def test_greedy_tokens_equal_torch_with_chunking_and_preemption(backend, preempting_torch_tokens):
+    assert_same_tokens_with_preemption(backend, preempting_torch_tokens)
 
 
 def test_prefix_cache_hits_through_onnxruntime():
-    llm = tiny_llm(backend={"name": "onnxruntime"})
-    ref = tiny_llm()
-    prefix = list(range(10, 60))
-    prompts = [prefix + [100 + i] for i in range(3)]
-    p = SamplingParams(max_tokens=6, ignore_eos=True)
-    got = [llm.generate([q], p)[0] for q in prompts]
-    assert [o.token_ids for o in got] == [o.token_ids for o in ref.generate(prompts, p)]
-    assert got[-1].metrics["num_cached_tokens"] == 48
+    assert_prefix_hits_give_torch_tokens("onnxruntime")
 
 
 @pytest.mark.parametrize("case", ["fresh prompts", "chunk after cached tokens",
@@ -171,5 +145,5 @@ def test_cuda_execution_provider_equals_torch_on_cuda():
     a = LLM.from_config({**cfg, "backend": {"name": "torch", "device": "cuda"}})
     b = LLM.from_config({**cfg, "backend": {"name": "onnxruntime", "device": "cuda"}})
     p = SamplingParams(max_tokens=12, ignore_eos=True)
-    prompts = _prompts(6)
+    prompts = random_prompts(6)
     assert [o.token_ids for o in a.generate(prompts, p)] == [o.token_ids for o in b.generate(prompts, p)]

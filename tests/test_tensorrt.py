@@ -6,14 +6,13 @@ GPU-marked test."""
 from __future__ import annotations
 
 import json
-import random
 import sys
 
 import pytest
 import torch
 
 import fake_tensorrt
-from conftest import tiny_llm
+from conftest import random_prompts, tiny_llm
 from twophase import LLM, SamplingParams
 from twophase.backends.base import BackendUnavailable, EngineLimits
 from twophase.exporters import tensorrt as exporter
@@ -54,11 +53,6 @@ def standin(monkeypatch, tmp_path):
     return fake_tensorrt.calls
 
 
-def _prompts(n=10, seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 512) for _ in range(rng.randint(1, 60))] for _ in range(n)]
-
-
 def test_call_sequence_and_tokens_through_the_standin(standin):
     cfg = {"cache": {"num_blocks": 64, "block_size": 4},
            "scheduler": {"max_num_batched_tokens": 40, "max_num_seqs": 8}}
@@ -80,8 +74,8 @@ def test_call_sequence_and_tokens_through_the_standin(standin):
     assert [c[1] for c in standin if c[0].endswith("profile_async")] == [0, 1]
     standin.clear()
     p = SamplingParams(max_tokens=12, ignore_eos=True)
-    outs = llm.generate(_prompts(), p)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in ref.generate(_prompts(), p)]
+    outs = llm.generate(random_prompts(10, longest=60), p)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref.generate(random_prompts(10, longest=60), p)]
     runs = [c for c in standin if c[0] == "IExecutionContext.execute_async_v3"]
     mixes = {s.mix for s in llm.engine.steps.records}
     assert {"prefill", "decode"} <= mixes
@@ -148,8 +142,8 @@ def test_real_tensorrt_equals_torch_on_cuda():
     a = LLM.from_config({**cfg, "backend": {"name": "torch", "device": "cuda"}})
     b = LLM.from_config({**cfg, "backend": {"name": "tensorrt", "device": "cuda"}})
     p = SamplingParams(max_tokens=12, ignore_eos=True)
-    ta = [o.token_ids for o in a.generate(_prompts(6), p)]
-    tb = [o.token_ids for o in b.generate(_prompts(6), p)]
+    ta = [o.token_ids for o in a.generate(random_prompts(6, longest=60), p)]
+    tb = [o.token_ids for o in b.generate(random_prompts(6, longest=60), p)]
     same = sum(x == y for x, y in zip(ta, tb))
     assert same >= 5, (ta, tb)          # fp16 kernels differ; near-ties may flip a sequence
     assert torch.cuda.is_available()

@@ -13,7 +13,6 @@ machines (none has ``onnxruntime-gpu`` and a GPU together).
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import numpy as np

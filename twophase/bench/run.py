@@ -74,8 +74,7 @@ def run(cfg: Config, backends: list[str] | None = None, compare_chunked: bool = 
     first = llms[names[0]]
     arch, dtype = first.model.arch, first.model.dtype
     kv_dtype = first.kv_cache.pool.dtype
-    item = lambda dt: dt.itemsize if hasattr(dt, "itemsize") else 4  # noqa: E731
-    cost = CostModel(arch, item(dtype), item(kv_dtype))
+    cost = CostModel(arch, dtype.itemsize, kv_dtype.itemsize)
     ceil = calibrate.ceilings(device, dtype)
     lines = dict(llms)
     if b.baseline == "hf":

@@ -21,7 +21,7 @@ from twophase.core.detokenizer import IncrementalDetokenizer
 from twophase.core.kv_manager import KVManager
 from twophase.core.metrics import StepRecord, StepLog
 from twophase.core.params import SamplingParams
-from twophase.core.request import Request, Status
+from twophase.core.request import Request
 from twophase.core.sampler import sample
 from twophase.core.scheduler import Scheduler, SchedulerOutput
 from twophase.errors import RequestRejected

@@ -28,7 +28,6 @@ the manifest names it, so a config with another block size gets its own module.
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,7 @@ from torch import nn
 from twophase.backends.base import ModelSpec
 from twophase.exporters.cache import build_cached, cache_folder, weights_digest
 from twophase.exporters.onnx import PagedStep, _cpu_model, quiet_exporter_logs
+from twophase.hardware import cpu_name
 from twophase.models.graph_attention import GraphMeta
 
 FORMAT = "twophase-mlir/1"
@@ -87,7 +87,7 @@ def target_flags(device: str) -> list[str]:
 def manifest_for(model: ModelSpec, device: str, block_size: int) -> dict[str, Any]:
     return {"format": FORMAT, "model_id": model.model_id, "arch": model.arch,
             "dtype": str(model.dtype).removeprefix("torch."), "block_size": block_size,
-            "target": target_flags(device), "host_cpu": _host_cpu() if device == "cpu" else None,
+            "target": target_flags(device), "host_cpu": cpu_name() if device == "cpu" else None,
             "exporter": f"torch {torch.__version__}", **iree_versions(),
             "weights_sha256": weights_digest(model)}
 
@@ -158,14 +158,3 @@ def _examples(arch, dtype: torch.dtype, bs: int):
     d, wd, nb2 = Dim("D"), Dim("Wd"), Dim("NB")
     dec_dyn = ({0: d}, {0: d}, {2: nb2}, {0: d, 1: wd}, {0: d})
     return pre, pre_dyn, dec, dec_dyn
-
-
-def _host_cpu() -> str:
-    """The CPU model the module was tuned for (``target-cpu=host``): another CPU rebuilds."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return os.uname().machine

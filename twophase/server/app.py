@@ -161,11 +161,7 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_queue: int 
             return {"index": 0, "text": text, "logprobs": lp, "finish_reason": reason}
 
         def obj(choices, usage=None) -> dict:
-            out = {"id": cid, "object": "text_completion", "created": created, "model": model_name,
-                   "choices": choices}
-            if usage is not None:
-                out["usage"] = usage
-            return out
+            return P.envelope(cid, "text_completion", created, model_name, choices, usage)
 
         if not body.stream:
             items = await collect(request, handle, first)
@@ -208,11 +204,7 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_queue: int 
                 if body.logprobs else None
 
         def obj(kind: str, choices, usage=None) -> dict:
-            out = {"id": cid, "object": kind, "created": created, "model": model_name,
-                   "choices": choices}
-            if usage is not None:
-                out["usage"] = usage
-            return out
+            return P.envelope(cid, kind, created, model_name, choices, usage)
 
         if not body.stream:
             items = await collect(request, handle, first)

@@ -106,6 +106,15 @@ def now() -> int:
     return int(time.time())
 
 
+def envelope(cid: str, kind: str, created: int, model: str, choices: list,
+             usage: dict | None = None) -> dict[str, Any]:
+    """A response or stream chunk: ``kind`` is OpenAI's ``object`` field."""
+    out = {"id": cid, "object": kind, "created": created, "model": model, "choices": choices}
+    if usage is not None:
+        out["usage"] = usage
+    return out
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
