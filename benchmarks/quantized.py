@@ -79,7 +79,7 @@ def main() -> None:
             engines[f"llama.cpp (flash attention {'on' if flash else 'off'})"] = LlamaCpp(gguf, args.threads, flash)
     except ImportError:
         console.print("[yellow]llama-cpp-python is not installed: llama.cpp lines skipped "
-                      "(pip install 'twophase[llama-cpp]'; it compiles for ~20 minutes)")
+                      "(pip install 'twophase\\[llama-cpp]'; it compiles for ~20 minutes)")
     rates = {name: {c: [] for c in cases} for name in engines}
     with console.status("measuring") as status:
         for k in range(args.rounds):

@@ -71,11 +71,12 @@ def test_missing_config_file(tmp_path):
 
 @pytest.mark.parametrize("text, key, allowed", [
     ('[model]\nnam = "tiny"\n', "model.nam",
-     ["name", "path", "weights", "dtype", "num_layers", "max_model_len", "seed"]),
+     ["name", "path", "weights", "dtype", "num_layers", "max_model_len", "seed", "quantization",
+      "accuracy_level"]),
     (TINY_TOML + "[scheduler]\nfoo = 1\n", "scheduler.foo",
      ["policy", "max_num_seqs", "max_num_batched_tokens", "chunked_prefill"]),
     ('[modle]\nname = "tiny"\n', "modle",
-     ["model", "backend", "scheduler", "cache", "sampling", "workload"]),
+     ["model", "backend", "scheduler", "cache", "sampling", "workload", "bench", "server"]),
     (TINY_TOML + "[cache]\nblock_sise = 16\n", "cache.block_sise",
      ["block_size", "num_blocks", "memory_gb", "prefix_caching", "dtype"]),
 ], ids=["model.nam", "scheduler.foo", "top-level-modle", "cache.block_sise"])

@@ -41,7 +41,7 @@ from twophase.exporters.onnx import PagedStep, _cpu_model, quiet_exporter_logs
 from twophase.hardware import cpu_name
 from twophase.models.graph_attention import GraphMeta
 
-FORMAT = "twophase-mlir/1"
+FORMAT = "twophase-mlir/2"
 PREFILL_INPUTS = ["input_ids", "positions", "kv_pool", "chunk_index", "chunk_tables",
                   "chunk_cached", "chunk_lens", "logits_index"]
 DECODE_INPUTS = ["input_ids", "positions", "kv_pool", "dec_tables", "dec_cached"]

@@ -118,7 +118,7 @@ def write_new_kv(pool: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor,
 # -- export, cached by manifest ---------------------------------------------------------------
 OPSET = 18
 Q4_FORMAT = 2                   # 2: a float model's head at 8 bits
-FORMAT = "twophase-onnx/5"      # 2: dynamic block size; 3: no onnxscript pass; 4: flat pool gather; 5: K and V gathered apart
+FORMAT = "twophase-onnx/6"      # 2: dynamic block size; 3: no onnxscript pass; 4: flat pool gather; 5: K and V gathered apart; 6: masks built once a step, slices for splits
 
 
 def manifest_for(model: ModelSpec) -> dict[str, Any]:

@@ -33,6 +33,13 @@ class GraphMeta:
     chunk_lens: torch.Tensor | None    # [C] real tokens in the chunk
     new_kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     layer: int = 0               # the layer being traced (set by the model's layer loop)
+    # masks every layer shares, built once per step (traced once, not once a layer)
+    memo: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def shared(self, key: str, build) -> torch.Tensor:
+        if key not in self.memo:
+            self.memo[key] = build()
+        return self.memo[key]
 
 
 def flat_gather(kv_layer: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
@@ -84,8 +91,9 @@ def _decodes(q1, k1, v1, pool, m: GraphMeta, scale: float) -> torch.Tensor:
     qd = q1.index_select(0, m.dec_index).reshape(D, 1, kvh, g, hd)
     kd, vd = (t.to(q1.dtype) for t in pool_gather(pool, m.layer, m.dec_tables))  # [D, Wd, KVH, BS, hd]
     s = (qd @ kd.transpose(-1, -2)).float() * scale                   # [D, Wd, KVH, g, BS]
-    pos = torch.arange(Wd * bs, device=q1.device).reshape(1, Wd, 1, 1, bs)
-    s = s.masked_fill(pos >= m.dec_cached.reshape(D, 1, 1, 1, 1), minf)
+    invalid = m.shared("dec_invalid", lambda: torch.arange(Wd * bs, device=q1.device).reshape(
+        1, Wd, 1, 1, bs) >= m.dec_cached.reshape(D, 1, 1, 1, 1))              # [D, Wd, 1, 1, BS]
+    s = s.masked_fill(invalid, minf)
     k_self = k1.index_select(0, m.dec_index).reshape(D, kvh, 1, hd)
     v_self = v1.index_select(0, m.dec_index).reshape(D, kvh, 1, hd)
     s_self = (qd.reshape(D, kvh, g, hd) * k_self).float().sum(-1) * scale    # [D, KVH, g]
@@ -114,15 +122,21 @@ def _chunks(q1, k1, v1, pool, m: GraphMeta, scale: float) -> torch.Tensor:
     keys = torch.cat([kc, kn], dim=2).unsqueeze(2)                     # [C, KVH, 1, S+Q, hd]
     vals = torch.cat([vc, vn], dim=2).unsqueeze(2)
     s = (qc @ keys.transpose(-1, -2)).float() * scale                     # [C, KVH, g, Q, S+Q]
-    j = torch.arange(Wc * bs + Q, device=q1.device)
-    i = torch.arange(Q, device=q1.device)
-    cached = j.reshape(1, 1, -1) < m.chunk_cached.reshape(C, 1, 1)         # [C, 1, S+Q]
-    jn = j - Wc * bs                                                        # index among new keys
-    jn = jn.reshape(1, 1, -1)
+    hidden = m.shared("chunk_hidden", lambda: ~_chunk_visible(m, Wc * bs, Q, q1.device))
+    s = s.masked_fill(hidden, minf)
+    p = torch.softmax(s, dim=-1).to(q1.dtype)
+    return (p @ vals).permute(0, 3, 1, 2, 4).reshape(C * Q, H, hd)
+
+
+def _chunk_visible(m: GraphMeta, cached_width: int, Q: int, device) -> torch.Tensor:
+    """``[C, 1, 1, Q, S+Q]``: query i of a chunk sees the cached tokens and its chunk's new
+    tokens up to itself (padding queries see only cached ones; their rows are dropped)."""
+    C = m.chunk_index.shape[0]
+    j = torch.arange(cached_width + Q, device=device)
+    i = torch.arange(Q, device=device)
+    cached = j.reshape(1, 1, -1) < m.chunk_cached.reshape(C, 1, 1)          # [C, 1, S+Q]
+    jn = (j - cached_width).reshape(1, 1, -1)                               # index among new keys
     # logical_and/or, not & and |: IREE does not compile broadcast & on booleans
     new = torch.logical_and(torch.logical_and(jn >= 0, jn <= i.reshape(1, Q, 1)),
                             jn < m.chunk_lens.reshape(C, 1, 1))
-    visible = torch.logical_or(cached, new).reshape(C, 1, 1, Q, Wc * bs + Q)
-    s = s.masked_fill(~visible, minf)
-    p = torch.softmax(s, dim=-1).to(q1.dtype)
-    return (p @ vals).permute(0, 3, 1, 2, 4).reshape(C * Q, H, hd)
+    return torch.logical_or(cached, new).reshape(C, 1, 1, Q, cached_width + Q)

@@ -58,7 +58,8 @@ def rope_inv_freq(arch: LlamaArch) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, hd]; cos/sin: [T, 1, hd] (HF's rotate-half convention)."""
-    x1, x2 = x.chunk(2, dim=-1)
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]          # slices, not chunk(): fewer graph nodes
     rotated = torch.cat((-x2, x1), dim=-1)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
@@ -87,7 +88,9 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, kv_layer: torch.Tensor, meta: AttnMeta | GraphMeta) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv(x).split([self.h * self.hd, self.kvh * self.hd, self.kvh * self.hd], -1)
+        qkv = self.qkv(x)
+        nq, nkv = self.h * self.hd, self.kvh * self.hd
+        q, k, v = qkv[:, :nq], qkv[:, nq:nq + nkv], qkv[:, nq + nkv:]
         q = apply_rope(q.view(T, self.h, self.hd), cos, sin)
         k = apply_rope(k.view(T, self.kvh, self.hd), cos, sin)
         v = v.view(T, self.kvh, self.hd)
@@ -169,7 +172,8 @@ class MLP(nn.Module):
         self.down = nn.Linear(self.f, arch.hidden_size, bias=arch.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).split(self.f, dim=-1)
+        gate_up = self.gate_up(x)
+        gate, up = gate_up[:, :self.f], gate_up[:, self.f:]
         return self.down(F.silu(gate) * up)
 
 
