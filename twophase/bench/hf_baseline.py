@@ -9,6 +9,7 @@ does not depend on the weights' values).
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -66,8 +67,9 @@ class HFBaseline:
         x = torch.tensor([prompt[depth:]], device=self.device)
         self._sync()
         t = time.perf_counter()
-        self.model(x, past_key_values=past, use_cache=past is not None,
-                   logits_to_keep=1)
+        with warnings.catch_warnings():                # the argument's name differs by version
+            warnings.simplefilter("ignore", FutureWarning)
+            self.model(x, past_key_values=past, use_cache=past is not None, logits_to_keep=1)
         self._sync()
         return time.perf_counter() - t
 
