@@ -188,3 +188,12 @@ def test_calibration_is_cached(tmp_path, monkeypatch):
     assert calibrate.ceilings("cpu", torch.float32) == c and calls == ["peak", "bw"]
     calibrate.ceilings("cpu", torch.float32, force=True)
     assert calls == ["peak", "bw"] * 2
+
+
+def test_calibrate_refuses_a_device_it_cannot_measure():
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    run = subprocess.run([sys.executable, "-m", "twophase", "calibrate", "--device", "cuda"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "sees no CUDA device" in run.stderr
+    assert "Traceback" not in run.stderr

@@ -187,3 +187,15 @@ def test_api_key_is_checked_on_every_route_but_health():
         out = ok.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=3)
         assert 1 <= out.usage.completion_tokens <= 3
         _all_blocks_free(llm, app)
+
+
+def test_serve_with_a_bad_config_is_one_clear_line(tmp_path):
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text('[model]\nname = "tiny"\nweights = "random"\n[server]\nport = 99999\n')
+    run = subprocess.run([sys.executable, "-m", "twophase", "serve", str(cfg)], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 2 and "server.port: must be in [0, 65535]" in run.stderr
+    assert "Traceback" not in run.stderr

@@ -160,7 +160,15 @@ def cmd_calibrate(args) -> int:
 
     from twophase.bench.calibrate import ceilings
 
-    c = ceilings(args.device, getattr(torch, args.dtype), force=args.force)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise ConfigError("--device", f"{args.device!r} is not a device name") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device", f"{args.device!r}: torch {torch.__version__} sees no CUDA device")
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError("--device", f"calibration measures cpu or cuda devices, not {args.device!r}")
+    c = ceilings(device, getattr(torch, args.dtype), force=args.force)
     print(f"{c.device} ({c.dtype}, {c.threads or 'all'} threads): matmul peak "
           f"{c.peak_flops / 1e9:.1f} GFLOP/s, memory bandwidth {c.bandwidth / 1e9:.1f} GB/s, "
           f"ridge {c.ridge:.1f} FLOP/byte")
