@@ -57,9 +57,9 @@ class HFBaseline:
     @torch.inference_mode()
     def prefill_round(self, n: int, depth: int, salt: int) -> float:
         """One forward over ``n`` tokens (after ``depth`` cached ones in a KV cache)."""
-        from twophase.bench.sweeps import _tokens
+        from twophase.bench.sweeps import prefill_prompt
 
-        prompt = _tokens(depth + n, salt * 131 + n, self.vocab)
+        prompt = prefill_prompt(n, depth, salt, self.vocab)
         past = None
         if depth:
             past = self.model(torch.tensor([prompt[:depth]], device=self.device),
@@ -76,9 +76,9 @@ class HFBaseline:
     @torch.inference_mode()
     def decode_round(self, batch: int, context: int, steps: int, salt: int) -> float:
         """Seconds per decode step of ``generate`` at ``batch``, the prefill subtracted."""
-        from twophase.bench.sweeps import _tokens
+        from twophase.bench.sweeps import decode_prompts
 
-        ids, mask = self._ids([_tokens(context, salt * 1000 + j, self.vocab) for j in range(batch)])
+        ids, mask = self._ids(decode_prompts(batch, context, self.vocab))
 
         def gen(new: int) -> float:
             self._sync()

@@ -170,7 +170,7 @@ def _long_prompt_among_decodes(engine, requests, n: int, max_tokens: int) -> dic
               for r in requests[: max(2, len(requests) // 2)]]
     while any(len(r.times.token_times) < 2 for r in shorts if not r.finished):
         engine.step()
-    long = engine.add_request(sweeps._tokens(n, 99991, engine.vocab_size), p(max_tokens))
+    long = engine.add_request(sweeps.tokens(n, 99991, engine.vocab_size), p(max_tokens))
     while engine.has_unfinished():
         engine.step()
     out = serving.summary(shorts + [long], engine.clock() - start)

@@ -18,14 +18,25 @@ import statistics
 from twophase.core.params import SamplingParams
 
 
-def _tokens(n: int, salt: int, vocab: int) -> list[int]:
+def tokens(n: int, salt: int, vocab: int) -> list[int]:
+    """``n`` token ids; different salts give sequences with no common prefix."""
     return [3 + (i * 7 + salt * 7919) % (vocab - 3) for i in range(n)]
+
+
+def prefill_prompt(n: int, depth: int, salt: int, vocab: int) -> list[int]:
+    """The prompt of a prefill round: no prefix shared across lengths or rounds."""
+    return tokens(depth + n, salt * 131 + n, vocab)
+
+
+def decode_prompts(batch: int, context: int, vocab: int) -> list[list[int]]:
+    """The contexts of a decode round: the same every round (the prefix cache keeps them)."""
+    return [tokens(context, 1000 * batch + j, vocab) for j in range(batch)]
 
 
 def prefill_round(llm, n: int, depth: int, salt: int) -> float:
     """Seconds of one pure-prefill step computing ``n`` tokens after ``depth`` cached ones."""
     vocab = llm.model.arch.vocab_size
-    prompt = _tokens(depth + n, salt * 131 + n, vocab)        # no prefix shared across lengths
+    prompt = prefill_prompt(n, depth, salt, vocab)
     if depth:
         llm.generate([prompt[:depth]], SamplingParams(max_tokens=1, ignore_eos=True))
     llm.reset_stats()
@@ -42,7 +53,7 @@ def decode_round(llm, batch: int, context: int, steps: int, salt: int) -> float:
     uses the same contexts, so after the first one the prefix cache holds them and a round
     costs its decode steps only (``salt`` is unused: rounds need not differ)."""
     vocab = llm.model.arch.vocab_size
-    prompts = [_tokens(context, 1000 * batch + j, vocab) for j in range(batch)]
+    prompts = decode_prompts(batch, context, vocab)
     llm.reset_stats()
     llm.generate(prompts, SamplingParams(max_tokens=steps + 1, ignore_eos=True))
     times = [s.duration for s in llm.engine.steps.records
