@@ -1,4 +1,5 @@
-"""The torch backend on CUDA (skipped without a CUDA device)."""
+"""The CUDA paths: the torch backend, and IREE's module on the cuda driver (skipped without a
+CUDA device)."""
 
 from __future__ import annotations
 
@@ -44,3 +45,25 @@ def test_blocks_all_free_after_a_cuda_run():
     llm.generate([[7] * 40] * 8, SamplingParams(max_tokens=8, ignore_eos=True))
     assert llm.engine.kv.num_free_blocks == llm.num_blocks
     assert torch.isfinite(llm.kv_cache.pool).all()
+
+
+def test_iree_on_cuda_with_its_own_pool_equals_torch():
+    """IREE's CUDA path (sm_80 code, the module's own pool) against the torch backend on the CPU:
+    greedy tokens with chunked prefill and preemption."""
+    pytest.importorskip("iree.runtime")
+    from twophase.backends.registry import Registry
+
+    why = Registry().availability("iree", "cuda")
+    if why:
+        pytest.skip(why)
+    cfg = {"model": {"name": "tiny", "weights": "random", "dtype": "float32"},
+           "cache": {"num_blocks": 24, "block_size": 16},
+           "scheduler": {"max_num_batched_tokens": 32, "max_num_seqs": 4}}
+    prompts = [list(range(3 + i, 40 + 7 * i)) for i in range(6)]
+    p = SamplingParams(max_tokens=12, ignore_eos=True)
+    ref = [o.token_ids for o in LLM.from_config(cfg).generate(prompts, p)]
+    llm = LLM.from_config({**cfg, "backend": {"name": "iree", "device": "cuda"}})
+    assert not llm.backend.capabilities().shares_kv_pool
+    outs = llm.generate(prompts, p)
+    assert [o.token_ids for o in outs] == ref
+    assert llm.engine.kv.num_free_blocks == llm.num_blocks

@@ -19,6 +19,7 @@ pytest.importorskip("iree.turbine")
 
 @pytest.mark.parametrize("backend", [
     {"name": "iree"},
+    {"name": "iree", "options": {"pool": "owned"}},
     {"prefill": {"name": "iree"}, "decode": {"name": "torch"}},
     {"prefill": {"name": "onnxruntime"}, "decode": {"name": "iree"}},
 ])
@@ -30,18 +31,21 @@ def test_prefix_cache_hits_through_iree():
     assert_prefix_hits_give_torch_tokens("iree")
 
 
-def _iree_for(llm):
+def _iree_for(llm, pool="shared"):
     m = llm.model
     backend = llm.registry.get("iree")()
-    backend.load(ModelSpec(m.arch.to_dict(), m.weights, m.dtype, m.model_id, 0), BackendConfig("iree"))
+    backend.load(ModelSpec(m.arch.to_dict(), m.weights, m.dtype, m.model_id, 0),
+                 BackendConfig("iree", options={"pool": pool}))
     return backend
 
 
+@pytest.mark.parametrize("pool", ["shared", "owned"])
 @pytest.mark.parametrize("case", ["fresh prompts", "chunk after cached tokens",
                                   "decodes of unequal lengths", "all positions"])
-def test_logits_match_torch_on_the_same_pool(case):
+def test_logits_match_torch_on_the_same_pool(case, pool):
     """Both backends run the same batch on copies of one pool: logits within 1e-4 relative, and
-    the same K/V written. Decodes go through the module's ``decode`` entry point."""
+    the same K/V written (into the engine's pool, or the one the module keeps). Decodes go
+    through the module's ``decode`` entry point."""
     llm = tiny_llm(cache={"num_blocks": 128, "block_size": 4})
     eng = llm.engine
     reqs = [eng.add_request(list(range(3 + i, 3 + i + n)), SamplingParams(max_tokens=8, ignore_eos=True))
@@ -53,8 +57,10 @@ def test_logits_match_torch_on_the_same_pool(case):
         reqs = [eng.add_request(list(range(3, 3 + 9)) + list(range(200, 230)), SamplingParams(max_tokens=3))]
     sched = eng.scheduler.schedule()
     before = llm.kv_cache.pool.clone()
-    iree = _iree_for(llm)
+    passed = before.clone()
+    iree = _iree_for(llm, pool)
     iree.bind_kv_cache(KVCache(before, 4))
+    assert iree.capabilities().shares_kv_pool == (pool == "shared")
     if case == "decodes of unequal lengths":
         assert not sched.prefills and len({r.num_computed_tokens for r in sched.decodes}) > 1
         batch = eng._decode_batch(sched.decodes)
@@ -69,7 +75,10 @@ def test_logits_match_torch_on_the_same_pool(case):
         want, got = llm.backend.prefill(batch), iree.prefill(batch)
     assert got.shape == want.shape
     assert float((got - want).abs().max() / want.abs().max()) < 1e-4
-    assert torch.allclose(before, llm.kv_cache.pool, atol=1e-5)       # the same K/V written
+    after = before if pool == "shared" else iree.read_kv_pool()
+    assert torch.allclose(after, llm.kv_cache.pool, atol=1e-5)        # the same K/V written
+    if pool == "owned":
+        assert torch.equal(before, passed)        # the module wrote its own pool, not this one
 
 
 def test_module_is_cached_by_manifest_and_rebuilt_when_stale(tmp_path, caplog):
@@ -100,16 +109,54 @@ def test_module_is_cached_by_manifest_and_rebuilt_when_stale(tmp_path, caplog):
     assert is_fresh(folder, mlir.manifest_for(spec, "cpu", 16))
 
 
-def test_iree_refuses_cuda_and_other_dtypes():
-    with pytest.raises(BackendUnavailable, match="cpu only"):
-        tiny_llm(backend={"name": "iree", "device": "cuda"})
+def test_owned_pool_costs_no_engine_memory_and_refuses_shared_phases():
+    llm = tiny_llm(backend={"name": "iree", "options": {"pool": "owned"}})
+    assert llm.kv_cache.pool.device.type == "meta"             # the module holds the only pool
+    assert llm.backend.read_kv_pool().shape == llm.kv_cache.pool.shape
+    assert not llm.backend.read_kv_pool().any()                 # zeroed on the device
     from twophase.errors import ConfigError
 
+    with pytest.raises(ConfigError, match="keeps its own KV pool"):
+        tiny_llm(backend={"prefill": {"name": "iree", "options": {"pool": "owned"}},
+                          "decode": {"name": "torch"}})
+
+
+def test_bad_settings_are_refused_by_name():
+    from twophase.backends.registry import Registry
+    from twophase.errors import ConfigError
+
+    why = Registry().availability("iree", "cuda")
+    if why:                                       # no GPU here: the reason, not a traceback
+        assert "cuda" in why
+        with pytest.raises(BackendUnavailable, match="cuda"):
+            tiny_llm(backend={"name": "iree", "device": "cuda"})
+    else:
+        with pytest.raises(ConfigError, match='must be "owned" on cuda'):
+            tiny_llm(backend={"name": "iree", "device": "cuda", "options": {"pool": "shared"}})
+    with pytest.raises(ConfigError, match="backend.options.pool"):
+        tiny_llm(backend={"name": "iree", "options": {"pool": "mine"}})
     with pytest.raises(ConfigError, match="float32"):
         LLM.from_config({"model": {"name": "tiny", "weights": "random", "dtype": "bfloat16"},
                          "backend": {"name": "iree"}})
     with pytest.raises(ConfigError, match="threads"):
         tiny_llm(backend={"name": "iree", "options": {"threads": 0}})
+
+
+def test_module_compiles_for_cuda(tmp_path):
+    """The compile side of the CUDA path, which needs no GPU: sm_80 code with all four entry
+    points. Running it needs a GPU (``tests/test_gpu.py``)."""
+    from twophase.exporters import mlir
+
+    llm = tiny_llm()
+    m = llm.model
+    spec = ModelSpec(m.arch.to_dict(), m.weights, m.dtype, m.model_id, 0)
+    path = mlir.export(spec, "cuda", 16, out_dir=tmp_path)
+    manifest = json.loads((path.parent / "manifest.json").read_text())
+    assert "--iree-cuda-target=sm_80" in manifest["target"] and manifest["host_cpu"] is None
+    import iree.runtime as rt
+
+    names = set(rt.VmModule.mmap(rt.VmInstance(), str(path)).function_names)
+    assert {"prefill", "decode", "write_kv", "clear_kv"} <= names, names
 
 
 @pytest.mark.slow

@@ -105,10 +105,11 @@ def test_broken_plugins_are_reported_and_the_others_still_load(tmp_path):
 def test_conformance_kit_passes_the_builtin_backends(tmp_path):
     """From a directory outside the repository, as a plugin author would run it. The iree
     modules come from the cache the iree tests filled; tensorrt cannot run here and is skipped
-    with its reason."""
-    for name in ("torch", "onnxruntime", "iree"):
-        run = _run(sys.executable, *KIT, "--backend", name, cwd=tmp_path)
-        assert run.returncode == 0, f"{name}:\n{run.stdout[-3000:]}"
+    with its reason. iree runs twice: over the engine's pool, and keeping its own."""
+    for name, options in (("torch", "{}"), ("onnxruntime", "{}"), ("iree", "{}"),
+                          ("iree", '{"pool": "owned"}')):
+        run = _run(sys.executable, *KIT, "--backend", name, "--backend-options", options, cwd=tmp_path)
+        assert run.returncode == 0, f"{name} {options}:\n{run.stdout[-3000:]}"
         assert "8 passed" in run.stdout, run.stdout[-500:]
     run = _run(sys.executable, *KIT, "--backend", "tensorrt", "-rs", cwd=tmp_path)
     assert run.returncode == 0 and "8 skipped" in run.stdout and "TensorRT" in run.stdout

@@ -168,7 +168,9 @@ class LLM:
         self.num_blocks = num_blocks
         shape = (spec.num_layers, 2, num_blocks + spec.scratch_blocks, spec.num_kv_heads,
                  cc.block_size, spec.head_dim)
-        return KVCache(zeros(shape, spec.dtype, spec.device), cc.block_size)
+        shared = self.prefill_backend.capabilities().shares_kv_pool
+        # a backend that keeps its own pool gets a shape without memory (see bind_kv_cache)
+        return KVCache(zeros(shape, spec.dtype, spec.device if shared else "meta"), cc.block_size)
 
     def _token_budget(self, chunked: bool) -> int:
         """Tokens one step may compute: the config's, else a default for the device."""

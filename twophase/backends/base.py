@@ -86,6 +86,7 @@ class Capabilities:
     chunked_prefill: bool = True             # can it prefill a chunk after cached tokens?
     mixed_batches: bool = True               # can one prefill() carry decodes too?
     shares_kv_pool: bool = True              # does it read/write core's pool in place?
+                                         # (else: its own, see bind_kv_cache)
 
 
 @dataclass(frozen=True)
@@ -199,7 +200,11 @@ class Backend(ABC):
 
     @abstractmethod
     def bind_kv_cache(self, kv: KVCache) -> None:
-        """Use this pool for every later call (core allocated it on ``kv_cache_spec().device``)."""
+        """Use this pool for every later call (core allocated it on ``kv_cache_spec().device``).
+
+        A backend that keeps its own pool (``shares_kv_pool = False``) allocates one of
+        ``kv.pool``'s shape instead: zeroed when ``kv.pool`` is on the ``meta`` device (what the
+        engine passes it, so memory is not spent twice), else a copy of its contents."""
 
     @abstractmethod
     def prefill(self, batch: PrefillBatch) -> torch.Tensor:
@@ -209,6 +214,11 @@ class Backend(ABC):
     @abstractmethod
     def decode(self, batch: DecodeBatch) -> torch.Tensor:
         """Logits ``[num_seqs, vocab]``. Afterwards the pool holds the new tokens' K/V."""
+
+    def read_kv_pool(self) -> torch.Tensor | None:
+        """A copy of the pool a backend keeps itself (``shares_kv_pool = False``), for tests and
+        the conformance kit; ``None`` for a backend that writes core's pool."""
+        return None
 
     def close(self) -> None:
         """Release device resources (optional)."""

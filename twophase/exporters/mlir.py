@@ -17,9 +17,15 @@ Entry points (int64 indices, the pool ``[L, 2, NB, KVH, BS, hd]``):
   token per sequence, logits for each.
 
 Both return ``logits [N, vocab]`` float32 and ``new_k``/``new_v [L, T, KVH, hd]``. Like the ONNX
-graph, a module does not update its pool argument: the backend writes the new K/V at the batch's
-slots. (shark-ai's exported paged models instead mutate ``cache_state`` in place inside the
-module; that saves the write-back, 0.05–0.8 ms a step, at the price of a donated pool.)
+graph, neither updates its pool argument: where the pool is the engine's (imported host memory),
+the backend writes the new K/V at the batch's slots with torch. Two more entry points serve a pool
+the module keeps in its own device memory (IREE's CUDA runtime cannot take torch's allocations):
+
+- ``write_kv(kv_pool, new_k, new_v, slots [T])`` writes a step's K/V into the pool in place, so
+  the K/V never leave the device (the argument is mutated, as shark-ai's paged models mutate
+  ``cache_state``);
+- ``clear_kv(kv_pool)`` zeroes a freshly allocated pool in place (masked attention reads unused
+  slots, and uninitialised memory could hold NaNs).
 
 The pool's block size is compiled in (a static dimension lets IREE tile the per-block matmuls);
 the manifest names it, so a config with another block size gets its own module.
@@ -37,11 +43,11 @@ from torch import nn
 
 from twophase.backends.base import ModelSpec
 from twophase.exporters.cache import build_cached, cache_folder, weights_digest
-from twophase.exporters.onnx import PagedStep, _cpu_model, quiet_exporter_logs
+from twophase.exporters.onnx import PagedStep, _cpu_model, quiet_exporter_logs, write_new_kv
 from twophase.hardware import cpu_name
 from twophase.models.graph_attention import GraphMeta
 
-FORMAT = "twophase-mlir/2"
+FORMAT = "twophase-mlir/3"      # 3: write_kv and clear_kv entry points
 PREFILL_INPUTS = ["input_ids", "positions", "kv_pool", "chunk_index", "chunk_tables",
                   "chunk_cached", "chunk_lens", "logits_index"]
 DECODE_INPUTS = ["input_ids", "positions", "kv_pool", "dec_tables", "dec_cached"]
@@ -64,6 +70,12 @@ class PhaseSteps(nn.Module):
         index = torch.arange(input_ids.shape[0], device=input_ids.device)
         meta = GraphMeta(index, dec_tables, dec_cached, None, None, None, None)
         return self.step.run(input_ids, positions, kv_pool, meta, index)
+
+    def write_kv(self, kv_pool, new_k, new_v, slots):
+        write_new_kv(kv_pool, new_k, new_v, slots)
+
+    def clear_kv(self, kv_pool):
+        kv_pool.zero_()
 
 
 def iree_versions() -> dict[str, str]:
@@ -105,6 +117,7 @@ def export(model: ModelSpec, device: str = "cpu", block_size: int = 16,
 
 def _compile_to(model: ModelSpec, device: str, block_size: int, folder: Path) -> None:
     from iree.turbine import aot
+    from torch.export import Dim
     from tqdm import tqdm
 
     stages = tqdm(total=4, desc=f"IREE module for {model.model_id}", unit="stage")
@@ -129,6 +142,20 @@ def _compile_to(model: ModelSpec, device: str, block_size: int, folder: Path) ->
         @fxb.export_program(name="decode", args=dec_args, dynamic_shapes=dec_dyn, strict=False)
         def decode(module, input_ids, positions, kv_pool, dec_tables, dec_cached):
             return module.decode(input_ids, positions, kv_pool, dec_tables, dec_cached)
+
+        pool, new_k, new_v, slots = _pool_examples(steps.step.model.arch, model.dtype, block_size)
+        t, nb = Dim("T"), Dim("NB")
+
+        @fxb.export_program(name="write_kv", args=(pool, new_k, new_v, slots), strict=False,
+                            dynamic_shapes=({2: nb}, {1: t}, {1: t}, {0: t}))
+        def write_kv(module, kv_pool, new_k, new_v, slots):
+            module.write_kv(kv_pool, new_k, new_v, slots)
+            return ()                             # turbine imports no `None` result
+
+        @fxb.export_program(name="clear_kv", args=(pool,), dynamic_shapes=({2: nb},), strict=False)
+        def clear_kv(module, kv_pool):
+            module.clear_kv(kv_pool)
+            return ()
 
         stages.update()
         stages.set_postfix_str("importing to MLIR")
@@ -158,3 +185,9 @@ def _examples(arch, dtype: torch.dtype, bs: int):
     d, wd, nb2 = Dim("D"), Dim("Wd"), Dim("NB")
     dec_dyn = ({0: d}, {0: d}, {2: nb2}, {0: d, 1: wd}, {0: d})
     return pre, pre_dyn, dec, dec_dyn
+
+
+def _pool_examples(arch, dtype: torch.dtype, bs: int):
+    L, kvh, hd, T = arch.num_layers, arch.num_kv_heads, arch.head_dim, 3
+    return (torch.zeros(L, 2, 16, kvh, bs, hd, dtype=dtype), torch.ones(L, T, kvh, hd, dtype=dtype),
+            torch.ones(L, T, kvh, hd, dtype=dtype), torch.tensor([0, 5, 17]))

@@ -1,6 +1,7 @@
 """The conformance kit: a pytest plugin that checks any backend against the torch reference.
 
     pytest -p twophase.testing --pyargs twophase.testing --backend NAME [--backend-device cpu]
+        [--backend-options '{"key": value}']
 
 ``-p`` registers this plugin (its ``--backend`` option); ``--pyargs twophase.testing`` collects
 the kit's tests from the installed package, so the command works from any directory. It checks
@@ -24,6 +25,8 @@ def pytest_addoption(parser) -> None:
     group = parser.getgroup("twophase", "twophase backend conformance")
     group.addoption("--backend", help="the backend to check (a name `twophase backends` lists)")
     group.addoption("--backend-device", default="cpu", help="its device (default: cpu)")
+    group.addoption("--backend-options", default="{}",
+                    help="its [backend.options] as a JSON object (default: {})")
     group.addoption("--skip-default-model", action="store_true",
                     help="skip the greedy-token check on the default model (it downloads once)")
 
@@ -31,6 +34,20 @@ def pytest_addoption(parser) -> None:
 @pytest.fixture(scope="session")
 def backend_device(request) -> str:
     return request.config.getoption("--backend-device", default="cpu")
+
+
+@pytest.fixture(scope="session")
+def backend_options(request) -> dict:
+    import json
+
+    text = request.config.getoption("--backend-options", default="{}")
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise pytest.UsageError(f"--backend-options is not JSON ({exc}): {text!r}") from None
+    if not isinstance(options, dict):
+        raise pytest.UsageError(f"--backend-options must be a JSON object, not {text!r}")
+    return options
 
 
 @pytest.fixture(scope="session")
