@@ -5,8 +5,9 @@ Runtime MatMulNBits) and, for reference, the dequantised fp32 model (onnxruntime
 Where ``llama-cpp-python`` is installed (``pip install 'twophase[llama-cpp]'``: it compiles
 llama.cpp, about 20 minutes on two cores), llama.cpp runs the same file with the same threads:
 pp512 (one 512-token prompt) and tg128 (128 tokens at batch 1), flash attention on and off.
-Rounds are interleaved; medians are printed with the ratios. Quality: perplexity on the shipped
-text and greedy agreement with the fp32 model.
+Rounds are interleaved; medians are printed with the ratios. Quality, for twophase's q4 and for
+llama.cpp on the same text: perplexity's difference from the fp32 model, the mean KL divergence
+from it, and how often the top token agrees with it.
 
     python benchmarks/quantized.py [--threads 2] [--rounds 3]
 """
@@ -24,7 +25,7 @@ from rich.table import Table
 from twophase import LLM
 from twophase.bench import sweeps
 from twophase.models import hub
-from twophase.quality import greedy_agreement, perplexity, shipped_text
+from twophase.quality import all_logits, shipped_text
 
 MODEL = "smollm2-135m-instruct"
 
@@ -41,8 +42,19 @@ class LlamaCpp:
     def __init__(self, path: str, threads: int, flash: bool):
         from llama_cpp import Llama
 
+        self.flash = flash
         self.llm = Llama(model_path=path, n_ctx=1024, n_batch=512, n_threads=threads,
                          flash_attn=flash, verbose=False)
+
+    def all_logits(self, ids: list[int]) -> torch.Tensor:
+        """Logits at every position of ``ids`` (a fresh context that keeps them all)."""
+        import numpy as np
+        from llama_cpp import Llama
+
+        llm = Llama(model_path=self.llm.model_path, n_ctx=len(ids) + 16, n_batch=512,
+                    n_threads=self.llm.n_threads, flash_attn=self.flash, logits_all=True, verbose=False)
+        llm.eval(ids)
+        return torch.from_numpy(np.array(llm.scores[:len(ids)], dtype=np.float32))
 
     def pp(self, n: int, salt: int) -> float:
         tokens = [100 + (i * 7 + salt) % 40000 for i in range(n)]
@@ -52,11 +64,13 @@ class LlamaCpp:
         return n / (time.perf_counter() - t)
 
     def tg(self, n: int, salt: int) -> float:
+        """As llama-bench's tg: one token a step, fed without sampling (twophase's lines sample
+        greedily, so this favours llama.cpp by the sampling time)."""
         self.llm.reset()
         self.llm.eval([100 + salt])
         t = time.perf_counter()
-        for _ in range(n):
-            self.llm.eval([int(self.llm.sample(temp=0.0))])
+        for i in range(n):
+            self.llm.eval([100 + (salt + 13 * i) % 40000])
         return n / (time.perf_counter() - t)
 
 
@@ -106,13 +120,34 @@ def main() -> None:
             cells.append(f"{statistics.median(v):.1f} (x{statistics.median(v) / base[c]:.2f})" if v else "-")
         table.add_row(name, *cells)
     console.print(table)
-    text = shipped_text()
-    ref, q4 = lines["twophase fp32 (torch)"], lines["twophase q4 (onnxruntime)"]
-    p_ref, p_q4 = perplexity(ref, text), perplexity(q4, text)
-    agree = greedy_agreement(q4, ref, ["The quick brown fox", "def fibonacci(n):",
-                                       "Once upon a time", "The capital of France is"], 32)
-    console.print(f"perplexity on the shipped text: fp32 {p_ref:.3f}, q4 {p_q4:.3f} "
-                  f"({100 * (p_q4 / p_ref - 1):+.2f}%); greedy agreement with fp32 {100 * agree:.1f}%")
+    quality(console, lines["twophase fp32 (torch)"],
+            {n: e for n, e in engines.items() if n.startswith("twophase q4") or isinstance(e, LlamaCpp)})
+
+
+def quality(console: Console, reference: LLM, engines: dict) -> None:
+    """Each engine's next-token distributions on the shipped text against the fp32 model's."""
+    import math
+
+    ids = reference.tokenizer.encode(shipped_text())
+    ref = torch.log_softmax(torch.cat([lg for _, lg in all_logits(reference, ids)]), dim=-1)
+    targets = torch.tensor(ids[1:])
+
+    def nll(lp: torch.Tensor) -> float:
+        return -float(lp[:-1][torch.arange(len(targets)), targets].mean())
+
+    table = Table(title=f"quality on the shipped text ({len(ids)} tokens), against fp32")
+    for col in ("engine", "perplexity", "vs fp32", "mean KL (nats)", "top-1 agreement"):
+        table.add_column(col, justify="left" if col == "engine" else "right")
+    table.add_row("twophase fp32 (torch)", f"{math.exp(nll(ref)):.3f}", "-", "-", "-")
+    for name, eng in engines.items():
+        logits = eng.all_logits(ids) if isinstance(eng, LlamaCpp) else \
+            torch.cat([lg for _, lg in all_logits(eng, ids)])
+        lp = torch.log_softmax(logits, dim=-1)
+        kl = float((ref.exp() * (ref - lp)).sum(-1).mean())
+        top1 = float((lp.argmax(-1) == ref.argmax(-1)).float().mean())
+        table.add_row(name, f"{math.exp(nll(lp)):.3f}", f"{100 * (math.exp(nll(lp) - nll(ref)) - 1):+.2f}%",
+                      f"{kl:.4f}", f"{100 * top1:.1f}%")
+    console.print(table)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ class ModelConfig:
     seed: int = 0                         # random weights
     quantization: Literal["none", "q4"] = "none"   # q4: 4-bit block weights (onnxruntime)
     accuracy_level: int = 4               # q4: 4 quantises activations to int8 per block (fastest)
+    outlier_channels: int = 8             # q4: input channels per projection kept in float32
 
 
 @dataclass
@@ -220,6 +221,8 @@ def _check(cfg: Config) -> None:
     _check_bench(cfg)
     if not 0 <= m.accuracy_level <= 4:
         raise ConfigError("model.accuracy_level", f"must be in [0, 4], got {m.accuracy_level}")
+    if not 0 <= m.outlier_channels <= 64:
+        raise ConfigError("model.outlier_channels", f"must be in [0, 64], got {m.outlier_channels}")
     sv = cfg.server
     if not 0 <= sv.port <= 65535:
         raise ConfigError("server.port", f"must be in [0, 65535], got {sv.port}")

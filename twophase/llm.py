@@ -78,7 +78,7 @@ class LLM:
                                  arch.max_position_embeddings)
         self._check_fits(device)
         spec = ModelSpec(arch.to_dict(), self.model.weights, self.model.dtype, self.model.model_id,
-                         mc.seed, mc.quantization, mc.accuracy_level)
+                         mc.seed, mc.quantization, mc.accuracy_level, mc.outlier_channels)
         self.prefill_backend = self._load_backend(pcfg, spec)
         same = (pcfg.name, pcfg.device, pcfg.options) == (dcfg.name, dcfg.device, dcfg.options)
         self.decode_backend = self.prefill_backend if same else self._load_backend(dcfg, spec)

@@ -46,6 +46,7 @@ class ModelSpec:
     seed: int = 0                 # for random weights
     quantization: str = "none"    # "none", or "q4": 4-bit block weights (backends that declare it)
     accuracy_level: int = 4       # q4: ORT MatMulNBits' accuracy level (4: int8 activations)
+    outlier_channels: int = 8     # q4: input channels per projection multiplied in float32
 
 
 @dataclass(frozen=True)

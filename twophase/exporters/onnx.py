@@ -117,7 +117,7 @@ def write_new_kv(pool: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor,
 
 # -- export, cached by manifest ---------------------------------------------------------------
 OPSET = 18
-Q4_FORMAT = 2                   # 2: a float model's head at 8 bits
+Q4_FORMAT = 3                   # 2: a float model's head at 8 bits; 3: centred zero points, outlier channels
 FORMAT = "twophase-onnx/6"      # 2: dynamic block size; 3: no onnxscript pass; 4: flat pool gather; 5: K and V gathered apart; 6: masks built once a step, slices for splits
 
 
@@ -130,7 +130,8 @@ def manifest_for(model: ModelSpec) -> dict[str, Any]:
             "weights_sha256": weights_digest(model), "inputs": INPUTS, "outputs": OUTPUTS,
             "quantization": model.quantization,
             "accuracy_level": model.accuracy_level if model.quantization != "none" else None,
-            "quant_format": Q4_FORMAT if model.quantization == "q4" else None}
+            "quant_format": Q4_FORMAT if model.quantization == "q4" else None,
+            "outlier_channels": model.outlier_channels if model.quantization == "q4" else None}
 
 
 def export_dir(manifest: dict[str, Any]) -> Path:
@@ -167,11 +168,27 @@ def _quantize_to(model: ModelSpec, float_graph: Path, folder: Path) -> None:
     from twophase.exporters import q4
 
     gguf = source_gguf(model)
-    torch_model = None if gguf else _cpu_model(model)
+    torch_model = _cpu_model(model)
     weights = q4.model_qweights(torch_model, LlamaArch.from_dict(model.arch), gguf)
-    n = q4.quantize_graph(float_graph, folder / "model.onnx", weights, model.accuracy_level)
-    log.info("%d matmuls run on quantised weights (MatMulNBits, accuracy level %d)", n,
-             model.accuracy_level)
+    outliers = q4.outlier_channels(torch_model, calibration_ids(model), model.outlier_channels)
+    n = q4.quantize_graph(float_graph, folder / "model.onnx", weights, model.accuracy_level,
+                          outliers)
+    log.info("%d matmuls run on quantised weights (MatMulNBits, accuracy level %d, %d outlier "
+             "channels each in float32)", n, model.accuracy_level, model.outlier_channels)
+
+
+def calibration_ids(model: ModelSpec) -> list[int]:
+    """``twophase/data/calibration.txt`` in the model's tokens (its bytes, for a model without
+    a tokenizer: random weights)."""
+    from importlib.resources import files
+
+    text = files("twophase.data").joinpath("calibration.txt").read_text(encoding="utf-8")
+    folder = None if model.weights == "random" else Path(model.weights)
+    if folder is not None and (folder / "tokenizer.json").exists():
+        from twophase.models.tokenizer import HFTokenizer
+
+        return HFTokenizer(folder).encode(text)
+    return [b % model.arch["vocab_size"] for b in text.encode()]
 
 
 def source_gguf(model: ModelSpec) -> Path | None:

@@ -31,15 +31,23 @@ class QWeight:
     scale: np.ndarray            # float32 [N, K/32]
     minimum: np.ndarray | None   # float32 [N, K/32] (Q4_1), or None
     bits: int                    # 4 or 8
-    zero: int                    # the code that means 0 (0 for Q4_1 with its minimum, 128 for Q8_0)
+    # the code that means 0: one for all blocks (0 for Q4_1 with its minimum, 128 for Q8_0), or
+    # uint8 [N, K/32], one per block (see ``centered``)
+    zero: int | np.ndarray
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.codes.shape
 
+    def zeros(self) -> np.ndarray:
+        """The zero point of every block, uint8 ``[N, K/32]``."""
+        N, K = self.codes.shape
+        return np.broadcast_to(np.asarray(self.zero, dtype=np.uint8), (N, K // BLOCK))
+
     def dequantize(self) -> np.ndarray:
         N, K = self.codes.shape
-        q = self.codes.reshape(N, K // BLOCK, BLOCK).astype(np.float32) - np.float32(self.zero)
+        q = self.codes.reshape(N, K // BLOCK, BLOCK).astype(np.float32) \
+            - self.zeros()[:, :, None].astype(np.float32)
         w = self.scale[:, :, None] * q
         if self.minimum is not None:
             w = w + self.minimum[:, :, None]
@@ -47,19 +55,39 @@ class QWeight:
 
     def rows(self, order: np.ndarray) -> "QWeight":
         """The same weight with its rows (output features) reordered."""
+        zero = self.zero if np.ndim(self.zero) == 0 else self.zero[order]
         return QWeight(self.codes[order], self.scale[order],
-                       None if self.minimum is None else self.minimum[order], self.bits, self.zero)
+                       None if self.minimum is None else self.minimum[order], self.bits, zero)
+
+    def centered(self) -> "QWeight":
+        """The same weights with each block's zero point moved to the code nearest its minimum's
+        zero, ``z = rint(-m/d)``, and the minimum reduced to the rest, ``m + z*d``:
+        ``d*q + m = d*(q - z) + (m + z*d)``: the same weights (the terms are exact in float32 for
+        fp16 ``d`` and ``m`` and a 4-bit ``z``; their sum rounds once either way).
+
+        Why: a kernel that rounds activations to int8 (ONNX Runtime's ``accuracy_level`` 4, like
+        llama.cpp's Q8_1) multiplies that rounding error by the weights it sees. With ``z = 0``
+        it sees ``d*q``, all of one sign and about 8 steps from zero, and the minimum, added
+        exactly, no longer cancels the error; centred, it sees weights near their true values."""
+        if self.minimum is None or np.ndim(self.zero):
+            return self
+        limit = (1 << self.bits) - 1
+        safe = np.where(self.scale > 0, self.scale, 1)
+        z = np.clip(np.rint(-self.minimum / safe), 0, limit).astype(np.uint8)
+        rest = (self.minimum + z.astype(np.float32) * self.scale).astype(np.float32)
+        return QWeight(self.codes, self.scale, rest, self.bits, z)
 
     @staticmethod
     def stack(parts: list["QWeight"]) -> "QWeight":
         """Rows of several weights one after another (fused projections)."""
         first = parts[0]
-        assert all(p.bits == first.bits and p.zero == first.zero for p in parts)
+        assert all(p.bits == first.bits for p in parts)
         mins = [p.minimum for p in parts]
+        same = all(np.ndim(p.zero) == 0 and p.zero == first.zero for p in parts)
         return QWeight(np.concatenate([p.codes for p in parts]),
                        np.concatenate([p.scale for p in parts]),
                        None if any(m is None for m in mins) else np.concatenate(mins),
-                       first.bits, first.zero)
+                       first.bits, first.zero if same else np.concatenate([p.zeros() for p in parts]))
 
 
 def from_q4_1(raw: np.ndarray, n: int, k: int) -> QWeight:
@@ -107,11 +135,12 @@ def pack(qw: QWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     n, k = qw.codes.shape
     nb = k // BLOCK
     c = qw.codes.reshape(n, nb, BLOCK)
+    zp = qw.zeros()
     if qw.bits == 4:
         b = (c[..., 0::2] | (c[..., 1::2] << 4)).astype(np.uint8)           # neighbours paired
-        zp = np.full((n, nb + nb % 2), qw.zero, dtype=np.uint8)
+        zp = np.pad(zp, ((0, 0), (0, nb % 2)))
         zeros = (zp[:, 0::2] | (zp[:, 1::2] << 4)).astype(np.uint8).reshape(-1)
     else:
         b = c.astype(np.uint8)
-        zeros = np.full(n * nb, qw.zero, dtype=np.uint8)
+        zeros = np.ascontiguousarray(zp).reshape(-1)
     return np.ascontiguousarray(b), np.ascontiguousarray(qw.scale.reshape(-1)), zeros
