@@ -72,7 +72,7 @@ def test_missing_config_file(tmp_path):
 @pytest.mark.parametrize("text, key, allowed", [
     ('[model]\nnam = "tiny"\n', "model.nam",
      ["name", "path", "weights", "dtype", "num_layers", "max_model_len", "seed", "quantization",
-      "accuracy_level"]),
+      "accuracy_level", "outlier_channels"]),
     (TINY_TOML + "[scheduler]\nfoo = 1\n", "scheduler.foo",
      ["policy", "max_num_seqs", "max_num_batched_tokens", "chunked_prefill"]),
     ('[modle]\nname = "tiny"\n', "modle",
