@@ -47,9 +47,11 @@ def test_blocks_all_free_after_a_cuda_run():
     assert torch.isfinite(llm.kv_cache.pool).all()
 
 
-def test_iree_on_cuda_with_its_own_pool_equals_torch():
-    """IREE's CUDA path (sm_80 code, the module's own pool) against the torch backend on the CPU:
-    greedy tokens with chunked prefill and preemption."""
+@pytest.mark.parametrize("pool", ["shared", "owned"])
+def test_iree_on_cuda_equals_torch(pool):
+    """IREE's CUDA path (sm_80 code; the engine's pool imported through DLPack, or the module's
+    own) against the torch backend on the CPU: greedy tokens with chunked prefill and
+    preemption."""
     pytest.importorskip("iree.runtime")
     from twophase.backends.registry import Registry
 
@@ -62,8 +64,9 @@ def test_iree_on_cuda_with_its_own_pool_equals_torch():
     prompts = [list(range(3 + i, 40 + 7 * i)) for i in range(6)]
     p = SamplingParams(max_tokens=12, ignore_eos=True)
     ref = [o.token_ids for o in LLM.from_config(cfg).generate(prompts, p)]
-    llm = LLM.from_config({**cfg, "backend": {"name": "iree", "device": "cuda"}})
-    assert not llm.backend.capabilities().shares_kv_pool
+    llm = LLM.from_config({**cfg, "backend": {"name": "iree", "device": "cuda",
+                                              "options": {"pool": pool}}})
+    assert llm.backend.capabilities().shares_kv_pool == (pool == "shared")
     outs = llm.generate(prompts, p)
     assert [o.token_ids for o in outs] == ref
     assert llm.engine.kv.num_free_blocks == llm.num_blocks

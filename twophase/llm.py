@@ -264,7 +264,8 @@ class LLM:
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero-filled tensor. On the CPU it comes from calloc'd memory (numpy), which the OS
-    zeroes page by page on first touch, so a GiB-sized pool costs nothing until used."""
+    zeroes page by page on first touch, so a GiB-sized pool costs nothing until used; it starts
+    on a 64-byte boundary, as runtimes that import it (IREE through DLPack) require."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     import math
@@ -272,7 +273,9 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     import numpy as np
 
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    raw = np.zeros(nbytes + 64, dtype=np.uint8)
+    start = -raw.ctypes.data % 64
+    return torch.from_numpy(raw[start:start + nbytes]).view(dtype).view(shape)
 
 
 def _device_key(device: str) -> tuple[str, int]:
