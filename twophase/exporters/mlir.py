@@ -19,11 +19,12 @@ Entry points (int64 indices, the pool ``[L, 2, NB, KVH, BS, hd]``):
 Both return ``logits [N, vocab]`` float32 and ``new_k``/``new_v [L, T, KVH, hd]``. Like the ONNX
 graph, neither updates its pool argument: where the pool is the engine's (imported host memory),
 the backend writes the new K/V at the batch's slots with torch. Two more entry points serve a pool
-the module keeps in its own device memory (IREE's CUDA runtime cannot take torch's allocations):
+the module keeps in its own device memory (the backend's ``owned`` mode, for a runtime that
+cannot import torch's memory):
 
-- ``write_kv(kv_pool, new_k, new_v, slots [T])`` writes a step's K/V into the pool in place, so
-  the K/V never leave the device (the argument is mutated, as shark-ai's paged models mutate
-  ``cache_state``);
+- ``write_kv(kv_pool, new_k, new_v, slots [T])`` writes a step's K/V into the pool, so the K/V
+  never leave the device (the argument is mutated, as shark-ai's paged models mutate
+  ``cache_state``; IREE 3.13 does it by copying the whole pool);
 - ``clear_kv(kv_pool)`` zeroes a freshly allocated pool in place (masked attention reads unused
   slots, and uninitialised memory could hold NaNs).
 
