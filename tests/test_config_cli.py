@@ -455,7 +455,6 @@ def test_cli_too_big_model_refused_before_allocation(cli):
     assert 0 < have < need
     # refused from the shape alone: no weights were allocated or initialised
     assert r.max_rss_mib < 2048, f"peak RSS {r.max_rss_mib:.0f} MiB\n{r}"
-    assert r.wall_s < 60, str(r)
 
 
 def test_cli_bad_jsonl_line_names_file_and_line(cli):

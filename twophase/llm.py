@@ -153,7 +153,10 @@ class LLM:
             if cc.memory_gb is not None:
                 budget = int(cc.memory_gb * GiB)
             elif torch.device(device).type == "cuda":
-                budget = int(0.8 * free)     # the rest: activations, CUDA graphs
+                # the rest: activations, CUDA graphs; a backend's own pool needs room for the
+                # copy its runtime makes of it on each write (IREE's, see backends/iree.py)
+                shared = self.prefill_backend.capabilities().shares_kv_pool
+                budget = int((0.8 if shared else 0.4) * free)
             else:
                 budget = min(2 * GiB, free // 4)
             num_blocks = max(1, min(wanted, budget // per_block))

@@ -61,7 +61,8 @@ def kl_divergence(llm, reference, text: str | list[int]) -> float:
     tokens: llama.cpp's on the default model's GGUF is +0.15% or +0.59% by its attention kernel)."""
     ids = reference.tokenizer.encode(text) if isinstance(text, str) else list(text)
     total, count = 0.0, 0
-    for (_, want), (_, got) in zip(all_logits(reference, ids), all_logits(llm, ids)):
+    chunk = reference.engine.scheduler.budget           # the same chunks from both
+    for (_, want), (_, got) in zip(all_logits(reference, ids, chunk), all_logits(llm, ids, chunk)):
         ref_lp, lp = torch.log_softmax(want, dim=-1), torch.log_softmax(got, dim=-1)
         total += float((ref_lp.exp() * (ref_lp - lp)).sum())
         count += want.shape[0]

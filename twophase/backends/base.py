@@ -86,8 +86,8 @@ class Capabilities:
     max_num_tokens: int | None = None        # tokens in one prefill call
     chunked_prefill: bool = True             # can it prefill a chunk after cached tokens?
     mixed_batches: bool = True               # can one prefill() carry decodes too?
-    shares_kv_pool: bool = True              # does it read/write core's pool in place?
-                                         # (else: its own, see bind_kv_cache)
+    # does it read/write core's pool in place? (else it keeps its own: see bind_kv_cache)
+    shares_kv_pool: bool = True
 
 
 @dataclass(frozen=True)

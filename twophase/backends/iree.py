@@ -56,10 +56,16 @@ class IreeBackend(Backend):
     @classmethod
     def check_available(cls, device: str = "cpu") -> None:
         rt = _iree()
-        kind = torch.device(device).type
+        try:
+            kind = torch.device(device).type
+        except RuntimeError:
+            kind = None
         if kind not in DRIVERS:
             raise BackendUnavailable(f"the iree backend runs on cpu or cuda, not {device!r}")
         if kind == "cuda":
+            if not torch.cuda.is_available():     # the engine's pool and streams are torch's
+                raise BackendUnavailable("torch sees no CUDA device (a CPU build of torch, or no "
+                                         "GPU), and the engine's KV pool is a torch tensor")
             try:
                 found = rt.get_driver("cuda").query_available_devices()
             except Exception as exc:                  # no libcuda, no driver: IREE says why
@@ -116,9 +122,11 @@ class IreeBackend(Backend):
 
     def _import_pool(self, rt, pool: torch.Tensor):
         """The engine's pool, seen by IREE without a copy."""
-        if pool.device.type != self.device.type or not pool.is_contiguous():
-            raise ConfigError("backend.options.pool", f"the shared pool must be a contiguous "
-                              f"tensor on {self.device}, not on {pool.device}")
+        if pool.device.type != self.device.type:
+            raise ConfigError("backend.options.pool", f"the shared pool must be on {self.device}, "
+                                                      f"not on {pool.device}")
+        if not pool.is_contiguous():
+            raise ConfigError("backend.options.pool", "the shared pool must be contiguous")
         try:
             return self.config.device.from_dlpack_capsule(pool.__dlpack__())
         except Exception as exc:                  # a runtime that takes no foreign memory
@@ -167,12 +175,12 @@ class IreeBackend(Backend):
         from twophase.exporters.onnx import write_new_kv
 
         args = [np.ascontiguousarray(a.numpy()) if isinstance(a, torch.Tensor) else a for a in args]
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self.pool_mode == "shared":
             torch.cuda.current_stream(self.device).synchronize()   # the pool's last writes land
         logits, new_k, new_v = self.entry[entry](*args)
         if self.pool_mode == "owned":
             self.entry["write_kv"](self.pool_view, new_k, new_v, np.ascontiguousarray(slots.numpy()))
-        else:
+        else:     # through the host: a step's K/V are small (23 KB a token, default model)
             write_new_kv(self.kv.pool, torch.from_numpy(new_k.to_host()).to(self.device),
                          torch.from_numpy(new_v.to_host()).to(self.device), slots)
         return torch.from_numpy(logits.to_host())

@@ -17,8 +17,8 @@ Entry points (int64 indices, the pool ``[L, 2, NB, KVH, BS, hd]``):
   token per sequence, logits for each.
 
 Both return ``logits [N, vocab]`` float32 and ``new_k``/``new_v [L, T, KVH, hd]``. Like the ONNX
-graph, neither updates its pool argument: where the pool is the engine's (imported host memory),
-the backend writes the new K/V at the batch's slots with torch. Two more entry points serve a pool
+graph, neither updates its pool argument: where the pool is the engine's (imported through
+DLPack), the backend writes the new K/V at the batch's slots with torch. Two more entry points serve a pool
 the module keeps in its own device memory (the backend's ``owned`` mode, for a runtime that
 cannot import torch's memory):
 

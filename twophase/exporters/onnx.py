@@ -131,7 +131,8 @@ def manifest_for(model: ModelSpec) -> dict[str, Any]:
             "quantization": model.quantization,
             "accuracy_level": model.accuracy_level if model.quantization != "none" else None,
             "quant_format": Q4_FORMAT if model.quantization == "q4" else None,
-            "outlier_channels": model.outlier_channels if model.quantization == "q4" else None}
+            "outlier_channels": model.outlier_channels if model.quantization == "q4" else None,
+            "calibration_sha256": _calibration_digest() if model.quantization == "q4" else None}
 
 
 def export_dir(manifest: dict[str, Any]) -> Path:
@@ -177,12 +178,22 @@ def _quantize_to(model: ModelSpec, float_graph: Path, folder: Path) -> None:
              "channels each in float32)", n, model.accuracy_level, model.outlier_channels)
 
 
+def _calibration_text() -> str:
+    from importlib.resources import files
+
+    return files("twophase.data").joinpath("calibration.txt").read_text(encoding="utf-8")
+
+
+def _calibration_digest() -> str:
+    import hashlib
+
+    return hashlib.sha256(_calibration_text().encode()).hexdigest()[:16]
+
+
 def calibration_ids(model: ModelSpec) -> list[int]:
     """``twophase/data/calibration.txt`` in the model's tokens (its bytes, for a model without
     a tokenizer: random weights)."""
-    from importlib.resources import files
-
-    text = files("twophase.data").joinpath("calibration.txt").read_text(encoding="utf-8")
+    text = _calibration_text()
     folder = None if model.weights == "random" else Path(model.weights)
     if folder is not None and (folder / "tokenizer.json").exists():
         from twophase.models.tokenizer import HFTokenizer
