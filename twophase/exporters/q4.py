@@ -44,7 +44,7 @@ def quantize_graph(src: Path, dst: Path, weights: dict[str, QWeight], accuracy_l
     weight, the input channels computed in float32 instead (see the module's docstring)."""
     outliers = outliers or {}
     import onnx
-    from onnx import helper, numpy_helper
+    from onnx import helper
 
     model = onnx.load(str(src))
     g = model.graph
@@ -59,47 +59,10 @@ def quantize_graph(src: Path, dst: Path, weights: dict[str, QWeight], accuracy_l
                 or attrs.get("transA", 0) or (len(node.input) > 2 and node.input[2]):
             nodes.append(node)
             continue
-        qw = weights[key].centered()
-        n, k = qw.shape
-        b, scales, zeros = pack(qw)
-        stem = f"{key}.q{qw.bits}"
-        added += [numpy_helper.from_array(b, stem + ".codes"),
-                  numpy_helper.from_array(scales, stem + ".scales"),
-                  numpy_helper.from_array(zeros, stem + ".zero_points")]
-        x, y = node.input[0], node.output[0]
-        idx = outliers.get(key, np.zeros(0, np.int64))
-        extra = []                                 # (input [M, j], weight rows [j, N]) of the term
-        if qw.minimum is not None:
-            added += [numpy_helper.from_array(np.array([-1, k // BLOCK, BLOCK], np.int64), stem + ".blocks"),
-                      numpy_helper.from_array(np.array([2], np.int64), stem + ".axis")]
-            nodes += [helper.make_node("Reshape", [x, stem + ".blocks"], [stem + ".xb"]),
-                      helper.make_node("ReduceSum", [stem + ".xb", stem + ".axis"], [stem + ".xsum"],
-                                       keepdims=0)]
-            extra.append((stem + ".xsum", qw.minimum.T))
-        quantised_input = x
-        if len(idx):
-            keep = np.ones(k, np.float32)
-            keep[idx] = 0
-            added += [numpy_helper.from_array(keep, stem + ".keep"),
-                      numpy_helper.from_array(idx.astype(np.int64), stem + ".outliers")]
-            nodes += [helper.make_node("Mul", [x, stem + ".keep"], [stem + ".xkeep"]),
-                      helper.make_node("Gather", [x, stem + ".outliers"], [stem + ".xout"], axis=1)]
-            quantised_input = stem + ".xkeep"
-            extra.append((stem + ".xout", quantised_columns(qw, idx).T))
-        out = y if not extra else stem + ".dq"
-        nodes.append(helper.make_node(
-            "MatMulNBits", [quantised_input, stem + ".codes", stem + ".scales", stem + ".zero_points"],
-            [out], name=stem + ".matmul", domain=MS_DOMAIN, K=k, N=n, bits=qw.bits,
-            block_size=BLOCK, accuracy_level=accuracy_level))
-        if extra:
-            term_in = extra[0][0]
-            if len(extra) > 1:
-                term_in = stem + ".term_in"
-                nodes.append(helper.make_node("Concat", [e[0] for e in extra], [term_in], axis=1))
-            rows = np.concatenate([e[1] for e in extra]).astype(np.float32)
-            added.append(numpy_helper.from_array(np.ascontiguousarray(rows), stem + ".term_w"))
-            nodes += [helper.make_node("MatMul", [term_in, stem + ".term_w"], [stem + ".term"]),
-                      helper.make_node("Add", [out, stem + ".term"], [y])]
+        more_nodes, more_inits = projection(node.input[0], node.output[0], key, weights[key],
+                                            outliers.get(key), accuracy_level)
+        nodes += more_nodes
+        added += more_inits
         done += 1
     del g.node[:]
     g.node.extend(nodes)
@@ -113,6 +76,57 @@ def quantize_graph(src: Path, dst: Path, weights: dict[str, QWeight], accuracy_l
     onnx.save(model, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
               location=dst.name + ".data", size_threshold=1024)
     return done
+
+
+def projection(x: str, y: str, key: str, qw: QWeight, outliers: np.ndarray | None,
+               accuracy_level: int) -> tuple[list, list]:
+    """Nodes and initializers computing ``y = x @ Wᵀ`` (``x`` 2-D) from the block-quantised
+    ``qw``: MatMulNBits on centred codes, plus the exact float32 term for the minimum's rest and
+    the ``outliers`` input channels (see the module's docstring)."""
+    from onnx import helper, numpy_helper
+
+    qw = qw.centered()
+    n, k = qw.shape
+    b, scales, zeros = pack(qw)
+    stem = f"{key}.q{qw.bits}"
+    inits = [numpy_helper.from_array(b, stem + ".codes"),
+             numpy_helper.from_array(scales, stem + ".scales"),
+             numpy_helper.from_array(zeros, stem + ".zero_points")]
+    nodes = []
+    idx = np.zeros(0, np.int64) if outliers is None else outliers
+    extra = []                                 # (input [M, j], weight rows [j, N]) of the term
+    if qw.minimum is not None:
+        inits += [numpy_helper.from_array(np.array([-1, k // BLOCK, BLOCK], np.int64), stem + ".blocks"),
+                  numpy_helper.from_array(np.array([2], np.int64), stem + ".axis")]
+        nodes += [helper.make_node("Reshape", [x, stem + ".blocks"], [stem + ".xb"]),
+                  helper.make_node("ReduceSum", [stem + ".xb", stem + ".axis"], [stem + ".xsum"],
+                                   keepdims=0)]
+        extra.append((stem + ".xsum", qw.minimum.T))
+    quantised_input = x
+    if len(idx):
+        keep = np.ones(k, np.float32)
+        keep[idx] = 0
+        inits += [numpy_helper.from_array(keep, stem + ".keep"),
+                  numpy_helper.from_array(idx.astype(np.int64), stem + ".outliers")]
+        nodes += [helper.make_node("Mul", [x, stem + ".keep"], [stem + ".xkeep"]),
+                  helper.make_node("Gather", [x, stem + ".outliers"], [stem + ".xout"], axis=1)]
+        quantised_input = stem + ".xkeep"
+        extra.append((stem + ".xout", quantised_columns(qw, idx).T))
+    out = y if not extra else stem + ".dq"
+    nodes.append(helper.make_node(
+        "MatMulNBits", [quantised_input, stem + ".codes", stem + ".scales", stem + ".zero_points"],
+        [out], name=stem + ".matmul", domain=MS_DOMAIN, K=k, N=n, bits=qw.bits,
+        block_size=BLOCK, accuracy_level=accuracy_level))
+    if extra:
+        term_in = extra[0][0]
+        if len(extra) > 1:
+            term_in = stem + ".term_in"
+            nodes.append(helper.make_node("Concat", [e[0] for e in extra], [term_in], axis=1))
+        rows = np.concatenate([e[1] for e in extra]).astype(np.float32)
+        inits.append(numpy_helper.from_array(np.ascontiguousarray(rows), stem + ".term_w"))
+        nodes += [helper.make_node("MatMul", [term_in, stem + ".term_w"], [stem + ".term"]),
+                  helper.make_node("Add", [out, stem + ".term"], [y])]
+    return nodes, inits
 
 
 def quantised_columns(qw: QWeight, idx: np.ndarray) -> np.ndarray:
