@@ -147,3 +147,39 @@ def test_cuda_execution_provider_equals_torch_on_cuda():
     p = SamplingParams(max_tokens=12, ignore_eos=True)
     prompts = random_prompts(6)
     assert [o.token_ids for o in a.generate(prompts, p)] == [o.token_ids for o in b.generate(prompts, p)]
+
+
+@pytest.mark.parametrize("model", [{}, {"quantization": "q4", "accuracy_level": 0}],
+                         ids=["float", "q4"])
+def test_decode_graph_equals_the_step_graph(model):
+    """All-decode steps run the decode-only graph: the same logits and K/V as the step graph on
+    the same batch (decodes of unequal lengths, over copies of one pool)."""
+    llm = tiny_llm(model=model, backend={"name": "onnxruntime"}, cache={"num_blocks": 128, "block_size": 4})
+    ort = llm.backend
+    assert ort.decode_session is not None
+    eng = llm.engine
+    reqs = [eng.add_request(list(range(3 + i, 3 + i + n)), SamplingParams(max_tokens=8, ignore_eos=True))
+            for i, n in enumerate((9, 30, 2, 21))]
+    while any(r.num_output_tokens < 2 for r in reqs):
+        eng.step()
+    sched = eng.scheduler.schedule()
+    assert not sched.prefills and len({r.num_computed_tokens for r in sched.decodes}) > 1
+    batch = eng._decode_batch(sched.decodes)
+    pool = llm.kv_cache.pool
+    before = pool.clone()
+    got = ort.decode(batch)
+    decoded = pool.clone()
+    pool.copy_(before)
+    want = ort.prefill(batch.as_prefill())
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+    assert torch.allclose(decoded, pool, atol=1e-6)
+
+
+def test_decode_graph_can_be_turned_off():
+    from twophase.errors import ConfigError
+
+    llm = tiny_llm(backend={"name": "onnxruntime", "options": {"decode_graph": False}})
+    assert llm.backend.decode_session is None
+    assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids
+    with pytest.raises(ConfigError, match="decode_graph"):
+        tiny_llm(backend={"name": "onnxruntime", "options": {"decode_graph": "yes"}})

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from twophase.backends.base import ModelSpec, PrefillBatch
+from twophase.exporters import decode_graph
 from twophase.exporters.cache import build_cached, cache_folder, weights_digest
 from twophase.models.graph_attention import GraphMeta
 from twophase.models.llama import Llama
@@ -118,7 +119,7 @@ def write_new_kv(pool: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor,
 # -- export, cached by manifest ---------------------------------------------------------------
 OPSET = 18
 Q4_FORMAT = 3                   # 2: a float model's head at 8 bits; 3: centred zero points, outlier channels
-FORMAT = "twophase-onnx/6"      # 2: dynamic block size; 3: no onnxscript pass; 4: flat pool gather; 5: K and V gathered apart; 6: masks built once a step, slices for splits
+FORMAT = "twophase-onnx/7"      # 2: dynamic block size; 3: no onnxscript pass; 4: flat pool gather; 5: K and V gathered apart; 6: masks built once a step, slices for splits; 7: decode.onnx beside it
 
 
 def manifest_for(model: ModelSpec) -> dict[str, Any]:
@@ -153,6 +154,8 @@ def export(model: ModelSpec, out_dir: Path | None = None, force: bool = False) -
 
 
 def _export_to(model: ModelSpec, folder: Path) -> None:
+    """``model.onnx``, the step graph (torch's trace), and for float32 models ``decode.onnx``,
+    the graph for all-decode steps (``twophase.exporters.decode_graph``)."""
     step = PagedStep(_cpu_model(model)).eval()
     args, dynamic = _example(step.model.arch, model.dtype)
     with quiet_exporter_logs(), warnings.catch_warnings():
@@ -161,6 +164,8 @@ def _export_to(model: ModelSpec, folder: Path) -> None:
                           input_names=INPUTS, output_names=OUTPUTS, dynamic_shapes=dynamic,
                           opset_version=OPSET, external_data=True,
                           optimize=False)   # ORT optimises at load; onnxscript's pass took minutes
+    if model.dtype == torch.float32 and decode_graph.supported(step.model.arch):
+        decode_graph.build(step.model, folder / "decode.onnx")
 
 
 def _quantize_to(model: ModelSpec, float_graph: Path, folder: Path) -> None:
@@ -174,6 +179,8 @@ def _quantize_to(model: ModelSpec, float_graph: Path, folder: Path) -> None:
     outliers = q4.outlier_channels(torch_model, calibration_ids(model), model.outlier_channels)
     n = q4.quantize_graph(float_graph, folder / "model.onnx", weights, model.accuracy_level,
                           outliers)
+    if model.dtype == torch.float32 and decode_graph.supported(torch_model.arch):
+        decode_graph.build(torch_model, folder / "decode.onnx", weights, outliers, model.accuracy_level)
     log.info("%d matmuls run on quantised weights (MatMulNBits, accuracy level %d, %d outlier "
              "channels each in float32)", n, model.accuracy_level, model.outlier_channels)
 

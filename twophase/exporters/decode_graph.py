@@ -1,0 +1,147 @@
+"""A decode-only ONNX graph, built by hand with ONNX Runtime's fused operators: the graph the
+onnxruntime backend runs for steps that are all decodes (one token per sequence) on the CPU.
+
+Why a second graph: the step graph (``twophase.exporters.onnx``) is torch's trace of a whole
+mixed step, chunks and decodes, every dimension dynamic: about 4,900 nodes after ORT's optimiser.
+At small decode batches the step is latency-bound and those nodes, a few microseconds each, cost
+more than the matmuls. This graph does one thing, with ``SkipSimplifiedLayerNormalization``
+(residual add and RMSNorm in one), ``RotaryEmbedding`` over Q and K at once, the projections as
+in the step graph (float Gemms, or ``twophase.exporters.q4.projection``), and attention over the
+cached tokens gathered by precomputed pool rows plus the new token's own K/V: about 1,800 nodes
+for the default model. Measured with ``benchmarks/decode_graph.py``: a batch-1 step x1.36
+faster, x1.23 at batch 8; equal to the step graph to float32 rounding.
+
+Inputs: ``input_ids [B]``, ``positions [B, 1]``, ``kv_pool`` (the engine's pool), ``rows [2L,
+B, KVH, P]`` (pool rows of each layer's K then V, for each sequence's P cached tokens, padded)
+and ``mask [B, 1, 1, P + 1]`` (0, or -inf past a sequence's own cache; the last column is the new
+token). Outputs as the step graph's: ``logits [B, vocab]``, ``new_k``/``new_v [L, B, KVH, hd]``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from twophase.backends.base import DecodeBatch
+from twophase.exporters import q4
+from twophase.models.quant import QWeight
+
+MS = "com.microsoft"
+
+
+def supported(arch) -> bool:
+    """The graph has no bias terms: models with them keep the exported graph for decodes."""
+    return not (arch.attention_bias or arch.mlp_bias)
+
+
+def build(torch_model, path: Path, qweights: dict[str, QWeight] | None = None,
+          outliers: dict[str, np.ndarray] | None = None, accuracy_level: int = 4) -> int:
+    """Write the decode graph of ``torch_model`` (float32) to ``path``, its projections on
+    ``qweights`` where given (as in the q4 step graph) else float; returns its node count."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    a = torch_model.arch
+    sd = {k: v.detach().float().numpy() for k, v in torch_model.state_dict().items()}
+    L, H, KVH, hd, G = a.num_layers, a.num_heads, a.num_kv_heads, a.head_dim, a.num_heads // a.num_kv_heads
+    outliers = outliers or {}
+    nodes, inits = [], []
+
+    def const(name: str, value) -> str:
+        inits.append(numpy_helper.from_array(np.ascontiguousarray(value), name))
+        return name
+
+    def op(kind: str, inputs: list[str], outputs: list[str], **attrs):
+        nodes.append(helper.make_node(kind, inputs, outputs, **attrs))
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    def linear(x: str, key: str, y: str) -> str:
+        if qweights is not None:
+            more_nodes, more_inits = q4.projection(x, y, key, qweights[key], outliers.get(key), accuracy_level)
+            nodes.extend(more_nodes)
+            inits.extend(more_inits)
+            return y
+        return op("Gemm", [x, const(key, sd[key])], [y], transB=1)
+
+    freqs = np.arange(a.max_position_embeddings, dtype=np.float32)[:, None] * torch_model.inv_freq.numpy()[None]
+    const("cos_cache", np.cos(freqs))
+    const("sin_cache", np.sin(freqs))
+    for name, value in {"flat": [-1, hd], "qk3": [0, 1, (H + KVH) * hd], "rows2d": [0, -1], "q4d": [0, KVH, G, hd],
+                        "kv4d": [0, KVH, 1, hd], "layer_row": [1, -1, KVH * hd], "zero": [0],
+                        "split_qkv": [(H + KVH) * hd, KVH * hd], "split_qk": [H * hd, KVH * hd],
+                        "split_gu": [a.intermediate_size] * 2, "new_kv": [L, -1, KVH, hd]}.items():
+        const(name, np.array(value, np.int64))
+    const("scale", np.array(hd ** -0.5, np.float32))
+    res = op("Gather", [const("embed", sd["embed.weight"]), "input_ids"], ["x0"], axis=0)
+    pool = op("Reshape", ["kv_pool", "flat"], ["pool_rows"])
+    rows = op("Split", ["rows"], [f"rows{i}" for i in range(2 * L)], axis=0, num_outputs=2 * L)
+    mlp_out, new_k, new_v = None, [], []
+    eps = a.rms_norm_eps
+    for i in range(L):
+        p = f"l{i}."
+        g1 = const(p + "g1", sd[f"layers.{i}.attn_norm.weight"])
+        if mlp_out is None:
+            h = op("SimplifiedLayerNormalization", [res, g1], [p + "h"], axis=-1, epsilon=eps)
+        else:
+            h, _, _, res = op("SkipSimplifiedLayerNormalization", [res, mlp_out, g1],
+                              [p + "h", "", "", p + "res0"], domain=MS, epsilon=eps)
+        qkv = linear(h, f"layers.{i}.attn.qkv.weight", p + "qkv")
+        qk, v = op("Split", [qkv, "split_qkv"], [p + "qk", p + "v"], axis=1)
+        qk = op("RotaryEmbedding", [op("Reshape", [qk, "qk3"], [p + "qk3"]), "positions", "cos_cache",
+                                    "sin_cache"], [p + "qkr"], domain=MS, interleaved=0, num_heads=H + KVH)
+        q, k = op("Split", [op("Reshape", [qk, "rows2d"], [p + "qk2"]), "split_qk"], [p + "q", p + "k"], axis=1)
+        new_k.append(op("Reshape", [k, "layer_row"], [p + "k_row"]))
+        new_v.append(op("Reshape", [v, "layer_row"], [p + "v_row"]))
+        past_k, past_v = (op("Squeeze", [op("Gather", [pool, rows[2 * i + j]], [p + f"past{j}"], axis=0), "zero"],
+                             [p + f"past{j}_4d"]) for j in (0, 1))
+        keys = op("Concat", [past_k, op("Reshape", [k, "kv4d"], [p + "k4"])], [p + "keys"], axis=2)
+        values = op("Concat", [past_v, op("Reshape", [v, "kv4d"], [p + "v4"])], [p + "values"], axis=2)
+        scores = op("MatMul", [op("Reshape", [q, "q4d"], [p + "q4"]),
+                               op("Transpose", [keys], [p + "keys_t"], perm=[0, 1, 3, 2])], [p + "s"])
+        scores = op("Add", [op("Mul", [scores, "scale"], [p + "s_scaled"]), "mask"], [p + "s_masked"])
+        out = op("MatMul", [op("Softmax", [scores], [p + "probs"], axis=-1), values], [p + "attn"])
+        attn = linear(op("Reshape", [out, "rows2d"], [p + "attn2d"]), f"layers.{i}.attn.o.weight", p + "attn_o")
+        h2, _, _, res = op("SkipSimplifiedLayerNormalization",
+                           [res, attn, const(p + "g2", sd[f"layers.{i}.mlp_norm.weight"])],
+                           [p + "h2", "", "", p + "res1"], domain=MS, epsilon=eps)
+        gate, up = op("Split", [linear(h2, f"layers.{i}.mlp.gate_up.weight", p + "gu"), "split_gu"],
+                      [p + "gate", p + "up"], axis=1)
+        act = op("Mul", [op("Mul", [gate, op("Sigmoid", [gate], [p + "sig"])], [p + "silu"]), up], [p + "act"])
+        mlp_out = linear(act, f"layers.{i}.mlp.down.weight", p + "mlp")
+    final, _, _, _ = op("SkipSimplifiedLayerNormalization", [res, mlp_out, const("gf", sd["norm.weight"])],
+                        ["final", "", "", "res_f"], domain=MS, epsilon=eps)
+    linear(final, "lm_head.weight", "logits")
+    op("Reshape", [op("Concat", new_k, ["new_k_rows"], axis=0), "new_kv"], ["new_k"])
+    op("Reshape", [op("Concat", new_v, ["new_v_rows"], axis=0), "new_kv"], ["new_v"])
+    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+    graph = helper.make_graph(
+        nodes, "decode",
+        [helper.make_tensor_value_info("input_ids", i64, ["B"]),
+         helper.make_tensor_value_info("positions", i64, ["B", 1]),
+         helper.make_tensor_value_info("kv_pool", f32, [L, 2, "NB", KVH, "BS", hd]),
+         helper.make_tensor_value_info("rows", i64, [2 * L, "B", KVH, "P"]),
+         helper.make_tensor_value_info("mask", f32, ["B", 1, 1, "P1"])],
+        [helper.make_tensor_value_info(n, f32, None) for n in ("logits", "new_k", "new_v")], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(MS, 1)])
+    onnx.save(model, str(path), save_as_external_data=True, location=Path(path).name + ".data",
+              size_threshold=1024)
+    return len(nodes)
+
+
+def inputs(batch: DecodeBatch, pool: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The decode graph's inputs: the pool rows of every sequence's cached tokens, per layer and
+    K/V (``[2L, B, KVH, P]``), and a mask of the padding past each sequence's own cache."""
+    L, _, NB, KVH, BS, _ = pool.shape
+    B, cached = batch.token_ids.shape[0], batch.context_lens - 1
+    P = max(1, int(cached.max()))
+    pos = torch.arange(P)
+    blocks = batch.block_tables[:, (pos // BS).clamp(max=batch.block_tables.shape[1] - 1)]
+    layer_kv = torch.arange(2 * L).view(2 * L, 1, 1, 1)
+    heads = torch.arange(KVH).view(1, 1, KVH, 1)
+    rows = ((layer_kv * NB + blocks.view(1, B, 1, P)) * KVH + heads) * BS + (pos % BS).view(1, 1, 1, P)
+    mask = torch.zeros(B, 1, 1, P + 1)
+    mask[:, 0, 0, :P] = torch.where(pos.view(1, P) < cached.view(B, 1), 0.0, float("-inf"))
+    return {"input_ids": batch.token_ids, "positions": batch.positions.view(-1, 1),
+            "rows": rows, "mask": mask}
