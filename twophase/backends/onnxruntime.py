@@ -8,7 +8,7 @@ at the batch's slots (``index_put`` on the pool itself).
 
 Steps that are all decodes run a second, decode-only graph on the CPU
 (``twophase.exporters.decode_graph``; option ``decode_graph = false`` keeps them on the step
-graph): at batch 1 it is 1.36x faster. It holds its own copy of the weights.
+graph): batch-1 decode is 1.3x faster end to end. It holds its own copy of the weights.
 
 The CUDA path is written from ONNX Runtime's documentation and has not run on this project's
 machines (none has ``onnxruntime-gpu`` and a GPU together).

@@ -8,8 +8,8 @@ more than the matmuls. This graph does one thing, with ``SkipSimplifiedLayerNorm
 (residual add and RMSNorm in one), ``RotaryEmbedding`` over Q and K at once, the projections as
 in the step graph (float Gemms, or ``twophase.exporters.q4.projection``), and attention over the
 cached tokens gathered by precomputed pool rows plus the new token's own K/V: about 1,800 nodes
-for the default model. Measured with ``benchmarks/decode_graph.py``: a batch-1 step x1.36
-faster, x1.23 at batch 8; equal to the step graph to float32 rounding.
+for the default model. Measured with ``benchmarks/decode_graph.py``: a decode step 1.2–1.4x
+faster at batches 1 to 32; equal to the step graph to float32 rounding.
 
 Inputs: ``input_ids [B]``, ``positions [B, 1]``, ``kv_pool`` (the engine's pool), ``rows [2L,
 B, KVH, P]`` (pool rows of each layer's K then V, for each sequence's P cached tokens, padded)
