@@ -3,7 +3,7 @@ the onnxruntime backend on the default model, through the step graph (``decode_g
 and through the decode graph, with ORT's threads sleeping between ops (the backend's default)
 and spinning (``spinning = true``), interleaved, on the same batch.
 
-    python benchmarks/decode_graph.py [--quantization q4|none] [--batch 1 8 32]
+    python benchmarks/decode_graph.py [--quantization q4|none] [--batch 1 8 32] [--context 64]
 """
 
 from __future__ import annotations
@@ -22,13 +22,15 @@ from twophase.backends.base import DecodeBatch
 def engine(quantization: str, **options) -> LLM:
     return LLM.from_config({"model": {"name": "smollm2-135m-instruct", "quantization": quantization},
                             "backend": {"name": "onnxruntime", "options": options},
-                            "cache": {"num_blocks": 512}})
+                            "cache": {"num_blocks": 2048}})
 
 
-def decode_batch(llm: LLM, size: int) -> DecodeBatch:
-    """``size`` sequences of 60 to 60 + 2 * size prompt tokens, two tokens into their decode."""
+def decode_batch(llm: LLM, size: int, context: int) -> DecodeBatch:
+    """``size`` sequences of ``context`` to ``context + 2 * size`` prompt tokens, two tokens into
+    their decode."""
     eng = llm.engine
-    reqs = [eng.add_request(list(range(100 + 7 * i, 160 + 9 * i)), SamplingParams(max_tokens=64, ignore_eos=True))
+    reqs = [eng.add_request([100 + (7 * i + j) % 40000 for j in range(context + 2 * i)],
+                            SamplingParams(max_tokens=64, ignore_eos=True))
             for i in range(size)]
     while any(r.num_output_tokens < 2 for r in reqs):
         eng.step()
@@ -40,12 +42,14 @@ def main() -> None:
     ap.add_argument("--quantization", choices=["q4", "none"], default="q4")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--context", type=int, default=64, help="prompt tokens per sequence")
     args = ap.parse_args()
     lines = {"step graph": ({"decode_graph": False}, False),
              "decode graph": ({}, True),
              "decode graph, spinning": ({"spinning": True}, True)}
-    table = Table(title=f"one decode step, default model ({args.quantization}), onnxruntime on the CPU: "
-                        f"ms, median of {args.rounds} interleaved rounds")
+    table = Table(title=f"one decode step, default model ({args.quantization}), contexts of about "
+                        f"{args.context} tokens, onnxruntime on the CPU: ms, median of {args.rounds} "
+                        f"interleaved rounds")
     for col in ("batch", *lines):
         table.add_column(col, justify="right")
     for size in args.batch:
@@ -53,7 +57,7 @@ def main() -> None:
         for name, (options, uses_graph) in lines.items():
             llm = engine(args.quantization, **options)
             assert (llm.backend.decode_session is not None) == uses_graph, name
-            runs[name] = (llm, decode_batch(llm, size))
+            runs[name] = (llm, decode_batch(llm, size, args.context))
         times: dict[str, list[float]] = {name: [] for name in lines}
         for _ in range(args.rounds):
             for name, (llm, batch) in runs.items():

@@ -3,7 +3,7 @@ session, CPU execution provider on ``device = "cpu"``, CUDA execution provider o
 
 Zero-copy: the engine's KV pool, the small index inputs and the outputs are bound with IOBinding
 on the tensors' own memory (device pointers on CUDA), so a step copies neither the pool nor
-anything through the host. The graph returns the new tokens' K/V; they are written into the pool
+anything through the host; the index inputs are built on the host each step (block ids, masks). The graph returns the new tokens' K/V; they are written into the pool
 at the batch's slots (``index_put`` on the pool itself).
 
 Steps that are all decodes run a second, decode-only graph on the CPU
@@ -76,6 +76,10 @@ class OnnxRuntimeBackend(Backend):
         if model.dtype not in NP_DTYPES or (model.dtype == torch.float16 and cfg.device == "cpu"):
             raise ConfigError("model.dtype", f"{model.dtype} is not supported by the onnxruntime "
                                              f"backend on {cfg.device}; use float32")
+        use_decode_graph = cfg.options.get("decode_graph", True)
+        if not isinstance(use_decode_graph, bool):
+            raise ConfigError("backend.options.decode_graph",
+                              f"must be true or false; got {use_decode_graph!r}")
         from twophase.exporters import onnx as exporter
 
         self.device = torch.device(cfg.device)
@@ -91,13 +95,27 @@ class OnnxRuntimeBackend(Backend):
             log.warning("could not load %s (%s): exporting again", path, exc)
             path = exporter.export(model, out, force=True)
             self.session = self._session(path, cfg.options)
-        # steps that are all decodes run the decode-only graph, where there is one (cpu, float32)
-        use = cfg.options.get("decode_graph", True)
-        if not isinstance(use, bool):
-            raise ConfigError("backend.options.decode_graph", f"must be true or false; got {use!r}")
         decode_path = path.parent / "decode.onnx"
-        self.decode_session = self._session(decode_path, cfg.options) \
-            if use and self.device.type == "cpu" and decode_path.exists() else None
+        wanted = use_decode_graph and self.device.type == "cpu" and decode_path.exists()
+        self.decode_session = self._decode_session(decode_path, cfg.options) if wanted else None
+
+    def _decode_session(self, path, options: dict[str, Any]):
+        """The decode-only graph for steps that are all decodes, unless its copy of the weights
+        would crowd the KV pool out of memory or it does not load (the step graph then runs
+        them: slower at small batches, never wrong)."""
+        from twophase.models.loader import available_memory, weight_bytes
+
+        need, free = weight_bytes(self.arch, self.dtype), available_memory("cpu")
+        if need > free / 2:
+            log.warning("no decode-only graph: its copy of the weights (%.1f GiB) would leave too "
+                        "little of %.1f GiB free; decodes run on the step graph", need / 2**30, free / 2**30)
+            return None
+        try:
+            return self._session(path, options)
+        except Exception as exc:
+            log.warning("could not load the decode-only graph %s (%s): decodes run on the step "
+                        "graph", path, exc)
+            return None
 
     def _session(self, path, options: dict[str, Any]):
         ort = _ort()

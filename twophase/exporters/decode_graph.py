@@ -7,14 +7,15 @@ At small decode batches the step is latency-bound and those nodes, a few microse
 more than the matmuls. This graph does one thing, with ``SkipSimplifiedLayerNormalization``
 (residual add and RMSNorm in one), ``RotaryEmbedding`` over Q and K at once, the projections as
 in the step graph (float Gemms, or ``twophase.exporters.q4.projection``), and attention over the
-cached tokens gathered by precomputed pool rows plus the new token's own K/V: about 1,800 nodes
+cached tokens (whole blocks gathered from the pool) plus the new token's own K/V: about 2,000 nodes
 for the default model. Measured with ``benchmarks/decode_graph.py``: a decode step 1.2–1.4x
-faster at batches 1 to 32; equal to the step graph to float32 rounding.
+faster at batches 1 to 32 and contexts of about 64 tokens, 1.1x at about 1,024; equal to the
+step graph to float32 rounding.
 
-Inputs: ``input_ids [B]``, ``positions [B, 1]``, ``kv_pool`` (the engine's pool), ``rows [2L,
-B, KVH, P]`` (pool rows of each layer's K then V, for each sequence's P cached tokens, padded)
-and ``mask [B, 1, 1, P + 1]`` (0, or -inf past a sequence's own cache; the last column is the new
-token). Outputs as the step graph's: ``logits [B, vocab]``, ``new_k``/``new_v [L, B, KVH, hd]``.
+Inputs: ``input_ids [B]``, ``positions [B, 1]``, ``kv_pool`` (the engine's pool), ``blocks [2L,
+B, W]`` (each layer's K then V blocks of each sequence's cache, as indices of the pool's
+``L * 2 * NB`` blocks; see ``inputs``) and ``mask [B, 1, 1, W * BS + 1]`` (0, or -inf past a
+sequence's own cache; the last column is the new token). Outputs as the step graph's: ``logits [B, vocab]``, ``new_k``/``new_v [L, B, KVH, hd]``.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def build(torch_model, path: Path, qweights: dict[str, QWeight] | None = None,
     nodes, inits = [], []
 
     def const(name: str, value) -> str:
-        inits.append(numpy_helper.from_array(np.ascontiguousarray(value), name))
+        inits.append(numpy_helper.from_array(np.array(value, order="C"), name))   # keeps 0-d
         return name
 
     def op(kind: str, inputs: list[str], outputs: list[str], **attrs):
@@ -63,20 +64,29 @@ def build(torch_model, path: Path, qweights: dict[str, QWeight] | None = None,
             nodes.extend(more_nodes)
             inits.extend(more_inits)
             return y
-        return op("Gemm", [x, const(key, sd[key])], [y], transB=1)
+        tied = key == "lm_head.weight" and a.tie_word_embeddings
+        return op("Gemm", [x, "embed" if tied else const(key, sd[key])], [y], transB=1)
 
     freqs = np.arange(a.max_position_embeddings, dtype=np.float32)[:, None] * torch_model.inv_freq.numpy()[None]
     const("cos_cache", np.cos(freqs))
     const("sin_cache", np.sin(freqs))
-    for name, value in {"flat": [-1, hd], "qk3": [0, 1, (H + KVH) * hd], "rows2d": [0, -1], "q4d": [0, KVH, G, hd],
-                        "kv4d": [0, KVH, 1, hd], "layer_row": [1, -1, KVH * hd], "zero": [0],
+    for name, value in {"qk3": [0, 1, (H + KVH) * hd], "rows2d": [0, -1], "q4d": [0, KVH, G, hd],
+                        "kv4d": [0, KVH, 1, hd], "layer_row": [1, -1, KVH * hd],
+                        "block5d": [0, 0, KVH, -1, hd], "heads_first": [0, KVH, -1, hd],
                         "split_qkv": [(H + KVH) * hd, KVH * hd], "split_qk": [H * hd, KVH * hd],
                         "split_gu": [a.intermediate_size] * 2, "new_kv": [L, -1, KVH, hd]}.items():
         const(name, np.array(value, np.int64))
     const("scale", np.array(hd ** -0.5, np.float32))
     res = op("Gather", [const("embed", sd["embed.weight"]), "input_ids"], ["x0"], axis=0)
-    pool = op("Reshape", ["kv_pool", "flat"], ["pool_rows"])
-    rows = op("Split", ["rows"], [f"rows{i}" for i in range(2 * L)], axis=0, num_outputs=2 * L)
+    pool = op("Flatten", ["kv_pool"], ["pool_blocks"], axis=3)       # [L * 2 * NB, KVH * BS * hd]
+
+    def cached(layer_kv: int, p: str) -> str:
+        """[B, KVH, W * BS, hd]: the sequences' cached blocks of one layer's K or V."""
+        index = op("Gather", ["blocks", const(p + "at", np.array(layer_kv, np.int64))], [p + "index"], axis=0)
+        got = op("Reshape", [op("Gather", [pool, index], [p + "got"], axis=0), "block5d"], [p + "got5d"])
+        return op("Reshape", [op("Transpose", [got], [p + "heads"], perm=[0, 2, 1, 3, 4]), "heads_first"],
+                  [p + "past"])
+
     mlp_out, new_k, new_v = None, [], []
     eps = a.rms_norm_eps
     for i in range(L):
@@ -94,8 +104,7 @@ def build(torch_model, path: Path, qweights: dict[str, QWeight] | None = None,
         q, k = op("Split", [op("Reshape", [qk, "rows2d"], [p + "qk2"]), "split_qk"], [p + "q", p + "k"], axis=1)
         new_k.append(op("Reshape", [k, "layer_row"], [p + "k_row"]))
         new_v.append(op("Reshape", [v, "layer_row"], [p + "v_row"]))
-        past_k, past_v = (op("Squeeze", [op("Gather", [pool, rows[2 * i + j]], [p + f"past{j}"], axis=0), "zero"],
-                             [p + f"past{j}_4d"]) for j in (0, 1))
+        past_k, past_v = cached(2 * i, p + "k_"), cached(2 * i + 1, p + "v_")
         keys = op("Concat", [past_k, op("Reshape", [k, "kv4d"], [p + "k4"])], [p + "keys"], axis=2)
         values = op("Concat", [past_v, op("Reshape", [v, "kv4d"], [p + "v4"])], [p + "values"], axis=2)
         scores = op("MatMul", [op("Reshape", [q, "q4d"], [p + "q4"]),
@@ -121,7 +130,7 @@ def build(torch_model, path: Path, qweights: dict[str, QWeight] | None = None,
         [helper.make_tensor_value_info("input_ids", i64, ["B"]),
          helper.make_tensor_value_info("positions", i64, ["B", 1]),
          helper.make_tensor_value_info("kv_pool", f32, [L, 2, "NB", KVH, "BS", hd]),
-         helper.make_tensor_value_info("rows", i64, [2 * L, "B", KVH, "P"]),
+         helper.make_tensor_value_info("blocks", i64, [2 * L, "B", "W"]),
          helper.make_tensor_value_info("mask", f32, ["B", 1, 1, "P1"])],
         [helper.make_tensor_value_info(n, f32, None) for n in ("logits", "new_k", "new_v")], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(MS, 1)])
@@ -131,17 +140,17 @@ def build(torch_model, path: Path, qweights: dict[str, QWeight] | None = None,
 
 
 def inputs(batch: DecodeBatch, pool: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The decode graph's inputs: the pool rows of every sequence's cached tokens, per layer and
-    K/V (``[2L, B, KVH, P]``), and a mask of the padding past each sequence's own cache."""
-    L, _, NB, KVH, BS, _ = pool.shape
+    """The decode graph's inputs: each layer's K then V block ids of every sequence's cached
+    tokens, as indices of the pool's ``L * 2 * NB`` blocks (``[2L, B, W]``), and a mask of the
+    padding past each sequence's own cache (``[B, 1, 1, W * BS + 1]``; the last column is the
+    new token)."""
+    L, _, NB, _, BS, _ = pool.shape
     B, cached = batch.token_ids.shape[0], batch.context_lens - 1
-    P = max(1, int(cached.max()))
-    pos = torch.arange(P)
-    blocks = batch.block_tables[:, (pos // BS).clamp(max=batch.block_tables.shape[1] - 1)]
-    layer_kv = torch.arange(2 * L).view(2 * L, 1, 1, 1)
-    heads = torch.arange(KVH).view(1, 1, KVH, 1)
-    rows = ((layer_kv * NB + blocks.view(1, B, 1, P)) * KVH + heads) * BS + (pos % BS).view(1, 1, 1, P)
-    mask = torch.zeros(B, 1, 1, P + 1)
-    mask[:, 0, 0, :P] = torch.where(pos.view(1, P) < cached.view(B, 1), 0.0, float("-inf"))
+    W = max(1, -(-int(cached.max()) // BS))
+    if batch.block_tables.shape[1] < W:
+        raise ValueError(f"block tables of width {batch.block_tables.shape[1]} for {W} cached blocks")
+    blocks = torch.arange(2 * L).view(2 * L, 1, 1) * NB + batch.block_tables[:, :W].view(1, B, W)
+    mask = torch.zeros(B, 1, 1, W * BS + 1)
+    mask[:, 0, 0, :-1] = torch.where(torch.arange(W * BS).view(1, -1) < cached.view(B, 1), 0.0, float("-inf"))
     return {"input_ids": batch.token_ids, "positions": batch.positions.view(-1, 1),
-            "rows": rows, "mask": mask}
+            "blocks": blocks, "mask": mask}

@@ -119,7 +119,7 @@ def write_new_kv(pool: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor,
 # -- export, cached by manifest ---------------------------------------------------------------
 OPSET = 18
 Q4_FORMAT = 3                   # 2: a float model's head at 8 bits; 3: centred zero points, outlier channels
-FORMAT = "twophase-onnx/7"      # 2: dynamic block size; 3: no onnxscript pass; 4: flat pool gather; 5: K and V gathered apart; 6: masks built once a step, slices for splits; 7: decode.onnx beside it
+FORMAT = "twophase-onnx/9"      # 2: dynamic block size; 3: no onnxscript pass; 4: flat pool gather; 5: K and V gathered apart; 6: masks built once a step, slices for splits; 7: decode.onnx beside it; 9: it gathers whole blocks
 
 
 def manifest_for(model: ModelSpec) -> dict[str, Any]:
@@ -141,8 +141,9 @@ def export_dir(manifest: dict[str, Any]) -> Path:
 
 
 def export(model: ModelSpec, out_dir: Path | None = None, force: bool = False) -> Path:
-    """The ONNX graph for ``model`` (``model.onnx`` + external weights + ``manifest.json``),
-    exported now unless an up-to-date one is already in ``out_dir`` (default: the cache)."""
+    """The ONNX graph for ``model`` (``model.onnx`` + external weights + ``manifest.json``, and
+    ``decode.onnx``, the decode-only graph, for float32 models), exported now unless an
+    up-to-date one is already in ``out_dir`` (default: the cache)."""
     manifest = manifest_for(model)
     folder = Path(out_dir) if out_dir else export_dir(manifest)
     if model.quantization == "q4":           # rewritten from the (cached) float export
