@@ -274,9 +274,12 @@ def test_sampling_top_k_checked_by_load_config():
     assert config_error({"model": dict(TINY), "sampling": {"top_k": -1}}).key == "sampling.top_k"
 
 
-def test_malformed_device_string_is_a_user_error():
-    with pytest.raises(TwophaseError, match="gpu"):
-        LLM.from_config({"model": dict(TINY), "backend": {"device": "gpu"}, "cache": {"num_blocks": 8}})
+@pytest.mark.parametrize("backend", ["torch", "onnxruntime", "iree"])
+def test_malformed_device_string_is_a_user_error(backend):
+    """Every backend refuses a device name torch does not know with the same clear message."""
+    with pytest.raises(TwophaseError, match="'gpu' is not a device name"):
+        LLM.from_config({"model": dict(TINY), "backend": {"name": backend, "device": "gpu"},
+                         "cache": {"num_blocks": 8}})
 
 
 # -- LLM.generate: a rejected request does not sink the others ------------------------------

@@ -32,7 +32,18 @@ __all__ = [
     "KVCacheSpec",
     "ModelSpec",
     "PrefillBatch",
+    "parse_device",
 ]
+
+
+def parse_device(device: str) -> torch.device:
+    """``backend.device`` as a torch device; a name torch does not know is ``BackendUnavailable``
+    (a clear refusal from ``check_available``, not a traceback)."""
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        raise BackendUnavailable(f"backend.device {device!r} is not a device name "
+                                 f"(use 'cpu', 'cuda' or 'cuda:N')") from None
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from twophase.backends.base import (Backend, BackendConfig, BackendUnavailable, Capabilities,
-                                    DecodeBatch, KVCache, KVCacheSpec, ModelSpec, PrefillBatch)
+                                    DecodeBatch, KVCache, KVCacheSpec, ModelSpec, PrefillBatch,
+                                    parse_device)
 from twophase.backends.hookspecs import hookimpl
 from twophase.errors import ConfigError
 from twophase.models.shapes import LlamaArch
@@ -56,10 +57,8 @@ class IreeBackend(Backend):
     @classmethod
     def check_available(cls, device: str = "cpu") -> None:
         rt = _iree()
-        try:
-            kind = torch.device(device).type
-        except RuntimeError:
-            kind = None
+        dev = parse_device(device)
+        kind = dev.type
         if kind not in DRIVERS:
             raise BackendUnavailable(f"the iree backend runs on cpu or cuda, not {device!r}")
         if kind == "cuda":
@@ -70,7 +69,7 @@ class IreeBackend(Backend):
                 found = rt.get_driver("cuda").query_available_devices()
             except Exception as exc:                  # no libcuda, no driver: IREE says why
                 raise BackendUnavailable(f"IREE's cuda driver cannot start: {exc}") from None
-            index = torch.device(device).index or 0
+            index = dev.index or 0
             if index >= len(found):
                 raise BackendUnavailable(f"IREE sees {len(found)} CUDA device(s), so there is "
                                          f"no {device!r}")

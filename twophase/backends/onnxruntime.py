@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from twophase.backends.base import (Backend, BackendConfig, BackendUnavailable, Capabilities,
-                                    DecodeBatch, KVCache, KVCacheSpec, ModelSpec, PrefillBatch)
+                                    DecodeBatch, KVCache, KVCacheSpec, ModelSpec, PrefillBatch,
+                                    parse_device)
 from twophase.backends.hookspecs import hookimpl
 from twophase.errors import ConfigError
 from twophase.models.shapes import LlamaArch
@@ -52,10 +53,7 @@ class OnnxRuntimeBackend(Backend):
     @classmethod
     def check_available(cls, device: str = "cpu") -> None:
         ort = _ort()
-        try:
-            kind = torch.device(device).type
-        except RuntimeError:
-            raise BackendUnavailable(f"backend.device {device!r} is not a device name") from None
+        kind = parse_device(device).type
         if kind == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
             raise BackendUnavailable(
                 f"onnxruntime {ort.__version__} has no CUDA execution provider "

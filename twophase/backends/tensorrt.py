@@ -20,7 +20,7 @@ import torch
 
 from twophase.backends.base import (Backend, BackendConfig, BackendUnavailable, Capabilities,
                                     DecodeBatch, EngineLimits, KVCache, KVCacheSpec, ModelSpec,
-                                    PrefillBatch)
+                                    PrefillBatch, parse_device)
 from twophase.backends.hookspecs import hookimpl
 from twophase.errors import ConfigError
 from twophase.exporters.onnx import INPUTS, graph_inputs, write_new_kv
@@ -39,7 +39,7 @@ class TensorRTBackend(Backend):
         from twophase.exporters.tensorrt import import_tensorrt
 
         import_tensorrt()
-        if torch.device(device).type != "cuda":
+        if parse_device(device).type != "cuda":
             raise BackendUnavailable(f"TensorRT runs on NVIDIA GPUs: set backend.device = "
                                      f"\"cuda\", not {device!r}")
         if not torch.cuda.is_available():

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from twophase.backends.base import (Backend, BackendConfig, BackendUnavailable, Capabilities,
-                                    DecodeBatch, KVCache, KVCacheSpec, ModelSpec, PrefillBatch)
+                                    DecodeBatch, KVCache, KVCacheSpec, ModelSpec, PrefillBatch,
+                                    parse_device)
 from twophase.backends.hookspecs import hookimpl
 from twophase.models.llama import AttnMeta, Llama
 from twophase.models.shapes import LlamaArch
@@ -34,16 +35,13 @@ class TorchBackend(Backend):
 
     @classmethod
     def check_available(cls, device: str = "cpu") -> None:
-        try:
-            kind = torch.device(device).type
-        except RuntimeError:
-            raise BackendUnavailable(f"backend.device {device!r} is not a device name "
-                                     f"(use 'cpu', 'cuda' or 'cuda:N')") from None
+        dev = parse_device(device)
+        kind = dev.type
         if kind == "cuda" and not torch.cuda.is_available():
             raise BackendUnavailable(
                 f"device {device!r}: torch {torch.__version__} sees no CUDA device "
                 f"(built with CUDA {torch.version.cuda or 'none'})")
-        index = torch.device(device).index
+        index = dev.index
         if kind == "cuda" and index is not None and index >= torch.cuda.device_count():
             raise BackendUnavailable(f"device {device!r}: only {torch.cuda.device_count()} "
                                      f"CUDA device(s) here")
