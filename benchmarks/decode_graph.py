@@ -1,7 +1,7 @@
 """What the decode-only graph (``twophase.exporters.decode_graph``) saves: one decode step of
 the onnxruntime backend on the default model, through the step graph (``decode_graph = false``)
-and through the decode graph, with ORT's threads sleeping between ops (the backend's default)
-and spinning (``spinning = true``), interleaved, on the same batch.
+and through the decode graph, with ORT's threads spinning between ops (the backend's default)
+and sleeping (``spinning = false``), interleaved, on the same batch.
 
     python benchmarks/decode_graph.py [--quantization q4|none] [--batch 1 8 32] [--context 64]
 """
@@ -46,7 +46,7 @@ def main() -> None:
     args = ap.parse_args()
     lines = {"step graph": ({"decode_graph": False}, False),
              "decode graph": ({}, True),
-             "decode graph, spinning": ({"spinning": True}, True)}
+             "decode graph, threads sleeping": ({"spinning": False}, True)}
     table = Table(title=f"one decode step, default model ({args.quantization}), contexts of about "
                         f"{args.context} tokens, onnxruntime on the CPU: ms, median of {args.rounds} "
                         f"interleaved rounds")

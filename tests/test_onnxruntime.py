@@ -183,3 +183,30 @@ def test_decode_graph_can_be_turned_off():
     assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids
     with pytest.raises(ConfigError, match="decode_graph"):
         tiny_llm(backend={"name": "onnxruntime", "options": {"decode_graph": "yes"}})
+
+
+def test_torch_glue_runs_on_one_thread_beside_onnxruntime_and_is_restored_after():
+    """ORT computes on its own threads; torch's OpenMP team, woken for the sampler's argmax,
+    would spin into ORT's next run. The engine runs the step's torch work on one thread."""
+    from twophase.errors import ConfigError
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen = {}
+        for name in ("onnxruntime", "torch"):
+            llm = tiny_llm(backend={"name": name})
+            decode = llm.backend.decode
+
+            def recording(batch, decode=decode, name=name):
+                seen[name] = torch.get_num_threads()
+                return decode(batch)
+
+            llm.backend.decode = recording
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
+            assert torch.get_num_threads() == 2
+        assert seen == {"onnxruntime": 1, "torch": 2}
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ConfigError, match="spinning"):
+        tiny_llm(backend={"name": "onnxruntime", "options": {"spinning": "yes"}})

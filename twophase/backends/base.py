@@ -99,6 +99,10 @@ class Capabilities:
     mixed_batches: bool = True               # can one prefill() carry decodes too?
     # does it read/write core's pool in place? (else it keeps its own: see bind_kv_cache)
     shares_kv_pool: bool = True
+    # does it compute on its own CPU threads (a runtime's pool, not torch's)? Then torch in
+    # this process only does the step's glue, which the engine runs on one thread: an OpenMP
+    # team woken for a 49k-logit argmax keeps spinning into the runtime's next call
+    own_threads: bool = False
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,7 @@ class IreeBackend(Backend):
     def capabilities(self) -> Capabilities:
         owned = getattr(self, "pool_mode", "shared") == "owned"
         return Capabilities(devices=tuple(DRIVERS), dtypes=(torch.float32,),
-                            shares_kv_pool=not owned)
+                            shares_kv_pool=not owned, own_threads=True)
 
     def load(self, model: ModelSpec, cfg: BackendConfig) -> None:
         self.check_available(cfg.device)

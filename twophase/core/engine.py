@@ -8,9 +8,10 @@ calls a step, over the same KV pool.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -42,6 +43,20 @@ class Delta:
     request: Request
 
 
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """Run torch's CPU ops on ``n`` threads inside the block (``None``: as they are)."""
+    if n is None or n == torch.get_num_threads():
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 class Engine:
     def __init__(self, prefill_backend: Backend, decode_backend: Backend, kv: KVManager,
                  scheduler: Scheduler, tokenizer: Tokenizer | None, max_model_len: int,
@@ -51,6 +66,9 @@ class Engine:
         self.decode_backend = decode_backend
         self.one_call = (prefill_backend is decode_backend
                          and prefill_backend.capabilities().mixed_batches)
+        # where no backend computes with torch, torch only glues a step together: one thread
+        self.glue_threads = 1 if all(b.capabilities().own_threads
+                                     for b in (prefill_backend, decode_backend)) else None
         self.kv = kv
         self.scheduler = scheduler
         self.tokenizer = tokenizer
@@ -133,9 +151,10 @@ class Engine:
             if req.times.first_scheduled is None:
                 req.times.first_scheduled = start
         try:
-            rows = self._run(sched)
-            now = self.clock()
-            deltas = self._postprocess(rows, now)
+            with torch_threads(self.glue_threads):
+                rows = self._run(sched)
+                now = self.clock()
+                deltas = self._postprocess(rows, now)
         except Exception:
             # a failed step must not leave half-updated requests behind: end them, free blocks
             for req in itertools.chain(sched.decodes, (r for r, _ in sched.prefills)):
