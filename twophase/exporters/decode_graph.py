@@ -70,24 +70,37 @@ def build(torch_model, path: Path, qweights: dict[str, QWeight] | None = None,
     freqs = np.arange(a.max_position_embeddings, dtype=np.float32)[:, None] * torch_model.inv_freq.numpy()[None]
     const("cos_cache", np.cos(freqs))
     const("sin_cache", np.sin(freqs))
-    for name, value in {"qk3": [0, 1, (H + KVH) * hd], "rows2d": [0, -1], "q4d": [0, KVH, G, hd],
-                        "kv4d": [0, KVH, 1, hd], "layer_row": [1, -1, KVH * hd],
-                        "block5d": [0, 0, KVH, -1, hd], "heads_first": [0, KVH, -1, hd],
-                        "split_qkv": [(H + KVH) * hd, KVH * hd], "split_qk": [H * hd, KVH * hd],
-                        "split_gu": [a.intermediate_size] * 2, "new_kv": [L, -1, KVH, hd]}.items():
+    for name, value in {"qkv3": [0, 1, (H + 2 * KVH) * hd], "split_qkv": [(H + KVH) * hd, KVH * hd],
+                        "split_qk": [H * hd, KVH * hd], "q4d": [-1, KVH, G, hd], "rows2d": [-1, H * hd],
+                        "kv_new": [2, -1, KVH, 1, hd], "kv_blocks": [2, 0, 0, KVH, -1, hd],
+                        "kv_past": [2, 0, 0, -1, hd], "halves": [1, 1],
+                        "split_gu": [a.intermediate_size] * 2, "layers_kv": [L, 2, -1],
+                        "new_kv": [L, -1, KVH, hd]}.items():
         const(name, np.array(value, np.int64))
-    const("scale", np.array(hd ** -0.5, np.float32))
     res = op("Gather", [const("embed", sd["embed.weight"]), "input_ids"], ["x0"], axis=0)
     pool = op("Flatten", ["kv_pool"], ["pool_blocks"], axis=3)       # [L * 2 * NB, KVH * BS * hd]
 
-    def cached(layer_kv: int, p: str) -> str:
-        """[B, KVH, W * BS, hd]: the sequences' cached blocks of one layer's K or V."""
-        index = op("Gather", ["blocks", const(p + "at", np.array(layer_kv, np.int64))], [p + "index"], axis=0)
-        got = op("Reshape", [op("Gather", [pool, index], [p + "got"], axis=0), "block5d"], [p + "got5d"])
-        return op("Reshape", [op("Transpose", [got], [p + "heads"], perm=[0, 2, 1, 3, 4]), "heads_first"],
-                  [p + "past"])
+    def attention(i: int, q: str, k: str, v: str) -> tuple[str, str]:
+        """Attention of the new tokens ``q`` over each sequence's cached blocks of layer ``i``
+        and their own ``k``/``v`` ([B, 1, KVH * hd]); returns the output ``[B, H * hd]`` and the
+        new K/V ``[2, B, KVH, 1, hd]``."""
+        p = f"l{i}."
+        ids = op("Gather", ["blocks", const(p + "at", np.array([2 * i, 2 * i + 1], np.int64))],
+                 [p + "ids"], axis=0)                                         # [2, B, W]
+        got = op("Reshape", [op("Gather", [pool, ids], [p + "got"], axis=0), "kv_blocks"], [p + "got6d"])
+        past = op("Reshape", [op("Transpose", [got], [p + "heads"], perm=[0, 1, 3, 2, 4, 5]), "kv_past"],
+                  [p + "past"])                                               # [2, B, KVH, W * BS, hd]
+        new = op("Reshape", [op("Concat", [k, v], [p + "kv"], axis=0), "kv_new"], [p + "new"])
+        keys, values = op("Split", [op("Concat", [past, new], [p + "all"], axis=3), "halves"],
+                          [p + "keys", p + "values"], axis=0)                 # [1, B, KVH, T, hd]
+        scores = op("MatMul", [op("Reshape", [q, "q4d"], [p + "q4"]),
+                               op("Transpose", [keys], [p + "keys_t"], perm=[0, 1, 2, 4, 3])], [p + "s"])
+        scores = op("Add", [op("Mul", [scores, "scale"], [p + "s_scaled"]), "mask"], [p + "s_masked"])
+        out = op("MatMul", [op("Softmax", [scores], [p + "probs"], axis=-1), values], [p + "attn"])
+        return op("Reshape", [out, "rows2d"], [p + "attn2d"]), new
 
-    mlp_out, new_k, new_v = None, [], []
+    const("scale", np.array(hd ** -0.5, np.float32))
+    mlp_out, new_kv = None, []
     eps = a.rms_norm_eps
     for i in range(L):
         p = f"l{i}."
@@ -97,21 +110,14 @@ def build(torch_model, path: Path, qweights: dict[str, QWeight] | None = None,
         else:
             h, _, _, res = op("SkipSimplifiedLayerNormalization", [res, mlp_out, g1],
                               [p + "h", "", "", p + "res0"], domain=MS, epsilon=eps)
-        qkv = linear(h, f"layers.{i}.attn.qkv.weight", p + "qkv")
-        qk, v = op("Split", [qkv, "split_qkv"], [p + "qk", p + "v"], axis=1)
-        qk = op("RotaryEmbedding", [op("Reshape", [qk, "qk3"], [p + "qk3"]), "positions", "cos_cache",
-                                    "sin_cache"], [p + "qkr"], domain=MS, interleaved=0, num_heads=H + KVH)
-        q, k = op("Split", [op("Reshape", [qk, "rows2d"], [p + "qk2"]), "split_qk"], [p + "q", p + "k"], axis=1)
-        new_k.append(op("Reshape", [k, "layer_row"], [p + "k_row"]))
-        new_v.append(op("Reshape", [v, "layer_row"], [p + "v_row"]))
-        past_k, past_v = cached(2 * i, p + "k_"), cached(2 * i + 1, p + "v_")
-        keys = op("Concat", [past_k, op("Reshape", [k, "kv4d"], [p + "k4"])], [p + "keys"], axis=2)
-        values = op("Concat", [past_v, op("Reshape", [v, "kv4d"], [p + "v4"])], [p + "values"], axis=2)
-        scores = op("MatMul", [op("Reshape", [q, "q4d"], [p + "q4"]),
-                               op("Transpose", [keys], [p + "keys_t"], perm=[0, 1, 3, 2])], [p + "s"])
-        scores = op("Add", [op("Mul", [scores, "scale"], [p + "s_scaled"]), "mask"], [p + "s_masked"])
-        out = op("MatMul", [op("Softmax", [scores], [p + "probs"], axis=-1), values], [p + "attn"])
-        attn = linear(op("Reshape", [out, "rows2d"], [p + "attn2d"]), f"layers.{i}.attn.o.weight", p + "attn_o")
+        qkv = op("Reshape", [linear(h, f"layers.{i}.attn.qkv.weight", p + "qkv"), "qkv3"], [p + "qkv3"])
+        qk, v = op("Split", [qkv, "split_qkv"], [p + "qk", p + "v"], axis=2)
+        qk = op("RotaryEmbedding", [qk, "positions", "cos_cache", "sin_cache"], [p + "qkr"],
+                domain=MS, interleaved=0, num_heads=H + KVH)
+        q, k = op("Split", [qk, "split_qk"], [p + "q", p + "k"], axis=2)
+        out, new = attention(i, q, k, v)
+        new_kv.append(new)
+        attn = linear(out, f"layers.{i}.attn.o.weight", p + "attn_o")
         h2, _, _, res = op("SkipSimplifiedLayerNormalization",
                            [res, attn, const(p + "g2", sd[f"layers.{i}.mlp_norm.weight"])],
                            [p + "h2", "", "", p + "res1"], domain=MS, epsilon=eps)
@@ -122,8 +128,10 @@ def build(torch_model, path: Path, qweights: dict[str, QWeight] | None = None,
     final, _, _, _ = op("SkipSimplifiedLayerNormalization", [res, mlp_out, const("gf", sd["norm.weight"])],
                         ["final", "", "", "res_f"], domain=MS, epsilon=eps)
     linear(final, "lm_head.weight", "logits")
-    op("Reshape", [op("Concat", new_k, ["new_k_rows"], axis=0), "new_kv"], ["new_k"])
-    op("Reshape", [op("Concat", new_v, ["new_v_rows"], axis=0), "new_kv"], ["new_v"])
+    every = op("Reshape", [op("Concat", new_kv, ["new_kv_all"], axis=0), "layers_kv"], ["new_kv_rows"])
+    k_rows, v_rows = op("Split", [every, "halves"], ["new_k_rows", "new_v_rows"], axis=1)
+    op("Reshape", [k_rows, "new_kv"], ["new_k"])
+    op("Reshape", [v_rows, "new_kv"], ["new_v"])
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
     graph = helper.make_graph(
         nodes, "decode",
