@@ -8,7 +8,7 @@ at the batch's slots (``index_put`` on the pool itself).
 
 Steps that are all decodes run a second, decode-only graph on the CPU
 (``twophase.exporters.decode_graph``; option ``decode_graph = false`` keeps them on the step
-graph): batch-1 decode is 1.3x faster end to end. It holds its own copy of the weights.
+graph): a batch-1 decode step is 1.4x faster. It holds its own copy of the weights.
 
 The CUDA path is written from ONNX Runtime's documentation and has not run on this project's
 machines (none has ``onnxruntime-gpu`` and a GPU together).
@@ -126,7 +126,7 @@ class OnnxRuntimeBackend(Backend):
             raise ConfigError("backend.options.graph_optimization_level",
                               f"must be one of {', '.join(LEVELS)}; got {level!r}")
         so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, LEVELS[level])
-        # between ops of a run, threads spin (a decode step is ~2,000 ops of microseconds; waking
+        # between ops of a run, threads spin (a decode step is ~1,900 ops of microseconds; waking
         # sleeping threads for each cost 2.5 ms of a 12 ms step); when the run ends they stop, so
         # they never steal the cores the engine's own work needs between runs
         spin = options.get("spinning", True)

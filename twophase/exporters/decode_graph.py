@@ -7,10 +7,11 @@ At small decode batches the step is latency-bound and those nodes, a few microse
 more than the matmuls. This graph does one thing, with ``SkipSimplifiedLayerNormalization``
 (residual add and RMSNorm in one), ``RotaryEmbedding`` over Q and K at once, the projections as
 in the step graph (float Gemms, or ``twophase.exporters.q4.projection``), and attention over the
-cached tokens (whole blocks gathered from the pool) plus the new token's own K/V: about 2,000 nodes
-for the default model. Measured with ``benchmarks/decode_graph.py``: a decode step 1.2–1.4x
-faster at batches 1 to 32 and contexts of about 64 tokens, 1.1x at about 1,024; equal to the
-step graph to float32 rounding.
+cached tokens (whole blocks gathered from the pool) plus the new token's own K/V: about 1,900
+nodes for the default model. Measured with ``benchmarks/decode_graph.py`` (q4, both graphs with
+threads spinning): a decode step 1.4x faster at batch 1, 1.1x at batches 8 and 32 with contexts
+of about 64 tokens; 1.3x at batch 1 and level at batch 8 with about 1,024. Equal to the step
+graph to float32 rounding.
 
 Inputs: ``input_ids [B]``, ``positions [B, 1]``, ``kv_pool`` (the engine's pool), ``blocks [2L,
 B, W]`` (each layer's K then V blocks of each sequence's cache, as indices of the pool's
@@ -72,35 +73,37 @@ def build(torch_model, path: Path, qweights: dict[str, QWeight] | None = None,
     const("sin_cache", np.sin(freqs))
     for name, value in {"qkv3": [0, 1, (H + 2 * KVH) * hd], "split_qkv": [(H + KVH) * hd, KVH * hd],
                         "split_qk": [H * hd, KVH * hd], "q4d": [-1, KVH, G, hd], "rows2d": [-1, H * hd],
-                        "kv_new": [2, -1, KVH, 1, hd], "kv_blocks": [2, 0, 0, KVH, -1, hd],
-                        "kv_past": [2, 0, 0, -1, hd], "halves": [1, 1],
-                        "split_gu": [a.intermediate_size] * 2, "layers_kv": [L, 2, -1],
+                        "kv_new": [1, -1, KVH, 1, hd], "kv_blocks": [1, 0, 0, KVH, -1, hd],
+                        "kv_past": [1, 0, 0, -1, hd], "split_gu": [a.intermediate_size] * 2,
                         "new_kv": [L, -1, KVH, hd]}.items():
         const(name, np.array(value, np.int64))
     res = op("Gather", [const("embed", sd["embed.weight"]), "input_ids"], ["x0"], axis=0)
     pool = op("Flatten", ["kv_pool"], ["pool_blocks"], axis=3)       # [L * 2 * NB, KVH * BS * hd]
 
-    def attention(i: int, q: str, k: str, v: str) -> tuple[str, str]:
+    def attention(i: int, q: str, k: str, v: str) -> tuple[str, str, str]:
         """Attention of the new tokens ``q`` over each sequence's cached blocks of layer ``i``
         and their own ``k``/``v`` ([B, 1, KVH * hd]); returns the output ``[B, H * hd]`` and the
-        new K/V ``[2, B, KVH, 1, hd]``."""
+        new K and V, ``[1, B, KVH, 1, hd]`` each."""
         p = f"l{i}."
-        ids = op("Gather", ["blocks", const(p + "at", np.array([2 * i, 2 * i + 1], np.int64))],
-                 [p + "ids"], axis=0)                                         # [2, B, W]
-        got = op("Reshape", [op("Gather", [pool, ids], [p + "got"], axis=0), "kv_blocks"], [p + "got6d"])
-        past = op("Reshape", [op("Transpose", [got], [p + "heads"], perm=[0, 1, 3, 2, 4, 5]), "kv_past"],
-                  [p + "past"])                                               # [2, B, KVH, W * BS, hd]
-        new = op("Reshape", [op("Concat", [k, v], [p + "kv"], axis=0), "kv_new"], [p + "new"])
-        keys, values = op("Split", [op("Concat", [past, new], [p + "all"], axis=3), "halves"],
-                          [p + "keys", p + "values"], axis=0)                 # [1, B, KVH, T, hd]
+        new, seen = [], []
+        for j, (kind, x) in enumerate((("k", k), ("v", v))):
+            ids = op("Gather", ["blocks", const(f"{p}{kind}_at", np.array([2 * i + j], np.int64))],
+                     [f"{p}{kind}_ids"], axis=0)                               # [1, B, W]
+            got = op("Reshape", [op("Gather", [pool, ids], [f"{p}{kind}_got"], axis=0), "kv_blocks"],
+                     [f"{p}{kind}_got6d"])                                     # [1, B, W, KVH, BS, hd]
+            past = op("Reshape", [op("Transpose", [got], [f"{p}{kind}_heads"], perm=[0, 1, 3, 2, 4, 5]),
+                                  "kv_past"], [f"{p}{kind}_past"])            # [1, B, KVH, W * BS, hd]
+            new.append(op("Reshape", [x, "kv_new"], [f"{p}{kind}_new"]))
+            seen.append(op("Concat", [past, new[-1]], [f"{p}{kind}_all"], axis=3))
+        keys, values = seen
         scores = op("MatMul", [op("Reshape", [q, "q4d"], [p + "q4"]),
                                op("Transpose", [keys], [p + "keys_t"], perm=[0, 1, 2, 4, 3])], [p + "s"])
         scores = op("Add", [op("Mul", [scores, "scale"], [p + "s_scaled"]), "mask"], [p + "s_masked"])
         out = op("MatMul", [op("Softmax", [scores], [p + "probs"], axis=-1), values], [p + "attn"])
-        return op("Reshape", [out, "rows2d"], [p + "attn2d"]), new
+        return op("Reshape", [out, "rows2d"], [p + "attn2d"]), new[0], new[1]
 
     const("scale", np.array(hd ** -0.5, np.float32))
-    mlp_out, new_kv = None, []
+    mlp_out, new_k, new_v = None, [], []
     eps = a.rms_norm_eps
     for i in range(L):
         p = f"l{i}."
@@ -115,8 +118,9 @@ def build(torch_model, path: Path, qweights: dict[str, QWeight] | None = None,
         qk = op("RotaryEmbedding", [qk, "positions", "cos_cache", "sin_cache"], [p + "qkr"],
                 domain=MS, interleaved=0, num_heads=H + KVH)
         q, k = op("Split", [qk, "split_qk"], [p + "q", p + "k"], axis=2)
-        out, new = attention(i, q, k, v)
-        new_kv.append(new)
+        out, k_new, v_new = attention(i, q, k, v)
+        new_k.append(k_new)
+        new_v.append(v_new)
         attn = linear(out, f"layers.{i}.attn.o.weight", p + "attn_o")
         h2, _, _, res = op("SkipSimplifiedLayerNormalization",
                            [res, attn, const(p + "g2", sd[f"layers.{i}.mlp_norm.weight"])],
@@ -128,10 +132,8 @@ def build(torch_model, path: Path, qweights: dict[str, QWeight] | None = None,
     final, _, _, _ = op("SkipSimplifiedLayerNormalization", [res, mlp_out, const("gf", sd["norm.weight"])],
                         ["final", "", "", "res_f"], domain=MS, epsilon=eps)
     linear(final, "lm_head.weight", "logits")
-    every = op("Reshape", [op("Concat", new_kv, ["new_kv_all"], axis=0), "layers_kv"], ["new_kv_rows"])
-    k_rows, v_rows = op("Split", [every, "halves"], ["new_k_rows", "new_v_rows"], axis=1)
-    op("Reshape", [k_rows, "new_kv"], ["new_k"])
-    op("Reshape", [v_rows, "new_kv"], ["new_v"])
+    for name, parts in (("new_k", new_k), ("new_v", new_v)):
+        op("Reshape", [op("Concat", parts, [name + "_layers"], axis=0), "new_kv"], [name])
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
     graph = helper.make_graph(
         nodes, "decode",
