@@ -1,0 +1,112 @@
+"""The native backend: a whole forward step in one C function (``step.c``, compiled at first
+use), on the GGUF's 4-bit blocks as they are, for the CPU.
+
+Why: decode at small batches is latency-bound, and a graph of library operators pays a dispatch
+for each of its ~1,900 ops (about 2 µs each in ONNX Runtime); here each op of a layer costs one
+barrier between two OpenMP threads. It runs ``quantization = "q4"`` only, with the ONNX path's
+quality rewrites (centred zero points, outlier channels in float32; ``twophase.exporters.q4``).
+Its prefill is correct but not fast (each weight row meets the chunk's tokens one by one): route
+prefill to onnxruntime and decode here (``[backend.prefill]``/``[backend.decode]``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from twophase.backends.base import (Backend, BackendConfig, BackendUnavailable, Capabilities,
+                                    DecodeBatch, KVCache, KVCacheSpec, ModelSpec, PrefillBatch,
+                                    parse_device)
+from twophase.backends.hookspecs import hookimpl
+from twophase.errors import ConfigError
+from twophase.models.shapes import LlamaArch
+
+OPTIONS = {"threads"}
+
+
+class NativeBackend(Backend):
+    name = "native"
+    quantizations = ("q4",)
+
+    @classmethod
+    def check_available(cls, device: str = "cpu") -> None:
+        if parse_device(device).type != "cpu":
+            raise BackendUnavailable(f"device {device!r}: the native backend runs on the cpu")
+        from twophase.backends.native.kernel import check_machine
+
+        check_machine()
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(devices=("cpu",), dtypes=(torch.float32,), own_threads=True)
+
+    def load(self, model: ModelSpec, cfg: BackendConfig) -> None:
+        self.check_available(cfg.device)
+        cfg.check_options(OPTIONS)
+        threads = cfg.options.get("threads", torch.get_num_threads())
+        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+            raise ConfigError("backend.options.threads", f"must be a positive integer; got {threads!r}")
+        if model.dtype != torch.float32:
+            raise ConfigError("model.dtype", f"the native backend runs float32, not {model.dtype}")
+        from twophase.backends.native import kernel
+        from twophase.backends.native.weights import NativeWeights
+
+        self.lib = kernel.load()
+        self.threads = threads
+        self.arch = LlamaArch.from_dict(model.arch)
+        self.weights = NativeWeights.build(model)
+        self.scratch = torch.empty(0)
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        a = self.arch
+        return KVCacheSpec(a.num_layers, a.num_kv_heads, a.head_dim, torch.float32, torch.device("cpu"))
+
+    def bind_kv_cache(self, kv: KVCache) -> None:
+        if kv.pool.dtype != torch.float32 or not kv.pool.is_contiguous():
+            raise ConfigError("cache.dtype", "the native backend reads a contiguous float32 pool")
+        self.kv = kv
+
+    # -- the two operations -----------------------------------------------------------------
+    def prefill(self, batch: PrefillBatch) -> torch.Tensor:
+        starts = batch.query_start
+        seq = torch.repeat_interleave(torch.arange(batch.num_seqs, dtype=torch.int32),
+                                      torch.tensor(batch.query_lens))
+        if batch.logits == "all":
+            rows = torch.arange(batch.num_tokens, dtype=torch.int32)
+        else:
+            rows = torch.tensor(starts[1:], dtype=torch.int32) - 1
+        return self._step(batch.token_ids, batch.positions, batch.slot_mapping, batch.block_tables,
+                          seq, rows)
+
+    def decode(self, batch: DecodeBatch) -> torch.Tensor:
+        rows = torch.arange(batch.num_seqs, dtype=torch.int32)
+        return self._step(batch.token_ids, batch.positions, batch.slot_mapping, batch.block_tables,
+                          rows, rows)
+
+    def _step(self, tokens, positions, slots, tables, seq, logit_rows) -> torch.Tensor:
+        from twophase.backends.native.kernel import Step
+
+        tokens, positions, slots = (t.to(torch.int64).contiguous() for t in (tokens, positions, slots))
+        tables = tables.to(torch.int64).contiguous()
+        ctx = (positions + 1).to(torch.int32)
+        max_ctx = int(ctx.max())
+        if tables.shape[1] * self.kv.block_size < max_ctx:
+            raise ValueError(f"block tables of width {tables.shape[1]} for {max_ctx} tokens")
+        rows, n_logits = tokens.shape[0], logit_rows.shape[0]
+        need = self.lib.step_scratch_floats(self.weights.model, rows, max_ctx, self.threads)
+        if self.scratch.numel() < need:
+            self.scratch = torch.empty(int(need * 1.25) + 1024, dtype=torch.float32)
+        logits = torch.empty(n_logits, self.arch.vocab_size, dtype=torch.float32)
+        pool = self.kv.pool
+        keep = (tokens, positions, slots, tables, seq, ctx, logit_rows)
+        s = Step(rows, tokens.data_ptr(), positions.data_ptr(), slots.data_ptr(), tables.data_ptr(),
+                 tables.shape[1], seq.data_ptr(), ctx.data_ptr(), n_logits, logit_rows.data_ptr(),
+                 pool.data_ptr(), pool.shape[2], pool.shape[4], logits.data_ptr(),
+                 self.scratch.data_ptr(), max_ctx, self.threads)
+        self.lib.step(self.weights.model, s)
+        del keep
+        return logits
+
+
+@hookimpl
+def twophase_backends() -> list[type[Backend]]:
+    return [NativeBackend]
+

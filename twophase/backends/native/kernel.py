@@ -1,0 +1,99 @@
+"""``step.c`` compiled once per machine (``$TWOPHASE_CACHE/native``) and bound with ctypes: the
+C structs mirrored, and the checks that it can be built and run here."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+from ctypes import POINTER, c_float, c_int, c_long, c_void_p
+from importlib.resources import files
+from pathlib import Path
+
+from twophase.backends.base import BackendUnavailable
+
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
+CPU_FLAGS = ("avx2", "fma", "f16c")
+
+
+class ProjQ4(ctypes.Structure):
+    _fields_ = [("n", c_int), ("k", c_int), ("n_out", c_int), ("w", c_void_p), ("z", c_void_p),
+                ("out_idx", c_void_p), ("out_w", c_void_p)]
+
+
+class ProjQ8(ctypes.Structure):
+    _fields_ = [("n", c_int), ("k", c_int), ("w", c_void_p)]
+
+
+class Model(ctypes.Structure):
+    _fields_ = [("layers", c_int), ("dim", c_int), ("heads", c_int), ("kv_heads", c_int),
+                ("head_dim", c_int), ("ffn", c_int), ("vocab", c_int), ("eps", c_float),
+                ("embed", c_void_p), ("attn_norm", c_void_p), ("mlp_norm", c_void_p),
+                ("final_norm", c_void_p), ("inv_freq", c_void_p), ("qkv", POINTER(ProjQ4)),
+                ("o", POINTER(ProjQ4)), ("gate_up", POINTER(ProjQ4)), ("down", POINTER(ProjQ4)),
+                ("head", ProjQ8)]
+
+
+class Step(ctypes.Structure):
+    _fields_ = [("rows", c_int), ("tokens", c_void_p), ("positions", c_void_p), ("slots", c_void_p),
+                ("tables", c_void_p), ("width", c_int), ("seq", c_void_p), ("ctx", c_void_p),
+                ("n_logits", c_int), ("logit_rows", c_void_p), ("pool", c_void_p),
+                ("num_blocks", c_int), ("block_size", c_int), ("logits", c_void_p),
+                ("scratch", c_void_p), ("max_ctx", c_int), ("threads", c_int)]
+
+
+def compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def check_machine() -> None:
+    """Raise ``BackendUnavailable`` unless this is an x86-64 Linux CPU with AVX2, FMA and F16C
+    and a C compiler with OpenMP."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        raise BackendUnavailable(f"the native backend runs on x86-64 Linux, not "
+                                 f"{platform.system()} {platform.machine()}")
+    flags = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    missing = [f for f in CPU_FLAGS if f not in flags]
+    if missing:
+        raise BackendUnavailable(f"the native backend's kernels need {', '.join(CPU_FLAGS)}; this "
+                                 f"CPU lacks {', '.join(missing)}")
+    if compiler() is None:
+        raise BackendUnavailable("the native backend compiles its kernels at first use and found "
+                                 "no C compiler (cc or gcc; or set CC)")
+
+
+def load() -> ctypes.CDLL:
+    """The compiled kernels, built on first use."""
+    from twophase.models.hub import cache_dir
+
+    check_machine()
+    source = files("twophase.backends.native").joinpath("step.c").read_bytes()
+    cc = compiler()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(source + " ".join([cc, version, *FLAGS]).encode()).hexdigest()[:12]
+    lib = cache_dir() / "native" / f"step-{key}.so"
+    if not lib.exists():
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        src = lib.with_suffix(".c")
+        src.write_bytes(source)
+        tmp = lib.with_name(lib.name + f".{os.getpid()}.tmp")
+        done = subprocess.run([cc, *FLAGS, str(src), "-o", str(tmp)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise BackendUnavailable(f"compiling the native kernels with {cc} failed:\n{done.stderr[-2000:]}")
+        tmp.replace(lib)
+    so = ctypes.CDLL(str(lib))
+    so.step.argtypes = [POINTER(Model), POINTER(Step)]
+    so.step.restype = None
+    so.step_scratch_floats.argtypes = [POINTER(Model), c_int, c_int, c_int]
+    so.step_scratch_floats.restype = c_long
+    return so

@@ -1,0 +1,316 @@
+/* One forward step of a Llama model on block-quantised weights, for the CPU: every op of every
+ * layer inside one OpenMP parallel region, so an op costs a barrier, not a dispatch.
+ *
+ * Weights are GGUF's blocks as they are: Q4_1 projections (fp16 d and m, 4-bit codes q,
+ * w = d*q + m, elements j and j + 16 in one byte) and a Q8_0 head. Activations are rounded to
+ * int8 per block of 32 before they meet the codes (as llama.cpp's Q8_1 and ONNX Runtime's
+ * accuracy level 4 do), with the two exact rewrites of the ONNX path (twophase/exporters/q4.py):
+ *  - centred zero points: w = d*(q - z) + (m + z*d) with z near -m/d, so the int8 rounding error
+ *    meets weights near their true values; the integer dot is the same, and the correction is
+ *    z*d times the block's rounding error, e = sum(x) - dx*sum(xq), known per activation block;
+ *  - outlier channels: a few input channels are zeroed before the rounding and multiplied in
+ *    float32 by their own weights.
+ *
+ * Rows of a step are tokens: decodes (one per sequence) or the tokens of prefill chunks. Every
+ * row writes its K/V into the pool at its slot before any row attends, so a chunk's tokens see
+ * each other, causally, through the pool. Pool layout: [L, 2, NB, KVH, BS, hd] float32.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#define QK 32
+#define OUT_MAX 64
+
+typedef struct { uint16_t d, m; uint8_t qs[16]; } block_q4_1;
+typedef struct { uint16_t d; int8_t qs[32]; } block_q8_0;
+
+typedef struct {
+    int n, k, n_out;
+    const block_q4_1 *w;    /* [n][k/32] */
+    const uint8_t *z;       /* [n][k/32] zero points */
+    const int32_t *out_idx; /* [n_out] outlier input channels */
+    const float *out_w;     /* [n][n_out] their weights */
+} proj_q4;
+
+typedef struct { int n, k; const block_q8_0 *w; } proj_q8;
+
+typedef struct {
+    int layers, dim, heads, kv_heads, head_dim, ffn, vocab;
+    float eps;
+    const float *embed;       /* [vocab][dim] */
+    const float *attn_norm;   /* [layers][dim] */
+    const float *mlp_norm;    /* [layers][dim] */
+    const float *final_norm;  /* [dim] */
+    const float *inv_freq;    /* [head_dim / 2] */
+    const proj_q4 *qkv, *o, *gate_up, *down;   /* [layers] each */
+    proj_q8 head;
+} model_t;
+
+typedef struct {
+    int rows;                 /* tokens in the step */
+    const int64_t *tokens, *positions, *slots;   /* [rows] */
+    const int64_t *tables;    /* [seqs][width] block ids */
+    int width;
+    const int32_t *seq;       /* [rows] the row's sequence (its table) */
+    const int32_t *ctx;       /* [rows] tokens it attends to, itself included */
+    int n_logits;
+    const int32_t *logit_rows;/* [n_logits] */
+    float *pool; int num_blocks, block_size;
+    float *logits;            /* [n_logits][vocab] */
+    float *scratch;           /* step_scratch_floats() floats */
+    int max_ctx;
+    int threads;              /* named here: the OpenMP runtime may be torch's, set to 1 for glue */
+} step_t;
+
+/* a row's activations, rounded: int8 codes, and per block the step, the float sum and the
+   rounding error of the sum; the outlier channels' float values */
+typedef struct { int8_t *q; float *d, *s, *e, *xo; } qact;
+
+static inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
+
+static inline float hsum8(__m256 v) {
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    r = _mm_add_ss(r, _mm_movehdup_ps(r));
+    return _mm_cvtss_f32(r);
+}
+
+static inline float dot(const float *a, const float *b, int n) {
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float s = hsum8(acc);
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+static inline void axpy(float *y, float p, const float *x, int n) {
+    const __m256 pv = _mm256_set1_ps(p);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    for (; i < n; i++) y[i] += p * x[i];
+}
+
+static qact row_of(qact a, int r, int k) {
+    const int nb = k / QK;
+    qact out = { a.q + (size_t)r * k, a.d + (size_t)r * nb, a.s + (size_t)r * nb,
+                 a.e + (size_t)r * nb, a.xo + (size_t)r * OUT_MAX };
+    return out;
+}
+
+static void quantize_row(const float *x, int k, const int32_t *idx, int n_out, qact a) {
+    for (int i = 0; i < n_out; i++) a.xo[i] = x[idx[i]];
+    for (int b = 0; b < k / QK; b++) {
+        float v[QK];
+        memcpy(v, x + b * QK, sizeof v);
+        for (int i = 0; i < n_out; i++)
+            if (idx[i] / QK == b) v[idx[i] % QK] = 0.f;
+        float amax = 0.f, sum = 0.f;
+        for (int j = 0; j < QK; j++) { amax = fmaxf(amax, fabsf(v[j])); sum += v[j]; }
+        const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+        int qsum = 0;
+        for (int j = 0; j < QK; j++) {
+            const int q = (int)lrintf(v[j] * id);
+            a.q[b * QK + j] = (int8_t)q;
+            qsum += q;
+        }
+        a.d[b] = d;
+        a.s[b] = sum;
+        a.e[b] = sum - d * (float)qsum;
+    }
+}
+
+/* y[r][n] (+)= W[n] . x[r] for every row r; rows n of W split across threads */
+static void matmul_q4(const proj_q4 *p, int rows, qact a, float *y, int ystride, int accumulate) {
+    const int nb = p->k / QK;
+    const __m256i lo = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    #pragma omp for schedule(static)
+    for (int n = 0; n < p->n; n++) {
+        const block_q4_1 *w = p->w + (size_t)n * nb;
+        const uint8_t *z = p->z + (size_t)n * nb;
+        const float *ow = p->out_w + (size_t)n * p->n_out;
+        for (int r = 0; r < rows; r++) {
+            const qact x = row_of(a, r, p->k);
+            __m256 acc = _mm256_setzero_ps();
+            float rest = 0.f;
+            for (int b = 0; b < nb; b++) {
+                const __m128i t = _mm_loadu_si128((const __m128i *)w[b].qs);
+                const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), lo);
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(x.q + b * QK));
+                const __m256i pairs = _mm256_madd_epi16(_mm256_maddubs_epi16(q, v), ones);
+                const float d = h2f(w[b].d);
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(d * x.d[b]), _mm256_cvtepi32_ps(pairs), acc);
+                rest += h2f(w[b].m) * x.s[b] + (float)z[b] * d * x.e[b];
+            }
+            int i = 0;
+            for (; i + 8 <= p->n_out; i += 8)
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(ow + i), _mm256_loadu_ps(x.xo + i), acc);
+            for (; i < p->n_out; i++) rest += ow[i] * x.xo[i];
+            float *dst = y + (size_t)r * ystride + n;
+            *dst = (accumulate ? *dst : 0.f) + hsum8(acc) + rest;
+        }
+    }
+}
+
+static void matmul_q8(const proj_q8 *p, int rows, qact a, float *y) {
+    const int nb = p->k / QK;
+    const __m256i ones = _mm256_set1_epi16(1);
+    #pragma omp for schedule(static)
+    for (int n = 0; n < p->n; n++) {
+        const block_q8_0 *w = p->w + (size_t)n * nb;
+        for (int r = 0; r < rows; r++) {
+            const qact x = row_of(a, r, p->k);
+            __m256 acc = _mm256_setzero_ps();
+            for (int b = 0; b < nb; b++) {
+                const __m256i q = _mm256_loadu_si256((const __m256i *)w[b].qs);
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(x.q + b * QK));
+                const __m256i pairs = _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(v, q)), ones);
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(h2f(w[b].d) * x.d[b]), _mm256_cvtepi32_ps(pairs), acc);
+            }
+            y[(size_t)r * p->n + n] = hsum8(acc);
+        }
+    }
+}
+
+static void rmsnorm(const float *x, const float *g, float *out, int dim, float eps) {
+    const float inv = 1.f / sqrtf(dot(x, x, dim) / dim + eps);
+    for (int i = 0; i < dim; i++) out[i] = x[i] * inv * g[i];
+}
+
+/* rotate_half RoPE of `heads` heads of v at position pos */
+static void rope(float *v, int heads, int hd, const float *inv_freq, int64_t pos) {
+    for (int i = 0; i < hd / 2; i++) {
+        const float f = (float)pos * inv_freq[i], c = cosf(f), s = sinf(f);
+        for (int h = 0; h < heads; h++) {
+            float *u = v + h * hd;
+            const float a = u[i], b = u[i + hd / 2];
+            u[i] = a * c - b * s;
+            u[i + hd / 2] = b * c + a * s;
+        }
+    }
+}
+
+static inline float *pool_block(const step_t *s, const model_t *m, int layer, int kv, int64_t block, int head) {
+    const size_t i = (((size_t)layer * 2 + kv) * s->num_blocks + block) * m->kv_heads + head;
+    return s->pool + i * s->block_size * m->head_dim;
+}
+
+/* the G query heads sharing KV head kh, over the row's cached tokens */
+static void attend(const model_t *m, const step_t *s, int layer, int r, int kh, const float *q,
+                   float *out, float *scores) {
+    const int hd = m->head_dim, G = m->heads / m->kv_heads, BS = s->block_size, n = s->ctx[r];
+    const int64_t *table = s->tables + (size_t)s->seq[r] * s->width;
+    const float scale = 1.f / sqrtf((float)hd);
+    for (int t0 = 0; t0 < n; t0 += BS) {
+        const float *k = pool_block(s, m, layer, 0, table[t0 / BS], kh);
+        for (int u = 0; u < BS && t0 + u < n; u++)
+            for (int g = 0; g < G; g++)
+                scores[g * s->max_ctx + t0 + u] = dot(q + g * hd, k + u * hd, hd) * scale;
+    }
+    for (int g = 0; g < G; g++) {
+        float *sc = scores + g * s->max_ctx, best = -INFINITY, total = 0.f;
+        for (int t = 0; t < n; t++) best = fmaxf(best, sc[t]);
+        for (int t = 0; t < n; t++) { sc[t] = expf(sc[t] - best); total += sc[t]; }
+        for (int t = 0; t < n; t++) sc[t] /= total;
+        memset(out + g * hd, 0, sizeof(float) * hd);
+    }
+    for (int t0 = 0; t0 < n; t0 += BS) {
+        const float *v = pool_block(s, m, layer, 1, table[t0 / BS], kh);
+        for (int u = 0; u < BS && t0 + u < n; u++)
+            for (int g = 0; g < G; g++)
+                axpy(out + g * hd, scores[g * s->max_ctx + t0 + u], v + u * hd, hd);
+    }
+}
+
+static int widest(const model_t *m) {
+    const int q = (m->heads + 2 * m->kv_heads) * m->head_dim;
+    return 2 * m->ffn > q ? 2 * m->ffn : q;
+}
+
+static int act_width(const model_t *m) { return m->dim > m->ffn ? m->dim : m->ffn; }
+
+/* floats of scratch a step of `rows` tokens attending to at most `max_ctx` needs */
+long step_scratch_floats(const model_t *m, int rows, int max_ctx, int threads) {
+    const long D = m->dim, F = m->ffn, A = act_width(m), G = m->heads / m->kv_heads;
+    return rows * (3 * D + widest(m) + F)              /* x, h, attn, wide, mlp */
+         + rows * (A / 4 + 1 + 3 * (A / QK) + OUT_MAX)  /* int8 codes; d, s, e; outliers */
+         + (long)threads * G * max_ctx;                 /* scores */
+}
+
+void step(const model_t *m, const step_t *s) {
+    const int R = s->rows, D = m->dim, H = m->heads, KVH = m->kv_heads, hd = m->head_dim;
+    const int F = m->ffn, G = H / KVH, W = widest(m), A = act_width(m);
+    float *x = s->scratch, *h = x + (size_t)R * D, *attn = h + (size_t)R * D;
+    float *wide = attn + (size_t)R * D, *mlp = wide + (size_t)R * W;
+    float *rest = mlp + (size_t)R * F;
+    qact a;
+    a.q = (int8_t *)rest;
+    a.d = rest + (size_t)R * (A / 4 + 1);
+    a.s = a.d + (size_t)R * (A / QK);
+    a.e = a.s + (size_t)R * (A / QK);
+    a.xo = a.e + (size_t)R * (A / QK);
+    float *per_thread = a.xo + (size_t)R * OUT_MAX;
+
+    #pragma omp parallel num_threads(s->threads)
+    {
+        float *scores = per_thread + (size_t)omp_get_thread_num() * G * s->max_ctx;
+        #pragma omp for
+        for (int r = 0; r < R; r++)
+            memcpy(x + (size_t)r * D, m->embed + (size_t)s->tokens[r] * D, sizeof(float) * D);
+
+        for (int l = 0; l < m->layers; l++) {
+            const proj_q4 *qkv = m->qkv + l, *o = m->o + l, *gu = m->gate_up + l, *dn = m->down + l;
+            #pragma omp for
+            for (int r = 0; r < R; r++) {
+                rmsnorm(x + (size_t)r * D, m->attn_norm + (size_t)l * D, h + (size_t)r * D, D, m->eps);
+                quantize_row(h + (size_t)r * D, D, qkv->out_idx, qkv->n_out, row_of(a, r, D));
+            }
+            matmul_q4(qkv, R, a, wide, W, 0);
+            #pragma omp for
+            for (int r = 0; r < R; r++) {          /* RoPE, then the token's K/V into the pool */
+                float *v = wide + (size_t)r * W;
+                rope(v, H + KVH, hd, m->inv_freq, s->positions[r]);
+                const int64_t blk = s->slots[r] / s->block_size;
+                const int off = (int)(s->slots[r] % s->block_size);
+                for (int kh = 0; kh < KVH; kh++) {
+                    memcpy(pool_block(s, m, l, 0, blk, kh) + off * hd, v + (H + kh) * hd, sizeof(float) * hd);
+                    memcpy(pool_block(s, m, l, 1, blk, kh) + off * hd, v + (H + KVH + kh) * hd, sizeof(float) * hd);
+                }
+            }
+            #pragma omp for schedule(dynamic)
+            for (int i = 0; i < R * KVH; i++) {
+                const int r = i / KVH, kh = i % KVH;
+                attend(m, s, l, r, kh, wide + (size_t)r * W + kh * G * hd, attn + (size_t)r * D + kh * G * hd, scores);
+            }
+            #pragma omp for
+            for (int r = 0; r < R; r++)
+                quantize_row(attn + (size_t)r * D, D, o->out_idx, o->n_out, row_of(a, r, D));
+            matmul_q4(o, R, a, x, D, 1);             /* into the residual */
+            #pragma omp for
+            for (int r = 0; r < R; r++) {
+                rmsnorm(x + (size_t)r * D, m->mlp_norm + (size_t)l * D, h + (size_t)r * D, D, m->eps);
+                quantize_row(h + (size_t)r * D, D, gu->out_idx, gu->n_out, row_of(a, r, D));
+            }
+            matmul_q4(gu, R, a, wide, W, 0);
+            #pragma omp for
+            for (int r = 0; r < R; r++) {
+                const float *g = wide + (size_t)r * W, *u = g + F;
+                float *y = mlp + (size_t)r * F;
+                for (int i = 0; i < F; i++) y[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+                quantize_row(y, F, dn->out_idx, dn->n_out, row_of(a, r, F));
+            }
+            matmul_q4(dn, R, a, x, D, 1);            /* into the residual */
+        }
+        #pragma omp for
+        for (int i = 0; i < s->n_logits; i++) {
+            rmsnorm(x + (size_t)s->logit_rows[i] * D, m->final_norm, h + (size_t)i * D, D, m->eps);
+            quantize_row(h + (size_t)i * D, D, NULL, 0, row_of(a, i, D));
+        }
+        matmul_q8(&m->head, s->n_logits, a, s->logits);
+    }
+}
+
