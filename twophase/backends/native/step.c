@@ -123,34 +123,80 @@ static void quantize_row(const float *x, int k, const int32_t *idx, int n_out, q
     }
 }
 
+/* the outlier channels' float term, added to a row's accumulators */
+static inline float finish(const proj_q4 *p, int n, const qact *x, __m256 acc, float rest) {
+    const float *ow = p->out_w + (size_t)n * p->n_out;
+    int j = 0;
+    for (; j + 8 <= p->n_out; j += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(ow + j), _mm256_loadu_ps(x->xo + j), acc);
+    for (; j < p->n_out; j++) rest += ow[j] * x->xo[j];
+    return hsum8(acc) + rest;
+}
+
+/* W[n] . x[r]: one weight row against one activation row (decode at batch 1: keep it lean) */
+static inline float dot_row_q4(const proj_q4 *p, int n, qact x) {
+    const int nb = p->k / QK;
+    const block_q4_1 *w = p->w + (size_t)n * nb;
+    const uint8_t *z = p->z + (size_t)n * nb;
+    const __m256i lo = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc = _mm256_setzero_ps();
+    float rest = 0.f;
+    for (int b = 0; b < nb; b++) {
+        const __m128i t = _mm_loadu_si128((const __m128i *)w[b].qs);
+        const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), lo);
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(x.q + b * QK));
+        const __m256i pairs = _mm256_madd_epi16(_mm256_maddubs_epi16(q, v), ones);
+        const float d = h2f(w[b].d);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d * x.d[b]), _mm256_cvtepi32_ps(pairs), acc);
+        rest += h2f(w[b].m) * x.s[b] + (float)z[b] * d * x.e[b];
+    }
+    return finish(p, n, &x, acc, rest);
+}
+
+/* W[n] . x[r0 + i] for four rows at once: each weight block is unpacked once for all four */
+static inline void dot_4rows_q4(const proj_q4 *p, int n, qact a, int r0, float *out) {
+    const int nb = p->k / QK;
+    const block_q4_1 *w = p->w + (size_t)n * nb;
+    const uint8_t *z = p->z + (size_t)n * nb;
+    const __m256i lo = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    qact x[4];
+    __m256 acc[4];
+    float rest[4];
+    for (int i = 0; i < 4; i++) {
+        x[i] = row_of(a, r0 + i, p->k);
+        acc[i] = _mm256_setzero_ps();
+        rest[i] = 0.f;
+    }
+    for (int b = 0; b < nb; b++) {
+        const __m128i t = _mm_loadu_si128((const __m128i *)w[b].qs);
+        const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), lo);
+        const float d = h2f(w[b].d), m = h2f(w[b].m), zd = (float)z[b] * d;
+        for (int i = 0; i < 4; i++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(x[i].q + b * QK));
+            const __m256i pairs = _mm256_madd_epi16(_mm256_maddubs_epi16(q, v), ones);
+            acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[i].d[b]), _mm256_cvtepi32_ps(pairs), acc[i]);
+            rest[i] += m * x[i].s[b] + zd * x[i].e[b];
+        }
+    }
+    for (int i = 0; i < 4; i++) out[i] = finish(p, n, &x[i], acc[i], rest[i]);
+}
+
 /* y[r][n] (+)= W[n] . x[r] for every row r; rows n of W split across threads */
 static void matmul_q4(const proj_q4 *p, int rows, qact a, float *y, int ystride, int accumulate) {
-    const int nb = p->k / QK;
-    const __m256i lo = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     #pragma omp for schedule(static)
     for (int n = 0; n < p->n; n++) {
-        const block_q4_1 *w = p->w + (size_t)n * nb;
-        const uint8_t *z = p->z + (size_t)n * nb;
-        const float *ow = p->out_w + (size_t)n * p->n_out;
-        for (int r = 0; r < rows; r++) {
-            const qact x = row_of(a, r, p->k);
-            __m256 acc = _mm256_setzero_ps();
-            float rest = 0.f;
-            for (int b = 0; b < nb; b++) {
-                const __m128i t = _mm_loadu_si128((const __m128i *)w[b].qs);
-                const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), lo);
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(x.q + b * QK));
-                const __m256i pairs = _mm256_madd_epi16(_mm256_maddubs_epi16(q, v), ones);
-                const float d = h2f(w[b].d);
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(d * x.d[b]), _mm256_cvtepi32_ps(pairs), acc);
-                rest += h2f(w[b].m) * x.s[b] + (float)z[b] * d * x.e[b];
+        float out[4];
+        int r = 0;
+        for (; r + 4 <= rows; r += 4) {
+            dot_4rows_q4(p, n, a, r, out);
+            for (int i = 0; i < 4; i++) {
+                float *dst = y + (size_t)(r + i) * ystride + n;
+                *dst = (accumulate ? *dst : 0.f) + out[i];
             }
-            int i = 0;
-            for (; i + 8 <= p->n_out; i += 8)
-                acc = _mm256_fmadd_ps(_mm256_loadu_ps(ow + i), _mm256_loadu_ps(x.xo + i), acc);
-            for (; i < p->n_out; i++) rest += ow[i] * x.xo[i];
+        }
+        for (; r < rows; r++) {
             float *dst = y + (size_t)r * ystride + n;
-            *dst = (accumulate ? *dst : 0.f) + hsum8(acc) + rest;
+            *dst = (accumulate ? *dst : 0.f) + dot_row_q4(p, n, row_of(a, r, p->k));
         }
     }
 }
