@@ -1,7 +1,8 @@
 """4-bit weights side by side with llama.cpp on the same GGUF file, in one run.
 
-twophase runs the default model's GGUF blocks as they are (``quantization = "q4"``, ONNX
-Runtime MatMulNBits) and, for reference, the dequantised fp32 model (onnxruntime and torch).
+twophase runs the default model's GGUF blocks as they are (``quantization = "q4"``): in ONNX
+Runtime (MatMulNBits), and with prefill there and decode on the native backend (one C function a
+step); for reference, the dequantised fp32 model (onnxruntime and torch).
 Where ``llama-cpp-python`` is installed (``pip install 'twophase[llama-cpp]'``: it compiles
 llama.cpp, about 20 minutes on two cores), llama.cpp runs the same file with the same threads:
 pp512 (one 512-token prompt) and tg128 (128 tokens at batch 1), flash attention on and off.
@@ -30,9 +31,9 @@ from twophase.quality import all_logits, shipped_text
 MODEL = "smollm2-135m-instruct"
 
 
-def twophase_line(backend: str, quantization: str) -> LLM:
+def twophase_line(backend: str | dict, quantization: str) -> LLM:
     return LLM.from_config({"model": {"name": MODEL, "quantization": quantization},
-                            "backend": {"name": backend},
+                            "backend": {"name": backend} if isinstance(backend, str) else backend,
                             "scheduler": {"policy": "prefill-first", "max_num_batched_tokens": 512,
                                           "max_num_seqs": 32},
                             "cache": {"num_blocks": 1024}})
@@ -81,6 +82,8 @@ def main() -> None:
     args = ap.parse_args()
     console = Console()
     lines = {"twophase q4 (onnxruntime)": twophase_line("onnxruntime", "q4"),
+             "twophase q4 (onnxruntime → native)": twophase_line(
+                 {"prefill": {"name": "onnxruntime"}, "decode": {"name": "native"}}, "q4"),
              "twophase fp32 (onnxruntime)": twophase_line("onnxruntime", "none"),
              "twophase fp32 (torch)": twophase_line("torch", "none")}
     cases = {"pp512": lambda llm, k: 512 / sweeps.prefill_round(llm, 512, 0, k),
@@ -120,8 +123,10 @@ def main() -> None:
             cells.append(f"{statistics.median(v):.1f} (x{statistics.median(v) / base[c]:.2f})" if v else "-")
         table.add_row(name, *cells)
     console.print(table)
-    quality(console, lines["twophase fp32 (torch)"],
-            {n: e for n, e in engines.items() if n.startswith("twophase q4") or isinstance(e, LlamaCpp)})
+    graded = {"twophase q4 (onnxruntime)": lines["twophase q4 (onnxruntime)"],
+              "twophase q4 (native)": twophase_line("native", "q4"),   # its own prefill: its logits
+              **{n: e for n, e in engines.items() if isinstance(e, LlamaCpp)}}
+    quality(console, lines["twophase fp32 (torch)"], graded)
 
 
 def quality(console: Console, reference: LLM, engines: dict) -> None:

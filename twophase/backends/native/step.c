@@ -245,30 +245,25 @@ static inline float *pool_block(const step_t *s, const model_t *m, int layer, in
     return s->pool + i * s->block_size * m->head_dim;
 }
 
-/* the G query heads sharing KV head kh, over the row's cached tokens */
+/* one query head over the row's cached tokens (and its own, already in the pool) */
 static void attend(const model_t *m, const step_t *s, int layer, int r, int kh, const float *q,
                    float *out, float *scores) {
-    const int hd = m->head_dim, G = m->heads / m->kv_heads, BS = s->block_size, n = s->ctx[r];
+    const int hd = m->head_dim, BS = s->block_size, n = s->ctx[r];
     const int64_t *table = s->tables + (size_t)s->seq[r] * s->width;
     const float scale = 1.f / sqrtf((float)hd);
+    float best = -INFINITY, total = 0.f;
     for (int t0 = 0; t0 < n; t0 += BS) {
         const float *k = pool_block(s, m, layer, 0, table[t0 / BS], kh);
-        for (int u = 0; u < BS && t0 + u < n; u++)
-            for (int g = 0; g < G; g++)
-                scores[g * s->max_ctx + t0 + u] = dot(q + g * hd, k + u * hd, hd) * scale;
+        for (int u = 0; u < BS && t0 + u < n; u++) {
+            scores[t0 + u] = dot(q, k + u * hd, hd) * scale;
+            best = fmaxf(best, scores[t0 + u]);
+        }
     }
-    for (int g = 0; g < G; g++) {
-        float *sc = scores + g * s->max_ctx, best = -INFINITY, total = 0.f;
-        for (int t = 0; t < n; t++) best = fmaxf(best, sc[t]);
-        for (int t = 0; t < n; t++) { sc[t] = expf(sc[t] - best); total += sc[t]; }
-        for (int t = 0; t < n; t++) sc[t] /= total;
-        memset(out + g * hd, 0, sizeof(float) * hd);
-    }
+    for (int t = 0; t < n; t++) { scores[t] = expf(scores[t] - best); total += scores[t]; }
+    memset(out, 0, sizeof(float) * hd);
     for (int t0 = 0; t0 < n; t0 += BS) {
         const float *v = pool_block(s, m, layer, 1, table[t0 / BS], kh);
-        for (int u = 0; u < BS && t0 + u < n; u++)
-            for (int g = 0; g < G; g++)
-                axpy(out + g * hd, scores[g * s->max_ctx + t0 + u], v + u * hd, hd);
+        for (int u = 0; u < BS && t0 + u < n; u++) axpy(out, scores[t0 + u] / total, v + u * hd, hd);
     }
 }
 
@@ -281,10 +276,10 @@ static int act_width(const model_t *m) { return m->dim > m->ffn ? m->dim : m->ff
 
 /* floats of scratch a step of `rows` tokens attending to at most `max_ctx` needs */
 long step_scratch_floats(const model_t *m, int rows, int max_ctx, int threads) {
-    const long D = m->dim, F = m->ffn, A = act_width(m), G = m->heads / m->kv_heads;
+    const long D = m->dim, F = m->ffn, A = act_width(m);
     return rows * (3 * D + widest(m) + F)              /* x, h, attn, wide, mlp */
          + rows * (A / 4 + 1 + 3 * (A / QK) + OUT_MAX)  /* int8 codes; d, s, e; outliers */
-         + (long)threads * G * max_ctx;                 /* scores */
+         + (long)threads * max_ctx;                     /* scores */
 }
 
 void step(const model_t *m, const step_t *s) {
@@ -303,7 +298,7 @@ void step(const model_t *m, const step_t *s) {
 
     #pragma omp parallel num_threads(s->threads)
     {
-        float *scores = per_thread + (size_t)omp_get_thread_num() * G * s->max_ctx;
+        float *scores = per_thread + (size_t)omp_get_thread_num() * s->max_ctx;
         #pragma omp for
         for (int r = 0; r < R; r++)
             memcpy(x + (size_t)r * D, m->embed + (size_t)s->tokens[r] * D, sizeof(float) * D);
@@ -328,9 +323,9 @@ void step(const model_t *m, const step_t *s) {
                 }
             }
             #pragma omp for schedule(dynamic)
-            for (int i = 0; i < R * KVH; i++) {
-                const int r = i / KVH, kh = i % KVH;
-                attend(m, s, l, r, kh, wide + (size_t)r * W + kh * G * hd, attn + (size_t)r * D + kh * G * hd, scores);
+            for (int i = 0; i < R * H; i++) {            /* a task per query head */
+                const int r = i / H, qh = i % H;
+                attend(m, s, l, r, qh / G, wide + (size_t)r * W + qh * hd, attn + (size_t)r * D + qh * hd, scores);
             }
             #pragma omp for
             for (int r = 0; r < R; r++)
