@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -37,54 +38,90 @@ def q8_blocks(qw: QWeight) -> np.ndarray:
     return out
 
 
-@dataclass
-class NativeWeights:
-    model: Model
-    arrays: list = field(default_factory=list)     # what the pointers point into
+FORMAT = "twophase-native/1"
+PROJECTIONS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")
 
-    @classmethod
-    def build(cls, spec: ModelSpec) -> "NativeWeights":
-        from twophase.exporters import q4
-        from twophase.exporters.onnx import _cpu_model, calibration_ids, source_gguf
-        from twophase.models.shapes import LlamaArch
 
-        arch = LlamaArch.from_dict(spec.arch)
-        torch_model = _cpu_model(spec)
-        qweights = q4.model_qweights(torch_model, arch, source_gguf(spec))
-        outliers = q4.outlier_channels(torch_model, calibration_ids(spec), spec.outlier_channels)
-        sd = {k: v.detach().float().numpy() for k, v in torch_model.state_dict().items()}
-        keep: list = []
+def manifest(spec: ModelSpec) -> dict:
+    from twophase.exporters.cache import weights_digest
+    from twophase.exporters.onnx import _calibration_digest, source_gguf
 
-        def ptr(a: np.ndarray) -> int:
-            a = np.ascontiguousarray(a)
-            keep.append(a)
-            return a.ctypes.data
+    return {"format": FORMAT, "model_id": spec.model_id, "arch": spec.arch,
+            "weights_sha256": weights_digest(spec), "from_gguf": source_gguf(spec) is not None,
+            "outlier_channels": spec.outlier_channels, "calibration_sha256": _calibration_digest()}
 
-        def proj(key: str) -> ProjQ4:
+
+def pack(spec: ModelSpec, folder: Path) -> None:
+    """Write the model's arrays to ``folder``, one ``.npy`` each (layers stacked)."""
+    from twophase.exporters import q4
+    from twophase.exporters.onnx import _cpu_model, calibration_ids, source_gguf
+    from twophase.models.shapes import LlamaArch
+
+    arch = LlamaArch.from_dict(spec.arch)
+    torch_model = _cpu_model(spec)
+    qweights = q4.model_qweights(torch_model, arch, source_gguf(spec))
+    outliers = q4.outlier_channels(torch_model, calibration_ids(spec), spec.outlier_channels)
+    sd = {k: v.detach().float().numpy() for k, v in torch_model.state_dict().items()}
+    L = arch.num_layers
+    out = {"embed": sd["embed.weight"], "final_norm": sd["norm.weight"],
+           "inv_freq": torch_model.inv_freq.float().numpy(),
+           "attn_norm": np.stack([sd[f"layers.{i}.attn_norm.weight"] for i in range(L)]),
+           "mlp_norm": np.stack([sd[f"layers.{i}.mlp_norm.weight"] for i in range(L)])}
+    for name in PROJECTIONS:
+        parts = {"blocks": [], "zeros": [], "idx": [], "cols": []}
+        for i in range(L):
+            key = f"layers.{i}.{name}.weight"
             qw = qweights[key]
             if qw.bits != 4 or qw.minimum is None:
                 raise ValueError(f"{key}: the native backend runs Q4_1-style weights")
             blocks, zeros = q4_blocks(qw)
             idx = outliers.get(key, np.zeros(0, np.int64)).astype(np.int32)
-            cols = qw.dequantize()[:, idx] if len(idx) else np.zeros((qw.shape[0], 0), np.float32)
-            return ProjQ4(qw.shape[0], qw.shape[1], len(idx), ptr(blocks), ptr(zeros), ptr(idx),
-                          ptr(cols.astype(np.float32)))
+            parts["blocks"].append(blocks)
+            parts["zeros"].append(zeros)
+            parts["idx"].append(idx)
+            parts["cols"].append(qw.dequantize()[:, idx].astype(np.float32))
+        out.update({f"{name}.{k}": np.stack(v) for k, v in parts.items()})
+    head = qweights["lm_head.weight"]
+    if head.bits != 8:
+        raise ValueError("the native backend runs an 8-bit head")
+    out["head"] = q8_blocks(head)
+    for name, a in out.items():
+        np.save(folder / f"{name}.npy", np.ascontiguousarray(a))
 
+
+@dataclass
+class NativeWeights:
+    model: Model
+    arrays: dict = field(default_factory=dict)     # what the pointers point into
+    tables: list = field(default_factory=list)
+
+    @classmethod
+    def build(cls, spec: ModelSpec) -> "NativeWeights":
+        """The model's arrays, packed once (``$TWOPHASE_CACHE/native``) and mapped from there."""
+        from twophase.exporters.cache import build_cached, cache_folder
+        from twophase.models.shapes import LlamaArch
+
+        man = manifest(spec)
+        folder = cache_folder("native", man)
+        build_cached(folder, man, lambda tmp: pack(spec, tmp), what="native weights")
+        a = {f.stem: np.load(f, mmap_mode="r") for f in folder.glob("*.npy")}
+        arch = LlamaArch.from_dict(spec.arch)
         L = arch.num_layers
+
+        def ptr(name: str, *index) -> int:
+            return a[name][index].ctypes.data if index else a[name].ctypes.data
+
         tables = {}
-        for name in ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down"):
-            arr = (ProjQ4 * L)(*(proj(f"layers.{i}.{name}.weight") for i in range(L)))
-            keep.append(arr)
-            tables[name] = ctypes.cast(arr, ctypes.POINTER(ProjQ4))
-        head = qweights["lm_head.weight"]
-        if head.bits != 8:
-            raise ValueError("the native backend runs an 8-bit head")
+        for name in PROJECTIONS:
+            blocks = a[f"{name}.blocks"]
+            n, nb, n_out = blocks.shape[1], blocks.shape[2], a[f"{name}.idx"].shape[1]
+            arr = (ProjQ4 * L)(*(ProjQ4(n, nb * BLOCK, n_out, ptr(f"{name}.blocks", i), ptr(f"{name}.zeros", i),
+                                        ptr(f"{name}.idx", i), ptr(f"{name}.cols", i)) for i in range(L)))
+            tables[name] = arr
+        head = a["head"]
         model = Model(L, arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
                       arch.intermediate_size, arch.vocab_size, arch.rms_norm_eps,
-                      ptr(sd["embed.weight"]),
-                      ptr(np.stack([sd[f"layers.{i}.attn_norm.weight"] for i in range(L)])),
-                      ptr(np.stack([sd[f"layers.{i}.mlp_norm.weight"] for i in range(L)])),
-                      ptr(sd["norm.weight"]), ptr(torch_model.inv_freq.float().numpy()),
-                      tables["attn.qkv"], tables["attn.o"], tables["mlp.gate_up"], tables["mlp.down"],
-                      ProjQ8(head.shape[0], head.shape[1], ptr(q8_blocks(head))))
-        return cls(model, keep)
+                      ptr("embed"), ptr("attn_norm"), ptr("mlp_norm"), ptr("final_norm"), ptr("inv_freq"),
+                      *(ctypes.cast(tables[n], ctypes.POINTER(ProjQ4)) for n in PROJECTIONS),
+                      ProjQ8(head.shape[0], head.shape[1] * BLOCK, ptr("head")))
+        return cls(model, a, list(tables.values()))
