@@ -44,7 +44,7 @@ from torch import nn
 
 from twophase.backends.base import ModelSpec
 from twophase.exporters.cache import build_cached, cache_folder, weights_digest
-from twophase.exporters.onnx import PagedStep, _cpu_model, quiet_exporter_logs, write_new_kv
+from twophase.exporters.onnx import PagedStep, cpu_model, quiet_exporter_logs, write_new_kv
 from twophase.hardware import cpu_name
 from twophase.models.graph_attention import GraphMeta
 
@@ -124,7 +124,7 @@ def _compile_to(model: ModelSpec, device: str, block_size: int, folder: Path) ->
     stages = tqdm(total=4, desc=f"IREE module for {model.model_id}", unit="stage")
     with quiet_exporter_logs(), warnings.catch_warnings(), torch.inference_mode():
         warnings.simplefilter("ignore")
-        steps = PhaseSteps(_cpu_model(model)).eval()
+        steps = PhaseSteps(cpu_model(model)).eval()
         pre_args, pre_dyn, dec_args, dec_dyn = _examples(steps.step.model.arch, model.dtype,
                                                          block_size)
         fxb = aot.FxProgramsBuilder(steps)

@@ -133,7 +133,7 @@ def manifest_for(model: ModelSpec) -> dict[str, Any]:
             "accuracy_level": model.accuracy_level if model.quantization != "none" else None,
             "quant_format": Q4_FORMAT if model.quantization == "q4" else None,
             "outlier_channels": model.outlier_channels if model.quantization == "q4" else None,
-            "calibration_sha256": _calibration_digest() if model.quantization == "q4" else None}
+            "calibration_sha256": calibration_digest() if model.quantization == "q4" else None}
 
 
 def export_dir(manifest: dict[str, Any]) -> Path:
@@ -157,7 +157,7 @@ def export(model: ModelSpec, out_dir: Path | None = None, force: bool = False) -
 def _export_to(model: ModelSpec, folder: Path) -> None:
     """``model.onnx``, the step graph (torch's trace), and for float32 models ``decode.onnx``,
     the graph for all-decode steps (``twophase.exporters.decode_graph``)."""
-    step = PagedStep(_cpu_model(model)).eval()
+    step = PagedStep(cpu_model(model)).eval()
     args, dynamic = _example(step.model.arch, model.dtype)
     with quiet_exporter_logs(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -175,7 +175,7 @@ def _quantize_to(model: ModelSpec, float_graph: Path, folder: Path) -> None:
     from twophase.exporters import q4
 
     gguf = source_gguf(model)
-    torch_model = _cpu_model(model)
+    torch_model = cpu_model(model)
     weights = q4.model_qweights(torch_model, LlamaArch.from_dict(model.arch), gguf)
     outliers = q4.outlier_channels(torch_model, calibration_ids(model), model.outlier_channels)
     n = q4.quantize_graph(float_graph, folder / "model.onnx", weights, model.accuracy_level,
@@ -192,7 +192,7 @@ def _calibration_text() -> str:
     return files("twophase.data").joinpath("calibration.txt").read_text(encoding="utf-8")
 
 
-def _calibration_digest() -> str:
+def calibration_digest() -> str:
     import hashlib
 
     return hashlib.sha256(_calibration_text().encode()).hexdigest()[:16]
@@ -236,7 +236,8 @@ def quiet_exporter_logs():
             lg.setLevel(level)
 
 
-def _cpu_model(model: ModelSpec) -> Llama:
+def cpu_model(model: ModelSpec) -> Llama:
+    """The float model on the CPU: what every exporter traces and quantises from."""
     from twophase.models.weights import build_model
 
     folder = None if model.weights == "random" else Path(model.weights)

@@ -44,21 +44,21 @@ PROJECTIONS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")
 
 def manifest(spec: ModelSpec) -> dict:
     from twophase.exporters.cache import weights_digest
-    from twophase.exporters.onnx import _calibration_digest, source_gguf
+    from twophase.exporters.onnx import calibration_digest, source_gguf
 
     return {"format": FORMAT, "model_id": spec.model_id, "arch": spec.arch,
             "weights_sha256": weights_digest(spec), "from_gguf": source_gguf(spec) is not None,
-            "outlier_channels": spec.outlier_channels, "calibration_sha256": _calibration_digest()}
+            "outlier_channels": spec.outlier_channels, "calibration_sha256": calibration_digest()}
 
 
 def pack(spec: ModelSpec, folder: Path) -> None:
     """Write the model's arrays to ``folder``, one ``.npy`` each (layers stacked)."""
     from twophase.exporters import q4
-    from twophase.exporters.onnx import _cpu_model, calibration_ids, source_gguf
+    from twophase.exporters.onnx import calibration_ids, cpu_model, source_gguf
     from twophase.models.shapes import LlamaArch
 
     arch = LlamaArch.from_dict(spec.arch)
-    torch_model = _cpu_model(spec)
+    torch_model = cpu_model(spec)
     qweights = q4.model_qweights(torch_model, arch, source_gguf(spec))
     outliers = q4.outlier_channels(torch_model, calibration_ids(spec), spec.outlier_channels)
     sd = {k: v.detach().float().numpy() for k, v in torch_model.state_dict().items()}
