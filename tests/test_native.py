@@ -39,17 +39,18 @@ def _all_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
     return llm.prefill_backend.prefill(batch)
 
 
-def test_native_logits_match_the_dequantised_model():
-    """Several sequences' chunks in one step; int8 activations, as onnxruntime's level 4: the
-    same stated tolerance (measured: 8e-3)."""
+@pytest.mark.parametrize("outliers", [8, 13])          # 13: the kernel's scalar tail too
+def test_native_logits_match_the_dequantised_model(outliers):
+    """Several sequences' chunks in one step; int8 activations, as onnxruntime's level 4
+    (measured: 8e-3 relative)."""
     from test_quant import _dequantised_reference
 
-    native = tiny_llm(model=Q4, backend={"name": "native"})
+    native = tiny_llm(model={**Q4, "outlier_channels": outliers}, backend={"name": "native"})
     ref = _dequantised_reference(native)
     prompts = [list(range(5 + i, 40 + 3 * i)) for i in range(4)]
     got, want = _all_logits(native, prompts), _all_logits(ref, prompts)
     rel = float((got - want).abs().max() / want.abs().max())
-    assert rel < 5e-2, f"logits differ by {rel:.2e} (relative)"
+    assert rel < 2e-2, f"logits differ by {rel:.2e} (relative)"
 
 
 def test_decode_after_prefill_equals_one_prefill_of_all_the_tokens():
@@ -78,16 +79,22 @@ def test_batching_chunking_and_preemption_change_no_token():
 
 
 def test_prefill_on_onnxruntime_decode_on_native():
-    """The routing the backend is for: one pool, two backends; the first token is
-    onnxruntime's own."""
-    p = SamplingParams(max_tokens=6, ignore_eos=True)
-    prompts = random_prompts(3, seed=1)
-    routed = tiny_llm(model=Q4, backend={"prefill": {"name": "onnxruntime"}, "decode": {"name": "native"}})
-    assert type(routed.engine.decode_backend).__name__ == "NativeBackend"
-    ort = tiny_llm(model=Q4, backend={"name": "onnxruntime"})
-    got, want = routed.generate(prompts, p), ort.generate(prompts, p)
-    assert [o.token_ids[0] for o in got] == [o.token_ids[0] for o in want]
-    assert all(len(o.token_ids) == 6 for o in got)
+    """The routing the backend is for: native decodes over K/V onnxruntime wrote, and its logits
+    agree with onnxruntime's own decode of the same batch (both round activations to int8)."""
+    llm = tiny_llm(model=Q4, backend={"prefill": {"name": "onnxruntime"}, "decode": {"name": "native"}})
+    eng, ort, native = llm.engine, llm.engine.prefill_backend, llm.engine.decode_backend
+    assert type(native).__name__ == "NativeBackend"
+    reqs = [eng.add_request(q, SamplingParams(max_tokens=8, ignore_eos=True)) for q in random_prompts(4, seed=1)]
+    while any(r.num_output_tokens < 2 for r in reqs):
+        eng.step()
+    batch = eng._decode_batch(eng.scheduler.schedule().decodes)
+    pool = llm.kv_cache.pool
+    before = pool.clone()
+    want = ort.decode(batch)
+    pool.copy_(before)
+    got = native.decode(batch)
+    rel = float((got - want).abs().max() / want.abs().max())
+    assert rel < 2e-2, f"native decode differs from onnxruntime's by {rel:.2e}"
 
 
 def test_native_refuses_float_weights_and_bad_options():
@@ -97,6 +104,22 @@ def test_native_refuses_float_weights_and_bad_options():
         tiny_llm(backend={"name": "native"})
     with pytest.raises(ConfigError, match="threads"):
         tiny_llm(model=Q4, backend={"name": "native", "options": {"threads": 0}})
+
+
+def test_native_refuses_shapes_it_does_not_compute():
+    from dataclasses import replace
+
+    from twophase.backends.native import check_arch
+    from twophase.errors import ConfigError
+    from twophase.models.shapes import LlamaArch
+
+    arch = LlamaArch.from_dict(tiny_llm(model=Q4, backend={"name": "native"}).backend.arch.to_dict())
+    check_arch(arch)
+    for bad, why in ((replace(arch, attention_bias=True), "bias"),
+                     (replace(arch, head_dim=arch.head_dim * 2), "head_dim"),
+                     (replace(arch, intermediate_size=arch.intermediate_size + 8), "multiples of 32")):
+        with pytest.raises(ConfigError, match=why):
+            check_arch(bad)
 
 
 @pytest.mark.slow

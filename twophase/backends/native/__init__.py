@@ -23,6 +23,23 @@ from twophase.models.shapes import LlamaArch
 OPTIONS = {"threads"}
 
 
+def check_arch(arch: LlamaArch) -> None:
+    """Refuse, naming why, the shapes ``step.c`` does not compute: biases, heads that do not
+    tile the hidden size, widths that are not whole blocks of 32."""
+    why = []
+    if arch.attention_bias or arch.mlp_bias:
+        why.append("bias terms")
+    if arch.num_heads * arch.head_dim != arch.hidden_size:
+        why.append(f"heads x head_dim ({arch.num_heads} x {arch.head_dim}) != hidden size {arch.hidden_size}")
+    if arch.num_heads % arch.num_kv_heads:
+        why.append(f"{arch.num_heads} query heads over {arch.num_kv_heads} KV heads")
+    if arch.hidden_size % 32 or arch.intermediate_size % 32:
+        why.append("hidden or intermediate sizes that are not multiples of 32")
+    if why:
+        raise ConfigError("backend.name", f"the native backend does not run models with {'; '.join(why)}; "
+                                          f"use onnxruntime")
+
+
 class NativeBackend(Backend):
     name = "native"
     quantizations = ("q4",)
@@ -46,12 +63,13 @@ class NativeBackend(Backend):
             raise ConfigError("backend.options.threads", f"must be a positive integer; got {threads!r}")
         if model.dtype != torch.float32:
             raise ConfigError("model.dtype", f"the native backend runs float32, not {model.dtype}")
+        self.arch = LlamaArch.from_dict(model.arch)
+        check_arch(self.arch)
         from twophase.backends.native import kernel
         from twophase.backends.native.weights import NativeWeights
 
         self.lib = kernel.load()
         self.threads = threads
-        self.arch = LlamaArch.from_dict(model.arch)
         self.weights = NativeWeights.build(model)
         self.scratch = torch.empty(0)
 
@@ -90,12 +108,16 @@ class NativeBackend(Backend):
         max_ctx = int(ctx.max())
         if tables.shape[1] * self.kv.block_size < max_ctx:
             raise ValueError(f"block tables of width {tables.shape[1]} for {max_ctx} tokens")
+        pool = self.kv.pool
+        slots_in_pool = pool.shape[2] * pool.shape[4]
+        if int(slots.min()) < 0 or int(slots.max()) >= slots_in_pool or int(tables.min()) < 0 \
+                or int(tables.max()) >= pool.shape[2]:
+            raise ValueError("slots or block ids outside the pool")     # C would write past it
         rows, n_logits = tokens.shape[0], logit_rows.shape[0]
         need = self.lib.step_scratch_floats(self.weights.model, rows, max_ctx, self.threads)
         if self.scratch.numel() < need:
             self.scratch = torch.empty(int(need * 1.25) + 1024, dtype=torch.float32)
         logits = torch.empty(n_logits, self.arch.vocab_size, dtype=torch.float32)
-        pool = self.kv.pool
         keep = (tokens, positions, slots, tables, seq, ctx, logit_rows)
         s = Step(rows, tokens.data_ptr(), positions.data_ptr(), slots.data_ptr(), tables.data_ptr(),
                  tables.shape[1], seq.data_ptr(), ctx.data_ptr(), n_logits, logit_rows.data_ptr(),

@@ -52,20 +52,33 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
+def cpu_flags() -> tuple[str, set[str]]:
+    """This CPU's model name and feature flags, from ``/proc/cpuinfo``."""
+    name, flags = "", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and not name:
+                name = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    return name, flags
+
+
+def cpu_signature() -> str:
+    name, flags = cpu_flags()
+    return name + " " + " ".join(sorted(flags))
+
+
 def check_machine() -> None:
     """Raise ``BackendUnavailable`` unless this is an x86-64 Linux CPU with AVX2, FMA and F16C
     and a C compiler with OpenMP."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         raise BackendUnavailable(f"the native backend runs on x86-64 Linux, not "
                                  f"{platform.system()} {platform.machine()}")
-    flags = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
+    _, flags = cpu_flags()
     missing = [f for f in CPU_FLAGS if f not in flags]
     if missing:
         raise BackendUnavailable(f"the native backend's kernels need {', '.join(CPU_FLAGS)}; this "
@@ -83,17 +96,19 @@ def load() -> ctypes.CDLL:
     source = files("twophase.backends.native").joinpath("step.c").read_bytes()
     cc = compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(source + " ".join([cc, version, *FLAGS]).encode()).hexdigest()[:12]
+    # -march=native: the build is this CPU's; a cache shared with another CPU must not reuse it
+    key = hashlib.sha256(source + " ".join([cc, version, *FLAGS, cpu_signature()]).encode()).hexdigest()[:12]
     lib = cache_dir() / "native" / f"step-{key}.so"
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)
-        src = lib.with_suffix(".c")
+        src = lib.with_name(f"{lib.stem}.{os.getpid()}.c")
         src.write_bytes(source)
         tmp = lib.with_name(lib.name + f".{os.getpid()}.tmp")
         done = subprocess.run([cc, *FLAGS, str(src), "-o", str(tmp)], capture_output=True, text=True)
         if done.returncode != 0:
             raise BackendUnavailable(f"compiling the native kernels with {cc} failed:\n{done.stderr[-2000:]}")
         tmp.replace(lib)
+        src.unlink()
     so = ctypes.CDLL(str(lib))
     so.step.argtypes = [POINTER(Model), POINTER(Step)]
     so.step.restype = None

@@ -1,7 +1,11 @@
 """The model in the layout ``step.c`` reads: Q4_1 blocks (fp16 ``d`` and ``m``, elements ``j``
 and ``j + 16`` in one byte, as GGUF stores them), a zero point per block, the outlier channels'
 float32 weights, the head in Q8_0 blocks; norms, embedding and RoPE frequencies in float32.
-The arrays live here; the C structs hold pointers into them."""
+The arrays live here; the C structs hold pointers into them.
+
+The GGUF's own blocks are taken exactly. Weights quantised here (HF folders, random weights)
+have float32 ``d`` and ``m``, which the fp16 fields round (by at most 2^-11 of each): for them
+this backend computes a model a rounding away from the onnxruntime backend's q4."""
 
 from __future__ import annotations
 
@@ -119,6 +123,9 @@ class NativeWeights:
                                         ptr(f"{name}.idx", i), ptr(f"{name}.cols", i)) for i in range(L)))
             tables[name] = arr
         head = a["head"]
+        if head.shape[0] != arch.vocab_size or a["embed"].shape != (arch.vocab_size, arch.hidden_size) \
+                or head.shape[1] * BLOCK != arch.hidden_size:
+            raise ValueError(f"packed weights in {folder} do not match the model's shapes")
         model = Model(L, arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
                       arch.intermediate_size, arch.vocab_size, arch.rms_norm_eps,
                       ptr("embed"), ptr("attn_norm"), ptr("mlp_norm"), ptr("final_norm"), ptr("inv_freq"),
