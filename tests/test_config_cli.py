@@ -492,3 +492,11 @@ def test_cli_backends_lists_torch_builtin(cli):
     rows = [line for line in r.stdout.splitlines() if "torch" in line and "built-in" in line]
     assert rows, str(r)
     assert "yes" in rows[0]          # the torch backend runs on the CPU here
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parent.parent / "examples").glob("*.toml")),
+                         ids=lambda p: p.name)
+def test_every_example_config_passes_the_checks(path):
+    from twophase.config import load_config
+
+    load_config(path)
