@@ -267,6 +267,17 @@ static void attend(const model_t *m, const step_t *s, int layer, int r, int kh, 
     }
 }
 
+/* each row of x normed into h and rounded for the projection p (rows split across threads) */
+static void norm_rows(const model_t *m, const float *x, const float *gamma, float *h, int rows,
+                      const proj_q4 *p, qact a) {
+    const int D = m->dim;
+    #pragma omp for
+    for (int r = 0; r < rows; r++) {
+        rmsnorm(x + (size_t)r * D, gamma, h + (size_t)r * D, D, m->eps);
+        quantize_row(h + (size_t)r * D, D, p->out_idx, p->n_out, row_of(a, r, D));
+    }
+}
+
 static int widest(const model_t *m) {
     const int q = (m->heads + 2 * m->kv_heads) * m->head_dim;
     return 2 * m->ffn > q ? 2 * m->ffn : q;
@@ -305,11 +316,7 @@ void step(const model_t *m, const step_t *s) {
 
         for (int l = 0; l < m->layers; l++) {
             const proj_q4 *qkv = m->qkv + l, *o = m->o + l, *gu = m->gate_up + l, *dn = m->down + l;
-            #pragma omp for
-            for (int r = 0; r < R; r++) {
-                rmsnorm(x + (size_t)r * D, m->attn_norm + (size_t)l * D, h + (size_t)r * D, D, m->eps);
-                quantize_row(h + (size_t)r * D, D, qkv->out_idx, qkv->n_out, row_of(a, r, D));
-            }
+            norm_rows(m, x, m->attn_norm + (size_t)l * D, h, R, qkv, a);
             matmul_q4(qkv, R, a, wide, W, 0);
             #pragma omp for
             for (int r = 0; r < R; r++) {          /* RoPE, then the token's K/V into the pool */
@@ -331,11 +338,7 @@ void step(const model_t *m, const step_t *s) {
             for (int r = 0; r < R; r++)
                 quantize_row(attn + (size_t)r * D, D, o->out_idx, o->n_out, row_of(a, r, D));
             matmul_q4(o, R, a, x, D, 1);             /* into the residual */
-            #pragma omp for
-            for (int r = 0; r < R; r++) {
-                rmsnorm(x + (size_t)r * D, m->mlp_norm + (size_t)l * D, h + (size_t)r * D, D, m->eps);
-                quantize_row(h + (size_t)r * D, D, gu->out_idx, gu->n_out, row_of(a, r, D));
-            }
+            norm_rows(m, x, m->mlp_norm + (size_t)l * D, h, R, gu, a);
             matmul_q4(gu, R, a, wide, W, 0);
             #pragma omp for
             for (int r = 0; r < R; r++) {
