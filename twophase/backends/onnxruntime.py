@@ -3,8 +3,9 @@ session, CPU execution provider on ``device = "cpu"``, CUDA execution provider o
 
 Zero-copy: the engine's KV pool, the small index inputs and the outputs are bound with IOBinding
 on the tensors' own memory (device pointers on CUDA), so a step copies neither the pool nor
-anything through the host; the index inputs are built on the host each step (block ids, masks). The graph returns the new tokens' K/V; they are written into the pool
-at the batch's slots (``index_put`` on the pool itself).
+anything through the host; the index inputs are built on the host each step (block ids, masks).
+The graph returns the new tokens' K/V; they are written into the pool at the batch's slots
+(``index_copy_`` on the pool itself).
 
 Steps that are all decodes run a second, decode-only graph on the CPU
 (``twophase.exporters.decode_graph``; option ``decode_graph = false`` keeps them on the step

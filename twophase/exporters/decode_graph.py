@@ -77,6 +77,7 @@ def build(torch_model, path: Path, qweights: dict[str, QWeight] | None = None,
                         "kv_past": [1, 0, 0, -1, hd], "split_gu": [a.intermediate_size] * 2,
                         "new_kv": [L, -1, KVH, hd]}.items():
         const(name, np.array(value, np.int64))
+    const("scale", np.array(hd ** -0.5, np.float32))
     res = op("Gather", [const("embed", sd["embed.weight"]), "input_ids"], ["x0"], axis=0)
     pool = op("Flatten", ["kv_pool"], ["pool_blocks"], axis=3)       # [L * 2 * NB, KVH * BS * hd]
 
@@ -102,7 +103,6 @@ def build(torch_model, path: Path, qweights: dict[str, QWeight] | None = None,
         out = op("MatMul", [op("Softmax", [scores], [p + "probs"], axis=-1), values], [p + "attn"])
         return op("Reshape", [out, "rows2d"], [p + "attn2d"]), new[0], new[1]
 
-    const("scale", np.array(hd ** -0.5, np.float32))
     mlp_out, new_k, new_v = None, [], []
     eps = a.rms_norm_eps
     for i in range(L):

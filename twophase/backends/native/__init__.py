@@ -118,13 +118,11 @@ class NativeBackend(Backend):
         if self.scratch.numel() < need:
             self.scratch = torch.empty(int(need * 1.25) + 1024, dtype=torch.float32)
         logits = torch.empty(n_logits, self.arch.vocab_size, dtype=torch.float32)
-        keep = (tokens, positions, slots, tables, seq, ctx, logit_rows)
         s = Step(rows, tokens.data_ptr(), positions.data_ptr(), slots.data_ptr(), tables.data_ptr(),
                  tables.shape[1], seq.data_ptr(), ctx.data_ptr(), n_logits, logit_rows.data_ptr(),
                  pool.data_ptr(), pool.shape[2], pool.shape[4], logits.data_ptr(),
                  self.scratch.data_ptr(), max_ctx, self.threads)
-        self.lib.step(self.weights.model, s)
-        del keep
+        self.lib.step(self.weights.model, s)     # the tensors above outlive the call
         return logits
 
 
