@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import sysconfig
 import textwrap
 from pathlib import Path
 
@@ -25,12 +26,19 @@ def _run(python, *args, env=None, cwd=None, timeout=900):
 
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory):
-    """A virtual environment that sees this one's packages (twophase, torch) and gets the
-    plugin installed with pip, as a user would."""
+    """A virtual environment that sees this one's packages (twophase, torch, setuptools) and
+    gets the plugin installed with pip, as a user would. A ``.pth`` file, not
+    ``--system-site-packages``: from inside a venv, that flag shows the *base* interpreter's
+    packages, whose setuptools may predate ``bdist_wheel`` (a fresh machine's does)."""
     path = tmp_path_factory.mktemp("venv")
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip",
-                    str(path)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True)
     python = path / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    outer = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    # an "import" line runs: addsitedir also reads the outer .pth files (an editable install)
+    Path(site, "outer-env.pth").write_text(
+        "".join(f"import site; site.addsitedir({p!r})\n" for p in sorted(outer)))
     assert _pip(python, "install", "--no-deps", "--no-build-isolation", str(PLUGIN)).returncode == 0
     return python
 
