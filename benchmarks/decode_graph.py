@@ -17,6 +17,7 @@ from rich.table import Table
 
 from twophase import LLM, SamplingParams
 from twophase.backends.base import DecodeBatch
+from twophase.core.batch import decode_batch
 
 
 def engine(quantization: str, **options) -> LLM:
@@ -34,7 +35,7 @@ def decode_batch(llm: LLM, size: int, context: int) -> DecodeBatch:
             for i in range(size)]
     while any(r.num_output_tokens < 2 for r in reqs):
         eng.step()
-    return eng._decode_batch(eng.scheduler.schedule().decodes)
+    return decode_batch(eng.scheduler.schedule().decodes, eng.kv)
 
 
 def main() -> None:

@@ -147,9 +147,9 @@ def make_engine(num_blocks: int, block_size: int, max_num_seqs: int, max_num_bat
                        spec.head_dim, dtype=spec.dtype)
     backend.bind_kv_cache(KVCache(pool, block_size))
     kv = KVManager(num_blocks, block_size, prefix_caching)
-    scheduler = Scheduler(kv, max_num_seqs, max_num_batched_tokens, policy, chunked_prefill)
-    return Engine(backend, backend, kv, scheduler, None, max_model_len, eos_token_ids=(EOS,),
-                  vocab_size=VOCAB)
+    scheduler = Scheduler(kv, max_num_seqs, max_num_batched_tokens, policy, chunked_prefill,
+                          max_model_len=max_model_len, eos_token_ids=(EOS,), vocab_size=VOCAB)
+    return Engine(backend, backend, scheduler, vocab_size=VOCAB)
 
 
 def greedy(max_tokens: int) -> SamplingParams:

@@ -9,6 +9,7 @@ import torch
 from conftest import GREEDY_TOKENS, assert_greedy_match, top2_gaps
 from twophase import SamplingParams
 from twophase.models import hub
+from twophase.core.batch import prefill_batch
 
 pytestmark = pytest.mark.slow
 REF_TOKENS = 48
@@ -75,9 +76,8 @@ def test_prompt_logits_close_to_hf(hf, default_llm, default_prompts):
     req = eng.add_request(prompt, SamplingParams(max_tokens=1))
     sched = eng.scheduler.schedule()
     (r, n), = sched.prefills
-    logits = default_llm.backend.prefill(eng._prefill_batch([(r, r.num_computed_tokens, n)]))[0]
+    logits = default_llm.backend.prefill(prefill_batch([(r, r.num_computed_tokens, n)], eng.kv))[0]
     eng.abort(req.request_id)
-    eng.release(req.request_id)
     err = (logits - ref).abs().max() / ref.abs().max()
     assert err < 1e-4, f"relative logit error {err:.2e}"
 
@@ -117,9 +117,10 @@ def test_streamed_text_equals_final_text_with_stop_strings(default_llm, default_
     stop = free.text[len(free.text) // 2:len(free.text) // 2 + 3]
     eng = default_llm.engine
     req = eng.add_request(default_prompts[3], SamplingParams(max_tokens=GREEDY_TOKENS, stop=[stop, "zzzz"]))
-    streamed = []
+    streamed, mine = [], []
     while not req.finished:
-        streamed += [d.text for d in eng.step() if d.request_id == req.request_id]
-    eng.release(req.request_id)
-    assert "".join(streamed) == req.text == free.text[:free.text.index(stop)]
-    assert req.finish_reason == "stop"
+        mine += [d for d in eng.step() if d.request_id == req.request_id]
+    streamed = [d.text for d in mine]
+    final = mine[-1].output
+    assert "".join(streamed) == final.text == free.text[:free.text.index(stop)]
+    assert req.finish_reason == final.finish_reason == "stop"

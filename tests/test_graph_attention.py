@@ -8,6 +8,7 @@ import torch
 from conftest import tiny_llm
 from twophase import SamplingParams
 from twophase.exporters.onnx import PagedStep, graph_inputs, run_eager, write_new_kv
+from twophase.core.batch import prefill_batch
 
 
 def _mixed_batch(llm):
@@ -24,7 +25,7 @@ def _mixed_batch(llm):
     items = [(r, r.num_computed_tokens, 1) for r in sched.decodes] + \
             [(r, r.num_computed_tokens, n) for r, n in sched.prefills]
     assert any(s > 0 and n > 1 for _, s, n in items), "want a chunk after cached tokens"
-    return eng._prefill_batch(items)
+    return prefill_batch(items, eng.kv)
 
 
 def test_graph_function_equals_eager_on_a_mixed_batch():
@@ -53,7 +54,7 @@ def test_graph_function_handles_decodes_only_and_chunks_only():
     reqs = [eng.add_request(list(range(5, 5 + n)), SamplingParams(max_tokens=9, ignore_eos=True))
             for n in (9, 17)]
     sched = eng.scheduler.schedule()
-    chunks = eng._prefill_batch([(r, 0, n) for r, n in sched.prefills])
+    chunks = prefill_batch([(r, 0, n) for r, n in sched.prefills], eng.kv)
     before = llm.kv_cache.pool.clone()
     want = llm.backend.prefill(chunks)
     got, _, _ = run_eager(PagedStep(llm.backend.model), before, graph_inputs(chunks, 4))
@@ -62,7 +63,7 @@ def test_graph_function_handles_decodes_only_and_chunks_only():
         r.num_computed_tokens += n
         r.token_ids.append(7)
     eng.scheduler.schedule()        # allocates the decode slots
-    dec = eng._prefill_batch([(r, r.num_computed_tokens, 1) for r in reqs])
+    dec = prefill_batch([(r, r.num_computed_tokens, 1) for r in reqs], eng.kv)
     before = llm.kv_cache.pool.clone()
     want = llm.backend.prefill(dec)
     got, _, _ = run_eager(PagedStep(llm.backend.model), before, graph_inputs(dec, 4))

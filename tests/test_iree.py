@@ -12,6 +12,7 @@ from conftest import (GREEDY_TOKENS, assert_greedy_match, assert_prefix_hits_giv
                       assert_same_tokens_with_preemption, tiny_llm)
 from twophase import LLM, SamplingParams
 from twophase.backends.base import BackendConfig, BackendUnavailable, KVCache, ModelSpec
+from twophase.core.batch import decode_batch, prefill_batch
 
 pytest.importorskip("iree.runtime")
 pytest.importorskip("iree.turbine")
@@ -63,14 +64,14 @@ def test_logits_match_torch_on_the_same_pool(case, pool):
     assert iree.capabilities().shares_kv_pool == (pool == "shared")
     if case == "decodes of unequal lengths":
         assert not sched.prefills and len({r.num_computed_tokens for r in sched.decodes}) > 1
-        batch = eng._decode_batch(sched.decodes)
+        batch = decode_batch(sched.decodes, eng.kv)
         want, got = llm.backend.decode(batch), iree.decode(batch)
     else:
         items = [(r, r.num_computed_tokens, 1) for r in sched.decodes] + \
                 [(r, r.num_computed_tokens, n) for r, n in sched.prefills]   # decodes as chunks
         if case == "chunk after cached tokens":
             assert any(s > 0 and n > 1 for _, s, n in items)
-        batch = eng._prefill_batch(items)
+        batch = prefill_batch(items, eng.kv)
         batch.logits = "all" if case == "all positions" else "last"
         want, got = llm.backend.prefill(batch), iree.prefill(batch)
     assert got.shape == want.shape

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from int_backend import EOS, VOCAB, expected_tokens, greedy, make_engine
 from twophase.core.engine import Engine
+from twophase.core.request import Request
 from twophase.errors import RequestRejected
 
 
@@ -96,6 +97,7 @@ def run_workload(w: Workload) -> None:
     eng = make_engine(w.num_blocks, w.block_size, w.max_num_seqs, w.budget, w.policy,
                       w.chunked_prefill, w.prefix_caching, w.max_model_len)
     accepted: dict[str, Job] = {}
+    held: dict[str, Request] = {}                   # the engine forgets a request once it ends
     aborted: set[str] = set()
     last_arrival = max(j.arrival for j in w.jobs)
     limit = 100 + 4 * sum(len(j.prompt) + j.max_tokens for j in w.jobs)
@@ -105,7 +107,7 @@ def run_workload(w: Workload) -> None:
             rid = str(i)
             if job.arrival == step:
                 try:
-                    eng.add_request(job.prompt, greedy(job.max_tokens), request_id=rid)
+                    held[rid] = eng.add_request(job.prompt, greedy(job.max_tokens), request_id=rid)
                     accepted[rid] = job
                 except RequestRejected as e:
                     assert str(e), "a rejection must say why"
@@ -123,7 +125,7 @@ def run_workload(w: Workload) -> None:
     assert pool.num_free == w.num_blocks and not any(pool.ref_cnt), "blocks leaked"
     assert not eng.kv.tables
     for rid, job in accepted.items():
-        req = eng.requests[rid]
+        req = held[rid]
         want = expected_tokens(job.prompt, job.max_tokens)
         assert req.finished, req
         if rid in aborted:
@@ -132,12 +134,13 @@ def run_workload(w: Workload) -> None:
         else:
             assert req.output_token_ids == want, f"request {rid} ({req.num_preemptions} preempted)"
             assert req.finish_reason == ("stop" if want[-1] == EOS else "length")
-    reqs = [eng.requests[rid] for rid in accepted]
+    reqs = [held[rid] for rid in accepted]
+    assert not eng.requests, "the engine must forget finished requests"
     event(f"preempted: {eng.scheduler.num_preemptions > 0}")
     event(f"prefix-cache hit: {any(r.num_cached_tokens for r in reqs)}")
     event(f"prompt longer than budget: {any(r.num_prompt_tokens > w.budget for r in reqs)}")
     event(f"rejected: {len(accepted) < len(w.jobs)}, aborted: {bool(aborted)}")
-    for call in eng.prefill_backend.calls:
+    for call in eng.executor.prefill_backend.calls:
         assert call.num_tokens <= w.budget, f"{call} exceeds max_num_batched_tokens {w.budget}"
         assert call.num_seqs <= w.max_num_seqs, f"{call} exceeds max_num_seqs {w.max_num_seqs}"
 

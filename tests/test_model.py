@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from twophase import LLM, SamplingParams
+from twophase.core.batch import prefill_batch
 
 transformers = pytest.importorskip("transformers")
 
@@ -44,13 +45,13 @@ def test_hf_folder_logits_match_transformers(hf_folder):
     eng = llm.engine
     req = eng.add_request(ids[0].tolist(), SamplingParams(max_tokens=1))
     assert eng.kv.allocate(req, 150)
-    batch = eng._prefill_batch([(req, 0, 150)])
+    batch = prefill_batch([(req, 0, 150)], eng.kv)
     batch.logits = "all"
     got = llm.backend.prefill(batch)
     assert _rel(got, want) < 1e-4
     # the same prompt as three chunks after cached tokens: each chunk sees its cached prefix
     for start, n in ((0, 40), (40, 70), (110, 40)):
-        b = eng._prefill_batch([(req, start, n)])
+        b = prefill_batch([(req, start, n)], eng.kv)
         b.logits = "all"
         assert _rel(llm.backend.prefill(b), want[start:start + n]) < 1e-4, (start, n)
     eng.abort(req.request_id)

@@ -10,6 +10,7 @@ import torch
 from conftest import PREEMPTING, random_prompts, tiny_llm
 from twophase import LLM, SamplingParams
 from twophase.backends.base import BackendUnavailable
+from twophase.core.batch import decode_batch, prefill_batch
 
 Q4 = {"quantization": "q4"}
 
@@ -34,7 +35,7 @@ def _all_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
     for p in prompts:
         eng.add_request(p, SamplingParams(max_tokens=2))
     sched = eng.scheduler.schedule()
-    batch = eng._prefill_batch([(r, 0, n) for r, n in sched.prefills])
+    batch = prefill_batch([(r, 0, n) for r, n in sched.prefills], eng.kv)
     batch.logits = "all"
     return llm.prefill_backend.prefill(batch)
 
@@ -82,12 +83,12 @@ def test_prefill_on_onnxruntime_decode_on_native():
     """The routing the backend is for: native decodes over K/V onnxruntime wrote, and its logits
     agree with onnxruntime's own decode of the same batch (both round activations to int8)."""
     llm = tiny_llm(model=Q4, backend={"prefill": {"name": "onnxruntime"}, "decode": {"name": "native"}})
-    eng, ort, native = llm.engine, llm.engine.prefill_backend, llm.engine.decode_backend
+    eng, ort, native = llm.engine, llm.prefill_backend, llm.decode_backend
     assert type(native).__name__ == "NativeBackend"
     reqs = [eng.add_request(q, SamplingParams(max_tokens=8, ignore_eos=True)) for q in random_prompts(4, seed=1)]
     while any(r.num_output_tokens < 2 for r in reqs):
         eng.step()
-    batch = eng._decode_batch(eng.scheduler.schedule().decodes)
+    batch = decode_batch(eng.scheduler.schedule().decodes, eng.kv)
     pool = llm.kv_cache.pool
     before = pool.clone()
     want = ort.decode(batch)

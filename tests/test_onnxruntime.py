@@ -14,6 +14,7 @@ from twophase import LLM, SamplingParams
 from twophase.backends.base import BackendUnavailable
 from twophase.exporters import onnx as exporter
 from twophase.exporters.cache import is_fresh
+from twophase.core.batch import decode_batch, prefill_batch
 
 pytest.importorskip("onnxruntime")
 
@@ -56,7 +57,7 @@ def test_logits_match_torch_on_the_same_pool(case):
         assert any(s > 0 and n > 1 for _, s, n in items)
     if case == "decodes of unequal lengths":
         assert len({s for _, s, _ in items}) > 1 and all(n == 1 for _, _, n in items)
-    batch = eng._prefill_batch(items)
+    batch = prefill_batch(items, eng.kv)
     batch.logits = "all" if case == "all positions" else "last"
     before = llm.kv_cache.pool.clone()
     want = llm.backend.prefill(batch)
@@ -164,7 +165,7 @@ def test_decode_graph_equals_the_step_graph(model):
         eng.step()
     sched = eng.scheduler.schedule()
     assert not sched.prefills and len({r.num_computed_tokens for r in sched.decodes}) > 1
-    batch = eng._decode_batch(sched.decodes)
+    batch = decode_batch(sched.decodes, eng.kv)
     pool = llm.kv_cache.pool
     before = pool.clone()
     got = ort.decode(batch)

@@ -15,6 +15,7 @@ import torch
 from conftest import tiny_llm
 from twophase import LLM, SamplingParams
 from twophase.models import quant
+from twophase.core.batch import prefill_batch
 
 pytest.importorskip("onnxruntime")
 
@@ -182,7 +183,7 @@ def test_q4_logits_match_the_dequantised_model(level, tol):
     rows = []
     for llm in (q4, ref):
         sched = llm.engine.scheduler.schedule()
-        batch = llm.engine._prefill_batch([(r, 0, n) for r, n in sched.prefills])
+        batch = prefill_batch([(r, 0, n) for r, n in sched.prefills], llm.engine.kv)
         batch.logits = "all"
         rows.append(llm.prefill_backend.prefill(batch))
     got, want = rows

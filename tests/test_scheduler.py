@@ -12,7 +12,7 @@ from twophase.errors import RequestRejected
 
 
 def backend(eng: Engine) -> IntBackend:
-    return eng.prefill_backend  # type: ignore[return-value]
+    return eng.executor.prefill_backend  # type: ignore[return-value]
 
 
 def step_ids(eng: Engine) -> set[str]:

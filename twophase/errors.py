@@ -32,3 +32,12 @@ class InvalidSamplingParam(TwophaseError, ValueError):
         self.name = name
         self.message = message
         super().__init__(f"SamplingParams.{name} {message}")
+
+
+class StepFailed(TwophaseError):
+    """An engine step raised; the requests it computed (``request_ids``) were ended with
+    ``finish_reason = "error"`` and their blocks freed. The cause is chained."""
+
+    def __init__(self, message: str, request_ids: list[str]):
+        self.request_ids = list(request_ids)
+        super().__init__(message)

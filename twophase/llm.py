@@ -11,7 +11,6 @@ import dataclasses
 
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,37 +22,14 @@ from twophase.config import Config, SchedulerConfig, load_config
 from twophase.core.engine import Engine
 from twophase.core.kv_manager import KVManager
 from twophase.core.metrics import phase_report
+from twophase.core.outputs import RequestOutput
 from twophase.core.params import SamplingParams
-from twophase.core.request import Request, RequestTimes
 from twophase.core.scheduler import Scheduler
 from twophase.errors import ConfigError, ModelError, RequestRejected
 from twophase.models import loader
 
 log = logging.getLogger(__name__)
 GiB = 1 << 30
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None          # "stop", "length", "abort" or "rejected"
-    logprobs: list[dict[int, float]] = field(default_factory=list)
-    metrics: dict[str, Any] = field(default_factory=dict)
-    error: str | None = None            # why a rejected request was rejected
-    times: RequestTimes | None = None   # raw clock readings behind the metrics
-
-    @classmethod
-    def from_request(cls, r: Request) -> "RequestOutput":
-        t = r.times
-        return cls(r.request_id, r.prompt, r.prompt_token_ids, r.output_token_ids, r.text,
-                   r.finish_reason, r.logprobs,
-                   {"ttft_s": t.ttft, "tpot_s": t.tpot, "itl_s": t.itl, "e2e_s": t.e2e,
-                    "num_cached_tokens": r.num_cached_tokens, "num_preemptions": r.num_preemptions},
-                   times=t)
 
 
 class LLM:
@@ -193,10 +169,12 @@ class LLM:
             raise ConfigError("scheduler.max_num_batched_tokens",
                               f"{budget} must exceed scheduler.max_num_seqs ({max_seqs})")
         kv = KVManager(self.num_blocks, cc.block_size, cc.prefix_caching)
-        scheduler = Scheduler(kv, max_seqs, budget, sc.policy, chunked)
-        return Engine(self.prefill_backend, self.decode_backend, kv, scheduler, self.tokenizer,
-                      self.max_model_len, self.model.arch.eos_token_ids, clock,
-                      vocab_size=self.model.arch.vocab_size)
+        arch = self.model.arch
+        scheduler = Scheduler(kv, max_seqs, budget, sc.policy, chunked,
+                              max_model_len=self.max_model_len,
+                              eos_token_ids=tuple(arch.eos_token_ids), vocab_size=arch.vocab_size)
+        return Engine(self.prefill_backend, self.decode_backend, scheduler, self.tokenizer,
+                      vocab_size=arch.vocab_size, clock=clock)
 
     # -- generation -------------------------------------------------------------------------
     def apply_chat_template(self, prompt: str) -> str:
@@ -223,18 +201,15 @@ class LLM:
                 pending[req.request_id] = i
             except RequestRejected as exc:
                 log.warning("prompt %d rejected: %s", i, exc)
-                outputs[i] = RequestOutput(f"rejected-{i}", prompt if isinstance(prompt, str) else None,
-                                           [] if isinstance(prompt, str) else list(prompt), [], "",
-                                           "rejected", error=str(exc))
+                outputs[i] = RequestOutput.rejected(f"rejected-{i}", prompt, str(exc))
         bar = None
         if use_tqdm:
             from tqdm import tqdm
             bar = tqdm(total=len(pending), desc="generating", unit="req")
         while self.engine.has_unfinished():
             for d in self.engine.step():
-                if d.finished and d.request_id in pending:
-                    req = self.engine.release(d.request_id)
-                    outputs[pending.pop(d.request_id)] = RequestOutput.from_request(req)
+                if d.output is not None and d.request_id in pending:
+                    outputs[pending.pop(d.request_id)] = d.output
                     if bar is not None:
                         bar.update(1)
         if bar is not None:
@@ -259,6 +234,16 @@ class LLM:
         still in flight is dropped with the old engine)."""
         self.config = dataclasses.replace(self.config, scheduler=scheduler)
         self.engine = self._build_engine()
+
+    def close(self) -> None:
+        """Release the backends' resources (device memory, runtime sessions)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def reset_stats(self) -> None:
         self.engine.steps.clear()

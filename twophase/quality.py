@@ -15,6 +15,7 @@ import torch
 from twophase.core.params import SamplingParams
 from twophase.core.request import Request
 from twophase.errors import TwophaseError
+from twophase.core.batch import prefill_batch
 
 
 def shipped_text() -> str:
@@ -35,7 +36,7 @@ def all_logits(llm, ids: list[int], chunk: int | None = None):
     try:
         for start in range(0, len(ids), chunk):
             n = min(chunk, len(ids) - start)
-            batch = eng._prefill_batch([(req, start, n)])
+            batch = prefill_batch([(req, start, n)], eng.kv)
             batch.logits = "all"
             yield start, llm.prefill_backend.prefill(batch).float().cpu()
     finally:

@@ -74,13 +74,17 @@ class KVManager:
         self.queries += num_tokens
         self.hits += num_hit_tokens
 
+    def blocks_needed(self, req: Request, num_new_tokens: int, computed: list[int] = ()) -> int:
+        """New blocks ``req`` needs for ``num_new_tokens`` more tokens (after ``computed`` hits)."""
+        have = len(self.tables.get(req.request_id, [])) + len(computed)
+        cached_tokens = len(computed) * self.block_size
+        return self.blocks_for(req.num_computed_tokens + cached_tokens + num_new_tokens) - have
+
     def allocate(self, req: Request, num_new_tokens: int, computed: list[int] = ()) -> bool:
         """Give ``req`` blocks for ``num_new_tokens`` more tokens (after ``computed`` hits, on
         admission). False, with nothing changed, if the pool cannot."""
         table = self.tables.get(req.request_id, [])
-        have = len(table) + len(computed)
-        cached_tokens = len(computed) * self.block_size
-        need = self.blocks_for(req.num_computed_tokens + cached_tokens + num_new_tokens) - have
+        need = self.blocks_needed(req, num_new_tokens, computed)
         reusable = sum(1 for b in computed if self.pool.ref_cnt[b] == 0)   # hits now in free queue
         if need > self.pool.num_free - reusable:
             return False
@@ -99,6 +103,25 @@ class KVManager:
         for block, h in zip(table[done:n], self._chain(req, n)[done:]):
             self.pool.cache(block, h)
         self._published[req.request_id] = max(done, n)
+
+    def truncate(self, req: Request, num_tokens: int) -> None:
+        """Keep only the blocks that hold ``req``'s first ``num_tokens`` tokens (a rollback:
+        speculative tokens rejected). Slots past the new length are simply overwritten later;
+        a block wholly past it goes back to the pool. Only computed tokens were ever published
+        to the prefix cache, so a rolled-back block was never a hit for anyone."""
+        table = self.tables.get(req.request_id, [])
+        keep = self.blocks_for(num_tokens)
+        if keep < len(table):
+            self.tables[req.request_id] = table[:keep]
+            self.pool.release(table[keep:][::-1])
+        published = self._published.get(req.request_id, 0)
+        full = num_tokens // self.block_size
+        if published > full:
+            raise RuntimeError(f"truncating {req.request_id} to {num_tokens} tokens would drop "
+                               f"{published - full} published (committed) blocks")
+        hashes = self._hashes.get(req.request_id)
+        if hashes is not None:
+            del hashes[full:]
 
     def free(self, req: Request) -> None:
         table = self.tables.pop(req.request_id, [])

@@ -1,4 +1,8 @@
-"""A request's state as it moves waiting → running (→ preempted → waiting) → finished."""
+"""A request's state as it moves waiting → running (→ preempted → waiting) → finished.
+
+Only the scheduler writes it (and the sampler advances its seeded generator); what leaves the
+engine is a copy (``core/outputs.py``). Its text lives in output processing, not here.
+"""
 
 from __future__ import annotations
 
@@ -59,8 +63,6 @@ class Request:
         self.finish_reason: str | None = None
         self.times = RequestTimes(arrival)
         self.logprobs: list[dict[int, float]] = []
-        self.text = ""                                          # detokenized output released so far
-        self.held_text = ""                                     # held back: a stop string may start here
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

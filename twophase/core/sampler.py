@@ -9,7 +9,23 @@ from __future__ import annotations
 
 import torch
 
+from twophase.core.outputs import SampledTokens
 from twophase.core.request import Request
+
+
+def sample_step(logits: torch.Tensor, rows: list[tuple[Request, int]],
+                eos_ids: tuple[int, ...]) -> dict[str, SampledTokens]:
+    """A step's tokens: ``logits[i]`` belongs to ``rows[i] = (request, tokens computed)``. Only
+    rows that complete their sequence are sampled (a prompt's last chunk, a decode); a chunk in
+    the middle of a prompt has no next token yet."""
+    picks = [i for i, (req, n) in enumerate(rows) if req.num_computed_tokens + n == req.num_tokens]
+    if not picks:
+        return {}
+    reqs = [rows[i][0] for i in picks]
+    chosen = logits[picks] if len(picks) < len(rows) else logits
+    tokens, logprobs = sample(chosen, reqs, eos_ids)
+    return {r.request_id: SampledTokens([t], None if lp is None else [lp])
+            for r, t, lp in zip(reqs, tokens, logprobs)}
 
 
 def sample(logits: torch.Tensor, reqs: list[Request], eos_ids: tuple[int, ...]):

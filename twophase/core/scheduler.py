@@ -7,6 +7,10 @@ budget must exceed ``max_num_seqs``, decodes never take all of it and waiting re
 progress. ``prefill-first`` inverts the order; ``chunked_prefill = false`` only schedules whole
 prompts. When the pool runs out, the newest running request is preempted: its blocks are freed
 and it is recomputed later (nothing is dropped).
+
+The scheduler is the only writer of request state: ``schedule`` decides who runs,
+``update_from_output`` applies what the step computed and sampled (computed lengths, prefix
+publication, new tokens, stop rules, freeing), ``finish`` retires a request.
 """
 
 from __future__ import annotations
@@ -14,8 +18,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from twophase.core.admission import Admission
 from twophase.core.kv_manager import KVManager
+from twophase.core.outputs import SampledTokens, SeqUpdate
 from twophase.core.request import Request, Status
+from twophase.core.stop import check_stop
 
 
 @dataclass
@@ -32,27 +39,41 @@ class SchedulerOutput:
     def num_prefill_tokens(self) -> int:
         return sum(n for _, n in self.prefills)
 
+    @property
+    def scheduled(self) -> list[tuple[Request, int]]:
+        """Every scheduled sequence with the tokens it computes this step."""
+        return [(r, 1) for r in self.decodes] + self.prefills
+
 
 class Scheduler:
     def __init__(self, kv: KVManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: str = "decode-first", chunked_prefill: bool = True):
+                 policy: str = "decode-first", chunked_prefill: bool = True, *,
+                 max_model_len: int, eos_token_ids: tuple[int, ...] = (),
+                 vocab_size: int | None = None):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
         self.policy = policy
         self.chunked_prefill = chunked_prefill
+        self.max_model_len = max_model_len
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.admission = Admission(kv, max_model_len, max_num_batched_tokens, chunked_prefill,
+                                   vocab_size)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._left = max_num_batched_tokens
 
     def add(self, req: Request) -> None:
+        """Queue ``req``; raises ``RequestRejected`` if it could never be served."""
+        self.admission.check(req.prompt_token_ids, req.params)
         self.waiting.append(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
+        """Who runs next and how many tokens each; ``now`` stamps first-scheduled times."""
         out = SchedulerOutput()
         self._left = self.budget                 # tokens still unscheduled this step
         if self.policy == "decode-first":
@@ -61,7 +82,39 @@ class Scheduler:
         else:
             self._schedule_prefills(out)
             self._schedule_decodes(out)
+        if now is not None:
+            for req, _ in out.scheduled:
+                if req.times.first_scheduled is None:
+                    req.times.first_scheduled = now
         return out
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, SampledTokens],
+                           now: float) -> list[SeqUpdate]:
+        """Apply a computed step: each scheduled sequence's new K/V is in the pool (publish its
+        full blocks), and sequences that were sampled take their tokens, one at a time through
+        the stop rules (a speculative run of several stops at the first that ends it)."""
+        updates = []
+        for req, n in out.scheduled:
+            req.num_computed_tokens += n
+            self.kv.cache_computed(req)
+            got = sampled.get(req.request_id)
+            if got is None:
+                continue
+            kept, reason = 0, None
+            for token in got.token_ids:
+                req.token_ids.append(token)
+                req.times.token_times.append(now)
+                kept += 1
+                reason = check_stop(req, self.max_model_len, self.eos_token_ids)
+                if reason is not None:
+                    break
+            logprobs = (got.logprobs or [])[:kept]
+            req.logprobs += logprobs
+            if reason is not None:
+                self.finish(req, reason, now)
+            updates.append(SeqUpdate(req.request_id, got.token_ids[:kept], logprobs,
+                                     req.num_output_tokens, reason))
+        return updates
 
     def _schedule_decodes(self, out: SchedulerOutput) -> None:
         for req in list(self.running):
@@ -95,6 +148,8 @@ class Scheduler:
             pending = req.num_tokens - cached
             n = min(pending, self._left)
             if n < pending and not self.chunked_prefill:
+                return
+            if not self.admission.may_start(self.kv.blocks_needed(req, n, computed)):
                 return
             if not self.kv.allocate(req, n, computed):
                 return
@@ -145,12 +200,18 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def finish(self, req: Request, reason: str) -> None:
-        """Retire ``req`` (finished or aborted) and free its blocks at once."""
+    def finish(self, req: Request, reason: str, now: float | None = None) -> None:
+        """Retire ``req`` (finished, aborted or failed) and free its blocks at once. On a
+        request already finished this only changes the reason (a stop string found in the text
+        of the step that reached ``max_tokens`` makes it "stop")."""
+        req.finish_reason = reason
+        if req.status is Status.FINISHED:
+            return
         if req.status is Status.RUNNING:
             self.running.remove(req)
         elif req.status is Status.WAITING:
             self.waiting.remove(req)
         self.kv.free(req)
         req.status = Status.FINISHED
-        req.finish_reason = reason
+        if now is not None:
+            req.times.finished = now

@@ -165,24 +165,21 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_queue: int 
 
         if not body.stream:
             items = await collect(request, handle, first)
-            req = items[-1].request
-            out = req.token_ids[len(req.prompt_token_ids):]
-            return obj([choice(req.text, items[-1].reason, out, req.logprobs)],
-                       P.usage(len(req.prompt_token_ids), len(out)))
+            done = items[-1].output
+            return obj([choice(done.text, done.finish_reason, done.token_ids, done.logprobs)],
+                       P.usage(len(done.prompt_token_ids), len(done.token_ids)))
         sent = {"chars": 0}
 
         def chunk(d):
-            lp = d.request.logprobs[-len(d.token_ids):] if n_lp is not None else ()
-            c = choice(d.text, None, d.token_ids, lp, sent["chars"])
+            c = choice(d.text, None, d.token_ids, d.logprobs, sent["chars"])
             sent["chars"] += len(d.text)
             return obj([c])
 
         def final(f: Finished):
-            req = f.request
+            done = f.output
             out = [obj([choice("", f.reason)])]
             if body.stream_options and body.stream_options.include_usage:
-                out.append(obj([], P.usage(len(req.prompt_token_ids),
-                                           len(req.token_ids) - len(req.prompt_token_ids))))
+                out.append(obj([], P.usage(len(done.prompt_token_ids), len(done.token_ids))))
             return out
 
         return sse(handle, first, chunk, final)
@@ -208,13 +205,12 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_queue: int 
 
         if not body.stream:
             items = await collect(request, handle, first)
-            req = items[-1].request
-            out = req.token_ids[len(req.prompt_token_ids):]
-            message = {"role": "assistant", "content": req.text}
+            done = items[-1].output
+            message = {"role": "assistant", "content": done.text}
             return obj("chat.completion", [{"index": 0, "message": message,
-                                            "logprobs": lp_of(out, req.logprobs),
-                                            "finish_reason": items[-1].reason}],
-                       P.usage(len(req.prompt_token_ids), len(out)))
+                                            "logprobs": lp_of(done.token_ids, done.logprobs),
+                                            "finish_reason": done.finish_reason}],
+                       P.usage(len(done.prompt_token_ids), len(done.token_ids)))
         state = {"role_sent": False}
 
         def chunk(d):
@@ -222,17 +218,17 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_queue: int 
             if not state["role_sent"]:
                 delta["role"] = "assistant"
                 state["role_sent"] = True
-            lp = lp_of(d.token_ids, d.request.logprobs[-len(d.token_ids):]) if body.logprobs else None
+            lp = lp_of(d.token_ids, d.logprobs) if body.logprobs else None
             return obj("chat.completion.chunk", [{"index": 0, "delta": delta, "logprobs": lp,
                                                   "finish_reason": None}])
 
         def final(f: Finished):
-            req = f.request
+            done = f.output
             out = [obj("chat.completion.chunk", [{"index": 0, "delta": {}, "logprobs": None,
                                                   "finish_reason": f.reason}])]
             if body.stream_options and body.stream_options.include_usage:
                 out.append(obj("chat.completion.chunk", [], P.usage(
-                    len(req.prompt_token_ids), len(req.token_ids) - len(req.prompt_token_ids))))
+                    len(done.prompt_token_ids), len(done.token_ids))))
             return out
 
         return sse(handle, first, chunk, final)

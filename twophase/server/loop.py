@@ -18,8 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from twophase.core.outputs import RequestOutput
 from twophase.core.params import SamplingParams
-from twophase.errors import RequestRejected
+from twophase.errors import RequestRejected, StepFailed
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +54,15 @@ class Handle:
             self.owner._commands.put(("abort", self.request_id))
 
 
-@dataclass
+@dataclass(frozen=True)
 class Finished:
     """The last item of a request's stream."""
 
-    reason: str
-    request: Any                       # the engine's Request (token ids, times, logprobs)
+    output: RequestOutput              # a copy: the whole request as it ended
+
+    @property
+    def reason(self) -> str | None:
+        return self.output.finish_reason
 
 
 class EngineLoop:
@@ -127,17 +131,18 @@ class EngineLoop:
             self._sinks[request_id] = sink
         elif cmd[0] == "abort":
             request_id = cmd[1]
-            if self.engine.abort(request_id):
-                self._done(request_id, "abort")
+            output = self.engine.abort(request_id)
+            if output is not None:
+                self._done(request_id, output)
 
     def _step(self) -> None:
         try:
             deltas = self.engine.step()
-        except Exception as exc:        # the engine has ended the step's requests ("error")
+        except StepFailed as exc:        # the engine has ended the step's requests ("error")
             log.exception("engine step failed")
-            for request_id, req in list(self.engine.requests.items()):
-                if req.finished and request_id in self._sinks:
-                    self._sinks[request_id](RuntimeError(f"the engine failed: {exc}"))
+            for request_id in exc.request_ids:
+                if request_id in self._sinks:
+                    self._sinks[request_id](RuntimeError(f"the engine failed: {exc.__cause__}"))
                     self._done(request_id, None)
             return
         if self.on_step is not None and self.engine.steps.records:
@@ -147,15 +152,14 @@ class EngineLoop:
             if sink is None:
                 continue
             sink(d)
-            if d.finished:
-                sink(Finished(d.finish_reason, d.request))
-                self._done(d.request_id, d.finish_reason)
+            if d.output is not None:
+                sink(Finished(d.output))
+                self._done(d.request_id, d.output)
 
-    def _done(self, request_id: str, reason: str | None) -> None:
+    def _done(self, request_id: str, output: RequestOutput | None) -> None:
         self._sinks.pop(request_id, None)
-        req = self.engine.release(request_id)
-        if req is not None and reason is not None and self.on_finish is not None:
-            self.on_finish(req)
+        if output is not None and self.on_finish is not None:
+            self.on_finish(output)
         self._release_slot()
 
     def _release_slot(self) -> None:

@@ -44,8 +44,9 @@ class ServerMetrics:
         self.waiting.set(len(scheduler.waiting))
         self.kv_used.set(kv.num_used_blocks)
 
-    def finished(self, req) -> None:
-        t = req.times
+    def finished(self, output) -> None:
+        """A request's latencies, from its ``RequestOutput``."""
+        t = output.times
         if t.ttft is not None:
             self.ttft.observe(t.ttft)
         if t.tpot is not None:

@@ -14,6 +14,7 @@ import torch
 from twophase import LLM, SamplingParams
 from twophase.backends.base import BackendConfig, Capabilities, EngineLimits, KVCache, ModelSpec
 from twophase.testing import assert_greedy_match, logprob_gaps
+from twophase.core.batch import decode_batch, prefill_batch
 
 BLOCK = 4
 TOKENS, SEQS = 48, 8
@@ -82,7 +83,7 @@ def test_prefill_of_fresh_prompts_of_unequal_lengths(backend_name, backend_devic
     for i, n in enumerate((9, 30, 3)):
         llm.engine.add_request([3 + (5 * i + j) % 500 for j in range(n)], SamplingParams(max_tokens=4))
     sched = llm.engine.scheduler.schedule()
-    batch = llm.engine._prefill_batch([(r, 0, n) for r, n in sched.prefills])
+    batch = prefill_batch([(r, 0, n) for r, n in sched.prefills], llm.engine.kv)
     batch.logits = logits
     _compare(llm, _backend(llm, backend_name, backend_device, backend_options), lambda b: b.prefill(batch))
 
@@ -95,7 +96,7 @@ def test_chunked_prefill_after_cached_tokens(backend_name, backend_device, backe
     sched = llm.engine.scheduler.schedule()
     items = [(r, r.num_computed_tokens, n) for r, n in sched.prefills]
     assert any(r is req and s > 0 for r, s, _ in items), "expected a prefix-cache hit"
-    batch = llm.engine._prefill_batch(items)
+    batch = prefill_batch(items, llm.engine.kv)
     _compare(llm, _backend(llm, backend_name, backend_device, backend_options), lambda b: b.prefill(batch))
 
 
@@ -104,7 +105,7 @@ def test_decode_of_sequences_of_unequal_lengths(backend_name, backend_device, ba
     reqs = _advance(llm, (5, 17, 33, 2), 2)
     sched = llm.engine.scheduler.schedule()
     assert not sched.prefills and len({r.num_computed_tokens for r in sched.decodes}) > 1
-    batch = llm.engine._decode_batch(sched.decodes)
+    batch = decode_batch(sched.decodes, llm.engine.kv)
     assert len(sched.decodes) == len(reqs)
     _compare(llm, _backend(llm, backend_name, backend_device, backend_options), lambda b: b.decode(batch))
 
@@ -120,7 +121,7 @@ def test_mixed_batch_of_chunks_and_decodes(backend_name, backend_device, backend
     assert sched.decodes and sched.prefills
     items = [(r, r.num_computed_tokens, 1) for r in sched.decodes] + \
             [(r, r.num_computed_tokens, n) for r, n in sched.prefills]
-    batch = llm.engine._prefill_batch(items)
+    batch = prefill_batch(items, llm.engine.kv)
     _compare(llm, b, lambda x: x.prefill(batch))
 
 

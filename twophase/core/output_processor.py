@@ -1,0 +1,98 @@
+"""Output processing: the text a step's tokens release, and stop strings.
+
+Runs after the scheduler has applied a step, on the engine's thread, from ``SeqUpdate`` values
+alone (it never reads a ``Request``); what it returns are ``Delta`` values another thread may
+keep. A stop string ends a request here, so the engine retires it in the scheduler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from twophase.core.detokenizer import IncrementalDetokenizer
+from twophase.core.outputs import Delta, LogProbs, RequestOutput, RequestStats, SeqUpdate
+from twophase.core.params import SamplingParams
+
+if TYPE_CHECKING:
+    from twophase.models.tokenizer import Tokenizer
+
+# retire(request_id, reason) -> the finished request's stats: the engine's, which makes the
+# scheduler retire a request that a stop string ended (and re-labels one already finished)
+Retire = Callable[[str, str], RequestStats]
+
+
+@dataclass
+class _Stream:
+    """One request's output so far."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detok: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[LogProbs] = field(default_factory=list)
+    text: str = ""                      # released so far
+    held: str = ""                      # held back: a stop string may begin here
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer | None):
+        self.tokenizer = tokenizer
+        self._streams: dict[str, _Stream] = {}
+
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+            params: SamplingParams) -> None:
+        detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
+        self._streams[request_id] = _Stream(prompt, list(prompt_token_ids), params, detok)
+
+    def process(self, updates: list[SeqUpdate], retire: Retire) -> list[Delta]:
+        return [self._delta(u, retire) for u in updates]
+
+    def finish(self, request_id: str, reason: str, stats: RequestStats) -> RequestOutput | None:
+        """End a request's stream from outside a step (an abort): its output so far."""
+        s = self._streams.pop(request_id, None)
+        if s is None:
+            return None
+        return RequestOutput.finished(request_id, s.prompt, s.prompt_token_ids, s.token_ids,
+                                      s.text, reason, s.logprobs, stats)
+
+    def _delta(self, u: SeqUpdate, retire: Retire) -> Delta:
+        s = self._streams[u.request_id]
+        s.token_ids += u.new_token_ids
+        s.logprobs += u.new_logprobs
+        reason = u.finish_reason
+        new_text = "".join(s.detok.push(t) for t in u.new_token_ids) if s.detok else ""
+        if reason is not None and s.detok is not None:
+            new_text += s.detok.flush()
+        text, hit = self._release(s, new_text, u.num_output_tokens, final=reason is not None)
+        s.text += text
+        if hit:
+            reason = "stop"
+        output = None
+        if reason is not None:
+            output = self.finish(u.request_id, reason, retire(u.request_id, reason))
+        return Delta(u.request_id, list(u.new_token_ids), text, list(u.new_logprobs), reason,
+                     output)
+
+    @staticmethod
+    def _release(s: _Stream, new_text: str, num_output_tokens: int,
+                 final: bool) -> tuple[str, bool]:
+        """The text that may go out now, and whether a stop string ended the request.
+
+        With stop strings, the last ``len(longest) - 1`` characters are held back: a stop string
+        may begin in them, and text that has been streamed cannot be taken back."""
+        p = s.params
+        if not p.stop:
+            return new_text, False
+        window = s.held + new_text
+        if num_output_tokens >= p.min_tokens:
+            cut = min((i for i in (window.find(x) for x in p.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                s.held = ""
+                return window[:cut], True
+        keep = 0 if final else max(len(x) for x in p.stop) - 1
+        split = max(0, len(window) - keep)
+        s.held = window[split:]
+        return window[:split], False

@@ -1,0 +1,101 @@
+"""What a step hands out, as values: copied off the engine's state, so another thread (the
+server's event loop) may read them while the engine goes on writing its requests.
+
+``SampledTokens`` is the sampler's answer for one request, ``SeqUpdate`` what the scheduler made
+of it (the tokens it kept, whether the request finished), ``Delta`` what output processing adds
+(the text those tokens released) and, on a request's last delta, its whole ``RequestOutput``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from twophase.core.request import Request, RequestTimes
+
+LogProbs = dict[int, float]          # token id -> log-probability (the sampled token and top-n)
+
+
+@dataclass(frozen=True)
+class SampledTokens:
+    """The tokens the sampler chose for one request this step (one, without speculation)."""
+
+    token_ids: list[int]
+    logprobs: list[LogProbs] | None = None   # one dict per token where the request asked
+
+
+@dataclass(frozen=True)
+class RequestStats:
+    """A finished request's counters and clock readings (a copy: the request is gone after)."""
+
+    times: RequestTimes
+    num_cached_tokens: int
+    num_preemptions: int
+
+    @classmethod
+    def of(cls, req: Request) -> RequestStats:
+        t = req.times
+        return cls(dataclasses.replace(t, token_times=list(t.token_times)),
+                   req.num_cached_tokens, req.num_preemptions)
+
+
+@dataclass(frozen=True)
+class SeqUpdate:
+    """What one step did to one request that got tokens (the scheduler's output per request)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[LogProbs]
+    num_output_tokens: int               # after this step
+    finish_reason: str | None            # "stop" or "length", decided by the token rules
+
+
+@dataclass
+class RequestOutput:
+    """A finished request, complete: what ``LLM.generate`` returns and a server replies with."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None          # "stop", "length", "abort", "error" or "rejected"
+    logprobs: list[LogProbs] = field(default_factory=list)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None            # why a rejected request was rejected
+    times: RequestTimes | None = None   # raw clock readings behind the metrics
+
+    @classmethod
+    def finished(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 token_ids: list[int], text: str, reason: str, logprobs: list[LogProbs],
+                 stats: RequestStats) -> RequestOutput:
+        t = stats.times
+        return cls(request_id, prompt, list(prompt_token_ids), list(token_ids), text, reason,
+                   list(logprobs),
+                   {"ttft_s": t.ttft, "tpot_s": t.tpot, "itl_s": t.itl, "e2e_s": t.e2e,
+                    "num_cached_tokens": stats.num_cached_tokens,
+                    "num_preemptions": stats.num_preemptions},
+                   times=t)
+
+    @classmethod
+    def rejected(cls, request_id: str, prompt: str | list[int], why: str) -> RequestOutput:
+        text = prompt if isinstance(prompt, str) else None
+        ids = [] if isinstance(prompt, str) else list(prompt)
+        return cls(request_id, text, ids, [], "", "rejected", error=why)
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one step produced for one request: the streaming unit. Values only."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str                                   # the text these tokens released
+    logprobs: list[LogProbs]                    # one per token where the request asked; else []
+    finish_reason: str | None = None
+    output: RequestOutput | None = None         # the whole request, on its last delta
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

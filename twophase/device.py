@@ -1,0 +1,78 @@
+"""Questions about this machine and its devices, answered in one place: what a device name
+means, how much memory is free on it, what the CPU is and can do, how many threads to use."""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from twophase.errors import BackendUnavailable, ConfigError
+
+
+def parse_device(device: str) -> torch.device:
+    """``backend.device`` as a torch device; a name torch does not know is ``BackendUnavailable``
+    (a clear refusal from ``check_available``, not a traceback)."""
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        raise BackendUnavailable(f"backend.device {device!r} is not a device name "
+                                 f"(use 'cpu', 'cuda' or 'cuda:N')") from None
+
+
+def available_memory(device: str) -> int:
+    """Bytes free for weights and the KV pool on ``device``."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        return int(free)
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+@lru_cache(maxsize=1)
+def _cpuinfo() -> tuple[str, frozenset[str]]:
+    name, flags = "", frozenset()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and not name:
+                name = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags = frozenset(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    return name, flags
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else the machine type."""
+    return _cpuinfo()[0] or os.uname().machine
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (``avx2``, ``fma``, ...); empty where ``/proc/cpuinfo`` is not."""
+    return _cpuinfo()[1]
+
+
+def cpu_signature() -> str:
+    """Name and flags: what code compiled with ``-march=native`` depends on."""
+    return cpu_name() + " " + " ".join(sorted(cpu_flags()))
+
+
+def threads_option(options: dict[str, Any], key: str = "threads",
+                   default: int | None = None) -> int:
+    """``backend.options.<key>``: a positive thread count (default: torch's, which follows the
+    cores this process may use)."""
+    n = options.get(key, torch.get_num_threads() if default is None else default)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ConfigError(f"backend.options.{key}", f"must be a positive integer; got {n!r}")
+    return n
