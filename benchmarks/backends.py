@@ -22,7 +22,6 @@ from rich.table import Table
 from twophase import LLM, SamplingParams
 
 
-
 def routings(names: list[str]) -> list[tuple[str, str]]:
     """Each backend alone (the first is the baseline), then every prefill → decode pair."""
     return [(n, n) for n in names] + [(p, d) for p in names for d in names if p != d]

@@ -17,7 +17,7 @@ from rich.table import Table
 
 from twophase import LLM, SamplingParams
 from twophase.backends.base import DecodeBatch
-from twophase.core.batch import decode_batch
+from twophase.core import batch
 
 
 def engine(quantization: str, **options) -> LLM:
@@ -26,7 +26,7 @@ def engine(quantization: str, **options) -> LLM:
                             "cache": {"num_blocks": 2048}})
 
 
-def decode_batch(llm: LLM, size: int, context: int) -> DecodeBatch:
+def decoding_batch(llm: LLM, size: int, context: int) -> DecodeBatch:
     """``size`` sequences of ``context`` to ``context + 2 * size`` prompt tokens, two tokens into
     their decode."""
     eng = llm.engine
@@ -35,7 +35,7 @@ def decode_batch(llm: LLM, size: int, context: int) -> DecodeBatch:
             for i in range(size)]
     while any(r.num_output_tokens < 2 for r in reqs):
         eng.step()
-    return decode_batch(eng.scheduler.schedule().decodes, eng.kv)
+    return batch.decode_batch(eng.scheduler.schedule().decodes, eng.kv)
 
 
 def main() -> None:
@@ -58,12 +58,12 @@ def main() -> None:
         for name, (options, uses_graph) in lines.items():
             llm = engine(args.quantization, **options)
             assert (llm.backend.decode_session is not None) == uses_graph, name
-            runs[name] = (llm, decode_batch(llm, size, args.context))
+            runs[name] = (llm, decoding_batch(llm, size, args.context))
         times: dict[str, list[float]] = {name: [] for name in lines}
         for _ in range(args.rounds):
-            for name, (llm, batch) in runs.items():
+            for name, (llm, b) in runs.items():
                 t = time.perf_counter()
-                llm.backend.decode(batch)
+                llm.backend.decode(b)
                 times[name].append(time.perf_counter() - t)
         base = statistics.median(times["step graph"])
         table.add_row(str(size), *(f"{1000 * statistics.median(v):.2f} (x{base / statistics.median(v):.2f})"

@@ -106,7 +106,7 @@ def main() -> None:
 
     from twophase.core.params import SamplingParams
     from twophase.llm import LLM
-    from twophase.models import hub
+    from twophase.paths import cache_dir
     if args.threads:
         torch.set_num_threads(args.threads)
     llm = LLM.from_config({"model": {"name": MODEL}})
@@ -129,7 +129,7 @@ def main() -> None:
     if bad:
         console.print(f"[red]twophase: {len(bad)} requests with the wrong output length: {bad}")
 
-    folder = hub.cache_dir() / "models" / MODEL
+    folder = cache_dir() / "models" / MODEL
     console.rule(f"2. workload through HF transformers, from {folder}")
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()

@@ -23,8 +23,15 @@ from pathlib import Path
 import pytest
 
 from twophase import LLM, SamplingParams
-from twophase.config import (BackendSection, CacheConfig, ModelConfig, SamplingConfig,
-                             SchedulerConfig, WorkloadConfig, load_config)
+from twophase.config import (
+    BackendSection,
+    CacheConfig,
+    ModelConfig,
+    SamplingConfig,
+    SchedulerConfig,
+    WorkloadConfig,
+    load_config,
+)
 from twophase.errors import ConfigError, TwophaseError
 
 TINY = {"name": "tiny", "weights": "random"}
@@ -323,13 +330,28 @@ class Result:
                 f"--- stdout\n{self.stdout}\n--- stderr\n{self.stderr}")
 
 
+# ``python -m twophase`` that writes its own peak RSS (VmHWM) at exit. A child's ``ru_maxrss``
+# would not do: it keeps the high-water mark of the forked pytest process it started as.
+_WITH_PEAK_RSS = """
+import atexit, os, runpy, sys
+def _peak():
+    with open("/proc/self/status") as f, open(os.environ["TWOPHASE_TEST_PEAK"], "w") as out:
+        out.write(next(line for line in f if line.startswith("VmHWM")).split()[1])
+atexit.register(_peak)
+sys.argv[0] = "twophase"
+runpy.run_module("twophase", run_name="__main__", alter_sys=True)
+"""
+
+
 def _run_cli(args: list[str], cwd: Path, timeout: float = 180) -> Result:
     """``python -m twophase ARGS`` in ``cwd``, with its own wall time and peak memory."""
-    env = {**os.environ, "COLUMNS": "200"}     # wide enough that rich does not wrap the report
+    peak = cwd / ".peak_kib"
+    # wide enough that rich does not wrap the report
+    env = {**os.environ, "COLUMNS": "200", "TWOPHASE_TEST_PEAK": str(peak)}
     out, err = cwd / ".stdout", cwd / ".stderr"
     t0 = time.monotonic()
     with open(out, "w") as fo, open(err, "w") as fe:
-        proc = subprocess.Popen([sys.executable, "-m", "twophase", *args], cwd=cwd, env=env,
+        proc = subprocess.Popen([sys.executable, "-c", _WITH_PEAK_RSS, *args], cwd=cwd, env=env,
                                 stdin=subprocess.DEVNULL, stdout=fo, stderr=fe)
     deadline = t0 + timeout
     while True:
@@ -342,8 +364,9 @@ def _run_cli(args: list[str], cwd: Path, timeout: float = 180) -> Result:
             break
         time.sleep(0.02)
     proc.returncode = os.waitstatus_to_exitcode(status)
+    peak_kib = int(peak.read_text()) if peak.exists() else usage.ru_maxrss
     return Result(args, proc.returncode, out.read_text(), err.read_text(), time.monotonic() - t0,
-                  usage.ru_maxrss / 1024)
+                  peak_kib / 1024)
 
 
 def _case_dir(root: Path, name: str, files: dict[str, str]) -> Path:
@@ -444,7 +467,7 @@ def test_cli_unknown_shape_lists_shapes(cli):
 
 
 def test_cli_too_big_model_refused_before_allocation(cli):
-    from twophase.models.loader import available_memory
+    from twophase.device import available_memory
     if available_memory("cpu") > 300 * (1 << 30):
         pytest.skip("this machine could hold llama3-70b in fp32")
     r, _ = cli("too_big")

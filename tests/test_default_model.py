@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.models import GREEDY_TOKENS, top2_gaps
 
-from conftest import GREEDY_TOKENS, assert_greedy_match, top2_gaps
 from twophase import SamplingParams
-from twophase.models import hub
 from twophase.core.batch import prefill_batch
+from twophase.models import hub
+from twophase.testing import assert_greedy_match
 
 pytestmark = pytest.mark.slow
 REF_TOKENS = 48

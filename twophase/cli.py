@@ -202,11 +202,10 @@ def cmd_export(args) -> int:
     from twophase.config import load_config
 
     cfg = load_config(args.config)
-    from twophase.backends.base import ModelSpec
     from twophase.models import loader
 
     m = loader.resolve(cfg.model, "cpu")          # exporting never needs a GPU (TensorRT aside)
-    spec = ModelSpec(m.arch.to_dict(), m.weights, m.dtype, m.model_id, cfg.model.seed)
+    spec = loader.model_spec(m, cfg.model)
     if args.format == "onnx":
         from twophase.exporters import onnx
 

@@ -195,6 +195,12 @@ def _check_backend_shape(data: dict[str, Any]) -> None:
 
 def _check(cfg: Config) -> None:
     """Cross-field rules a type cannot express."""
+    for check in (_check_limits, _check_sampling, _check_bench, _check_model, _check_server,
+                  _check_workload):
+        check(cfg)
+
+
+def _check_limits(cfg: Config) -> None:
     s, c, m = cfg.scheduler, cfg.cache, cfg.model
     positive = [("scheduler.max_num_seqs", s.max_num_seqs), ("cache.block_size", c.block_size),
                 ("scheduler.max_num_batched_tokens", s.max_num_batched_tokens),
@@ -212,23 +218,35 @@ def _check(cfg: Config) -> None:
                           f"decode-first, so running decodes always leave budget for prefill")
     if c.memory_gb is not None and c.memory_gb <= 0:
         raise ConfigError("cache.memory_gb", f"must be a positive number of GiB, got {c.memory_gb}")
+
+
+def _check_sampling(cfg: Config) -> None:
     from twophase.core.params import SamplingParams
 
     try:
         SamplingParams(**dataclasses.asdict(cfg.sampling))
     except InvalidSamplingParam as exc:
         raise ConfigError(f"sampling.{exc.name}", exc.message) from None
-    _check_bench(cfg)
+
+
+def _check_model(cfg: Config) -> None:
+    m = cfg.model
     if not 0 <= m.accuracy_level <= 4:
         raise ConfigError("model.accuracy_level", f"must be in [0, 4], got {m.accuracy_level}")
     if not 0 <= m.outlier_channels <= 64:
         raise ConfigError("model.outlier_channels", f"must be in [0, 64], got {m.outlier_channels}")
+
+
+def _check_server(cfg: Config) -> None:
     sv = cfg.server
     if not 0 <= sv.port <= 65535:
         raise ConfigError("server.port", f"must be in [0, 65535], got {sv.port}")
     for key in ("max_queue", "default_max_tokens"):
         if getattr(sv, key) < 1:
             raise ConfigError(f"server.{key}", f"must be a positive integer, got {getattr(sv, key)}")
+
+
+def _check_workload(cfg: Config) -> None:
     syn = cfg.workload.synthetic
     if syn is not None:
         if syn.num_requests < 1:
@@ -279,22 +297,26 @@ def _build(cls: type, data: Any, path: str):
     return cls(**values)
 
 
+def _union_value(args: tuple[Any, ...], v: Any, path: str):
+    if v is None and type(None) in args:
+        return None
+    options = [a for a in args if a is not type(None)]
+    tables = [a for a in options if dataclasses.is_dataclass(a)]
+    if isinstance(v, dict) and tables:       # a section: report what is wrong inside it
+        return _value(tables[0], v, path)
+    for arg in options:
+        try:
+            return _value(arg, v, path)
+        except ConfigError:
+            pass
+    allowed = " or ".join(_describe(a) for a in options)
+    raise ConfigError(path, f"expected {allowed}, got {_kind(v)} {v!r}")
+
+
 def _value(tp: Any, v: Any, path: str):
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (Union, types.UnionType):
-        if v is None and type(None) in args:
-            return None
-        options = [a for a in args if a is not type(None)]
-        tables = [a for a in options if dataclasses.is_dataclass(a)]
-        if isinstance(v, dict) and tables:       # a section: report what is wrong inside it
-            return _value(tables[0], v, path)
-        for arg in options:
-            try:
-                return _value(arg, v, path)
-            except ConfigError:
-                pass
-        allowed = " or ".join(_describe(a) for a in args if a is not type(None))
-        raise ConfigError(path, f"expected {allowed}, got {_kind(v)} {v!r}")
+        return _union_value(args, v, path)
     if origin is Literal:
         if v not in args:
             raise ConfigError(path, f"must be one of {', '.join(repr(a) for a in args)}; got {v!r}")

@@ -40,7 +40,7 @@ def available_memory(device: str) -> int:
 
 @lru_cache(maxsize=1)
 def _cpuinfo() -> tuple[str, frozenset[str]]:
-    name, flags = "", frozenset()
+    name, flags = "", frozenset[str]()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name") and not name:

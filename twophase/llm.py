@@ -8,7 +8,6 @@ allocates the KV pool, and builds the scheduler. ``llm.engine`` is the increment
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from twophase.core.metrics import phase_report
 from twophase.core.outputs import RequestOutput
 from twophase.core.params import SamplingParams
 from twophase.core.scheduler import Scheduler
+from twophase.device import available_memory
 from twophase.errors import ConfigError, ModelError, RequestRejected
 from twophase.models import loader
 
@@ -53,8 +53,7 @@ class LLM:
         self.max_model_len = min(mc.max_model_len or arch.max_position_embeddings,
                                  arch.max_position_embeddings)
         self._check_fits(device)
-        spec = ModelSpec(arch.to_dict(), self.model.weights, self.model.dtype, self.model.model_id,
-                         mc.seed, mc.quantization, mc.accuracy_level, mc.outlier_channels)
+        self.spec = spec = loader.model_spec(self.model, mc)
         self.prefill_backend = self._load_backend(pcfg, spec)
         same = (pcfg.name, pcfg.device, pcfg.options) == (dcfg.name, dcfg.device, dcfg.options)
         self.decode_backend = self.prefill_backend if same else self._load_backend(dcfg, spec)
@@ -107,7 +106,7 @@ class LLM:
     # -- setup ------------------------------------------------------------------------------
     def _check_fits(self, device: str) -> None:
         need = loader.weight_bytes(self.model.arch, self.model.dtype)
-        have = loader.available_memory(device)
+        have = available_memory(device)
         if need > 0.9 * have:
             raise ModelError(
                 f"{self.model.model_id} needs {need / GiB:.1f} GiB for its weights in "
@@ -125,7 +124,7 @@ class LLM:
         per_block = spec.bytes_per_block(cc.block_size)
         if cc.num_blocks == "auto":
             wanted = self.config.scheduler.max_num_seqs * -(-self.max_model_len // cc.block_size)
-            free = loader.available_memory(device)
+            free = available_memory(device)
             if cc.memory_gb is not None:
                 budget = int(cc.memory_gb * GiB)
             elif torch.device(device).type == "cuda":
@@ -139,7 +138,7 @@ class LLM:
         else:
             num_blocks = cc.num_blocks
         total = (num_blocks + spec.scratch_blocks) * per_block
-        free = loader.available_memory(device)
+        free = available_memory(device)
         if total > 0.9 * free:
             raise ModelError(f"the KV pool of {num_blocks} blocks needs {total / GiB:.2f} GiB but "
                              f"{device} has {free / GiB:.2f} GiB free; lower cache.num_blocks or "

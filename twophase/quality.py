@@ -12,10 +12,10 @@ from importlib.resources import files
 
 import torch
 
+from twophase.core.batch import prefill_batch
 from twophase.core.params import SamplingParams
 from twophase.core.request import Request
 from twophase.errors import TwophaseError
-from twophase.core.batch import prefill_batch
 
 
 def shipped_text() -> str:

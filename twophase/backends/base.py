@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
+from twophase.device import parse_device
 from twophase.errors import BackendUnavailable, ConfigError
 
 __all__ = [
@@ -34,16 +35,6 @@ __all__ = [
     "PrefillBatch",
     "parse_device",
 ]
-
-
-def parse_device(device: str) -> torch.device:
-    """``backend.device`` as a torch device; a name torch does not know is ``BackendUnavailable``
-    (a clear refusal from ``check_available``, not a traceback)."""
-    try:
-        return torch.device(device)
-    except RuntimeError:
-        raise BackendUnavailable(f"backend.device {device!r} is not a device name "
-                                 f"(use 'cpu', 'cuda' or 'cuda:N')") from None
 
 
 @dataclass(frozen=True)

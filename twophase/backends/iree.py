@@ -28,10 +28,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from twophase.backends.base import (Backend, BackendConfig, BackendUnavailable, Capabilities,
-                                    DecodeBatch, KVCache, KVCacheSpec, ModelSpec, PrefillBatch,
-                                    parse_device)
+from twophase.backends.base import (
+    Backend,
+    BackendConfig,
+    BackendUnavailable,
+    Capabilities,
+    DecodeBatch,
+    KVCache,
+    KVCacheSpec,
+    ModelSpec,
+    PrefillBatch,
+    parse_device,
+)
 from twophase.backends.hookspecs import hookimpl
+from twophase.device import threads_option
 from twophase.errors import ConfigError
 from twophase.models.shapes import LlamaArch
 
@@ -84,9 +94,7 @@ class IreeBackend(Backend):
         cfg.check_options(OPTIONS)
         if model.dtype != torch.float32:
             raise ConfigError("model.dtype", f"the iree backend runs float32, not {model.dtype}")
-        threads = cfg.options.get("threads", torch.get_num_threads())
-        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
-            raise ConfigError("backend.options.threads", f"must be a positive integer; got {threads!r}")
+        threads = threads_option(cfg.options)
         self.device = torch.device(cfg.device)
         mode = cfg.options.get("pool", "shared")
         if mode not in ("shared", "owned"):

@@ -23,10 +23,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from twophase.backends.base import (Backend, BackendConfig, BackendUnavailable, Capabilities,
-                                    DecodeBatch, KVCache, KVCacheSpec, ModelSpec, PrefillBatch,
-                                    parse_device)
+from twophase.backends.base import (
+    Backend,
+    BackendConfig,
+    BackendUnavailable,
+    Capabilities,
+    DecodeBatch,
+    KVCache,
+    KVCacheSpec,
+    ModelSpec,
+    PrefillBatch,
+    parse_device,
+)
 from twophase.backends.hookspecs import hookimpl
+from twophase.device import threads_option
 from twophase.errors import ConfigError
 from twophase.models.shapes import LlamaArch
 
@@ -103,7 +113,8 @@ class OnnxRuntimeBackend(Backend):
         """The decode-only graph for steps that are all decodes, unless its copy of the weights
         would crowd the KV pool out of memory or it does not load (the step graph then runs
         them: slower at small batches, never wrong)."""
-        from twophase.models.loader import available_memory, weight_bytes
+        from twophase.device import available_memory
+        from twophase.models.loader import weight_bytes
 
         need, free = weight_bytes(self.arch, self.dtype), available_memory("cpu")
         if need > free / 2:
@@ -120,8 +131,8 @@ class OnnxRuntimeBackend(Backend):
     def _session(self, path, options: dict[str, Any]):
         ort = _ort()
         so = ort.SessionOptions()
-        so.intra_op_num_threads = int(options.get("threads", torch.get_num_threads()))
-        so.inter_op_num_threads = int(options.get("inter_op_threads", 1))
+        so.intra_op_num_threads = threads_option(options)
+        so.inter_op_num_threads = threads_option(options, "inter_op_threads", default=1)
         level = options.get("graph_optimization_level", "all")
         if level not in LEVELS:
             raise ConfigError("backend.options.graph_optimization_level",

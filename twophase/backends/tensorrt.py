@@ -18,9 +18,19 @@ import logging
 
 import torch
 
-from twophase.backends.base import (Backend, BackendConfig, BackendUnavailable, Capabilities,
-                                    DecodeBatch, EngineLimits, KVCache, KVCacheSpec, ModelSpec,
-                                    PrefillBatch, parse_device)
+from twophase.backends.base import (
+    Backend,
+    BackendConfig,
+    BackendUnavailable,
+    Capabilities,
+    DecodeBatch,
+    EngineLimits,
+    KVCache,
+    KVCacheSpec,
+    ModelSpec,
+    PrefillBatch,
+    parse_device,
+)
 from twophase.backends.hookspecs import hookimpl
 from twophase.errors import ConfigError
 from twophase.exporters.onnx import INPUTS, graph_inputs, write_new_kv

@@ -13,10 +13,20 @@ from pathlib import Path
 
 import torch
 
-from twophase.backends.base import (Backend, BackendConfig, BackendUnavailable, Capabilities,
-                                    DecodeBatch, KVCache, KVCacheSpec, ModelSpec, PrefillBatch,
-                                    parse_device)
+from twophase.backends.base import (
+    Backend,
+    BackendConfig,
+    BackendUnavailable,
+    Capabilities,
+    DecodeBatch,
+    KVCache,
+    KVCacheSpec,
+    ModelSpec,
+    PrefillBatch,
+    parse_device,
+)
 from twophase.backends.hookspecs import hookimpl
+from twophase.device import threads_option
 from twophase.models.llama import AttnMeta, Llama
 from twophase.models.shapes import LlamaArch
 from twophase.models.weights import build_model
@@ -56,7 +66,7 @@ class TorchBackend(Backend):
         self.check_available(cfg.device)
         cfg.check_options(OPTIONS)
         if "threads" in cfg.options:
-            torch.set_num_threads(int(cfg.options["threads"]))
+            torch.set_num_threads(threads_option(cfg.options))
         if torch.device(cfg.device).type == "cpu" and cfg.options.get("keep_freed_memory", True):
             keep_freed_memory()
         self.device = torch.device(cfg.device)

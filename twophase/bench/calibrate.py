@@ -16,6 +16,9 @@ from pathlib import Path
 
 import torch
 
+from twophase.device import cpu_name
+from twophase.paths import cache_dir
+
 log = logging.getLogger(__name__)
 
 
@@ -34,14 +37,10 @@ class Ceilings:
 
 
 def device_name(device: torch.device) -> str:
-    from twophase.hardware import cpu_name
-
     return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
 
 
 def _cache_path() -> Path:
-    from twophase.models.hub import cache_dir
-
     return cache_dir() / "calibration.json"
 
 
@@ -87,7 +86,7 @@ def _peak(device: torch.device, dtype: torch.dtype) -> float:
     for n in sizes:
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype)
-        t = _timed(lambda: a @ b, device, 5 if device.type == "cuda" else 3)
+        t = _timed(lambda a=a, b=b: a @ b, device, 5 if device.type == "cuda" else 3)
         best = max(best, 2 * n ** 3 / t)
     return best
 

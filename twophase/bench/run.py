@@ -11,7 +11,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 from twophase.bench import calibrate, serving, sweeps
 from twophase.bench.roofline import CostModel
@@ -31,10 +37,11 @@ def _bench_llm(cfg: Config, backend: str):
     blocks = lambda tokens: -(-tokens // bs)  # noqa: E731
     s = b.serving
     # room for every decode sweep's contexts at once, so later rounds find them in the prefix cache
+    longest_request = blocks(s.input_len[1] + s.output_len[1])
     need = max(sum(b.batch_sizes) * blocks(b.decode_context + b.decode_steps + 2),
                2 * blocks(b.cache_depth + max(b.prompt_lens) + 2),
-               sc.max_num_seqs * blocks(s.input_len[1] + s.output_len[1]),
-               blocks(max(b.prompt_lens) + s.output_len[1]) + max(b.batch_sizes) * blocks(s.input_len[1] + s.output_len[1]))
+               sc.max_num_seqs * longest_request,
+               blocks(max(b.prompt_lens) + s.output_len[1]) + max(b.batch_sizes) * longest_request)
     num_blocks = cc.num_blocks if isinstance(cc.num_blocks, int) else need + 8
     sweep_sched = SchedulerConfig(policy="prefill-first",
                                   max_num_seqs=max(max(b.batch_sizes), sc.max_num_seqs),
@@ -57,19 +64,32 @@ def _measured(seconds: list[float], tokens: int, cost, ceil) -> dict[str, float]
             "roofline_fraction": cost.bound_s(ceil.peak_flops, ceil.bandwidth) / t}
 
 
-def run(cfg: Config, backends: list[str] | None = None, compare_chunked: bool = False,
-        command: str | None = None) -> dict[str, Any]:
+def _check_backends(names: list[str], device: str) -> None:
     from twophase.backends.registry import Registry
 
-    b = cfg.bench
-    names = backends or b.backends
     reg = Registry()
-    device = cfg.phases()[0].device
     for name in names:
         reg.get(name, "bench.backends")                      # unknown names: a config error
         why = reg.availability(name, device)
         if why:
             raise ConfigError("bench.backends", f"{name} cannot run on {device} here: {why}")
+
+
+def _round(line: str, eng: Any, phase: str, x: int, b: Any, k: int) -> float:
+    """One timed round of ``phase`` at ``x`` (prompt length or batch size) on one line."""
+    if line == "hf":
+        return (eng.prefill_round(x, b.cache_depth, k) if phase == "prefill"
+                else eng.decode_round(x, b.decode_context, b.decode_steps, k))
+    return (sweeps.prefill_round(eng, x, b.cache_depth, k) if phase == "prefill"
+            else sweeps.decode_round(eng, x, b.decode_context, b.decode_steps, k))
+
+
+def run(cfg: Config, backends: list[str] | None = None, compare_chunked: bool = False,
+        command: str | None = None) -> dict[str, Any]:
+    b = cfg.bench
+    names = backends or b.backends
+    device = cfg.phases()[0].device
+    _check_backends(names, device)
     llms = {name: _bench_llm(cfg, name) for name in names}
     first = llms[names[0]]
     arch, dtype = first.model.arch, first.model.dtype
@@ -98,13 +118,7 @@ def run(cfg: Config, backends: list[str] | None = None, compare_chunked: bool = 
             for phase, x in cases:
                 for line, eng in lines.items():       # interleaved: each round visits every line
                     progress.update(task, description=f"round {k + 1}/{b.repeats}: {phase} {x} on {line}")
-                    runner = eng if line == "hf" else sweeps
-                    args = (x, b.cache_depth, k) if phase == "prefill" else \
-                        (x, b.decode_context, b.decode_steps, k)
-                    if line != "hf":
-                        args = (eng, *args)
-                    fn = runner.prefill_round if phase == "prefill" else runner.decode_round
-                    times[phase][line].setdefault(x, []).append(fn(*args))
+                    times[phase][line].setdefault(x, []).append(_round(line, eng, phase, x, b, k))
                     progress.advance(task)
         served = {}
         for line, eng in lines.items():

@@ -9,6 +9,7 @@ it at the head and evicts it. So the free queue is also the LRU list of reusable
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 
 
 class BlockPool:
@@ -38,7 +39,7 @@ class BlockPool:
             out.append(block)
         return out
 
-    def touch(self, blocks: list[int]) -> None:
+    def touch(self, blocks: Sequence[int]) -> None:
         """Take a reference to cached blocks (prefix-cache hits)."""
         for b in blocks:
             if self.ref_cnt[b] == 0:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections.abc import Sequence
 
 from twophase.core.block_pool import BlockPool
 from twophase.core.request import Request
@@ -74,13 +75,13 @@ class KVManager:
         self.queries += num_tokens
         self.hits += num_hit_tokens
 
-    def blocks_needed(self, req: Request, num_new_tokens: int, computed: list[int] = ()) -> int:
+    def blocks_needed(self, req: Request, num_new_tokens: int, computed: Sequence[int] = ()) -> int:
         """New blocks ``req`` needs for ``num_new_tokens`` more tokens (after ``computed`` hits)."""
         have = len(self.tables.get(req.request_id, [])) + len(computed)
         cached_tokens = len(computed) * self.block_size
         return self.blocks_for(req.num_computed_tokens + cached_tokens + num_new_tokens) - have
 
-    def allocate(self, req: Request, num_new_tokens: int, computed: list[int] = ()) -> bool:
+    def allocate(self, req: Request, num_new_tokens: int, computed: Sequence[int] = ()) -> bool:
         """Give ``req`` blocks for ``num_new_tokens`` more tokens (after ``computed`` hits, on
         admission). False, with nothing changed, if the pool cannot."""
         table = self.tables.get(req.request_id, [])

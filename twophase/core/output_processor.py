@@ -12,7 +12,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from twophase.core.detokenizer import IncrementalDetokenizer
-from twophase.core.outputs import Delta, LogProbs, RequestOutput, RequestStats, SeqUpdate
+from twophase.core.outputs import (
+    Delta,
+    LogProbs,
+    RequestOutput,
+    RequestStats,
+    SeqUpdate,
+)
 from twophase.core.params import SamplingParams
 
 if TYPE_CHECKING:

@@ -68,11 +68,11 @@ class SamplingParams:
         return cls(**d)
 
 
-def _int(v) -> bool:
+def _int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _num(v) -> bool:
+def _num(v: object) -> bool:
     return (isinstance(v, (int, float)) and not isinstance(v, bool))
 
 

@@ -28,7 +28,8 @@ def sample_step(logits: torch.Tensor, rows: list[tuple[Request, int]],
             for r, t, lp in zip(reqs, tokens, logprobs)}
 
 
-def sample(logits: torch.Tensor, reqs: list[Request], eos_ids: tuple[int, ...]):
+def sample(logits: torch.Tensor, reqs: list[Request],
+           eos_ids: tuple[int, ...]) -> tuple[list[int], list[dict[int, float] | None]]:
     """``logits [len(reqs), vocab]`` float32 → (token ids, per-row top-n logprob dicts or None)."""
     simple = all(r.params.greedy and not r.params.needs_penalties
                  and r.num_output_tokens >= r.params.min_tokens for r in reqs)

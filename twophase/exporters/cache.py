@@ -12,10 +12,12 @@ import hashlib
 import json
 import logging
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from twophase.backends.base import ModelSpec
+from twophase.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +50,6 @@ def weights_digest(model: ModelSpec) -> str:
 
 def cache_folder(kind: str, manifest: dict[str, Any]) -> Path:
     """``$TWOPHASE_CACHE/<kind>/<model>-<hash of the manifest>``."""
-    from twophase.models.hub import cache_dir
 
     key = hashlib.sha256(json.dumps(manifest, sort_keys=True, default=str).encode()).hexdigest()[:12]
     return cache_dir() / kind / f"{manifest['model_id']}-{key}"

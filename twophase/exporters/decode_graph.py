@@ -16,7 +16,8 @@ graph to float32 rounding.
 Inputs: ``input_ids [B]``, ``positions [B, 1]``, ``kv_pool`` (the engine's pool), ``blocks [2L,
 B, W]`` (each layer's K then V blocks of each sequence's cache, as indices of the pool's
 ``L * 2 * NB`` blocks; see ``inputs``) and ``mask [B, 1, 1, W * BS + 1]`` (0, or -inf past a
-sequence's own cache; the last column is the new token). Outputs as the step graph's: ``logits [B, vocab]``, ``new_k``/``new_v [L, B, KVH, hd]``.
+sequence's own cache; the last column is the new token). Outputs as the step graph's:
+``logits [B, vocab]``, ``new_k``/``new_v [L, B, KVH, hd]``.
 """
 
 from __future__ import annotations

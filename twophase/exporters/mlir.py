@@ -43,9 +43,14 @@ import torch
 from torch import nn
 
 from twophase.backends.base import ModelSpec
+from twophase.device import cpu_name
 from twophase.exporters.cache import build_cached, cache_folder, weights_digest
-from twophase.exporters.onnx import PagedStep, cpu_model, quiet_exporter_logs, write_new_kv
-from twophase.hardware import cpu_name
+from twophase.exporters.onnx import (
+    PagedStep,
+    cpu_model,
+    quiet_exporter_logs,
+    write_new_kv,
+)
 from twophase.models.graph_attention import GraphMeta
 
 FORMAT = "twophase-mlir/3"      # 3: write_kv and clear_kv entry points

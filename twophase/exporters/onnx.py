@@ -119,7 +119,10 @@ def write_new_kv(pool: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor,
 # -- export, cached by manifest ---------------------------------------------------------------
 OPSET = 18
 Q4_FORMAT = 3                   # 2: a float model's head at 8 bits; 3: centred zero points, outlier channels
-FORMAT = "twophase-onnx/13"     # 2: dynamic block size; 3: no onnxscript pass; 4: flat pool gather; 5: K and V gathered apart; 6: masks built once a step, slices for splits; 7: decode.onnx beside it; 9: it gathers whole blocks; 13: new K/V joined once at the end (10 to 12: unreleased trials)
+# 2: dynamic block size; 3: no onnxscript pass; 4: flat pool gather; 5: K and V gathered apart;
+# 6: masks built once a step, slices for splits; 7: decode.onnx beside it; 9: it gathers whole
+# blocks; 13: new K/V joined once at the end (10 to 12: unreleased trials)
+FORMAT = "twophase-onnx/13"
 
 
 def manifest_for(model: ModelSpec) -> dict[str, Any]:

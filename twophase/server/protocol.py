@@ -98,6 +98,12 @@ class ChatCompletionRequest(_Common):
         return self.sampling((self.top_logprobs or 0) if self.logprobs else None, default_max_tokens)
 
 
+def check_model(name: str, served: str) -> None:
+    if name != served:
+        raise ApiError(400, f"model {name!r} is not served here; this server serves "
+                            f"{served!r}", "model", code="model_not_found")
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 

@@ -12,9 +12,14 @@ import pytest
 import torch
 
 from twophase import LLM, SamplingParams
-from twophase.backends.base import BackendConfig, Capabilities, EngineLimits, KVCache, ModelSpec
-from twophase.testing import assert_greedy_match, logprob_gaps
+from twophase.backends.base import (
+    BackendConfig,
+    Capabilities,
+    EngineLimits,
+    KVCache,
+)
 from twophase.core.batch import decode_batch, prefill_batch
+from twophase.testing import assert_greedy_match, logprob_gaps
 
 BLOCK = 4
 TOKENS, SEQS = 48, 8
@@ -29,9 +34,8 @@ def _reference(**sections) -> LLM:
 
 
 def _backend(llm: LLM, name: str, device: str, options: dict):
-    m = llm.model
     b = llm.registry.get(name)()
-    b.load(ModelSpec(m.arch.to_dict(), m.weights, m.dtype, m.model_id, 0),
+    b.load(llm.spec,
            BackendConfig(name, device, dict(options), EngineLimits(SEQS, TOKENS, llm.max_model_len)))
     return b
 

@@ -13,10 +13,20 @@ from __future__ import annotations
 
 import torch
 
-from twophase.backends.base import (Backend, BackendConfig, BackendUnavailable, Capabilities,
-                                    DecodeBatch, KVCache, KVCacheSpec, ModelSpec, PrefillBatch,
-                                    parse_device)
+from twophase.backends.base import (
+    Backend,
+    BackendConfig,
+    BackendUnavailable,
+    Capabilities,
+    DecodeBatch,
+    KVCache,
+    KVCacheSpec,
+    ModelSpec,
+    PrefillBatch,
+    parse_device,
+)
 from twophase.backends.hookspecs import hookimpl
+from twophase.device import threads_option
 from twophase.errors import ConfigError
 from twophase.models.shapes import LlamaArch
 
@@ -58,9 +68,7 @@ class NativeBackend(Backend):
     def load(self, model: ModelSpec, cfg: BackendConfig) -> None:
         self.check_available(cfg.device)
         cfg.check_options(OPTIONS)
-        threads = cfg.options.get("threads", torch.get_num_threads())
-        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
-            raise ConfigError("backend.options.threads", f"must be a positive integer; got {threads!r}")
+        threads = threads_option(cfg.options)
         if model.dtype != torch.float32:
             raise ConfigError("model.dtype", f"the native backend runs float32, not {model.dtype}")
         self.arch = LlamaArch.from_dict(model.arch)

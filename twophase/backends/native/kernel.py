@@ -11,9 +11,10 @@ import shutil
 import subprocess
 from ctypes import POINTER, c_float, c_int, c_long, c_void_p
 from importlib.resources import files
-from pathlib import Path
 
 from twophase.backends.base import BackendUnavailable
+from twophase.device import cpu_flags, cpu_signature
+from twophase.paths import cache_dir
 
 # -ffp-contract=off: the compiler may not fuse a*b + c on its own, so results do not depend on
 # where it chose to (with int8 activations, one ulp can flip a rounding: such a choice moved the
@@ -52,33 +53,13 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def cpu_flags() -> tuple[str, set[str]]:
-    """This CPU's model name and feature flags, from ``/proc/cpuinfo``."""
-    name, flags = "", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and not name:
-                name = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    return name, flags
-
-
-def cpu_signature() -> str:
-    name, flags = cpu_flags()
-    return name + " " + " ".join(sorted(flags))
-
-
 def check_machine() -> None:
     """Raise ``BackendUnavailable`` unless this is an x86-64 Linux CPU with AVX2, FMA and F16C
     and a C compiler with OpenMP."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         raise BackendUnavailable(f"the native backend runs on x86-64 Linux, not "
                                  f"{platform.system()} {platform.machine()}")
-    _, flags = cpu_flags()
+    flags = cpu_flags()
     missing = [f for f in CPU_FLAGS if f not in flags]
     if missing:
         raise BackendUnavailable(f"the native backend's kernels need {', '.join(CPU_FLAGS)}; this "
@@ -90,7 +71,6 @@ def check_machine() -> None:
 
 def load() -> ctypes.CDLL:
     """The compiled kernels, built on first use."""
-    from twophase.models.hub import cache_dir
 
     check_machine()
     source = files("twophase.backends.native").joinpath("step.c").read_bytes()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PLUGIN = ROOT / "plugins" / "twophase-numpy"
 KIT = ["-m", "pytest", "-p", "twophase.testing", "--pyargs", "twophase.testing", "-q",
        "-p", "no:cacheprovider"]

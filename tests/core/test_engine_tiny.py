@@ -5,9 +5,10 @@ from __future__ import annotations
 import random
 
 import pytest
+from helpers.models import tiny_llm
 
-from conftest import assert_greedy_match, tiny_llm
 from twophase import SamplingParams
+from twophase.testing import assert_greedy_match
 
 
 def _gaps(out) -> list[float]:

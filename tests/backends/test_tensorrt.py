@@ -10,9 +10,9 @@ import sys
 
 import pytest
 import torch
+from helpers import fake_tensorrt
+from helpers.models import random_prompts, tiny_llm
 
-import fake_tensorrt
-from conftest import random_prompts, tiny_llm
 from twophase import LLM, SamplingParams
 from twophase.backends.base import BackendUnavailable, EngineLimits
 from twophase.exporters import tensorrt as exporter

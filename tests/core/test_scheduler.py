@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import pytest
+from helpers.int_backend import IntBackend, expected_tokens, greedy, make_engine
 
-from int_backend import IntBackend, expected_tokens, greedy, make_engine
 from twophase.core.engine import Engine
 from twophase.core.request import Request
 from twophase.errors import RequestRejected

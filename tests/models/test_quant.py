@@ -11,11 +11,11 @@ import sys
 import numpy as np
 import pytest
 import torch
+from helpers.models import tiny_llm
 
-from conftest import tiny_llm
 from twophase import LLM, SamplingParams
-from twophase.models import quant
 from twophase.core.batch import prefill_batch
+from twophase.models import quant
 
 pytest.importorskip("onnxruntime")
 
@@ -205,8 +205,13 @@ def test_perplexity_of_the_gguf_weights_in_q4(tmp_path):
     level 4 (int8 activations, the fast path) it stays within 0.5%, and the mean KL divergence
     from the float model, measured at 0.0034, stays under 0.005 (llama.cpp's on the same file:
     0.0080). A float folder requantised to 4 bits stays within 5%."""
-    from twophase.models import hub
-    from twophase.quality import greedy_agreement, kl_divergence, perplexity, shipped_text
+    from twophase.paths import cache_dir
+    from twophase.quality import (
+        greedy_agreement,
+        kl_divergence,
+        perplexity,
+        shipped_text,
+    )
 
     text = shipped_text()
     cfg = {"cache": {"num_blocks": 128}}
@@ -222,7 +227,7 @@ def test_perplexity_of_the_gguf_weights_in_q4(tmp_path):
     # the same weights as a plain float folder (no GGUF beside it): requantised by the exporter
     folder = tmp_path / "hf"
     folder.mkdir()
-    src = hub.cache_dir() / "models" / "smollm2-135m-instruct"
+    src = cache_dir() / "models" / "smollm2-135m-instruct"
     for f in src.iterdir():
         if f.name != "source.json":
             (folder / f.name).symlink_to(f)

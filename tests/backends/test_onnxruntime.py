@@ -3,18 +3,25 @@ phases routed to different backends; stale or corrupt exports are rebuilt."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
+from helpers.models import (
+    GREEDY_TOKENS,
+    assert_prefix_hits_give_torch_tokens,
+    assert_same_tokens_with_preemption,
+    random_prompts,
+    tiny_llm,
+)
 
-from conftest import (GREEDY_TOKENS, assert_greedy_match, assert_prefix_hits_give_torch_tokens,
-                      assert_same_tokens_with_preemption, random_prompts, tiny_llm)
 from twophase import LLM, SamplingParams
 from twophase.backends.base import BackendUnavailable
+from twophase.core.batch import decode_batch, prefill_batch
 from twophase.exporters import onnx as exporter
 from twophase.exporters.cache import is_fresh
-from twophase.core.batch import decode_batch, prefill_batch
+from twophase.testing import assert_greedy_match
 
 pytest.importorskip("onnxruntime")
 
@@ -38,10 +45,9 @@ def test_logits_match_torch_on_the_same_pool(case):
     """Both backends run the same batch on copies of one pool: logits within 1e-4 relative."""
     llm = tiny_llm(cache={"num_blocks": 128, "block_size": 4})
     ort = llm.registry.get("onnxruntime")()
-    from twophase.backends.base import BackendConfig, KVCache, ModelSpec
+    from twophase.backends.base import BackendConfig, KVCache
 
-    m = llm.model
-    ort.load(ModelSpec(m.arch.to_dict(), m.weights, m.dtype, m.model_id, 0), BackendConfig("onnxruntime"))
+    ort.load(llm.spec, BackendConfig("onnxruntime"))
     eng = llm.engine
     reqs = [eng.add_request(list(range(3 + i, 3 + i + n)), SamplingParams(max_tokens=8, ignore_eos=True))
             for i, n in enumerate((9, 30, 21))]
@@ -71,16 +77,15 @@ def test_logits_match_torch_on_the_same_pool(case):
 def test_stale_and_corrupt_exports_are_rebuilt(tmp_path, caplog):
     import shutil
 
-    from twophase.backends.base import BackendConfig, ModelSpec
+    from twophase.backends.base import BackendConfig
 
     llm = tiny_llm()
-    m = llm.model
-    spec = ModelSpec(m.arch.to_dict(), m.weights, m.dtype, m.model_id, 0)
+    spec = llm.spec
     cached = exporter.export(spec)                      # shared with the other tests
     assert exporter.export(spec) == cached               # reused, not exported again
     manifest = json.loads((cached.parent / "manifest.json").read_text())
     assert manifest["weights_sha256"] == "random:0" and manifest["opset"] == exporter.OPSET
-    other = ModelSpec(m.arch.to_dict(), m.weights, m.dtype, m.model_id, 1)
+    other = dataclasses.replace(llm.spec, seed=1)
     assert not is_fresh(cached.parent, exporter.manifest_for(other))   # stale weights
     folder = tmp_path / "export"
     shutil.copytree(cached.parent, folder)

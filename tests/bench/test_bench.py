@@ -10,8 +10,8 @@ import sys
 
 import pytest
 import torch
+from helpers.models import tiny_llm
 
-from conftest import tiny_llm
 from twophase.bench import serving
 from twophase.bench.roofline import CostModel
 from twophase.models.shapes import LlamaArch, named_shape

@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from helpers.int_backend import EOS, VOCAB, expected_tokens, greedy, make_engine
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from int_backend import EOS, VOCAB, expected_tokens, greedy, make_engine
 from twophase.core.engine import Engine
 from twophase.core.request import Request
 from twophase.errors import RequestRejected

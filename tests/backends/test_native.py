@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.models import PREEMPTING, random_prompts, tiny_llm
 
-from conftest import PREEMPTING, random_prompts, tiny_llm
 from twophase import LLM, SamplingParams
 from twophase.backends.base import BackendUnavailable
 from twophase.core.batch import decode_batch, prefill_batch

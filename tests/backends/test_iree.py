@@ -3,16 +3,22 @@ phases routed to different backends; its module is cached by manifest."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
+from helpers.models import (
+    GREEDY_TOKENS,
+    assert_prefix_hits_give_torch_tokens,
+    assert_same_tokens_with_preemption,
+    tiny_llm,
+)
 
-from conftest import (GREEDY_TOKENS, assert_greedy_match, assert_prefix_hits_give_torch_tokens,
-                      assert_same_tokens_with_preemption, tiny_llm)
 from twophase import LLM, SamplingParams
-from twophase.backends.base import BackendConfig, BackendUnavailable, KVCache, ModelSpec
+from twophase.backends.base import BackendConfig, BackendUnavailable, KVCache
 from twophase.core.batch import decode_batch, prefill_batch
+from twophase.testing import assert_greedy_match
 
 pytest.importorskip("iree.runtime")
 pytest.importorskip("iree.turbine")
@@ -33,9 +39,8 @@ def test_prefix_cache_hits_through_iree():
 
 
 def _iree_for(llm, pool="shared"):
-    m = llm.model
     backend = llm.registry.get("iree")()
-    backend.load(ModelSpec(m.arch.to_dict(), m.weights, m.dtype, m.model_id, 0),
+    backend.load(llm.spec,
                  BackendConfig("iree", options={"pool": pool}))
     return backend
 
@@ -87,14 +92,13 @@ def test_module_is_cached_by_manifest_and_rebuilt_when_stale(tmp_path, caplog):
     from twophase.exporters.cache import is_fresh
 
     llm = tiny_llm()
-    m = llm.model
-    spec = ModelSpec(m.arch.to_dict(), m.weights, m.dtype, m.model_id, 0)
+    spec = llm.spec
     cached = mlir.export(spec, "cpu", 16)                     # the other tests' module
     assert mlir.export(spec, "cpu", 16) == cached
     manifest = json.loads((cached.parent / "manifest.json").read_text())
     assert manifest["block_size"] == 16 and "--iree-llvmcpu-target-cpu=host" in manifest["target"]
     assert manifest["files"]["model.vmfb"] == cached.stat().st_size
-    other = ModelSpec(m.arch.to_dict(), m.weights, m.dtype, m.model_id, 1)
+    other = dataclasses.replace(llm.spec, seed=1)
     assert not is_fresh(cached.parent, mlir.manifest_for(other, "cpu", 16))     # stale weights
     assert not is_fresh(cached.parent, mlir.manifest_for(spec, "cpu", 8))       # other block size
     folder = tmp_path / "module"
@@ -154,8 +158,7 @@ def test_module_compiles_for_cuda(tmp_path):
     from twophase.exporters import mlir
 
     llm = tiny_llm()
-    m = llm.model
-    spec = ModelSpec(m.arch.to_dict(), m.weights, m.dtype, m.model_id, 0)
+    spec = llm.spec
     path = mlir.export(spec, "cuda", 16, out_dir=tmp_path)
     manifest = json.loads((path.parent / "manifest.json").read_text())
     assert "--iree-cuda-target=sm_80" in manifest["target"] and manifest["host_cpu"] is None

@@ -19,8 +19,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from twophase.backends.base import (Backend, BackendConfig, Capabilities, DecodeBatch, KVCache,
-                                    KVCacheSpec, ModelSpec, PrefillBatch)
+from twophase.backends.base import (
+    Backend,
+    BackendConfig,
+    Capabilities,
+    DecodeBatch,
+    KVCache,
+    KVCacheSpec,
+    ModelSpec,
+    PrefillBatch,
+)
 from twophase.core.engine import Engine
 from twophase.core.kv_manager import KVManager
 from twophase.core.params import SamplingParams

@@ -4,11 +4,11 @@ mixed batches: decodes, chunks after cached tokens and fresh prompts in one step
 from __future__ import annotations
 
 import torch
+from helpers.models import tiny_llm
 
-from conftest import tiny_llm
 from twophase import SamplingParams
-from twophase.exporters.onnx import PagedStep, graph_inputs, run_eager, write_new_kv
 from twophase.core.batch import prefill_batch
+from twophase.exporters.onnx import PagedStep, graph_inputs, run_eager, write_new_kv
 
 
 def _mixed_batch(llm):

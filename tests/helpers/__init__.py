@@ -1,0 +1,1 @@
+"""Test helpers: import them as ``from helpers.models import tiny_llm`` (tests/ is on the path)."""
