@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from twophase.backends.base import PrefillBatch
-from twophase.exporters.onnx import INPUTS, PagedStep, _example, graph_inputs
+from twophase.exporters.onnx import INPUTS, PagedStep, _example
+from twophase.graph.inputs import step_inputs
 from twophase.models.llama import Llama, apply_rope
 from twophase.models.shapes import named_shape
 from twophase.models.weights import build_model
@@ -105,7 +106,7 @@ def main() -> None:
     batch = PrefillBatch(token_ids=torch.arange(B) % arch.vocab_size, positions=torch.full((B,), S),
                          slot_mapping=tables[:, S // bs] * bs + S % bs, block_tables=tables,
                          context_lens=ctx, query_lens=[1] * B, start_positions=[S] * B)
-    inputs = graph_inputs(batch, bs)
+    inputs = step_inputs(batch, bs)
     # the same cached K/V, laid out contiguously per sequence
     blocks = pool[:, :, tables]                                   # [L, 2, B, nb, KVH, BS, hd]
     flat = blocks.permute(0, 1, 2, 4, 3, 5, 6).reshape(L, 2, B, kvh, nb * bs, hd)[..., :S, :]

@@ -16,7 +16,7 @@ LAYERS = [
     ["twophase.backends.base", "twophase.backends.hookspecs"],     # the plugin contract
     ["twophase.core"],                                              # scheduling, KV, sampling
     ["twophase.config"],
-    ["twophase.models"],                                            # torch model, weights, tokenizers
+    ["twophase.models", "twophase.graph"],                          # the model; graph signature, inputs
     ["twophase.exporters"],                                         # build artefacts offline
     ["twophase.backends"],                                          # runtimes (and the registry)
     ["twophase.llm", "twophase.quality", "twophase.workload"],      # the Python API

@@ -16,7 +16,7 @@ from helpers.models import random_prompts, tiny_llm
 from twophase import LLM, SamplingParams
 from twophase.backends.base import BackendUnavailable, EngineLimits
 from twophase.exporters import tensorrt as exporter
-from twophase.exporters.onnx import INPUTS
+from twophase.graph.signature import STEP
 
 pytest.importorskip("onnxruntime")
 ARCH = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8}
@@ -25,7 +25,7 @@ ARCH = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8}
 def test_profile_shapes_follow_the_config():
     prefill, decode = exporter.profile_shapes(ARCH, EngineLimits(8, 48, 100), block_size=4,
                                               num_blocks=64)
-    assert set(prefill) == set(decode) == set(INPUTS)
+    assert set(prefill) == set(decode) == set(STEP.names)
     # prefill: up to the token budget, chunks up to it, decodes riding along (0..max_num_seqs)
     assert prefill["input_ids"] == ((1,), (48,), (48,))
     assert prefill["chunk_index"] == ((0, 1), (1, 48), (8, 48))
@@ -70,7 +70,7 @@ def test_call_sequence_and_tokens_through_the_standin(standin):
                      "ICudaEngine.create_execution_context",
                      "IExecutionContext.set_optimization_profile_async"]
     assert standin[2] == ("Builder.create_network", 0)              # strongly typed, no flags
-    assert all(c[1] == sorted(INPUTS) for c in standin if c[0].endswith("add_optimization_profile"))
+    assert all(c[1] == sorted(STEP.names) for c in standin if c[0].endswith("add_optimization_profile"))
     assert [c[1] for c in standin if c[0].endswith("profile_async")] == [0, 1]
     standin.clear()
     p = SamplingParams(max_tokens=12, ignore_eos=True)

@@ -8,7 +8,8 @@ from helpers.models import tiny_llm
 
 from twophase import SamplingParams
 from twophase.core.batch import prefill_batch
-from twophase.exporters.onnx import PagedStep, graph_inputs, run_eager, write_new_kv
+from twophase.exporters.onnx import PagedStep, run_eager
+from twophase.graph.inputs import step_inputs, write_new_kv
 
 
 def _mixed_batch(llm):
@@ -40,7 +41,7 @@ def test_graph_function_equals_eager_on_a_mixed_batch():
         want = llm.backend.prefill(batch)
         after = pool.clone()
         logits, new_k, new_v = run_eager(PagedStep(llm.backend.model), before.clone(),
-                                         graph_inputs(batch, 4))
+                                         step_inputs(batch, 4))
         assert logits.shape == want.shape
         assert float((logits - want).abs().max() / want.abs().max()) < 1e-5, mode
         mine = before.clone()
@@ -57,7 +58,7 @@ def test_graph_function_handles_decodes_only_and_chunks_only():
     chunks = prefill_batch([(r, 0, n) for r, n in sched.prefills], eng.kv)
     before = llm.kv_cache.pool.clone()
     want = llm.backend.prefill(chunks)
-    got, _, _ = run_eager(PagedStep(llm.backend.model), before, graph_inputs(chunks, 4))
+    got, _, _ = run_eager(PagedStep(llm.backend.model), before, step_inputs(chunks, 4))
     assert float((got - want).abs().max() / want.abs().max()) < 1e-5
     for r, n in sched.prefills:
         r.num_computed_tokens += n
@@ -66,5 +67,5 @@ def test_graph_function_handles_decodes_only_and_chunks_only():
     dec = prefill_batch([(r, r.num_computed_tokens, 1) for r in reqs], eng.kv)
     before = llm.kv_cache.pool.clone()
     want = llm.backend.prefill(dec)
-    got, _, _ = run_eager(PagedStep(llm.backend.model), before, graph_inputs(dec, 4))
+    got, _, _ = run_eager(PagedStep(llm.backend.model), before, step_inputs(dec, 4))
     assert float((got - want).abs().max() / want.abs().max()) < 1e-5

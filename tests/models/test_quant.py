@@ -154,7 +154,7 @@ def test_every_quantised_matmul_takes_the_prepacked_path(tmp_path):
 
 def _dequantised_reference(llm_q4) -> LLM:
     """The torch model with every projection and the head replaced by its dequantised q4 form."""
-    from twophase.exporters.q4 import model_qweights
+    from twophase.models.q4_weights import model_qweights
 
     ref = tiny_llm(cache={"num_blocks": 64})
     model = ref.backend.model

@@ -43,6 +43,7 @@ from twophase.backends.base import (
 from twophase.backends.hookspecs import hookimpl
 from twophase.device import threads_option
 from twophase.errors import ConfigError
+from twophase.graph.inputs import step_inputs, write_new_kv
 from twophase.models.shapes import LlamaArch
 
 log = logging.getLogger(__name__)
@@ -164,9 +165,8 @@ class IreeBackend(Backend):
 
     # -- the two operations -----------------------------------------------------------------
     def prefill(self, batch: PrefillBatch) -> torch.Tensor:
-        from twophase.exporters.onnx import graph_inputs
 
-        x = graph_inputs(batch, self.kv.block_size, decodes=False)
+        x = step_inputs(batch, self.kv.block_size, decodes=False)
         return self._run("prefill", batch.slot_mapping,
                          [x["input_ids"], x["positions"], self.pool_view, x["chunk_index"],
                           x["chunk_tables"], x["chunk_cached"], x["chunk_lens"], x["logits_index"]])
@@ -179,7 +179,6 @@ class IreeBackend(Backend):
                          [batch.token_ids, batch.positions, self.pool_view, tables, cached])
 
     def _run(self, entry: str, slots: torch.Tensor, args: list[Any]) -> torch.Tensor:
-        from twophase.exporters.onnx import write_new_kv
 
         args = [np.ascontiguousarray(a.numpy()) if isinstance(a, torch.Tensor) else a for a in args]
         if self.device.type == "cuda" and self.pool_mode == "shared":

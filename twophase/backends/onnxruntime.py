@@ -38,6 +38,7 @@ from twophase.backends.base import (
 from twophase.backends.hookspecs import hookimpl
 from twophase.device import threads_option
 from twophase.errors import ConfigError
+from twophase.graph.inputs import decode_graph_inputs, step_inputs, write_new_kv
 from twophase.models.shapes import LlamaArch
 
 log = logging.getLogger(__name__)
@@ -170,9 +171,7 @@ class OnnxRuntimeBackend(Backend):
 
     # -- the two operations -----------------------------------------------------------------
     def prefill(self, batch: PrefillBatch) -> torch.Tensor:
-        from twophase.exporters.onnx import graph_inputs, write_new_kv
-
-        inputs = graph_inputs(batch, self.kv.block_size)
+        inputs = step_inputs(batch, self.kv.block_size)
         logits, new_k, new_v = self._run(inputs)
         write_new_kv(self.kv.pool, new_k, new_v, batch.slot_mapping.to(self.device))
         return logits
@@ -180,10 +179,7 @@ class OnnxRuntimeBackend(Backend):
     def decode(self, batch: DecodeBatch) -> torch.Tensor:
         if self.decode_session is None:
             return self.prefill(batch.as_prefill())
-        from twophase.exporters import decode_graph
-        from twophase.exporters.onnx import write_new_kv
-
-        logits, new_k, new_v = self._run(decode_graph.inputs(batch, self.kv.pool), self.decode_session)
+        logits, new_k, new_v = self._run(decode_graph_inputs(batch, self.kv.pool), self.decode_session)
         write_new_kv(self.kv.pool, new_k, new_v, batch.slot_mapping)
         return logits
 

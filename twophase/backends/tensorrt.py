@@ -33,7 +33,8 @@ from twophase.backends.base import (
 )
 from twophase.backends.hookspecs import hookimpl
 from twophase.errors import ConfigError
-from twophase.exporters.onnx import INPUTS, graph_inputs, write_new_kv
+from twophase.graph.inputs import step_inputs, write_new_kv
+from twophase.graph.signature import STEP
 from twophase.models.shapes import LlamaArch
 
 log = logging.getLogger(__name__)
@@ -118,9 +119,9 @@ class TensorRTBackend(Backend):
 
     def _run(self, profile: int, batch: PrefillBatch) -> torch.Tensor:
         ctx = self.contexts[profile]
-        feeds = graph_inputs(batch, self.kv.block_size)
+        feeds = step_inputs(batch, self.kv.block_size)
         feeds = {n: self.kv.pool if n == "kv_pool" else feeds[n].to(self.device, non_blocking=True)
-                 for n in INPUTS}
+                 for n in STEP.names}
         for name, t in feeds.items():
             if not ctx.set_input_shape(name, tuple(t.shape)):
                 raise RuntimeError(f"TensorRT refused shape {tuple(t.shape)} for {name} in "

@@ -15,7 +15,7 @@ graph to float32 rounding.
 
 Inputs: ``input_ids [B]``, ``positions [B, 1]``, ``kv_pool`` (the engine's pool), ``blocks [2L,
 B, W]`` (each layer's K then V blocks of each sequence's cache, as indices of the pool's
-``L * 2 * NB`` blocks; see ``inputs``) and ``mask [B, 1, 1, W * BS + 1]`` (0, or -inf past a
+``L * 2 * NB`` blocks; see ``graph.inputs.decode_graph_inputs``) and ``mask [B, 1, 1, W * BS + 1]`` (0, or -inf past a
 sequence's own cache; the last column is the new token). Outputs as the step graph's:
 ``logits [B, vocab]``, ``new_k``/``new_v [L, B, KVH, hd]``.
 """
@@ -25,10 +25,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from twophase.backends.base import DecodeBatch
 from twophase.exporters import q4
+from twophase.graph.signature import DECODE_GRAPH
 from twophase.models.quant import QWeight
 
 MS = "com.microsoft"
@@ -136,32 +135,14 @@ def build(torch_model, path: Path, qweights: dict[str, QWeight] | None = None,
     for name, parts in (("new_k", new_k), ("new_v", new_v)):
         op("Reshape", [op("Concat", parts, [name + "_layers"], axis=0), "new_kv"], [name])
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+    model_dims = {"L": L, "KVH": KVH, "hd": hd, "2L": 2 * L}
     graph = helper.make_graph(
         nodes, "decode",
-        [helper.make_tensor_value_info("input_ids", i64, ["B"]),
-         helper.make_tensor_value_info("positions", i64, ["B", 1]),
-         helper.make_tensor_value_info("kv_pool", f32, [L, 2, "NB", KVH, "BS", hd]),
-         helper.make_tensor_value_info("blocks", i64, [2 * L, "B", "W"]),
-         helper.make_tensor_value_info("mask", f32, ["B", 1, 1, "P1"])],
-        [helper.make_tensor_value_info(n, f32, None) for n in ("logits", "new_k", "new_v")], inits)
+        [helper.make_tensor_value_info(name, f32 if name in ("kv_pool", "mask") else i64,
+                                       DECODE_GRAPH.partial_shape(name, model_dims))
+         for name in DECODE_GRAPH.names],
+        [helper.make_tensor_value_info(n, f32, None) for n in DECODE_GRAPH.outputs], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(MS, 1)])
     onnx.save(model, str(path), save_as_external_data=True, location=Path(path).name + ".data",
               size_threshold=1024)
     return len(nodes)
-
-
-def inputs(batch: DecodeBatch, pool: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The decode graph's inputs: each layer's K then V block ids of every sequence's cached
-    tokens, as indices of the pool's ``L * 2 * NB`` blocks (``[2L, B, W]``), and a mask of the
-    padding past each sequence's own cache (``[B, 1, 1, W * BS + 1]``; the last column is the
-    new token)."""
-    L, _, NB, _, BS, _ = pool.shape
-    B, cached = batch.token_ids.shape[0], batch.context_lens - 1
-    W = max(1, -(-int(cached.max()) // BS))
-    if batch.block_tables.shape[1] < W:
-        raise ValueError(f"block tables of width {batch.block_tables.shape[1]} for {W} cached blocks")
-    blocks = torch.arange(2 * L).view(2 * L, 1, 1) * NB + batch.block_tables[:, :W].view(1, B, W)
-    mask = torch.zeros(B, 1, 1, W * BS + 1)
-    mask[:, 0, 0, :-1] = torch.where(torch.arange(W * BS).view(1, -1) < cached.view(B, 1), 0.0, float("-inf"))
-    return {"input_ids": batch.token_ids, "positions": batch.positions.view(-1, 1),
-            "blocks": blocks, "mask": mask}

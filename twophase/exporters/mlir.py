@@ -34,6 +34,7 @@ the manifest names it, so a config with another block size gets its own module.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import warnings
 from pathlib import Path
@@ -45,18 +46,13 @@ from torch import nn
 from twophase.backends.base import ModelSpec
 from twophase.device import cpu_name
 from twophase.exporters.cache import build_cached, cache_folder, weights_digest
-from twophase.exporters.onnx import (
-    PagedStep,
-    cpu_model,
-    quiet_exporter_logs,
-    write_new_kv,
-)
+from twophase.exporters.onnx import PagedStep, quiet_exporter_logs
+from twophase.graph.inputs import write_new_kv
+from twophase.graph.signature import DECODE, PREFILL
 from twophase.models.graph_attention import GraphMeta
+from twophase.models.q4_weights import cpu_model
 
 FORMAT = "twophase-mlir/3"      # 3: write_kv and clear_kv entry points
-PREFILL_INPUTS = ["input_ids", "positions", "kv_pool", "chunk_index", "chunk_tables",
-                  "chunk_cached", "chunk_lens", "logits_index"]
-DECODE_INPUTS = ["input_ids", "positions", "kv_pool", "dec_tables", "dec_cached"]
 log = logging.getLogger(__name__)
 
 
@@ -82,6 +78,10 @@ class PhaseSteps(nn.Module):
 
     def clear_kv(self, kv_pool):
         kv_pool.zero_()
+
+
+for _entry, _sig in ((PhaseSteps.prefill, PREFILL), (PhaseSteps.decode, DECODE)):
+    assert list(inspect.signature(_entry).parameters)[1:] == _sig.names, f"{_entry} != its signature"
 
 
 def iree_versions() -> dict[str, str]:

@@ -6,15 +6,14 @@ cached tokens, or both at once (``twophase.models.graph_attention``). Every dime
 serves any batch and any pool. The dynamo exporter is used: the TorchScript one hard-coded the block-table
 width and failed at run time.
 
-Inputs: ``input_ids [T]``, ``positions [T]``, ``kv_pool [L, 2, NB, KVH, BS, hd]``, the seven
-``GraphMeta`` tensors, ``logits_index [N]`` (rows of the packed tokens whose logits are wanted:
-each sequence's last token, or all). Outputs: ``logits [N, vocab]`` float32, ``new_k`` and
-``new_v [L, T, KVH, hd]`` for the backend to write into the pool at the batch's slots.
+Its inputs and outputs are ``twophase.graph.signature.STEP``: tokens, positions, the pool, the
+seven ``GraphMeta`` tensors and the rows whose logits are wanted; ``logits [N, vocab]`` float32
+and the step's ``new_k``/``new_v [L, T, KVH, hd]`` for the backend to write into the pool.
 """
 
 from __future__ import annotations
 
-import json
+import inspect
 import logging
 import warnings
 from contextlib import contextmanager
@@ -25,21 +24,30 @@ from typing import Any
 import torch
 from torch import nn
 
-from twophase.backends.base import ModelSpec, PrefillBatch
+from twophase.backends.base import ModelSpec
 from twophase.exporters import decode_graph
 from twophase.exporters.cache import build_cached, cache_folder, weights_digest
+from twophase.graph.signature import STEP
 from twophase.models.graph_attention import GraphMeta
 from twophase.models.llama import Llama
+from twophase.models.q4_weights import (
+    calibration_digest,
+    calibration_ids,
+    cpu_model,
+    model_qweights,
+    outlier_channels,
+    source_gguf,
+)
 from twophase.models.shapes import LlamaArch
 
-INPUTS = ["input_ids", "positions", "kv_pool", "dec_index", "dec_tables", "dec_cached",
-          "chunk_index", "chunk_tables", "chunk_cached", "chunk_lens", "logits_index"]
-OUTPUTS = ["logits", "new_k", "new_v"]
+INPUTS = STEP.names
+OUTPUTS = list(STEP.outputs)
 log = logging.getLogger(__name__)
 
 
 class PagedStep(nn.Module):
-    """The function every graph backend runs: one step over packed tokens."""
+    """The function every graph backend runs: one step over packed tokens (its arguments are
+    ``STEP``'s inputs, in order: checked below)."""
 
     def __init__(self, model: Llama):
         super().__init__()
@@ -59,61 +67,13 @@ class PagedStep(nn.Module):
         return logits, new_k, new_v
 
 
-def graph_inputs(batch: PrefillBatch, block_size: int, decodes: bool = True) -> dict[str, torch.Tensor]:
-    """The graph's inputs for ``batch`` (CPU int64), ``kv_pool`` aside. Sequences with one new
-    token go to the decode group (unless ``decodes`` is false), the others to the (padded) chunk
-    group."""
-    T = batch.num_tokens
-    starts, lens, first = batch.start_positions, batch.query_lens, batch.query_start
-    dec = [i for i, n in enumerate(lens) if n == 1 and decodes]
-    chk = [i for i, n in enumerate(lens) if not (n == 1 and decodes)]
-
-    def tables(rows: list[int], cached: list[int]) -> torch.Tensor:
-        width = max([-(-c // block_size) for c in cached] + [1])
-        return batch.block_tables[rows, :width] if rows else torch.zeros(0, 1, dtype=torch.long)
-
-    q = max([lens[i] for i in chk] + [1])
-    chunk_index = torch.full((len(chk), q), T, dtype=torch.long)
-    for r, i in enumerate(chk):
-        chunk_index[r, :lens[i]] = torch.arange(first[i], first[i] + lens[i])
-    if batch.logits == "last":
-        logits_index = torch.tensor([first[i + 1] - 1 for i in range(batch.num_seqs)], dtype=torch.long)
-    else:
-        logits_index = torch.arange(T)
-    long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
-    return {
-        "input_ids": batch.token_ids, "positions": batch.positions,
-        "dec_index": long([first[i] for i in dec]),
-        "dec_tables": tables(dec, [starts[i] for i in dec]),
-        "dec_cached": long([starts[i] for i in dec]),
-        "chunk_index": chunk_index,
-        "chunk_tables": tables(chk, [starts[i] for i in chk]),
-        "chunk_cached": long([starts[i] for i in chk]),
-        "chunk_lens": long([lens[i] for i in chk]),
-        "logits_index": logits_index,
-    }
+assert list(inspect.signature(PagedStep.forward).parameters)[1:] == INPUTS, "forward != STEP"
 
 
 def run_eager(step: PagedStep, pool: torch.Tensor, inputs: dict[str, torch.Tensor]):
     """The graph's function run by torch itself (the reference an export must match)."""
     with torch.inference_mode():
         return step(*(pool if n == "kv_pool" else inputs[n] for n in INPUTS))
-
-
-def write_new_kv(pool: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor,
-                 slots: torch.Tensor) -> None:
-    """Write a graph's ``new_k``/``new_v [L, T, KVH, hd]`` into ``pool`` at ``slots [T]``, as
-    one ``index_copy_`` over the pool viewed as rows of ``hd`` values (60 advanced-index
-    writes, two a layer, took 15 ms a decode step for the default model)."""
-    L, _, NB, KVH, BS, hd = pool.shape
-    T = slots.shape[0]
-    slots = slots.to(pool.device)
-    layer_kv = torch.arange(2 * L, device=pool.device).view(2 * L, 1, 1)
-    heads = torch.arange(KVH, device=pool.device).view(1, 1, KVH)
-    blocks, offs = (slots // BS).view(1, T, 1), (slots % BS).view(1, T, 1)
-    rows = ((layer_kv * NB + blocks) * KVH + heads) * BS + offs              # [2L, T, KVH]
-    src = torch.stack([new_k, new_v], dim=1).reshape(2 * L * T * KVH, hd)   # [L, 2, T, KVH, hd]
-    pool.view(-1, hd).index_copy_(0, rows.reshape(-1), src.to(pool.dtype))
 
 
 # -- export, cached by manifest ---------------------------------------------------------------
@@ -179,49 +139,14 @@ def _quantize_to(model: ModelSpec, float_graph: Path, folder: Path) -> None:
 
     gguf = source_gguf(model)
     torch_model = cpu_model(model)
-    weights = q4.model_qweights(torch_model, LlamaArch.from_dict(model.arch), gguf)
-    outliers = q4.outlier_channels(torch_model, calibration_ids(model), model.outlier_channels)
+    weights = model_qweights(torch_model, LlamaArch.from_dict(model.arch), gguf)
+    outliers = outlier_channels(torch_model, calibration_ids(model), model.outlier_channels)
     n = q4.quantize_graph(float_graph, folder / "model.onnx", weights, model.accuracy_level,
                           outliers)
     if model.dtype == torch.float32 and decode_graph.supported(torch_model.arch):
         decode_graph.build(torch_model, folder / "decode.onnx", weights, outliers, model.accuracy_level)
     log.info("%d matmuls run on quantised weights (MatMulNBits, accuracy level %d, %d outlier "
              "channels each in float32)", n, model.accuracy_level, model.outlier_channels)
-
-
-def _calibration_text() -> str:
-    from importlib.resources import files
-
-    return files("twophase.data").joinpath("calibration.txt").read_text(encoding="utf-8")
-
-
-def calibration_digest() -> str:
-    import hashlib
-
-    return hashlib.sha256(_calibration_text().encode()).hexdigest()[:16]
-
-
-def calibration_ids(model: ModelSpec) -> list[int]:
-    """``twophase/data/calibration.txt`` in the model's tokens (its bytes, for a model without
-    a tokenizer: random weights)."""
-    text = _calibration_text()
-    folder = None if model.weights == "random" else Path(model.weights)
-    if folder is not None and (folder / "tokenizer.json").exists():
-        from twophase.models.tokenizer import HFTokenizer
-
-        return HFTokenizer(folder).encode(text)
-    return [b % model.arch["vocab_size"] for b in text.encode()]
-
-
-def source_gguf(model: ModelSpec) -> Path | None:
-    """The GGUF file a converted model folder came from, if it still exists."""
-    if model.weights == "random":
-        return None
-    stamp = Path(model.weights) / "source.json"
-    if not stamp.exists():
-        return None
-    path = Path(json.loads(stamp.read_text()).get("gguf", ""))
-    return path if path.is_file() else None
 
 
 @contextmanager
@@ -237,15 +162,6 @@ def quiet_exporter_logs():
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
-
-
-def cpu_model(model: ModelSpec) -> Llama:
-    """The float model on the CPU: what every exporter traces and quantises from."""
-    from twophase.models.weights import build_model
-
-    folder = None if model.weights == "random" else Path(model.weights)
-    return build_model(LlamaArch.from_dict(model.arch), model.dtype, torch.device("cpu"), folder,
-                       model.seed)
 
 
 def _example(arch, dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], dict[str, dict[int, Any]]]:
@@ -269,11 +185,4 @@ def _example(arch, dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], dict[s
         "chunk_lens": torch.tensor([3, 3]),
         "logits_index": torch.tensor([0, 1, 4, 7]),
     }
-    dims = {n: Dim(n) for n in ("T", "NB", "BS", "D", "Wd", "C", "Q", "Wc", "N")}
-    dynamic = {"input_ids": {0: dims["T"]}, "positions": {0: dims["T"]},
-               "kv_pool": {2: dims["NB"], 4: dims["BS"]},
-               "dec_index": {0: dims["D"]}, "dec_tables": {0: dims["D"], 1: dims["Wd"]},
-               "dec_cached": {0: dims["D"]}, "chunk_index": {0: dims["C"], 1: dims["Q"]},
-               "chunk_tables": {0: dims["C"], 1: dims["Wc"]}, "chunk_cached": {0: dims["C"]},
-               "chunk_lens": {0: dims["C"]}, "logits_index": {0: dims["N"]}}
-    return tuple(ex[n] for n in INPUTS), dynamic
+    return tuple(ex[n] for n in INPUTS), STEP.dynamic_axes(Dim)

@@ -23,6 +23,7 @@ from typing import Any
 
 from twophase.backends.base import EngineLimits, ModelSpec
 from twophase.errors import BackendUnavailable, TwophaseError
+from twophase.graph.signature import STEP
 
 FORMAT = "twophase-tensorrt/1"
 PREFILL, DECODE = 0, 1
@@ -40,22 +41,18 @@ class EngineMismatch(TwophaseError):
 def profile_shapes(arch: dict[str, Any], limits: EngineLimits, block_size: int,
                    num_blocks: int) -> list[Profile]:
     """The min/opt/max shape of every graph input in the prefill and the decode profile."""
-    L, kvh, hd = arch["num_layers"], arch["num_kv_heads"], arch["head_dim"]
+    fixed = {"L": arch["num_layers"], "KVH": arch["num_kv_heads"], "hd": arch["head_dim"],
+             "NB": num_blocks, "BS": block_size}
     tokens, seqs = limits.max_num_batched_tokens, limits.max_num_seqs
     width = -(-limits.max_model_len // block_size)          # blocks of the longest context
-    pool = (L, 2, num_blocks, kvh, block_size, hd)
 
     def rng(lo: int, opt: int, hi: int) -> tuple[int, int, int]:
         return lo, min(max(opt, lo), hi), hi
 
     def shapes(**dims: tuple[int, int, int]) -> Profile:
-        spec = {"input_ids": ("T",), "positions": ("T",), "kv_pool": pool,
-                "dec_index": ("D",), "dec_tables": ("D", "Wd"), "dec_cached": ("D",),
-                "chunk_index": ("C", "Q"), "chunk_tables": ("C", "Wc"), "chunk_cached": ("C",),
-                "chunk_lens": ("C",), "logits_index": ("N",)}
-        return {name: tuple(tuple(d if isinstance(d, int) else dims[d][i] for d in dd)
-                            for i in range(3))
-                for name, dd in spec.items()}
+        """Each input's (min, opt, max) shape from each dimension's (min, opt, max)."""
+        sizes = [{**fixed, **{d: r[i] for d, r in dims.items()}} for i in range(3)]
+        return {name: tuple(STEP.shape(name, s) for s in sizes) for name in STEP.names}
 
     prefill = shapes(T=rng(1, tokens, tokens), N=rng(1, min(seqs, tokens), tokens),
                      C=rng(0, 1, min(seqs, tokens)), Q=rng(1, tokens, tokens),

@@ -17,6 +17,15 @@ import numpy as np
 
 from twophase.backends.base import ModelSpec
 from twophase.backends.native.kernel import Model, ProjQ4, ProjQ8
+from twophase.models.q4_weights import (
+    PROJECTIONS,
+    calibration_digest,
+    calibration_ids,
+    cpu_model,
+    model_qweights,
+    outlier_channels,
+    source_gguf,
+)
 from twophase.models.quant import BLOCK, QWeight
 
 Q4_1 = np.dtype([("d", "<f2"), ("m", "<f2"), ("qs", "u1", 16)])
@@ -43,12 +52,10 @@ def q8_blocks(qw: QWeight) -> np.ndarray:
 
 
 FORMAT = "twophase-native/1"
-PROJECTIONS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")
 
 
 def manifest(spec: ModelSpec) -> dict:
     from twophase.exporters.cache import weights_digest
-    from twophase.exporters.onnx import calibration_digest, source_gguf
 
     return {"format": FORMAT, "model_id": spec.model_id, "arch": spec.arch,
             "weights_sha256": weights_digest(spec), "from_gguf": source_gguf(spec) is not None,
@@ -57,14 +64,12 @@ def manifest(spec: ModelSpec) -> dict:
 
 def pack(spec: ModelSpec, folder: Path) -> None:
     """Write the model's arrays to ``folder``, one ``.npy`` each (layers stacked)."""
-    from twophase.exporters import q4
-    from twophase.exporters.onnx import calibration_ids, cpu_model, source_gguf
     from twophase.models.shapes import LlamaArch
 
     arch = LlamaArch.from_dict(spec.arch)
     torch_model = cpu_model(spec)
-    qweights = q4.model_qweights(torch_model, arch, source_gguf(spec))
-    outliers = q4.outlier_channels(torch_model, calibration_ids(spec), spec.outlier_channels)
+    qweights = model_qweights(torch_model, arch, source_gguf(spec))
+    outliers = outlier_channels(torch_model, calibration_ids(spec), spec.outlier_channels)
     sd = {k: v.detach().float().numpy() for k, v in torch_model.state_dict().items()}
     L = arch.num_layers
     out = {"embed": sd["embed.weight"], "final_norm": sd["norm.weight"],

@@ -1,0 +1,148 @@
+"""A model's weights as blocks of 4 bits (and its head as 8), whatever runs them: the GGUF's
+own blocks where the model came from one, else its float weights quantised here; and the input
+channels of each projection kept in float32 (outliers, found on a shipped calibration text).
+The ONNX graph rewrite (``exporters/q4.py``) and the native backend both start from these.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from importlib.resources import files
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from twophase.backends.base import ModelSpec
+from twophase.models.llama import Llama
+from twophase.models.quant import QWeight
+from twophase.models.shapes import LlamaArch
+
+PROJECTIONS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")
+
+
+def _calibration_text() -> str:
+    return files("twophase.data").joinpath("calibration.txt").read_text(encoding="utf-8")
+
+
+def calibration_digest() -> str:
+    return hashlib.sha256(_calibration_text().encode()).hexdigest()[:16]
+
+
+def calibration_ids(model: ModelSpec) -> list[int]:
+    """``twophase/data/calibration.txt`` in the model's tokens (its bytes, for a model without
+    a tokenizer: random weights)."""
+    text = _calibration_text()
+    folder = None if model.weights == "random" else Path(model.weights)
+    if folder is not None and (folder / "tokenizer.json").exists():
+        from twophase.models.tokenizer import HFTokenizer
+
+        return HFTokenizer(folder).encode(text)
+    return [b % model.arch["vocab_size"] for b in text.encode()]
+
+
+def source_gguf(model: ModelSpec) -> Path | None:
+    """The GGUF file a converted model folder came from, if it still exists."""
+    if model.weights == "random":
+        return None
+    stamp = Path(model.weights) / "source.json"
+    if not stamp.exists():
+        return None
+    path = Path(json.loads(stamp.read_text()).get("gguf", ""))
+    return path if path.is_file() else None
+
+
+def cpu_model(model: ModelSpec) -> Llama:
+    """The float model on the CPU: what every exporter traces and quantises from."""
+    from twophase.models.weights import build_model
+
+    folder = None if model.weights == "random" else Path(model.weights)
+    return build_model(LlamaArch.from_dict(model.arch), model.dtype, torch.device("cpu"), folder,
+                       model.seed)
+
+
+def outlier_channels(model, ids: list[int], count: int) -> dict[str, np.ndarray]:
+    """The ``count`` input channels of each projection with the largest activations (max
+    ``|x|``) over one prefill of ``ids`` through the float model, sorted, keyed by weight name."""
+    from twophase.models.llama import AttnMeta
+
+    if count <= 0:
+        return {}
+    peak: dict[str, torch.Tensor] = {}
+
+    def record(name):
+        def hook(module, args, output):
+            a = args[0].detach().float().reshape(-1, args[0].shape[-1]).abs().amax(0)
+            peak[name] = torch.maximum(peak[name], a) if name in peak else a
+        return hook
+
+    handles = [layer.get_submodule(p).register_forward_hook(record(f"layers.{i}.{p}.weight"))
+               for i, layer in enumerate(model.layers) for p in PROJECTIONS]
+    arch, T, bs = model.arch, len(ids), 16
+    blocks = -(-T // bs)
+    pool = torch.zeros(arch.num_layers, 2, blocks, arch.num_kv_heads, bs, arch.head_dim,
+                       dtype=next(model.parameters()).dtype)
+    meta = AttnMeta(torch.arange(T), None, None, None, [(0, T, 0, torch.arange(blocks))])
+    try:
+        with torch.inference_mode():
+            model(torch.tensor(ids), torch.arange(T), pool, meta)
+    finally:
+        for h in handles:
+            h.remove()
+    return {name: np.sort(p.topk(min(count, p.numel() // 2)).indices.numpy()) for name, p in peak.items()}
+
+
+def model_qweights(model, arch, gguf_path: Path | None) -> dict[str, QWeight]:
+    """Quantised forms of every projection and the head, keyed by parameter name: the GGUF's
+    own blocks where the model came from one, else the float weights quantised (projections
+    to 4 bits, the head to 8)."""
+    if gguf_path is not None:
+        return gguf_qweights(gguf_path, arch)
+    from twophase.models.quant import quantize_q4, quantize_q8
+
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    out = {f"layers.{i}.{p}.weight": quantize_q4(sd[f"layers.{i}.{p}.weight"])
+           for i in range(arch.num_layers) for p in PROJECTIONS}
+    out["lm_head.weight"] = quantize_q8(sd.get("lm_head.weight", sd["embed.weight"]))
+    return out
+
+
+def gguf_qweights(path: Path, arch) -> dict[str, QWeight]:
+    """The GGUF's quantised blocks as they are, fused the way the model fuses its projections
+    (Q/K rows un-permuted as in the float conversion). Tensor types other than Q4_1 and Q8_0 are
+    dequantised and requantised to 4 bits."""
+    import gguf
+
+    from twophase.models.gguf import unpermute_rope
+    from twophase.models.quant import from_q4_1, from_q8_0, quantize_q4
+
+    reader = gguf.GGUFReader(str(path))
+    T = gguf.GGMLQuantizationType
+    tensors = {t.name: t for t in reader.tensors}
+
+    def q(name: str) -> QWeight:
+        t = tensors[name]
+        k, n = (int(d) for d in t.shape)
+        if t.tensor_type == T.Q4_1:
+            return from_q4_1(t.data, n, k)
+        if t.tensor_type == T.Q8_0:
+            return from_q8_0(t.data, n, k)
+        return quantize_q4(gguf.quants.dequantize(t.data, t.tensor_type).reshape(n, k).astype(np.float32))
+
+    def unpermuted(qw: QWeight, heads: int) -> QWeight:
+        order = unpermute_rope(np.arange(qw.shape[0]), heads)
+        return qw.rows(order)
+
+    out = {}
+    for i in range(arch.num_layers):
+        b = f"blk.{i}."
+        out[f"layers.{i}.attn.qkv.weight"] = QWeight.stack([
+            unpermuted(q(b + "attn_q.weight"), arch.num_heads),
+            unpermuted(q(b + "attn_k.weight"), arch.num_kv_heads), q(b + "attn_v.weight")])
+        out[f"layers.{i}.attn.o.weight"] = q(b + "attn_output.weight")
+        out[f"layers.{i}.mlp.gate_up.weight"] = QWeight.stack([q(b + "ffn_gate.weight"),
+                                                               q(b + "ffn_up.weight")])
+        out[f"layers.{i}.mlp.down.weight"] = q(b + "ffn_down.weight")
+    out["lm_head.weight"] = q("output.weight" if "output.weight" in tensors else "token_embd.weight")
+    return out
