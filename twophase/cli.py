@@ -79,18 +79,24 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_run(args) -> int:
-    from rich.console import Console
-
     from twophase import workload
     from twophase.config import load_config
 
     cfg = load_config(args.config)          # before torch is imported: config errors come at once
     workload.validate(cfg)
-    from twophase.core.metrics import step_dicts
     from twophase.llm import LLM
+
+    with LLM(cfg) as llm:
+        return _run_and_report(args, cfg, llm)
+
+
+def _run_and_report(args, cfg, llm) -> int:
+    from rich.console import Console
+
+    from twophase import workload
+    from twophase.core.metrics import step_dicts
     from twophase.report import phase_table
 
-    llm = LLM(cfg)
     items = workload.build(cfg, llm.tokenizer, llm.model.arch.vocab_size)
     outputs = llm.generate([p for p, _ in items], [s for _, s in items], use_tqdm=True)
     console = Console()
@@ -151,7 +157,10 @@ def cmd_serve(args) -> int:
     host, port = args.host or sv.host, args.port if args.port is not None else sv.port
     log.info("serving %s at http://%s:%d/v1 (API key %s)", name, host, port,
              "required" if key else "off")
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning")
+    finally:
+        llm.close()
     return 0
 
 

@@ -23,6 +23,23 @@ def parse_device(device: str) -> torch.device:
                                  f"(use 'cpu', 'cuda' or 'cuda:N')") from None
 
 
+def require_device(device: str) -> torch.device:
+    """``device`` parsed, and present: the engine's KV pool is a torch tensor on it, so torch
+    must see it whatever runtime computes there."""
+    dev = parse_device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise BackendUnavailable(
+            f"device {device!r}: torch {torch.__version__} sees no CUDA device (built with CUDA "
+            f"{torch.version.cuda or 'none'}), and the engine's KV pool is a torch tensor")
+    return dev
+
+
+def same_device(a: str, b: str) -> bool:
+    """``cuda`` and ``cuda:0`` are one device."""
+    da, db = torch.device(a), torch.device(b)
+    return (da.type, da.index or 0) == (db.type, db.index or 0)
+
+
 def available_memory(device: str) -> int:
     """Bytes free for weights and the KV pool on ``device``."""
     dev = torch.device(device)

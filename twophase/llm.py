@@ -24,7 +24,7 @@ from twophase.core.metrics import phase_report
 from twophase.core.outputs import RequestOutput
 from twophase.core.params import SamplingParams
 from twophase.core.scheduler import Scheduler
-from twophase.device import available_memory
+from twophase.device import available_memory, same_device
 from twophase.errors import ConfigError, ModelError, RequestRejected
 from twophase.models import loader
 
@@ -43,7 +43,7 @@ class LLM:
         for key, sec in ((("backend.prefill", pcfg), ("backend.decode", dcfg)) if split
                          else (("backend", pcfg),)):
             self.registry.get(sec.name, f"{key}.name").check_available(sec.device)
-        if _device_key(pcfg.device) != _device_key(dcfg.device):
+        if not same_device(pcfg.device, dcfg.device):
             raise ConfigError("backend.decode.device",
                               f"prefill runs on {pcfg.device!r} and decode on {dcfg.device!r}: both "
                               f"phases read and write one KV pool, so they must share a device")
@@ -264,7 +264,3 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     start = -raw.ctypes.data % 64
     return torch.from_numpy(raw[start:start + nbytes]).view(dtype).view(shape)
 
-
-def _device_key(device: str) -> tuple[str, int]:
-    d = torch.device(device)
-    return d.type, d.index or 0

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from twophase import LLM, SamplingParams
+from twophase.testing import logprob_gaps
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -117,6 +118,40 @@ def test_32_concurrent_streams_batch_together(default_server, default_llm):
     assert steps - single > 0, "no step decoded more than one sequence"
     assert values["twophase_time_to_first_token_seconds_count"] >= 32
     assert values["twophase_decode_tokens_total"] >= 32 * 9
+    _all_blocks_free(llm, app)
+
+
+def test_concurrent_streams_carry_their_own_tokens_logprobs(default_server, default_llm):
+    """Streamed logprobs travel with their step's tokens as values: under 24 concurrent chat
+    streams, each stream's logprobs are its own tokens' (the greedy reference's, in order),
+    one per token, and every stream ends cleanly."""
+    llm, url, app = default_server
+    prompts = [f"List {i} colours, then {i + 2} fruits." for i in range(24)]
+    chats = [default_llm.apply_chat_template(p) for p in prompts]
+    refs = default_llm.generate(chats, SamplingParams(max_tokens=12, logprobs=2))
+    tok = default_llm.tokenizer
+    aclient = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    async def one(p: str) -> list[tuple[str, float]]:
+        stream = await aclient.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": p}], max_tokens=12, temperature=0,
+            logprobs=True, top_logprobs=2, stream=True)
+        got = []
+        async for c in stream:
+            if c.choices and c.choices[0].logprobs is not None:
+                got += [(e.token, e.logprob) for e in c.choices[0].logprobs.content]
+        return got
+
+    async def all_of_them():
+        return await asyncio.wait_for(asyncio.gather(*(one(p) for p in prompts)), 180)
+
+    for i, (got, ref) in enumerate(zip(asyncio.run(all_of_them()), refs)):
+        want = [(tok.decode([t]), lp[t]) for t, lp in zip(ref.token_ids, ref.logprobs)]
+        assert len(got) == len(want), f"stream {i}: {len(got)} logprobs for {len(want)} tokens"
+        gaps = logprob_gaps(ref)          # batching may flip a near-tie: compare up to the first
+        n = next((k for k, g in enumerate(gaps) if g < 1e-3), len(gaps))
+        assert [t for t, _ in got[:n]] == [t for t, _ in want[:n]], f"stream {i}: another stream's tokens"
+        assert all(abs(a - b) < 1e-3 for (_, a), (_, b) in zip(got[:n], want[:n])), f"stream {i}"
     _all_blocks_free(llm, app)
 
 

@@ -41,7 +41,7 @@ from twophase.backends.base import (
     parse_device,
 )
 from twophase.backends.hookspecs import hookimpl
-from twophase.device import threads_option
+from twophase.device import require_device, threads_option
 from twophase.errors import ConfigError
 from twophase.graph.inputs import step_inputs, write_new_kv
 from twophase.models.shapes import LlamaArch
@@ -73,9 +73,7 @@ class IreeBackend(Backend):
         if kind not in DRIVERS:
             raise BackendUnavailable(f"the iree backend runs on cpu or cuda, not {device!r}")
         if kind == "cuda":
-            if not torch.cuda.is_available():     # the engine's pool and streams are torch's
-                raise BackendUnavailable("torch sees no CUDA device (a CPU build of torch, or no "
-                                         "GPU), and the engine's KV pool is a torch tensor")
+            require_device(device)                # the engine's pool and streams are torch's
             try:
                 found = rt.get_driver("cuda").query_available_devices()
             except Exception as exc:                  # no libcuda, no driver: IREE says why

@@ -36,7 +36,7 @@ from twophase.backends.base import (
     parse_device,
 )
 from twophase.backends.hookspecs import hookimpl
-from twophase.device import threads_option
+from twophase.device import require_device, threads_option
 from twophase.errors import ConfigError
 from twophase.graph.inputs import decode_graph_inputs, step_inputs, write_new_kv
 from twophase.models.shapes import LlamaArch
@@ -71,9 +71,7 @@ class OnnxRuntimeBackend(Backend):
                 f"onnxruntime {ort.__version__} has no CUDA execution provider "
                 f"(providers: {', '.join(ort.get_available_providers())}): install "
                 f"'twophase[onnx-cuda]' (onnxruntime-gpu, never beside onnxruntime)")
-        if kind == "cuda" and not torch.cuda.is_available():
-            raise BackendUnavailable("the CUDA execution provider needs a CUDA device torch can see "
-                                     "(the KV pool is a torch tensor)")
+        require_device(device)
         if kind not in ("cpu", "cuda"):
             raise BackendUnavailable(f"device {device!r}: onnxruntime runs on cpu or cuda here")
 

@@ -32,6 +32,7 @@ from twophase.backends.base import (
     parse_device,
 )
 from twophase.backends.hookspecs import hookimpl
+from twophase.device import require_device
 from twophase.errors import ConfigError
 from twophase.graph.inputs import step_inputs, write_new_kv
 from twophase.graph.signature import STEP
@@ -53,8 +54,7 @@ class TensorRTBackend(Backend):
         if parse_device(device).type != "cuda":
             raise BackendUnavailable(f"TensorRT runs on NVIDIA GPUs: set backend.device = "
                                      f"\"cuda\", not {device!r}")
-        if not torch.cuda.is_available():
-            raise BackendUnavailable("TensorRT needs a CUDA device, and torch sees none")
+        require_device(device)
 
     def capabilities(self) -> Capabilities:
         lim = self.limits

@@ -23,10 +23,9 @@ from twophase.backends.base import (
     KVCacheSpec,
     ModelSpec,
     PrefillBatch,
-    parse_device,
 )
 from twophase.backends.hookspecs import hookimpl
-from twophase.device import threads_option
+from twophase.device import require_device, threads_option
 from twophase.models.llama import AttnMeta, Llama
 from twophase.models.shapes import LlamaArch
 from twophase.models.weights import build_model
@@ -45,12 +44,8 @@ class TorchBackend(Backend):
 
     @classmethod
     def check_available(cls, device: str = "cpu") -> None:
-        dev = parse_device(device)
+        dev = require_device(device)
         kind = dev.type
-        if kind == "cuda" and not torch.cuda.is_available():
-            raise BackendUnavailable(
-                f"device {device!r}: torch {torch.__version__} sees no CUDA device "
-                f"(built with CUDA {torch.version.cuda or 'none'})")
         index = dev.index
         if kind == "cuda" and index is not None and index >= torch.cuda.device_count():
             raise BackendUnavailable(f"device {device!r}: only {torch.cuda.device_count()} "

@@ -1,0 +1,59 @@
+"""Rolling a sequence back (speculative tokens rejected): blocks wholly past the new length go
+back to the pool, the rest stay, and no rejected token ever becomes a prefix-cache hit."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from twophase.core.kv_manager import KVManager
+from twophase.core.params import SamplingParams
+from twophase.core.request import Request
+
+DRAFT = 999                      # a token id only drafts use: never committed
+
+
+def committed(pos: int) -> int:
+    return 1 + pos % 53
+
+
+@settings(deadline=None, max_examples=300, database=None)
+@given(bs=st.sampled_from([1, 2, 4, 8]),
+       rounds=st.lists(st.tuples(st.integers(1, 9), st.integers(0, 9)), min_size=1, max_size=25))
+def test_truncate_keeps_exactly_the_committed_blocks(bs: int, rounds: list[tuple[int, int]]) -> None:
+    kv = KVManager(num_blocks=256, block_size=bs)
+    req = Request("r", [committed(0)], SamplingParams(max_tokens=4000), 0.0)
+    for k, accept in rounds:
+        accept = min(accept, k)
+        # verify pass: k drafts after the committed tokens get slots and K/V; the first
+        # ``accept`` are what the target model would say, the rest are wrong
+        assert kv.allocate(req, k)
+        n = req.num_computed_tokens + accept
+        req.token_ids += [committed(p) if p < n else DRAFT for p in range(req.num_computed_tokens, req.num_computed_tokens + k)]
+        kv.computed_blocks(req)               # a lookup may hash blocks that hold drafts
+        # the rejected ones are rolled back before anything is published
+        del req.token_ids[n:]
+        req.num_computed_tokens = n
+        kv.truncate(req, n)
+        kv.cache_computed(req)
+        table = kv.block_table(req)
+        assert len(table) == kv.blocks_for(n), "blocks past the length must be freed, the rest kept"
+        assert kv.num_free_blocks == 256 - len(table), "a block leaked or was freed twice"
+    # a newcomer with the committed tokens hits every full block; one with a draft hits none past it
+    probe = Request("p", list(req.token_ids) + [7], SamplingParams(), 0.0)
+    assert len(kv.computed_blocks(probe)) == req.num_computed_tokens // bs
+    drafted = Request("d", [DRAFT] * (bs + 1), SamplingParams(), 0.0)
+    assert kv.computed_blocks(drafted) == []
+    kv.free(req)
+    assert kv.num_free_blocks == 256 and not any(kv.pool.ref_cnt)
+
+
+def test_truncating_a_published_block_is_refused() -> None:
+    kv = KVManager(num_blocks=8, block_size=2)
+    req = Request("r", [1, 2, 3, 4, 5], SamplingParams(), 0.0)
+    assert kv.allocate(req, 5)
+    req.num_computed_tokens = 5
+    kv.cache_computed(req)                  # blocks [1, 2] and [3, 4] are published
+    with pytest.raises(RuntimeError, match="published"):
+        kv.truncate(req, 3)
