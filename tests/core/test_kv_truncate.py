@@ -30,7 +30,8 @@ def test_truncate_keeps_exactly_the_committed_blocks(bs: int, rounds: list[tuple
         # ``accept`` are what the target model would say, the rest are wrong
         assert kv.allocate(req, k)
         n = req.num_computed_tokens + accept
-        req.token_ids += [committed(p) if p < n else DRAFT for p in range(req.num_computed_tokens, req.num_computed_tokens + k)]
+        start = req.num_computed_tokens
+        req.token_ids += [committed(p) if p < n else DRAFT for p in range(start, start + k)]
         kv.computed_blocks(req)               # a lookup may hash blocks that hold drafts
         # the rejected ones are rolled back before anything is published
         del req.token_ids[n:]
