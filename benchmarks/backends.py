@@ -5,7 +5,7 @@ tokens/s of one 512-token prompt (a single pure-prefill step) and decode tokens/
 32 (pure-decode steps at a 256-token context), each the median of ``--repeats`` rounds taken in
 turn across routings. It also prints the KV bytes each decode step gathers from the paged pool
 (both backends copy each sequence's blocks once per layer before attending), and the best
-routing found.
+routing found. The rounds are ``twophase.bench.sweeps``'s, the ones ``twophase bench`` runs.
 
     python benchmarks/backends.py                   # default model, CPU
     python benchmarks/backends.py --shape tiny      # random weights of a named shape
@@ -19,7 +19,8 @@ import statistics
 from rich.console import Console
 from rich.table import Table
 
-from twophase import LLM, SamplingParams
+from twophase import LLM
+from twophase.bench import sweeps
 
 
 def routings(names: list[str]) -> list[tuple[str, str]]:
@@ -39,23 +40,6 @@ def build(args, prefill: str, decode: str) -> LLM:
                             "cache": {"prefix_caching": False, "num_blocks": 1024}})
 
 
-def prefill_rate(llm: LLM, n: int, salt: int) -> float:
-    llm.reset_stats()
-    vocab = llm.model.arch.vocab_size
-    llm.generate([[3 + (i * 7 + salt) % (vocab - 3) for i in range(n)]], SamplingParams(max_tokens=1))
-    step = next(s for s in llm.engine.steps.records if s.mix == "prefill")
-    return n / step.duration
-
-
-def decode_rate(llm: LLM, batch: int, ctx: int, steps: int, salt: int) -> float:
-    llm.reset_stats()
-    vocab = llm.model.arch.vocab_size
-    prompts = [[3 + (i * 3 + j + salt) % (vocab - 3) for i in range(ctx)] for j in range(batch)]
-    llm.generate(prompts, SamplingParams(max_tokens=steps + 1, ignore_eos=True))
-    times = [s.duration for s in llm.engine.steps.records if s.mix == "decode" and s.decode_seqs == batch]
-    return batch / statistics.median(times[1:] or times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", help="random weights of this shape (default: the default model)")
@@ -72,9 +56,9 @@ def main() -> None:
     names = [n for n in args.backends.split(",") if reg.availability(n, "cpu") is None]
     ROUTINGS = routings(names)
     llms = {r: build(args, *r) for r in ROUTINGS}
-    cases = [("prefill 512", lambda llm, k: prefill_rate(llm, 512, k)),
-             ("decode b1", lambda llm, k: decode_rate(llm, 1, args.ctx, args.steps, k)),
-             ("decode b32", lambda llm, k: decode_rate(llm, 32, args.ctx, args.steps, k))]
+    cases = [("prefill 512", lambda llm, k: 512 / sweeps.prefill_round(llm, 512, 0, k)),
+             ("decode b1", lambda llm, k: 1 / sweeps.decode_round(llm, 1, args.ctx, args.steps, k)),
+             ("decode b32", lambda llm, k: 32 / sweeps.decode_round(llm, 32, args.ctx, args.steps, k))]
     results = {r: {name: [] for name, _ in cases} for r in ROUTINGS}
     with console.status("measuring") as status:
         for k in range(args.repeats):

@@ -1,8 +1,10 @@
 """Prefill and decode measured apart, llama-bench style, on any shape/device/dtype.
 
-Prefill: one prompt of each length, timed as the median of its pure-prefill steps (the budget is
-raised to the prompt length, so each prompt is one step). Decode: B sequences at a given context
-length, timed as the median pure-decode step with all B running. Random weights by default, so it
+Prefill: one prompt of each length a round, timed as its pure-prefill step (the budget is raised
+to the prompt length, so each prompt is one step). Decode: B sequences at a given context length,
+timed as the median pure-decode step with all B running. The rounds are ``twophase.bench.sweeps``'s
+(the ones ``twophase bench`` runs on several backends at once); this script runs one backend on
+any shape, device and dtype. Random weights by default, so it
 runs anywhere without downloads:
 
     python benchmarks/phase_sweep.py --shape llama3-8b --device cuda --dtype bfloat16
@@ -13,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 from rich.console import Console
 from rich.table import Table
 
-from twophase import LLM, SamplingParams
+from twophase import LLM
+from twophase.bench import sweeps
 
 
 def build(args, budget: int) -> LLM:
@@ -29,14 +31,7 @@ def build(args, budget: int) -> LLM:
         "model": model, "backend": {"name": args.backend, "device": args.device},
         "scheduler": {"max_num_batched_tokens": budget, "max_num_seqs": max(args.batch_sizes),
                       "policy": "prefill-first"},   # all prompts in before decodes start
-        "cache": {"prefix_caching": False, "memory_gb": args.kv_gb}})
-
-
-def median_step(llm: LLM, kind: str, seqs: int) -> float:
-    recs = [s for s in llm.engine.steps.records
-            if (kind == "prefill" and s.mix == "prefill") or
-            (kind == "decode" and s.mix == "decode" and s.decode_seqs == seqs)]
-    return statistics.median(s.duration for s in recs[1:] or recs)   # first one warms up
+        "cache": {"memory_gb": args.kv_gb}})
 
 
 def main() -> None:
@@ -59,20 +54,13 @@ def main() -> None:
     budget = max(max(args.prompt_lens), max(args.batch_sizes) + 1)
     llm = build(args, budget)
     rows = []
-    vocab = llm.model.arch.vocab_size
-    for n in args.prompt_lens:
-        llm.reset_stats()
-        prompts = [[3 + (i * 7 + r) % (vocab - 3) for i in range(n)] for r in range(args.repeats + 1)]
-        for p in prompts:                       # one at a time: each is one pure-prefill step
-            llm.generate([p], SamplingParams(max_tokens=1))
-        t = median_step(llm, "prefill", 1)
+    for n in args.prompt_lens:                  # one prompt a round: one pure-prefill step
+        t = sweeps.spread([sweeps.prefill_round(llm, n, 0, k) for k in range(args.repeats)])["median"]
         rows.append(("prefill", f"{n} tokens", n / t, t * 1e3))
     base = None
     for b in args.batch_sizes:
-        llm.reset_stats()
-        prompts = [[3 + (i * 3 + j) % (vocab - 3) for i in range(args.context)] for j in range(b)]
-        llm.generate(prompts, SamplingParams(max_tokens=args.decode_steps + 1, ignore_eos=True))
-        t = median_step(llm, "decode", b)
+        t = sweeps.spread([sweeps.decode_round(llm, b, args.context, args.decode_steps, k)
+                           for k in range(args.repeats)])["median"]
         base = base or b / t
         rows.append(("decode", f"batch {b} @ ctx {args.context}", b / t, t * 1e3, (b / t) / base))
     table = Table(title=f"{llm.model.model_id} on {args.backend}/{args.device} "

@@ -11,6 +11,13 @@ from hypothesis import settings
 
 from twophase import LLM, SamplingParams
 
+# The suite's artefacts (the default model, exports, compiled modules, calibration) go to a
+# cache of their own beside the user's, never into it: $TWOPHASE_TEST_CACHE, else
+# "<$TWOPHASE_CACHE or ~/.cache/twophase>-tests". Set before any twophase module reads it.
+_user_cache = os.environ.get("TWOPHASE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "twophase")
+os.environ["TWOPHASE_CACHE"] = (os.environ.get("TWOPHASE_TEST_CACHE")
+                                or os.path.normpath(_user_cache) + "-tests")
+
 # CI replays the same examples every run (a landing must not depend on luck); locally every run
 # explores new ones
 settings.register_profile("ci", derandomize=True)

@@ -142,26 +142,12 @@ def cmd_serve(args) -> int:
     import os
 
     from twophase.config import load_config
+    from twophase.server.serve import serve
 
     cfg = load_config(args.config)
-    import uvicorn
-
-    from twophase.llm import LLM
-    from twophase.server.app import create_app
-
     sv = cfg.server
-    llm = LLM(cfg)
-    name = sv.model_name or llm.model.model_id
     key = args.api_key or sv.api_key or os.environ.get("TWOPHASE_API_KEY")
-    app = create_app(llm, name, key, sv.max_queue, sv.default_max_tokens)
-    host, port = args.host or sv.host, args.port if args.port is not None else sv.port
-    log.info("serving %s at http://%s:%d/v1 (API key %s)", name, host, port,
-             "required" if key else "off")
-    try:
-        uvicorn.run(app, host=host, port=port, log_level="warning")
-    finally:
-        llm.close()
-    return 0
+    return serve(cfg, args.host or sv.host, args.port if args.port is not None else sv.port, key)
 
 
 def cmd_calibrate(args) -> int:

@@ -128,7 +128,9 @@ class ServerConfig:
     api_key: str | None = None             # or TWOPHASE_API_KEY; checked on all routes but /health
     max_queue: int = 256                   # requests in flight before new ones get 503
     model_name: str | None = None          # the model id clients send; default the model's
-    default_max_tokens: int = 256          # chat requests without max_tokens
+    default_max_tokens: int = 256          # requests (completions and chat) without max_tokens
+    max_body_bytes: int = 4 << 20          # a larger request body is a 413
+    shutdown_timeout_s: float = 30.0       # after SIGTERM, streams still open then get an error
 
 
 @dataclass
@@ -241,7 +243,9 @@ def _check_server(cfg: Config) -> None:
     sv = cfg.server
     if not 0 <= sv.port <= 65535:
         raise ConfigError("server.port", f"must be in [0, 65535], got {sv.port}")
-    for key in ("max_queue", "default_max_tokens"):
+    if sv.shutdown_timeout_s < 0:
+        raise ConfigError("server.shutdown_timeout_s", f"must be >= 0 seconds, got {sv.shutdown_timeout_s}")
+    for key in ("max_queue", "default_max_tokens", "max_body_bytes"):
         if getattr(sv, key) < 1:
             raise ConfigError(f"server.{key}", f"must be a positive integer, got {getattr(sv, key)}")
 

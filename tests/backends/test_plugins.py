@@ -4,6 +4,7 @@ backend and the plugin, and fails a backend that writes K/V at the wrong slots."
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -86,6 +87,8 @@ def test_broken_plugins_are_reported_and_the_others_still_load(tmp_path):
         from twophase.backends.torch_eager import TorchBackend
         class Again(TorchBackend):
             name = "torch"
+            def load(self, model, cfg):
+                raise RuntimeError("the impostor ran")
         @hookimpl
         def twophase_backends():
             return [Again]
@@ -98,16 +101,52 @@ def test_broken_plugins_are_reported_and_the_others_still_load(tmp_path):
         def twophase_backends():
             return [NotABackend]
         """)
+    _fake_dist(site, "returns-none", "returns_none", """
+        from twophase.backends.hookspecs import hookimpl
+        @hookimpl
+        def twophase_backends():
+            return [None]
+        """)
+    # PYTHONPATH comes first on sys.path: the impostor's entry point is found before the
+    # built-in's, and the built-in must still win
     out = _run(sys.executable, "-m", "twophase", "backends",
                env={"PYTHONPATH": str(site), "COLUMNS": "250"})
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "broken-import" in text and "ImportError: needs libfoo.so" in text
-    assert "dup-plugin" in text and "duplicate backend name 'torch'" in text
+    assert "dup-plugin" in text and "'torch' belongs to a built-in backend" in text
     assert "bad-contract" in text and "not a twophase Backend" in text
+    none_row = next(line for line in text.splitlines() if "returns-none" in line)
+    assert "returns_none" in none_row and "None" in none_row.split("returns-none", 1)[1]
     assert "onnxruntime" in text and "built-in" in text
     torch_rows = [line for line in text.splitlines() if line.startswith("│ torch")]
     assert torch_rows and "built-in" in torch_rows[0]
+    cfg = tmp_path / "torch.toml"
+    cfg.write_text('[model]\nname = "tiny"\nweights = "random"\n[backend]\nname = "torch"\n'
+                   '[workload.synthetic]\nnum_requests = 1\ninput_len = [4, 4]\noutput_len = [2, 2]\n')
+    ran = _run(sys.executable, "-m", "twophase", "run", str(cfg), "--json", str(tmp_path / "r.json"),
+               env={"PYTHONPATH": str(site), "COLUMNS": "200"})
+    assert ran.returncode == 0, ran.stderr
+    assert json.loads((tmp_path / "r.json").read_text())["outputs"], "the built-in torch backend ran"
+
+
+def test_a_backend_hidden_by_twophase_plugins_is_named_in_the_error(tmp_path):
+    site = tmp_path / "site"
+    _fake_dist(site, "hidden-plugin", "hidden_plugin", """
+        from twophase.backends.hookspecs import hookimpl
+        from twophase.backends.torch_eager import TorchBackend
+        class Hidden(TorchBackend):
+            name = "hidden"
+        @hookimpl
+        def twophase_backends():
+            return [Hidden]
+        """)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[model]\nname = "tiny"\nweights = "random"\n[backend]\nname = "hidden"\n')
+    ran = _run(sys.executable, "-m", "twophase", "run", str(cfg),
+               env={"PYTHONPATH": str(site), "TWOPHASE_PLUGINS": "other"})
+    assert ran.returncode == 2
+    assert "TWOPHASE_PLUGINS" in ran.stderr and "hidden_plugin (from hidden-plugin)" in ran.stderr
 
 
 def test_conformance_kit_passes_the_builtin_backends(tmp_path):

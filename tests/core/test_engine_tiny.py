@@ -173,3 +173,16 @@ def test_unknown_backend_option_names_the_key_and_the_allowed_ones(backend):
 
     with pytest.raises(ConfigError, match=r"backend\.options\.thread: .*allowed: .*threads"):
         tiny_llm(backend={"name": backend, "options": {"thread": 1}})
+
+
+def test_text_a_tokenizer_cannot_take_and_seeds_past_64_bits_are_refused_by_name():
+    from twophase.errors import InvalidSamplingParam
+
+    llm = tiny_llm()
+    (out,) = llm.generate(["a \ud800 b"], SamplingParams(max_tokens=2))
+    assert out.finish_reason == "rejected" and "not valid Unicode" in out.error
+    for seed in (2 ** 64, -(2 ** 63) - 1):
+        with pytest.raises(InvalidSamplingParam, match="seed"):
+            SamplingParams(seed=seed)
+    assert SamplingParams(seed=2 ** 64 - 1).seed == 2 ** 64 - 1
+    assert llm.generate([[5, 6]], SamplingParams(max_tokens=2, seed=2 ** 64 - 1))[0].token_ids

@@ -66,3 +66,34 @@ def test_hf_folder_greedy_equals_transformers_generate(hf_folder):
         g = ref.generate(torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20,
                          do_sample=False, pad_token_id=0)
     assert out.token_ids == g[0, 20:].tolist()
+
+
+def test_the_contracts_state_dict_is_hfs_for_a_folder_and_for_random_weights(hf_folder):
+    """What ``ModelSpec.state_dict()`` hands a plugin: HF's own tensors for an HF folder, and for
+    random weights tensors an HF model loads strictly and then computes the torch backend's
+    logits from (the numbers the reference draws, under HF's names)."""
+    folder, ref = hf_folder
+    llm = LLM.from_config({"model": {"path": str(folder)}, "cache": {"num_blocks": 64}})
+    got = llm.spec.state_dict()
+    want = {k: v for k, v in ref.state_dict().items() if "rotary" not in k}
+    assert set(got) == set(want)
+    assert all(torch.equal(got[k], want[k].float()) for k in want)
+
+    rnd = LLM.from_config({"model": {"name": "tiny", "weights": "random"}, "cache": {"num_blocks": 64}})
+    a = rnd.model.arch
+    cfg = transformers.LlamaConfig(
+        vocab_size=a.vocab_size, hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
+        num_hidden_layers=a.num_layers, num_attention_heads=a.num_heads,
+        num_key_value_heads=a.num_kv_heads, head_dim=a.head_dim, rope_theta=a.rope_theta,
+        rms_norm_eps=a.rms_norm_eps, max_position_embeddings=a.max_position_embeddings,
+        tie_word_embeddings=a.tie_word_embeddings)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    hf.load_state_dict(rnd.spec.state_dict(), strict=not a.tie_word_embeddings)
+    ids = list(range(5, 45))
+    req = rnd.engine.add_request(ids, SamplingParams(max_tokens=1))
+    assert rnd.engine.kv.allocate(req, len(ids))
+    batch = prefill_batch([(req, 0, len(ids))], rnd.engine.kv)
+    batch.logits = "all"
+    with torch.no_grad():
+        assert _rel(rnd.backend.prefill(batch), hf(torch.tensor([ids])).logits[0]) < 1e-4
+    rnd.engine.abort(req.request_id)

@@ -4,6 +4,7 @@ perplexity on the shipped text."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -234,3 +235,21 @@ def test_perplexity_of_the_gguf_weights_in_q4(tmp_path):
     requant = LLM.from_config({**cfg, "model": {"path": str(folder), "quantization": "q4"},
                                "backend": {"name": "onnxruntime"}})
     assert perplexity(requant, text) / base - 1 < 0.05
+
+
+def test_the_export_command_keeps_the_configs_quantization(tmp_path):
+    """``twophase export`` builds its ModelSpec where LLM does: a q4 config exports the q4 graph."""
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "q4.toml"
+    cfg.write_text('[model]\nname = "tiny"\nweights = "random"\nquantization = "q4"\n')
+    run = subprocess.run([sys.executable, "-m", "twophase", "export", str(cfg), "--format", "onnx",
+                          "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["quantization"] == "q4" and manifest["quant_format"] is not None
+    import onnx
+
+    ops = {n.op_type for n in onnx.load(str(tmp_path / "out" / "model.onnx"), load_external_data=False).graph.node}
+    assert "MatMulNBits" in ops

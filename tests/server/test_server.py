@@ -6,10 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
-import time
-from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -18,43 +14,11 @@ from twophase import LLM, SamplingParams
 from twophase.testing import logprob_gaps
 
 openai = pytest.importorskip("openai")
-uvicorn = pytest.importorskip("uvicorn")
-from twophase.server.app import create_app  # noqa: E402
+pytest.importorskip("uvicorn")
+from helpers.server import all_blocks_free as _all_blocks_free  # noqa: E402
+from helpers.server import serving  # noqa: E402
 
 MODEL = "smollm2"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def serving(llm: LLM, **kwargs):
-    app = create_app(llm, MODEL, **kwargs)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}", app
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
-
-
-def _all_blocks_free(llm: LLM, app, timeout: float = 10.0) -> None:
-    """Wait for the engine to settle, then every block must be free."""
-    deadline = time.monotonic() + timeout
-    while app.state.loop.in_flight or llm.engine.has_unfinished():
-        assert time.monotonic() < deadline, f"{app.state.loop.in_flight} requests still in flight"
-        time.sleep(0.05)
-    assert llm.engine.kv.num_free_blocks == llm.num_blocks
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +121,7 @@ def test_concurrent_streams_carry_their_own_tokens_logprobs(default_server, defa
 
 @pytest.mark.parametrize("body, status, param", [
     ("{not json", 400, None),
-    ({"model": "gpt-4", "prompt": "hi"}, 400, "model"),
+    ({"model": "gpt-4", "prompt": "hi"}, 404, "model"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "hi", "logit_bias": {"1": 5}}, 400, "logit_bias"),
     ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),

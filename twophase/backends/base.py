@@ -14,6 +14,7 @@ block, so exported graphs attend per block without a transpose.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -39,9 +40,17 @@ __all__ = [
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What to load: the architecture, and where its weights come from."""
+    """What to load: the architecture, and where its weights come from.
 
-    arch: dict[str, Any]          # Llama-family hyper-parameters (see twophase.models.shapes.LlamaArch)
+    ``arch`` keys (a Llama-family model): ``vocab_size``, ``hidden_size``,
+    ``intermediate_size``, ``num_layers``, ``num_heads``, ``num_kv_heads``, ``head_dim``,
+    ``max_position_embeddings``, ``rope_theta``, ``rms_norm_eps``, ``tie_word_embeddings``,
+    ``attention_bias``, ``mlp_bias``, ``rope_scaling`` (None, or Llama-3's ``factor``,
+    ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``),
+    ``bos_token_id``, ``eos_token_ids``.
+    """
+
+    arch: dict[str, Any]          # Llama-family hyper-parameters (keys above)
     weights: str                  # "random" or a path to a folder with model.safetensors
     dtype: torch.dtype            # weights' and activations' dtype
     model_id: str                 # a name for reports and caches
@@ -49,6 +58,22 @@ class ModelSpec:
     quantization: str = "none"    # "none", or "q4": 4-bit block weights (backends that declare it)
     accuracy_level: int = 4       # q4: ORT MatMulNBits' accuracy level (4: int8 activations)
     outlier_channels: int = 8     # q4: input channels per projection multiplied in float32
+    # what ``state_dict()`` calls: set by core where the spec is made
+    weight_loader: Callable[[], dict[str, torch.Tensor]] | None = field(
+        default=None, compare=False, repr=False)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights, float32 on the CPU, under HF ``LlamaForCausalLM`` names
+        (``model.embed_tokens.weight``, ``model.layers.{i}.self_attn.{q,k,v,o}_proj.weight``,
+        ``model.layers.{i}.mlp.{gate,up,down}_proj.weight``, ``model.layers.{i}.input_layernorm
+        .weight``, ``model.layers.{i}.post_attention_layernorm.weight``, ``model.norm.weight``,
+        ``lm_head.weight`` unless ``tie_word_embeddings``; ``.bias`` entries where the arch has
+        biases). Random weights come out as the very numbers the torch reference draws from
+        ``seed``, so a backend compares with it exactly, as the conformance kit does."""
+        if self.weight_loader is None:
+            raise BackendUnavailable("this ModelSpec carries no weights: make it with "
+                                     "twophase.models.loader.model_spec (as the engine does)")
+        return self.weight_loader()
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,9 @@ Built-in backends register through the same entry points as third-party ones, so
 discovery path. Entry points are loaded one by one (not with pluggy's
 ``load_setuptools_entrypoints``, which stops at the first plugin that fails to import), so one
 broken plugin is reported and the others still load. ``TWOPHASE_PLUGINS`` (a comma list of entry
-point names) limits which third-party plugins load; built-in ones always do.
+point names) limits which third-party plugins load; built-in ones always do. Built-in backends
+load first and their names always win: a plugin that registers a backend named ``torch`` is
+reported, never run in the built-in's place.
 """
 
 from __future__ import annotations
@@ -39,15 +41,18 @@ class Registry:
         self.pm.add_hookspecs(hookspecs)
         self.backends: dict[str, BackendInfo] = {}
         self.failures: list[BackendInfo] = []
+        self.hidden: list[str] = []          # plugin entry points TWOPHASE_PLUGINS left out
         self._discover()
 
     def _discover(self) -> None:
         allowed = os.environ.get("TWOPHASE_PLUGINS")
         allowed_names = {n.strip() for n in allowed.split(",") if n.strip()} if allowed else None
-        for ep in entry_points(group=GROUP):
+        eps = sorted(entry_points(group=GROUP), key=lambda ep: _source(ep) != "built-in")
+        for ep in eps:                              # built-in first: their names always win
             dist = ep.dist.name if ep.dist is not None else "?"
-            source = "built-in" if dist == BUILTIN_DIST else dist
+            source = _source(ep)
             if source != "built-in" and allowed_names is not None and ep.name not in allowed_names:
+                self.hidden.append(f"{ep.name} (from {source})")
                 continue
             try:
                 plugin = ep.load()
@@ -64,19 +69,27 @@ class Registry:
             except Exception as exc:
                 self.failures.append(BackendInfo(ep.name, source, None, f"{type(exc).__name__}: {exc}"))
                 continue
+            if not isinstance(classes, (list, tuple)):
+                classes = [classes]
             for cls in classes:
-                self._add(cls, source)
+                self._add(cls, source, ep.name)
 
-    def _add(self, cls: type, source: str) -> None:
+    def _add(self, cls: object, source: str, entry_point: str) -> None:
         name = getattr(cls, "name", None)
         if not (isinstance(cls, type) and issubclass(cls, Backend)) or not isinstance(name, str):
-            self.failures.append(BackendInfo(str(name), source, None,
-                                             f"{cls!r} is not a twophase Backend with a name"))
+            self.failures.append(BackendInfo(entry_point, source, None,
+                                             f"its hook returned {cls!r}, not a twophase Backend "
+                                             f"class with a name"))
+            log.warning("backend plugin %s from %s returned %r, not a Backend class", entry_point,
+                        source, cls)
             return
         if name in self.backends:
-            self.failures.append(BackendInfo(name, source, None,
-                                             f"duplicate backend name {name!r}, "
-                                             f"already provided by {self.backends[name].source}"))
+            first = self.backends[name].source
+            why = (f"the name {name!r} belongs to a built-in backend; this plugin's is not used"
+                   if first == "built-in" else f"duplicate backend name {name!r}, already "
+                   f"provided by {first}")
+            self.failures.append(BackendInfo(name, source, None, why))
+            log.warning("backend %r from %s ignored: %s", name, source, why)
             return
         self.backends[name] = BackendInfo(name, source, cls)
 
@@ -84,7 +97,9 @@ class Registry:
         info = self.backends.get(name)
         if info is None or info.cls is None:
             allowed = ", ".join(sorted(self.backends)) or "none installed"
-            raise ConfigError(key, f"unknown backend {name!r}; installed backends: {allowed}")
+            hidden = (f"; TWOPHASE_PLUGINS={os.environ.get('TWOPHASE_PLUGINS')!r} leaves out the "
+                      f"plugins {', '.join(self.hidden)}" if self.hidden else "")
+            raise ConfigError(key, f"unknown backend {name!r}; installed backends: {allowed}{hidden}")
         return info.cls
 
     def availability(self, name: str, device: str = "cpu") -> str | None:
@@ -94,3 +109,9 @@ class Registry:
         except BackendUnavailable as exc:
             return str(exc)
         return None
+
+
+def _source(ep) -> str:
+    """``"built-in"`` for this package's own entry points, else the distribution's name."""
+    dist = ep.dist.name if ep.dist is not None else "?"
+    return "built-in" if dist == BUILTIN_DIST else dist

@@ -35,6 +35,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def check_text(text: str) -> str:
+    """Text a tokenizer can take: a lone surrogate (which JSON's "\\ud800" makes) is not."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RequestRejected(f"the text is not valid Unicode ({exc.reason} at character "
+                              f"{exc.start})") from None
+    return text
+
+
 class Engine:
     def __init__(self, prefill_backend: Backend, decode_backend: Backend, scheduler: Scheduler,
                  tokenizer: Tokenizer | None = None, vocab_size: int | None = None,
@@ -70,7 +80,7 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestRejected("this model has no tokenizer: give prompts as token ids")
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(check_text(prompt))
         else:
             ids = [int(t) for t in prompt]
         text = prompt if isinstance(prompt, str) else None

@@ -6,6 +6,7 @@ into the cache), a local HF folder (used in place), or a named shape with random
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -38,8 +39,12 @@ class ResolvedModel:
 
 def model_spec(m: ResolvedModel, cfg: ModelConfig) -> ModelSpec:
     """What a backend loads: the one place a ``ModelSpec`` is made from a config."""
+    from twophase.models.weights import hf_weights
+
+    folder = None if m.weights == "random" else Path(m.weights)
     return ModelSpec(m.arch.to_dict(), m.weights, m.dtype, m.model_id, cfg.seed, cfg.quantization,
-                     cfg.accuracy_level, cfg.outlier_channels)
+                     cfg.accuracy_level, cfg.outlier_channels,
+                     weight_loader=functools.partial(hf_weights, m.arch, folder, cfg.seed))
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:

@@ -11,6 +11,7 @@ from typing import Protocol
 
 class Tokenizer(Protocol):
     eos_token_ids: tuple[int, ...]
+    max_token_chars: int        # the most characters of text one token stands for
 
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
@@ -34,6 +35,9 @@ class HFTokenizer:
         self.eos_token_ids = (eos,) if eos is not None else ()
         self._special = {self._tok.token_to_id(t.content) for t in
                          self._tok.get_added_tokens_decoder().values() if t.special}
+        # a byte-level token's string has one character per byte it stands for, and a text
+        # character is at least a byte: n characters of text are at least n / this tokens
+        self.max_token_chars = max(len(t) for t in self._tok.get_vocab(with_added_tokens=True))
 
     def encode(self, text: str) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids
@@ -47,9 +51,10 @@ class HFTokenizer:
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         if not self.chat_template:
             raise ValueError("this model's tokenizer has no chat template")
-        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        # sandboxed, as HF renders them: a template from a downloaded model is untrusted code
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         return env.from_string(self.chat_template).render(
             messages=messages, add_generation_prompt=True,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "")
@@ -60,6 +65,7 @@ class ByteTokenizer:
     random-weight models that ship no tokenizer."""
 
     OFFSET = 3
+    max_token_chars = 1
 
     def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...] = (2,)):
         if vocab_size < 256 + self.OFFSET:

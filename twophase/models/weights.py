@@ -45,6 +45,38 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], arch: LlamaArch) -> dict[str
     return out
 
 
+def to_hf_state_dict(sd: dict[str, torch.Tensor], arch: LlamaArch) -> dict[str, torch.Tensor]:
+    """Ours → HF Llama names: the inverse of ``from_hf_state_dict`` (fused matrices split)."""
+    out = {"model.embed_tokens.weight": sd["embed.weight"], "model.norm.weight": sd["norm.weight"]}
+    if not arch.tie_word_embeddings:
+        out["lm_head.weight"] = sd["lm_head.weight"]
+    q, kv, ffn = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.intermediate_size
+    # ours -> (HF group, HF parts, rows of each part)
+    parts = {"attn.qkv": ("self_attn", ("q_proj", "k_proj", "v_proj"), [q, kv, kv]),
+             "attn.o": ("self_attn", ("o_proj",), None),
+             "mlp.gate_up": ("mlp", ("gate_proj", "up_proj"), [ffn, ffn]),
+             "mlp.down": ("mlp", ("down_proj",), None)}
+    for i in range(arch.num_layers):
+        ours, hf = f"layers.{i}.", f"model.layers.{i}."
+        out[hf + "input_layernorm.weight"] = sd[ours + "attn_norm.weight"]
+        out[hf + "post_attention_layernorm.weight"] = sd[ours + "mlp_norm.weight"]
+        for mod, (group, names, rows) in parts.items():
+            for kind in ("weight", "bias"):
+                t = sd.get(f"{ours}{mod}.{kind}")
+                if t is not None:
+                    for name, piece in zip(names, torch.split(t, rows) if rows else [t]):
+                        out[f"{hf}{group}.{name}.{kind}"] = piece
+    return out
+
+
+def hf_weights(arch: LlamaArch, folder: Path | None, seed: int) -> dict[str, torch.Tensor]:
+    """The model's float32 CPU weights under HF names, exactly as the torch backend holds them
+    (random ones drawn from ``seed`` by ``build_model``): what ``ModelSpec.state_dict`` gives
+    a backend."""
+    model = build_model(arch, torch.float32, torch.device("cpu"), folder, seed)
+    return {k: v.contiguous() for k, v in to_hf_state_dict(model.state_dict(), arch).items()}
+
+
 def build_model(arch: LlamaArch, dtype: torch.dtype, device: torch.device,
                 folder: Path | None = None, seed: int = 0) -> Llama:
     with torch.device("meta"):

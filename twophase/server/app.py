@@ -9,6 +9,7 @@ client sends can crash the engine.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -20,18 +21,21 @@ from twophase.server import chat, completions, info
 from twophase.server import protocol as P
 from twophase.server.loop import EngineLoop
 from twophase.server.metrics import ServerMetrics
-from twophase.server.middleware import KeyAndCount
+from twophase.server.middleware import Gate
 from twophase.server.state import ServerState
 
 
 def create_app(llm, model_name: str, api_key: str | None = None, max_queue: int = 256,
-               default_max_tokens: int = 256) -> FastAPI:
+               default_max_tokens: int = 256, max_body_bytes: int = 4 << 20,
+               on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
+    """The app over ``llm``. ``on_fatal`` is called (on the engine's thread) if the engine
+    stops for good; ``twophase serve`` then shuts the server down and exits non-zero."""
     metrics = ServerMetrics()
     metrics.kv_total.set(llm.engine.kv.pool.num_blocks)
     engine = llm.engine
-    loop = EngineLoop(llm, max_queue,
-                      on_step=lambda rec: metrics.step(rec, engine.scheduler, engine.kv),
-                      on_finish=metrics.finished)
+    loop = EngineLoop(llm, max_queue, on_step=metrics.step, on_finish=metrics.finished,
+                      on_change=lambda: metrics.refresh(engine.scheduler, engine.kv),
+                      on_fatal=on_fatal)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -42,14 +46,16 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_queue: int 
     app.state.server = ServerState(llm, loop, metrics, model_name, default_max_tokens)
     app.state.loop, app.state.metrics, app.state.llm = loop, metrics, llm
     _add_error_handlers(app)
-    app.add_middleware(KeyAndCount, api_key=api_key, metrics=metrics)
+    routes = [r for module in (info, completions, chat) for r in module.router.routes]
+    app.add_middleware(Gate, api_key=api_key, metrics=metrics, routes=routes,
+                       max_body_bytes=max_body_bytes)
     for module in (info, completions, chat):
         app.include_router(module.router)
     return app
 
 
 def _error(exc: P.ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -62,8 +68,8 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
         first = exc.errors()[0]
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
+        # the field (OpenAI's ``param``); deeper parts of pydantic's path name union members
+        param = next((str(x) for x in first.get("loc", ()) if x != "body"), None)
         if first.get("type") == "json_invalid":
             return _error(P.ApiError(400, "the request body is not valid JSON"))
         if first.get("type") == "extra_forbidden":

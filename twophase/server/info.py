@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from twophase.server import protocol as P
@@ -14,7 +14,12 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(request: Request):
-    return {"status": "ok", "requests_in_flight": state_of(request).loop.in_flight}
+    """200 while the engine steps; 503 once it has stopped (a supervisor should restart us)."""
+    loop = state_of(request).loop
+    if not loop.alive:
+        return JSONResponse({"status": "error", "error": f"the engine has stopped: {loop.fatal}"},
+                            status_code=503)
+    return {"status": "ok", "requests_in_flight": loop.in_flight}
 
 
 @router.get("/metrics")
@@ -22,7 +27,17 @@ async def prometheus(request: Request):
     return Response(generate_latest(state_of(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
+def _model(name: str) -> dict:
+    return {"id": name, "object": "model", "created": P.now(), "owned_by": "twophase"}
+
+
 @router.get("/v1/models")
 async def models(request: Request):
-    return {"object": "list", "data": [{"id": state_of(request).model_name, "object": "model",
-                                        "created": P.now(), "owned_by": "twophase"}]}
+    return {"object": "list", "data": [_model(state_of(request).model_name)]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, request: Request):
+    served = state_of(request).model_name
+    P.check_model(model_id, served)
+    return _model(served)

@@ -5,6 +5,11 @@ milliseconds to seconds. So only this thread touches the engine: handlers put co
 abort) on a queue and receive each request's deltas through a callback that hands them back to
 their asyncio loop. Between steps the thread drains the queue, so every request that arrived
 during a step joins the next one: that is continuous batching across HTTP clients.
+
+Nothing a request does ends the loop: an exception while adding or stepping ends the requests it
+concerns with an error and the loop goes on. Only when steps keep failing
+(``max_failed_steps`` in a row) does the loop give up: every open request gets an error,
+``alive`` turns false (``/health`` then answers 503) and ``on_fatal`` is called.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import queue
 import threading
 from collections.abc import Callable
@@ -20,7 +26,7 @@ from typing import Any
 
 from twophase.core.outputs import RequestOutput
 from twophase.core.params import SamplingParams
-from twophase.errors import RequestRejected, StepFailed
+from twophase.errors import RequestRejected, StepFailed, TwophaseError
 
 log = logging.getLogger(__name__)
 
@@ -29,16 +35,24 @@ class Overloaded(Exception):
     """More requests in flight than the configured queue limit."""
 
 
+class EngineError(TwophaseError):
+    """The engine failed while serving a request (not the request's fault): a 500."""
+
+
 class Handle:
     """One request's stream on the asyncio side."""
 
-    def __init__(self, owner: "EngineLoop", request_id: str):
+    def __init__(self, owner: EngineLoop, request_id: str):
         self.owner, self.request_id = owner, request_id
         self.items: asyncio.Queue = asyncio.Queue()
         self.done = False
+        self._first: Any = None
 
     async def next(self) -> Any:
         """The next delta or ``Finished``; raises what the engine reported instead."""
+        if self._first is not None:
+            item, self._first = self._first, None
+            return item
         item = await self.items.get()
         if isinstance(item, Exception):
             self.done = True
@@ -46,6 +60,12 @@ class Handle:
         if isinstance(item, Finished):
             self.done = True
         return item
+
+    async def first(self) -> Any:
+        """Wait for the first item and keep it for ``next()``: a refusal raises here, before
+        a reply has started."""
+        self._first = await self.next()
+        return self._first
 
     def abort(self) -> None:
         """Stop the request now and free its KV blocks (the client went away)."""
@@ -67,11 +87,18 @@ class Finished:
 
 class EngineLoop:
     def __init__(self, llm, max_queue: int, on_step: Callable[[Any], None] | None = None,
-                 on_finish: Callable[[Any], None] | None = None):
+                 on_finish: Callable[[Any], None] | None = None,
+                 on_change: Callable[[], None] | None = None,
+                 on_fatal: Callable[[BaseException], None] | None = None,
+                 max_failed_steps: int = 3):
         self.llm = llm
         self.engine = llm.engine
         self.max_queue = max_queue
-        self.on_step, self.on_finish = on_step, on_finish
+        self.on_step, self.on_finish, self.on_change = on_step, on_finish, on_change
+        self.on_fatal = on_fatal
+        self.max_failed_steps = max_failed_steps
+        self.fatal: BaseException | None = None
+        self._failed_steps = 0
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Callable[[Any], None]] = {}
         self._in_flight = 0                      # admitted and not finished (any thread reads)
@@ -85,16 +112,46 @@ class EngineLoop:
     def in_flight(self) -> int:
         return self._in_flight
 
+    @property
+    def alive(self) -> bool:
+        return self.fatal is None and self._thread.is_alive()
+
     def close(self) -> None:
         self._stop.set()
         self._commands.put(("wake",))
         self._thread.join(timeout=10)
 
     # -- the handlers' side (asyncio) -------------------------------------------------------
-    def submit(self, prompt: str | list[int], params: SamplingParams) -> "Handle":
+    async def prepare(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """The prompt's token ids, checked against every limit the request must meet, in a
+        worker thread: a huge prompt is tokenised (or refused) off the engine's thread, and
+        one that could never run is refused before it queues (``RequestRejected``)."""
+        return await asyncio.to_thread(self._prepare, prompt, params)
+
+    def _prepare(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        limit = self.engine.max_model_len - params.max_tokens
+        if isinstance(prompt, str):
+            tok = self.engine.tokenizer
+            if tok is None:
+                raise RequestRejected("this model has no tokenizer: give the prompt as token ids")
+            fewest = math.ceil(len(prompt) / tok.max_token_chars)
+            if fewest > limit:             # no need to tokenise it to know
+                raise RequestRejected(
+                    f"the prompt ({len(prompt)} characters, so at least {fewest} tokens) + "
+                    f"max_tokens ({params.max_tokens}) exceeds the model's context of "
+                    f"{self.engine.max_model_len} tokens (model.max_model_len)")
+            ids = tok.encode(prompt)
+        else:
+            ids = list(prompt)
+        self.engine.scheduler.admission.check(ids, params)       # reads constants only
+        return ids
+
+    def submit(self, prompt: str | list[int], params: SamplingParams) -> Handle:
         """Queue a request; its deltas, then a ``Finished``, arrive through the handle. Raises
-        ``Overloaded`` past the queue limit; a prompt that can never be served arrives as a
-        ``RequestRejected`` from the handle's first ``next()``."""
+        ``Overloaded`` past the queue limit, ``EngineError`` once the engine has stopped; a
+        prompt that can never be served arrives as a ``RequestRejected`` from the handle."""
+        if not self.alive:
+            raise EngineError(f"the engine has stopped: {self.fatal}")
         with self._lock:
             if self._in_flight >= self.max_queue:
                 raise Overloaded(f"{self._in_flight} requests in flight (server.max_queue = "
@@ -102,22 +159,39 @@ class EngineLoop:
             self._in_flight += 1
         handle = Handle(self, f"req-{next(self._ids)}")
         loop = asyncio.get_running_loop()
-        self._commands.put(("add", handle.request_id, prompt, params,
-                            lambda item: loop.call_soon_threadsafe(handle.items.put_nowait, item)))
+
+        def sink(item: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(handle.items.put_nowait, item)
+            except RuntimeError:            # the client's event loop is gone
+                pass
+
+        self._commands.put(("add", handle.request_id, prompt, params, sink))
         return handle
+
+    def fail_all(self, message: str) -> None:
+        """End every open request with an error (shutdown past its deadline)."""
+        self._commands.put(("fail_all", message))
 
     # -- the engine's side (this thread) ---------------------------------------------------
     def _run(self) -> None:
-        while not self._stop.is_set():
-            block = not self.engine.has_unfinished()
-            try:
-                while True:
-                    self._handle(self._commands.get(block=block, timeout=0.5 if block else None))
-                    block = False
-            except queue.Empty:
-                pass
-            if self.engine.has_unfinished():
-                self._step()
+        try:
+            while not self._stop.is_set():
+                block = not self.engine.has_unfinished()
+                try:
+                    while True:
+                        self._handle(self._commands.get(block=block, timeout=0.5 if block else None))
+                        block = False
+                except queue.Empty:
+                    pass
+                if self.engine.has_unfinished():
+                    self._step()
+                self._safely(self.on_change)
+        except BaseException as exc:        # the loop itself broke: nothing may hang on it
+            self.fatal = exc
+            log.critical("the engine loop stopped: %s", exc, exc_info=exc)
+            self._fail_open(f"the engine stopped: {exc}")
+            self._safely(self.on_fatal, exc)
 
     def _handle(self, cmd: tuple) -> None:
         if cmd[0] == "add":
@@ -128,12 +202,16 @@ class EngineLoop:
                 self._release_slot()
                 sink(exc)
                 return
+            except Exception as exc:        # the engine's fault, not the request's
+                log.exception("adding request %s failed", request_id)
+                self._release_slot()
+                sink(EngineError(f"the engine could not take the request: {exc}"))
+                return
             self._sinks[request_id] = sink
         elif cmd[0] == "abort":
-            request_id = cmd[1]
-            output = self.engine.abort(request_id)
-            if output is not None:
-                self._done(request_id, output)
+            self._end(cmd[1])
+        elif cmd[0] == "fail_all":
+            self._fail_open(cmd[1])
 
     def _step(self) -> None:
         try:
@@ -141,12 +219,17 @@ class EngineLoop:
         except StepFailed as exc:        # the engine has ended the step's requests ("error")
             log.exception("engine step failed")
             for request_id in exc.request_ids:
-                if request_id in self._sinks:
-                    self._sinks[request_id](RuntimeError(f"the engine failed: {exc.__cause__}"))
-                    self._done(request_id, None)
+                self._error(request_id, f"the engine failed: {exc.__cause__}")
+            self._count_failure(exc)
             return
+        except Exception as exc:         # outside the backends: end everything in flight
+            log.exception("engine step failed")
+            self._fail_open(f"the engine failed: {exc}")
+            self._count_failure(exc)
+            return
+        self._failed_steps = 0
         if self.on_step is not None and self.engine.steps.records:
-            self.on_step(self.engine.steps.records[-1])
+            self._safely(self.on_step, self.engine.steps.records[-1])
         for d in deltas:
             sink = self._sinks.get(d.request_id)
             if sink is None:
@@ -156,12 +239,51 @@ class EngineLoop:
                 sink(Finished(d.output))
                 self._done(d.request_id, d.output)
 
+    def _count_failure(self, exc: Exception) -> None:
+        self._failed_steps += 1
+        if self._failed_steps >= self.max_failed_steps:
+            raise EngineError(f"{self._failed_steps} steps in a row failed; the last: {exc}") from exc
+
+    def _end(self, request_id: str) -> None:
+        """Abort ``request_id`` in the engine (if it is still there) and forget its sink."""
+        try:
+            output = self.engine.abort(request_id)
+        except Exception:
+            log.exception("aborting %s failed", request_id)
+            output = None
+        if request_id in self._sinks:
+            self._done(request_id, output)
+
+    def _error(self, request_id: str, message: str) -> None:
+        sink = self._sinks.get(request_id)
+        if sink is not None:
+            sink(EngineError(message))
+            self._done(request_id, None)
+
+    def _fail_open(self, message: str) -> None:
+        for request_id in list(self._sinks):
+            try:
+                self.engine.abort(request_id)
+            except Exception:
+                log.exception("aborting %s failed", request_id)
+            self._error(request_id, message)
+
     def _done(self, request_id: str, output: RequestOutput | None) -> None:
         self._sinks.pop(request_id, None)
-        if output is not None and self.on_finish is not None:
-            self.on_finish(output)
+        if output is not None:
+            self._safely(self.on_finish, output)
         self._release_slot()
 
     def _release_slot(self) -> None:
         with self._lock:
             self._in_flight -= 1
+
+    @staticmethod
+    def _safely(fn: Callable[..., None] | None, *args: Any) -> None:
+        """Callbacks (metrics) must not end the loop."""
+        if fn is None:
+            return
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("a server callback failed")

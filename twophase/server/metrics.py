@@ -5,6 +5,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# a token's time: 1 ms (a GPU's decode step) to 1 s (a large model on a CPU)
+TOKEN_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
@@ -16,7 +18,7 @@ class ServerMetrics:
         self.ttft = Histogram("twophase_time_to_first_token_seconds", "arrival to first token",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("twophase_time_per_output_token_seconds",
-                              "mean gap between a request's output tokens", buckets=LATENCY_BUCKETS,
+                              "mean gap between a request's output tokens", buckets=TOKEN_BUCKETS,
                               registry=r)
         self.e2e = Histogram("twophase_e2e_request_latency_seconds", "arrival to last token",
                              buckets=LATENCY_BUCKETS, registry=r)
@@ -33,13 +35,16 @@ class ServerMetrics:
         self.kv_used = Gauge("twophase_kv_blocks_used", "KV blocks held by requests", registry=r)
         self.kv_total = Gauge("twophase_kv_blocks_total", "KV blocks in the pool", registry=r)
 
-    def step(self, rec, scheduler, kv) -> None:
+    def step(self, rec) -> None:
         """After each engine step (on the engine's thread)."""
         self.prefill_tokens.inc(rec.prefill_tokens)
         self.decode_tokens.inc(rec.decode_seqs)
         self.preemptions.inc(rec.preemptions)
         if rec.decode_seqs:
             self.decode_batch.observe(rec.decode_seqs)
+
+    def refresh(self, scheduler, kv) -> None:
+        """The gauges, after every step and every batch of commands (aborts included)."""
         self.running.set(len(scheduler.running))
         self.waiting.set(len(scheduler.waiting))
         self.kv_used.set(kv.num_used_blocks)

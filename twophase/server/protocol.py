@@ -9,40 +9,67 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from twophase.core.engine import check_text
 from twophase.core.params import SamplingParams
-from twophase.errors import InvalidSamplingParam
+from twophase.errors import InvalidSamplingParam, RequestRejected
 
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None,
-                 type_: str = "invalid_request_error", code: str | None = None):
+                 type_: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
 
+# Strict: a wrongly typed value ("max_tokens": "4", "stream": "yes") is a 400, never coerced;
+# NaN and infinities are refused.
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+MAX_STOP = 16                      # stop strings per request
+MAX_MESSAGES = 1024                # chat messages per request
+MAX_PROMPTS = 64                   # prompts in one /v1/completions request
+
+
+def _utf8(text: str) -> str:
+    try:
+        return check_text(text)
+    except RequestRejected as exc:
+        raise ValueError(str(exc)) from None
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
+TokenId = Annotated[int, Field(ge=0)]
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     include_usage: bool = False
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     model: str
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP)] | None = None
+    seed: Annotated[int, Field(ge=-(2 ** 63), le=2 ** 64 - 1)] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    # beyond OpenAI's API, as vLLM accepts them
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
@@ -58,6 +85,8 @@ class _Common(BaseModel):
             "max_tokens": self.max_tokens or default_max_tokens, "temperature": self.temperature,
             "top_p": self.top_p, "seed": self.seed, "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty, "logprobs": logprobs,
+            "top_k": self.top_k, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
+            "min_tokens": self.min_tokens,
             "stop": [self.stop] if isinstance(self.stop, str) else self.stop}.items() if v is not None}
         try:
             return SamplingParams(**kwargs)
@@ -65,11 +94,21 @@ class _Common(BaseModel):
             raise ApiError(400, f"{exc.name} {exc.message}", exc.name) from None
 
 
+Prompt = Text | Annotated[list[TokenId], Field(min_length=1)]
+
+
 class CompletionRequest(_Common):
-    prompt: str | list[int]
-    max_tokens: int | None = 16              # OpenAI's default for completions
-    logprobs: int | None = Field(default=None, ge=0, le=5)
+    # one prompt (text or token ids), or a batch of them: one choice each, in order
+    prompt: Prompt | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)] | \
+        Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     echo: bool = False
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
 
     def params(self, default_max_tokens: int) -> SamplingParams:
         if self.echo:
@@ -77,17 +116,32 @@ class CompletionRequest(_Common):
         return self.sampling(self.logprobs, default_max_tokens)
 
 
+class TextPart(BaseModel):
+    model_config = STRICT
+    type: Literal["text"]
+    text: Text
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant"]
-    content: str
+    model_config = STRICT
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Text | Annotated[list[TextPart], Field(min_length=1)]
     name: str | None = None
+
+    def for_template(self) -> dict[str, str]:
+        """What a chat template reads: text content, and ``developer`` as ``system`` (OpenAI's
+        newer name for the same role; templates know the older one)."""
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        out = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
 
 class ChatCompletionRequest(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     max_completion_tokens: int | None = None
 
     def params(self, default_max_tokens: int) -> SamplingParams:
@@ -100,8 +154,8 @@ class ChatCompletionRequest(_Common):
 
 def check_model(name: str, served: str) -> None:
     if name != served:
-        raise ApiError(400, f"model {name!r} is not served here; this server serves "
-                            f"{served!r}", "model", code="model_not_found")
+        raise ApiError(404, f"the model {name!r} does not exist here; this server serves "
+                            f"{served!r}", "model", type_="not_found_error", code="model_not_found")
 
 
 def new_id(prefix: str) -> str:

@@ -1,9 +1,11 @@
-"""The one path from a request to a reply, shared by every generating endpoint: submit, then
-either collect the whole output or stream server-sent events. An endpoint only says how its
-chunks and its whole reply look (a ``Formatter``).
+"""The one path from a request to a reply, shared by every generating endpoint: check and
+tokenise the prompts (off the engine's thread), submit them, then either collect the whole
+outputs or stream server-sent events. An endpoint only says how its replies look (a
+``Formatter``); a request with several prompts gets one choice per prompt, in order.
 
-A client that goes away, mid-stream or while waiting for a whole reply, has its request aborted
-and its KV blocks freed at once.
+A client that goes away, mid-stream or while waiting for a whole reply, has its requests
+aborted and their KV blocks freed at once. An engine failure mid-stream is an error event,
+then ``[DONE]``: a stream always ends.
 """
 
 from __future__ import annotations
@@ -20,85 +22,138 @@ from twophase.core.outputs import Delta, RequestOutput
 from twophase.core.params import SamplingParams
 from twophase.errors import RequestRejected
 from twophase.server import protocol as P
-from twophase.server.loop import EngineLoop, Finished, Handle, Overloaded
+from twophase.server.loop import EngineError, EngineLoop, Finished, Handle, Overloaded
 
 DISCONNECT_POLL_S = 0.25
 
 
 class Formatter(Protocol):
-    """How one endpoint's replies look."""
+    """How one endpoint's replies look; ``index`` is the choice (the prompt's place)."""
 
-    def whole(self, output: RequestOutput) -> dict[str, Any]:
+    def whole(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         """The non-streamed reply."""
         ...
 
-    def chunk(self, delta: Delta) -> dict[str, Any] | None:
+    def chunk(self, delta: Delta, index: int) -> dict[str, Any] | None:
         """A stream event for one step's tokens (None: nothing to send)."""
         ...
 
-    def final(self, output: RequestOutput) -> list[dict[str, Any]]:
-        """The stream's last events (the finish reason, usage), before ``[DONE]``."""
+    def finish(self, output: RequestOutput, index: int) -> dict[str, Any]:
+        """The event that ends one choice (its finish reason)."""
+        ...
+
+    def usage(self, outputs: list[RequestOutput]) -> dict[str, Any] | None:
+        """The last event before ``[DONE]`` (usage, where asked), or None."""
         ...
 
 
-async def respond(request: Request, loop: EngineLoop, prompt: str | list[int],
+async def respond(request: Request, loop: EngineLoop, prompts: list[str | list[int]],
                   params: SamplingParams, stream: bool, fmt: Formatter):
-    handle, first = await _start(loop, prompt, params)
+    handles = await _start(loop, prompts, params)
     if not stream:
-        items = await _collect(request, handle, first)
-        return JSONResponse(fmt.whole(items[-1].output))
-    return StreamingResponse(_events(handle, first, fmt), media_type="text/event-stream",
+        outputs = await _collect(request, handles)
+        return JSONResponse(fmt.whole(outputs))
+    return StreamingResponse(_events(handles, fmt), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
 
 
-async def _start(loop: EngineLoop, prompt: str | list[int], params: SamplingParams) -> tuple[Handle, Any]:
-    """Submit and wait for the first item, so refusals become a status, not a stream."""
+async def _start(loop: EngineLoop, prompts: list[str | list[int]], params: SamplingParams) -> list[Handle]:
+    """Check, submit and wait for each request's first item, so refusals become a status, not
+    a stream."""
     try:
-        handle = loop.submit(prompt, params)
-    except Overloaded as exc:
-        raise P.ApiError(503, str(exc), type_="server_overloaded", code="overloaded") from None
-    try:
-        return handle, await handle.next()
+        ids = [await loop.prepare(p, params) for p in prompts]
     except RequestRejected as exc:
         raise P.ApiError(400, str(exc), "prompt", code="prompt_rejected") from None
-    except asyncio.CancelledError:
-        handle.abort()
+    handles: list[Handle] = []
+    try:
+        for one in ids:
+            handles.append(loop.submit(one, params))
+        for h in handles:
+            await h.first()
+        return handles
+    except Overloaded as exc:
+        _abort(handles)
+        raise P.ApiError(503, str(exc), type_="server_overloaded", code="overloaded",
+                         headers={"Retry-After": "1"}) from None
+    except RequestRejected as exc:
+        _abort(handles)
+        raise P.ApiError(400, str(exc), "prompt", code="prompt_rejected") from None
+    except EngineError as exc:
+        _abort(handles)
+        raise P.ApiError(500, str(exc), type_="server_error", code="engine_error") from None
+    except BaseException:                       # cancelled: the client went away
+        _abort(handles)
         raise
 
 
-async def _collect(request: Request, handle: Handle, first: Any) -> list[Any]:
-    """Every item of a non-streamed request; aborts it if the client goes away (checked every
-    ``DISCONNECT_POLL_S``, whether or not tokens are arriving)."""
-    items = [first]
-    checked = asyncio.get_running_loop().time()
-    try:
-        while not isinstance(items[-1], Finished):
-            try:
-                items.append(await asyncio.wait_for(handle.next(), DISCONNECT_POLL_S))
-            except asyncio.TimeoutError:
-                pass
-            now = asyncio.get_running_loop().time()
-            if now - checked >= DISCONNECT_POLL_S:
-                checked = now
-                if await request.is_disconnected():
-                    raise P.ApiError(499, "client disconnected")
-    finally:
-        handle.abort()                  # no-op once finished
-    return items
+def _abort(handles: list[Handle]) -> None:
+    for h in handles:
+        h.abort()                   # no-op once finished
 
 
-async def _events(handle: Handle, first: Any, fmt: Formatter) -> AsyncIterator[str]:
+async def _until_finished(handle: Handle) -> RequestOutput:
+    while not isinstance(item := await handle.next(), Finished):
+        pass
+    return item.output
+
+
+async def _collect(request: Request, handles: list[Handle]) -> list[RequestOutput]:
+    """Every output of a non-streamed request; aborts them if the client goes away (checked
+    every ``DISCONNECT_POLL_S``, whether or not tokens are arriving)."""
+    task = asyncio.ensure_future(asyncio.gather(*(_until_finished(h) for h in handles)))
     try:
-        item = first
         while True:
-            if isinstance(item, Finished):
-                for body in fmt.final(item.output):
-                    yield f"data: {json.dumps(body)}\n\n"
-                yield "data: [DONE]\n\n"
-                return
-            body = fmt.chunk(item)
-            if body is not None:
-                yield f"data: {json.dumps(body)}\n\n"
-            item = await handle.next()
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise P.ApiError(499, "client disconnected")
+    except EngineError as exc:
+        raise P.ApiError(500, str(exc), type_="server_error", code="engine_error") from None
     finally:
-        handle.abort()           # no-op once finished; frees the blocks of a client gone
+        task.cancel()
+        _abort(handles)
+
+
+async def _merged(handles: list[Handle]) -> AsyncIterator[tuple[int, Any]]:
+    """Every handle's items as they come, tagged with the handle's place."""
+    pending = {asyncio.ensure_future(h.next()): i for i, h in enumerate(handles)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=lambda t: pending[t]):
+                i = pending.pop(task)
+                item = task.result()
+                yield i, item
+                if not isinstance(item, Finished):
+                    pending[asyncio.ensure_future(handles[i].next())] = i
+    finally:
+        for task in pending:
+            task.cancel()
+
+
+async def _events(handles: list[Handle], fmt: Formatter) -> AsyncIterator[str]:
+    outputs: list[RequestOutput | None] = [None] * len(handles)
+    try:
+        async for i, item in _merged(handles):
+            if isinstance(item, Finished):
+                outputs[i] = item.output
+                body = fmt.finish(item.output, i)
+            else:
+                body = fmt.chunk(item, i)
+            if body is not None:
+                yield _event(body)
+        usage = fmt.usage([o for o in outputs if o is not None])
+        if usage is not None:
+            yield _event(usage)
+    except Exception as exc:         # the engine failed mid-stream: say so, then end the stream
+        err = exc if isinstance(exc, P.ApiError) else \
+            P.ApiError(500, str(exc), type_="server_error", code="engine_error")
+        yield _event(err.body())
+    finally:
+        _abort(handles)              # no-op once finished; frees the blocks of a client gone
+    yield "data: [DONE]\n\n"
+
+
+def _event(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body)}\n\n"

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import torch
 
@@ -16,32 +14,22 @@ from twophase_numpy.model import NumpyLlama
 
 
 def numpy_weights(model: ModelSpec) -> dict[str, np.ndarray]:
-    """The model's weights as float32 arrays, loaded once by twophase's own loader."""
-    from twophase.models.shapes import LlamaArch
-    from twophase.models.weights import build_model
-
-    arch = LlamaArch.from_dict(model.arch)
-    folder = None if model.weights == "random" else Path(model.weights)
-    sd = {k: v.detach().numpy().copy() for k, v in
-          build_model(arch, torch.float32, torch.device("cpu"), folder, model.seed).state_dict().items()}
-    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-    w = {"embed": sd["embed.weight"], "norm": sd["norm.weight"],
-         "lm_head": sd.get("lm_head.weight", sd["embed.weight"])}
-    for i in range(arch.num_layers):
-        p = f"layers.{i}."
-        w[p + "attn_norm"] = sd[p + "attn_norm.weight"]
-        w[p + "mlp_norm"] = sd[p + "mlp_norm.weight"]
-        for kind in ("weight", "bias"):
-            suffix = "" if kind == "weight" else "_bias"
-            if p + f"attn.qkv.{kind}" in sd:
-                qw, kw, vw = np.split(sd[p + f"attn.qkv.{kind}"], [q, q + kv])
-                w[p + "q" + suffix], w[p + "k" + suffix], w[p + "v" + suffix] = qw, kw, vw
-            if p + f"attn.o.{kind}" in sd:
-                w[p + "o" + suffix] = sd[p + f"attn.o.{kind}"]
-            if p + f"mlp.gate_up.{kind}" in sd:
-                w[p + "gate" + suffix], w[p + "up" + suffix] = np.split(sd[p + f"mlp.gate_up.{kind}"], 2)
-            if p + f"mlp.down.{kind}" in sd:
-                w[p + "down" + suffix] = sd[p + f"mlp.down.{kind}"]
+    """The model's weights as float32 arrays, from the contract's ``model.state_dict()`` (HF
+    Llama names; random weights are the torch reference's own numbers)."""
+    sd = {k: v.numpy() for k, v in model.state_dict().items()}
+    w = {"embed": sd["model.embed_tokens.weight"], "norm": sd["model.norm.weight"],
+         "lm_head": sd.get("lm_head.weight", sd["model.embed_tokens.weight"])}
+    names = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
+             "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
+             "down": "mlp.down_proj"}
+    for i in range(model.arch["num_layers"]):
+        p, hf = f"layers.{i}.", f"model.layers.{i}."
+        w[p + "attn_norm"] = sd[hf + "input_layernorm.weight"]
+        w[p + "mlp_norm"] = sd[hf + "post_attention_layernorm.weight"]
+        for ours, theirs in names.items():
+            w[p + ours] = sd[f"{hf}{theirs}.weight"]
+            if f"{hf}{theirs}.bias" in sd:
+                w[p + ours + "_bias"] = sd[f"{hf}{theirs}.bias"]
     return w
 
 
