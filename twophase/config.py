@@ -134,6 +134,14 @@ class ServerConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    method: Literal["none", "ngram"] = "none"     # ngram: prompt lookup, no second model
+    num_tokens: int = 4                    # drafts verified a pass (k)
+    prompt_lookup_min: int = 2             # ngram: the shortest suffix looked up
+    prompt_lookup_max: int = 4             # ngram: the longest
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     backend: BackendSection = field(default_factory=BackendSection)
@@ -143,6 +151,7 @@ class Config:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     base_dir: Path = field(default=Path("."), metadata={"internal": True})
 
     def phases(self) -> tuple[BackendSection, BackendSection]:
@@ -198,7 +207,7 @@ def _check_backend_shape(data: dict[str, Any]) -> None:
 def _check(cfg: Config) -> None:
     """Cross-field rules a type cannot express."""
     for check in (_check_limits, _check_sampling, _check_bench, _check_model, _check_server,
-                  _check_workload):
+                  _check_workload, _check_speculative):
         check(cfg)
 
 
@@ -248,6 +257,15 @@ def _check_server(cfg: Config) -> None:
     for key in ("max_queue", "default_max_tokens", "max_body_bytes"):
         if getattr(sv, key) < 1:
             raise ConfigError(f"server.{key}", f"must be a positive integer, got {getattr(sv, key)}")
+
+
+def _check_speculative(cfg: Config) -> None:
+    sp = cfg.speculative
+    if not 1 <= sp.num_tokens <= 32:
+        raise ConfigError("speculative.num_tokens", f"must be in [1, 32], got {sp.num_tokens}")
+    if not 1 <= sp.prompt_lookup_min <= sp.prompt_lookup_max:
+        raise ConfigError("speculative.prompt_lookup_min", f"must be in [1, prompt_lookup_max "
+                          f"({sp.prompt_lookup_max})], got {sp.prompt_lookup_min}")
 
 
 def _check_workload(cfg: Config) -> None:

@@ -21,6 +21,7 @@ from twophase.config import Config, SchedulerConfig, load_config
 from twophase.core.engine import Engine
 from twophase.core.kv_manager import KVManager
 from twophase.core.metrics import phase_report
+from twophase.core.ngram import NgramProposer
 from twophase.core.outputs import RequestOutput
 from twophase.core.params import SamplingParams
 from twophase.core.scheduler import Scheduler
@@ -169,9 +170,12 @@ class LLM:
                               f"{budget} must exceed scheduler.max_num_seqs ({max_seqs})")
         kv = KVManager(self.num_blocks, cc.block_size, cc.prefix_caching)
         arch = self.model.arch
+        sp = self.config.speculative
+        proposer = NgramProposer(sp.prompt_lookup_min, sp.prompt_lookup_max) if sp.method == "ngram" else None
         scheduler = Scheduler(kv, max_seqs, budget, sc.policy, chunked,
                               max_model_len=self.max_model_len,
-                              eos_token_ids=tuple(arch.eos_token_ids), vocab_size=arch.vocab_size)
+                              eos_token_ids=tuple(arch.eos_token_ids), vocab_size=arch.vocab_size,
+                              proposer=proposer, num_spec_tokens=sp.num_tokens)
         return Engine(self.prefill_backend, self.decode_backend, scheduler, self.tokenizer,
                       vocab_size=arch.vocab_size, clock=clock)
 

@@ -94,7 +94,6 @@ class IntBackend(Backend):
         self.kv = kv
 
     def prefill(self, batch: PrefillBatch) -> torch.Tensor:
-        assert batch.logits == "last", "the engine only asks for last-token logits"
         self.calls.append(Call("prefill", batch.num_tokens, batch.num_seqs, list(batch.query_lens),
                                list(batch.start_positions)))
         starts, lens = batch.start_positions, batch.query_lens
@@ -104,6 +103,9 @@ class IntBackend(Backend):
             f"context_lens {ctx} != start_positions {starts} + query_lens {lens}")
         assert batch.positions.tolist() == [p for s, n in zip(starts, lens)
                                             for p in range(s, s + n)], "positions != chunks"
+        if batch.logits == "all":              # a row per token: the context up to each one
+            return self._run(batch.token_ids, batch.positions, batch.slot_mapping,
+                             batch.block_tables, ctx, [n for n in lens])
         return self._run(batch.token_ids, batch.positions, batch.slot_mapping,
                          batch.block_tables, ctx)
 
@@ -116,7 +118,8 @@ class IntBackend(Backend):
                          batch.block_tables, ctx)
 
     def _run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-             tables: torch.Tensor, context_lens: list[int]) -> torch.Tensor:
+             tables: torch.Tensor, context_lens: list[int],
+             rows_per_seq: list[int] | None = None) -> torch.Tensor:
         assert self.kv is not None, "bind_kv_cache was not called"
         bs, pool = self.kv.block_size, self.kv.pool
         slot_list = slots.tolist()
@@ -125,7 +128,7 @@ class IntBackend(Backend):
         b, off = slots // bs, slots % bs
         k[b, off] = tokens.to(pool.dtype)
         v[b, off] = (positions + 1).to(pool.dtype)
-        logits = torch.zeros(len(context_lens), VOCAB)
+        rows: list[torch.Tensor] = []
         for i, n in enumerate(context_lens):
             table = tables[i, :-(-n // bs)]
             assert table.numel() * bs >= n, f"sequence {i}: block table too short for {n} tokens"
@@ -138,8 +141,12 @@ class IntBackend(Backend):
                     f"sequence {i} (block table {table.tolist()}): position {bad} holds V="
                     f"{ctx_v[bad].item():g}, expected {bad + 1}: wrong table or slot, or a block "
                     f"overwritten by another sequence")
-            logits[i, next_token([int(t) for t in ctx_k.tolist()])] = 1.0
-        return logits
+            seq = [int(t) for t in ctx_k.tolist()]
+            for m in range(n - (rows_per_seq[i] if rows_per_seq else 1) + 1, n + 1):
+                row = torch.zeros(VOCAB)
+                row[next_token(seq[:m])] = 1.0
+                rows.append(row)
+        return torch.stack(rows)
 
 
 def make_engine(num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,

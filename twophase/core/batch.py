@@ -7,8 +7,9 @@ exactly as the engine does. Reads request and KV state; writes nothing.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -20,28 +21,43 @@ from twophase.core.scheduler import SchedulerOutput
 Chunk = tuple[Request, int, int]        # (request, first position, number of tokens)
 
 
+Call = Literal["prefill", "decode", "verify"]
+
+
 @dataclass
 class StepBatches:
-    """One step's backend calls. ``rows[i]`` is the sequence (and its token count) behind row
-    ``i`` of the step's logits: the prefill call's rows first, then the decode call's."""
+    """One step's backend calls, in order: ``prefill`` (the prefill backend's ``prefill``),
+    ``decode`` (the decode backend's ``decode``), ``verify`` (the decode backend's ``prefill``
+    over decodes and their drafts, logits at every position). ``rows[i] = (request, tokens
+    computed, logits rows)`` says whose rows of the step's logits come next."""
 
-    prefill: PrefillBatch | None
-    decode: DecodeBatch | None
-    rows: list[tuple[Request, int]]
+    calls: list[tuple[Call, PrefillBatch | DecodeBatch]]
+    rows: list[tuple[Request, int, int]]
 
 
 def build(out: SchedulerOutput, kv: KVManager, one_call: bool) -> StepBatches:
     """The calls for ``out``: with ``one_call`` (one backend serves both phases and takes mixed
     batches) a step with any prefill is ONE ``PrefillBatch`` carrying the decodes as one-token
-    chunks; otherwise the chunks go in a ``PrefillBatch`` and the decodes in a ``DecodeBatch``."""
+    chunks; otherwise the chunks go in a ``PrefillBatch`` and the decodes in a ``DecodeBatch``.
+    A step that verifies drafts sends its decodes as chunks (each its token and its drafts) in
+    one ``verify`` call."""
     chunks = [(r, r.num_computed_tokens, n) for r, n in out.prefills]
+    chunk_rows = [(r, n, 1) for r, _, n in chunks]
+    if out.drafts:
+        items = [(r, r.num_computed_tokens, out.tokens_of(r)) for r in out.decodes]
+        verify = prefill_batch(items, kv, {k: p.token_ids for k, p in out.drafts.items()})
+        verify.logits = "all"
+        calls: list[tuple[Call, PrefillBatch | DecodeBatch]] = \
+            [("prefill", prefill_batch(chunks, kv))] if chunks else []
+        return StepBatches(calls + [("verify", verify)], chunk_rows + [(r, n, n) for r, _, n in items])
     decodes = [(r, r.num_computed_tokens, 1) for r in out.decodes]
     if one_call and chunks:
         items = decodes + chunks
-        return StepBatches(prefill_batch(items, kv), None, [(r, n) for r, _, n in items])
-    return StepBatches(prefill_batch(chunks, kv) if chunks else None,
-                       decode_batch(out.decodes, kv) if decodes else None,
-                       [(r, n) for r, _, n in chunks] + [(r, 1) for r in out.decodes])
+        return StepBatches([("prefill", prefill_batch(items, kv))], [(r, n, 1) for r, _, n in items])
+    calls = [("prefill", prefill_batch(chunks, kv))] if chunks else []
+    if decodes:
+        calls.append(("decode", decode_batch(out.decodes, kv)))
+    return StepBatches(calls, chunk_rows + [(r, 1, 1) for r in out.decodes])
 
 
 def slots(kv: KVManager, req: Request, start: int, n: int) -> list[int]:
@@ -57,13 +73,18 @@ def block_tables(kv: KVManager, reqs: Sequence[Request]) -> torch.Tensor:
     return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
 
 
-def prefill_batch(items: Sequence[Chunk], kv: KVManager) -> PrefillBatch:
-    """Chunks ``(request, start, n)``: each request's tokens ``start .. start + n - 1``."""
+def prefill_batch(items: Sequence[Chunk], kv: KVManager,
+                  drafts: Mapping[str, list[int]] | None = None) -> PrefillBatch:
+    """Chunks ``(request, start, n)``: each request's tokens ``start .. start + n - 1``, where
+    those past its own tokens are its ``drafts`` (speculative tokens, by request id)."""
     tokens: list[int] = []
     positions: list[int] = []
     slot_ids: list[int] = []
     for req, start, n in items:
-        tokens += req.token_ids[start:start + n]
+        own = req.token_ids[start:start + n]
+        tokens += own
+        if len(own) < n:
+            tokens += (drafts or {})[req.request_id][:n - len(own)]
         positions += range(start, start + n)
         slot_ids += slots(kv, req, start, n)
     return PrefillBatch(

@@ -106,35 +106,44 @@ class Engine:
         out = self.scheduler.schedule(now=start)
         if out.empty:
             return []
+        # requests that computed a step before this one: if they fail too, the engine (not a
+        # newcomer's prompt) is what breaks
+        veterans = any(r.num_computed_tokens > 0 for r, _ in out.scheduled)
         try:
             with self.executor.glue():
                 batches = batch.build(out, self.kv, self.executor.one_call)
                 logits = self.executor.run(batches)
-                sampled = sample_step(logits, batches.rows, self.scheduler.eos_token_ids)
+                now = self.clock()                      # the step's time: its tokens exist
+                sampled = sample_step(logits, batches.rows, self.scheduler.eos_token_ids, out.drafts)
+                accepted = sum(len(sampled[r].token_ids) - 1 for r in out.drafts if r in sampled)
+                updates = self.scheduler.update_from_output(out, sampled, now)
+                deltas = self.output.process(updates, lambda rid, why: self._retire(rid, why, now))
         except Exception as exc:
             # a failed step must not leave half-updated requests behind: end them, free blocks
-            failed = [r.request_id for r, _ in out.scheduled]
+            failed = [r.request_id for r, _ in out.scheduled if r.request_id in self.requests]
             for request_id in failed:
                 self.output.finish(request_id, "error", self._retire(request_id, "error"))
-            raise StepFailed(f"the step failed: {exc}", failed) from exc
-        now = self.clock()
-        updates = self.scheduler.update_from_output(out, sampled, now)
-        deltas = self.output.process(updates, self._retire)
-        self.steps.add(self._record(out, start, now))
+            raise StepFailed(f"the step failed: {exc}", failed, veterans) from exc
+        self.steps.add(self._record(out, start, now, accepted))
         return deltas
 
-    def _retire(self, request_id: str, reason: str) -> RequestStats:
+    def _retire(self, request_id: str, reason: str, now: float | None = None) -> RequestStats:
         """Finish ``request_id`` in the scheduler (if it is not already) and forget it."""
         req = self.requests.pop(request_id)
-        self.scheduler.finish(req, reason, self.clock() if req.times.finished is None else None)
+        if req.times.finished is None:
+            now = self.clock() if now is None else now
+        else:
+            now = None                     # finished in update_from_output: keep that time
+        self.scheduler.finish(req, reason, now)
         return RequestStats.of(req)
 
-    def _record(self, out: SchedulerOutput, start: float, now: float) -> StepRecord:
+    def _record(self, out: SchedulerOutput, start: float, now: float, accepted: int) -> StepRecord:
         return StepRecord(start=start, duration=now - start,
                           prefill_tokens=out.num_prefill_tokens,
                           prefill_seqs=len(out.prefills), decode_seqs=len(out.decodes),
                           kv_blocks_used=self.kv.num_used_blocks,
-                          preemptions=len(out.preempted))
+                          preemptions=len(out.preempted), draft_tokens=out.num_draft_tokens,
+                          drafted_seqs=len(out.drafts), accepted_tokens=accepted)
 
     def close(self) -> None:
         """Release the backends' resources."""

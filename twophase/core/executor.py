@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import torch
 
-from twophase.backends.base import Backend
+from twophase.backends.base import Backend, DecodeBatch
 from twophase.core.batch import StepBatches
 
 
@@ -47,12 +47,15 @@ class Executor:
         return torch_threads(self.glue_threads)
 
     def run(self, batches: StepBatches) -> torch.Tensor:
-        """Logits ``[len(batches.rows), vocab]``, in ``batches.rows`` order."""
+        """Logits, one row per ``batches.rows`` entry's logits rows, in order."""
         parts = []
-        if batches.prefill is not None:
-            parts.append(self.prefill_backend.prefill(batches.prefill))
-        if batches.decode is not None:
-            parts.append(self.decode_backend.decode(batches.decode))
+        for call, batch in batches.calls:
+            if isinstance(batch, DecodeBatch):
+                parts.append(self.decode_backend.decode(batch))
+            elif call == "prefill":
+                parts.append(self.prefill_backend.prefill(batch))
+            else:                     # verify: the decode phase's work, a chunk of each decode
+                parts.append(self.decode_backend.prefill(batch))
         if len(parts) == 1:
             return parts[0]
         device = parts[0].device

@@ -110,16 +110,16 @@ class KVManager:
         speculative tokens rejected). Slots past the new length are simply overwritten later;
         a block wholly past it goes back to the pool. Only computed tokens were ever published
         to the prefix cache, so a rolled-back block was never a hit for anyone."""
-        table = self.tables.get(req.request_id, [])
-        keep = self.blocks_for(num_tokens)
-        if keep < len(table):
-            self.tables[req.request_id] = table[:keep]
-            self.pool.release(table[keep:][::-1])
         published = self._published.get(req.request_id, 0)
         full = num_tokens // self.block_size
         if published > full:
             raise RuntimeError(f"truncating {req.request_id} to {num_tokens} tokens would drop "
                                f"{published - full} published (committed) blocks")
+        table = self.tables.get(req.request_id, [])
+        keep = self.blocks_for(num_tokens)
+        if keep < len(table):
+            self.tables[req.request_id] = table[:keep]
+            self.pool.release(table[keep:][::-1])
         hashes = self._hashes.get(req.request_id)
         if hashes is not None:
             del hashes[full:]

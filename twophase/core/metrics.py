@@ -19,6 +19,14 @@ class StepRecord:
     decode_seqs: int         # one token each
     kv_blocks_used: int
     preemptions: int = 0
+    draft_tokens: int = 0    # speculative tokens verified this step
+    drafted_seqs: int = 0    # decodes that had drafts
+    accepted_tokens: int = 0  # of which the target kept (each a decode token beyond the first)
+
+    @property
+    def decode_tokens(self) -> int:
+        """Tokens the decodes produced: one each, plus the drafts kept."""
+        return self.decode_seqs + self.accepted_tokens
 
     @property
     def mix(self) -> str:
@@ -65,7 +73,7 @@ def phase_report(steps: list[StepRecord], requests: list[RequestTimes],
     prefill_only = [s for s in steps if s.mix == "prefill"]
     decode_only = [s for s in steps if s.mix == "decode"]
     prefill_tokens = sum(s.prefill_tokens for s in steps)
-    decode_tokens = sum(s.decode_seqs for s in steps)
+    decode_tokens = sum(s.decode_tokens for s in steps)
     prefill_time = sum(s.duration for s in prefill_only)
     decode_time = sum(s.duration for s in decode_only)
     by_mix: dict[str, dict[str, float]] = {}
@@ -74,7 +82,7 @@ def phase_report(steps: list[StepRecord], requests: list[RequestTimes],
         m["steps"] += 1
         m["seconds"] += s.duration
         m["prefill_tokens"] += s.prefill_tokens
-        m["decode_tokens"] += s.decode_seqs
+        m["decode_tokens"] += s.decode_tokens
     wall = (steps[-1].start + steps[-1].duration - steps[0].start) if steps else 0.0
     out_tokens = output_tokens
     return {
@@ -86,8 +94,9 @@ def phase_report(steps: list[StepRecord], requests: list[RequestTimes],
         "prefill_tokens_per_s": (sum(s.prefill_tokens for s in prefill_only) / prefill_time
                                  if prefill_time else None),
         "decode_tokens": decode_tokens,
-        "decode_tokens_per_s": (sum(s.decode_seqs for s in decode_only) / decode_time
+        "decode_tokens_per_s": (sum(s.decode_tokens for s in decode_only) / decode_time
                                 if decode_time else None),
+        "speculative": _speculative(steps),
         "steps_by_mix": by_mix,
         "peak_kv_blocks": max((s.kv_blocks_used for s in steps), default=0),
         "preemptions": sum(s.preemptions for s in steps),
@@ -96,6 +105,18 @@ def phase_report(steps: list[StepRecord], requests: list[RequestTimes],
         "itl_s": summarize([x for t in requests for x in t.itl]),
         "e2e_s": summarize([t.e2e for t in requests if t.e2e is not None]),
     }
+
+
+def _speculative(steps: list[StepRecord]) -> dict[str, Any] | None:
+    """Drafts verified and kept over the run; None where nothing was speculated."""
+    drafted = sum(s.draft_tokens for s in steps)
+    if not drafted:
+        return None
+    kept = sum(s.accepted_tokens for s in steps)
+    passes = sum(s.drafted_seqs for s in steps)
+    # tokens a verify pass gives a sequence: the drafts kept and the target's own one
+    return {"draft_tokens": drafted, "accepted_tokens": kept, "acceptance_rate": kept / drafted,
+            "verify_passes": passes, "mean_accepted_length": 1 + kept / passes}
 
 
 def step_dicts(steps: list[StepRecord]) -> list[dict[str, Any]]:

@@ -32,12 +32,15 @@ class RequestStats:
     times: RequestTimes
     num_cached_tokens: int
     num_preemptions: int
+    num_draft_tokens: int = 0          # speculative tokens verified for it
+    num_accepted_tokens: int = 0       # of which the target kept
 
     @classmethod
     def of(cls, req: Request) -> RequestStats:
         t = req.times
         return cls(dataclasses.replace(t, token_times=list(t.token_times)),
-                   req.num_cached_tokens, req.num_preemptions)
+                   req.num_cached_tokens, req.num_preemptions, req.num_draft_tokens,
+                   req.num_accepted_tokens)
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,9 @@ class RequestOutput:
                    list(logprobs),
                    {"ttft_s": t.ttft, "tpot_s": t.tpot, "itl_s": t.itl, "e2e_s": t.e2e,
                     "num_cached_tokens": stats.num_cached_tokens,
-                    "num_preemptions": stats.num_preemptions},
+                    "num_preemptions": stats.num_preemptions,
+                    "num_draft_tokens": stats.num_draft_tokens,
+                    "num_accepted_tokens": stats.num_accepted_tokens},
                    times=t)
 
     @classmethod

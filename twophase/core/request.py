@@ -59,10 +59,11 @@ class Request:
         self.num_computed_tokens = 0                            # tokens whose K/V are in the pool
         self.num_cached_tokens = 0                              # prefix-cache hits at admission
         self.num_preemptions = 0
+        self.num_draft_tokens = 0                               # speculative tokens proposed
+        self.num_accepted_tokens = 0                            # of which the target kept
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.times = RequestTimes(arrival)
-        self.logprobs: list[dict[int, float]] = []
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

@@ -7,25 +7,46 @@ Log-probabilities are those of the model's raw distribution.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
+from twophase.core.distribution import distribution, is_greedy, processed
 from twophase.core.outputs import SampledTokens
 from twophase.core.request import Request
+from twophase.core.seams import Proposal
+from twophase.core.verify import verify
 
 
-def sample_step(logits: torch.Tensor, rows: list[tuple[Request, int]],
-                eos_ids: tuple[int, ...]) -> dict[str, SampledTokens]:
-    """A step's tokens: ``logits[i]`` belongs to ``rows[i] = (request, tokens computed)``. Only
-    rows that complete their sequence are sampled (a prompt's last chunk, a decode); a chunk in
-    the middle of a prompt has no next token yet."""
-    picks = [i for i, (req, n) in enumerate(rows) if req.num_computed_tokens + n == req.num_tokens]
-    if not picks:
-        return {}
-    reqs = [rows[i][0] for i in picks]
-    chosen = logits[picks] if len(picks) < len(rows) else logits
-    tokens, logprobs = sample(chosen, reqs, eos_ids)
-    return {r.request_id: SampledTokens([t], None if lp is None else [lp])
-            for r, t, lp in zip(reqs, tokens, logprobs)}
+def sample_step(logits: torch.Tensor, rows: list[tuple[Request, int, int]],
+                eos_ids: tuple[int, ...],
+                drafts: Mapping[str, Proposal] | None = None) -> dict[str, SampledTokens]:
+    """A step's tokens: ``rows[i] = (request, tokens computed, logits rows)`` says whose rows
+    of ``logits`` come next. Only sequences whose tokens are all computed after the step are
+    sampled (a prompt's last chunk, a decode); a chunk in the middle of a prompt has no next
+    token yet. A decode with ``drafts`` is verified over its rows (``core/verify.py``)."""
+    drafts = drafts or {}
+    picks, spans, start = [], [], 0
+    for req, n, k in rows:
+        if req.request_id in drafts:
+            spans.append((req, start, k))
+        elif req.num_computed_tokens + n == req.num_tokens:
+            picks.append((req, start + k - 1))
+        start += k
+    out: dict[str, SampledTokens] = {}
+    if picks:
+        index = [i for _, i in picks]
+        chosen = logits[index] if len(index) < logits.shape[0] else logits
+        tokens, logprobs = sample(chosen, [r for r, _ in picks], eos_ids)
+        out = {r.request_id: SampledTokens([t], None if lp is None else [lp])
+               for (r, _), t, lp in zip(picks, tokens, logprobs)}
+    for req, first, k in spans:
+        rows_of = logits[first:first + k]
+        tokens = verify(rows_of, req, drafts[req.request_id], eos_ids)
+        n_lp = req.params.logprobs
+        lps = None if n_lp is None else [_top_logprobs(rows_of[j], t, n_lp) for j, t in enumerate(tokens)]
+        out[req.request_id] = SampledTokens(tokens, lps)
+    return out
 
 
 def sample(logits: torch.Tensor, reqs: list[Request],
@@ -43,45 +64,10 @@ def sample(logits: torch.Tensor, reqs: list[Request],
 
 
 def _sample_row(row: torch.Tensor, req: Request, eos_ids: tuple[int, ...]) -> int:
-    p = req.params
-    row = row.float().clone()
-    if p.needs_penalties:
-        row = _penalise(row, req)
-    if req.num_output_tokens < p.min_tokens:
-        banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_ids))
-        if banned:
-            row[banned] = float("-inf")
-    if p.greedy or p.temperature < 1e-5:      # a tiny temperature is greedy (and avoids inf)
+    row = processed(row, req, eos_ids)
+    if is_greedy(req):
         return int(row.argmax())
-    row = row / p.temperature
-    if p.top_k > 0 and p.top_k < row.shape[-1]:
-        kth = torch.topk(row, p.top_k).values[-1]
-        row = row.masked_fill(row < kth, float("-inf"))
-    probs = torch.softmax(row, dim=-1)
-    if p.min_p > 0:
-        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-        probs = probs / probs.sum()
-    if p.top_p < 1.0:
-        sorted_p, idx = probs.sort(descending=True)
-        cum = sorted_p.cumsum(-1)
-        drop = (cum - sorted_p) > p.top_p            # keep the smallest set reaching top_p
-        probs = probs.scatter(0, idx, sorted_p.masked_fill(drop, 0.0))
-    gen = req.generator
-    return int(torch.multinomial(probs.cpu(), 1, generator=gen))
-
-
-def _penalise(row: torch.Tensor, req: Request) -> torch.Tensor:
-    p = req.params
-    device = row.device
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(req.token_ids)), dtype=torch.long, device=device)
-        vals = row[seen]
-        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    out = req.output_token_ids
-    if out and (p.presence_penalty or p.frequency_penalty):
-        ids, counts = torch.tensor(out, dtype=torch.long, device=device).unique(return_counts=True)
-        row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
-    return row
+    return int(torch.multinomial(distribution(row, req).cpu(), 1, generator=req.generator))
 
 
 def _top_logprobs(row: torch.Tensor, token: int, n: int) -> dict[int, float]:

@@ -22,14 +22,18 @@ from twophase.core.admission import Admission
 from twophase.core.kv_manager import KVManager
 from twophase.core.outputs import SampledTokens, SeqUpdate
 from twophase.core.request import Request, Status
+from twophase.core.seams import Proposal, Proposer
 from twophase.core.stop import check_stop
+
+NO_DRAFTS = Proposal([])
 
 
 @dataclass
 class SchedulerOutput:
-    decodes: list[Request] = field(default_factory=list)             # one token each
+    decodes: list[Request] = field(default_factory=list)             # one token each, + drafts
     prefills: list[tuple[Request, int]] = field(default_factory=list)  # (request, chunk length)
     preempted: list[Request] = field(default_factory=list)
+    drafts: dict[str, Proposal] = field(default_factory=dict)       # decodes verified this step
 
     @property
     def empty(self) -> bool:
@@ -40,16 +44,26 @@ class SchedulerOutput:
         return sum(n for _, n in self.prefills)
 
     @property
+    def num_draft_tokens(self) -> int:
+        return sum(len(p.token_ids) for p in self.drafts.values())
+
+    def tokens_of(self, req: Request) -> int:
+        """Tokens a decode computes this step: its own, and its drafts."""
+        proposal = self.drafts.get(req.request_id)
+        return 1 + (len(proposal.token_ids) if proposal else 0)
+
+    @property
     def scheduled(self) -> list[tuple[Request, int]]:
         """Every scheduled sequence with the tokens it computes this step."""
-        return [(r, 1) for r in self.decodes] + self.prefills
+        return [(r, self.tokens_of(r)) for r in self.decodes] + self.prefills
 
 
 class Scheduler:
     def __init__(self, kv: KVManager, max_num_seqs: int, max_num_batched_tokens: int,
                  policy: str = "decode-first", chunked_prefill: bool = True, *,
                  max_model_len: int, eos_token_ids: tuple[int, ...] = (),
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, proposer: Proposer | None = None,
+                 num_spec_tokens: int = 0):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
@@ -57,6 +71,7 @@ class Scheduler:
         self.chunked_prefill = chunked_prefill
         self.max_model_len = max_model_len
         self.eos_token_ids = tuple(eos_token_ids)
+        self.proposer, self.num_spec_tokens = proposer, num_spec_tokens if proposer else 0
         self.admission = Admission(kv, max_model_len, max_num_batched_tokens, chunked_prefill,
                                    vocab_size)
         self.waiting: deque[Request] = deque()
@@ -95,9 +110,19 @@ class Scheduler:
         the stop rules (a speculative run of several stops at the first that ends it)."""
         updates = []
         for req, n in out.scheduled:
-            req.num_computed_tokens += n
-            self.kv.cache_computed(req)
             got = sampled.get(req.request_id)
+            proposal = out.drafts.get(req.request_id)
+            if proposal is not None and got is not None:
+                # the pending token and every draft were computed; the drafts after the first
+                # one the target did not keep are rolled back (their slots overwritten later)
+                kept = len(got.token_ids) - 1
+                req.num_draft_tokens += len(proposal.token_ids)
+                req.num_accepted_tokens += kept
+                n = 1 + kept
+            req.num_computed_tokens += n
+            if proposal is not None:
+                self.kv.truncate(req, req.num_computed_tokens)
+            self.kv.cache_computed(req)
             if got is None:
                 continue
             kept, reason = 0, None
@@ -109,7 +134,6 @@ class Scheduler:
                 if reason is not None:
                     break
             logprobs = (got.logprobs or [])[:kept]
-            req.logprobs += logprobs
             if reason is not None:
                 self.finish(req, reason, now)
             updates.append(SeqUpdate(req.request_id, got.token_ids[:kept], logprobs,
@@ -117,14 +141,36 @@ class Scheduler:
         return updates
 
     def _schedule_decodes(self, out: SchedulerOutput) -> None:
-        for req in list(self.running):
+        decoding = [r for r in self.running if r.status is Status.RUNNING and r.in_decode]
+        for i, req in enumerate(decoding):
             if self._left == 0:
                 break
-            if req.status is not Status.RUNNING or not req.in_decode or self._scheduled(req, out):
+            if req.status is not Status.RUNNING or self._scheduled(req, out):
                 continue      # (a preempted request re-admitted this step may look like a decode)
-            if self._allocate_or_preempt(req, 1, out):
+            # drafts take budget only beyond one token for each decode still to come and one
+            # for prefill: speculation never starves anyone
+            proposal = self._propose(req, self._left - (len(decoding) - i) - 1)
+            n = 1 + len(proposal.token_ids)
+            if n > 1 and not self.kv.allocate(req, n):      # drafts never cost a preemption
+                proposal, n = NO_DRAFTS, 1
+            if self._allocate_or_preempt(req, n, out):
                 out.decodes.append(req)
-                self._left -= 1
+                if proposal.token_ids:
+                    out.drafts[req.request_id] = proposal
+                self._left -= n
+
+    def _propose(self, req: Request, room: int) -> Proposal:
+        """Drafts for ``req``: at most ``num_spec_tokens``, what the budget leaves, and what its
+        ``max_tokens`` and the context allow (the verify pass adds one token more)."""
+        k = min(self.num_spec_tokens, room, req.params.max_tokens - req.num_output_tokens - 1,
+                self.max_model_len - req.num_tokens - 1)
+        if self.proposer is None or k <= 0:
+            return NO_DRAFTS
+        proposal = self.proposer.propose(req, k)
+        if len(proposal.token_ids) > k:
+            proposal = Proposal(proposal.token_ids[:k],
+                                None if proposal.probs is None else proposal.probs[:k])
+        return proposal
 
     def _schedule_prefills(self, out: SchedulerOutput) -> None:
         # requests already running whose prompt is not fully computed (earlier chunks done)
@@ -182,8 +228,10 @@ class Scheduler:
     @staticmethod
     def _unschedule(req: Request, out: SchedulerOutput) -> int:
         if req in out.decodes:
+            n = out.tokens_of(req)
             out.decodes.remove(req)
-            return 1
+            out.drafts.pop(req.request_id, None)
+            return n
         for i, (r, n) in enumerate(out.prefills):
             if r is req:
                 del out.prefills[i]

@@ -1,12 +1,12 @@
 """The interfaces the step loop is built to take next, each with its one place of entry.
 
-- ``Proposer`` (speculative decoding): the scheduler asks it for up to ``k`` draft tokens of a
-  sequence in decode and schedules them as a ``k + 1``-token chunk after the cached tokens
-  (``prefill`` with ``logits = "all"``). The sampler returns the accepted prefix plus one token as
-  ``SampledTokens``; ``Scheduler.update_from_output`` already takes several tokens per sequence
-  through the stop rules, and ``KVManager.truncate`` moves a sequence's computed length back
-  over rejected slots (blocks wholly past it return to the pool; only committed tokens were ever
-  hashed for the prefix cache).
+- ``Proposer`` (speculative decoding; ``core/ngram.py`` is one): the scheduler asks it for up
+  to ``k`` draft tokens of a sequence in decode and schedules them as a ``k + 1``-token chunk
+  after the cached tokens, verified in one ``prefill`` with ``logits = "all"``
+  (``core/verify.py``). ``Scheduler.update_from_output`` takes the kept drafts and one token
+  through the stop rules, counts as computed only what was kept, and ``KVManager.truncate``
+  returns the blocks wholly past that length to the pool (rejected slots in a kept block are
+  overwritten later; only committed tokens are ever hashed for the prefix cache).
 - ``KVConnector`` (K/V computed by another process): a scheduler half, asked at admission how
   many of a request's tokens a peer already holds and, when a request finishes, whether its
   blocks are kept for a peer under a lease; and a worker half, called by the ``Executor`` to load

@@ -7,9 +7,11 @@ their asyncio loop. Between steps the thread drains the queue, so every request 
 during a step joins the next one: that is continuous batching across HTTP clients.
 
 Nothing a request does ends the loop: an exception while adding or stepping ends the requests it
-concerns with an error and the loop goes on. Only when steps keep failing
-(``max_failed_steps`` in a row) does the loop give up: every open request gets an error,
-``alive`` turns false (``/health`` then answers 503) and ``on_fatal`` is called.
+concerns with an error and the loop goes on. Only when steps keep failing for requests that had
+already computed (``max_failed_steps`` such failures with no decode succeeding between them: a
+new prompt that breaks its first step may be at fault itself) does the loop give up: every open
+and queued request gets an error, ``alive`` turns false (``/health`` then answers 503) and
+``on_fatal`` is called.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from twophase.core.engine import check_text
 from twophase.core.outputs import RequestOutput
 from twophase.core.params import SamplingParams
 from twophase.errors import RequestRejected, StepFailed, TwophaseError
@@ -37,6 +40,10 @@ class Overloaded(Exception):
 
 class EngineError(TwophaseError):
     """The engine failed while serving a request (not the request's fault): a 500."""
+
+
+class EngineStopped(EngineError):
+    """The engine has stopped for good (or is shutting down): a 503, try another replica."""
 
 
 class Handle:
@@ -98,6 +105,7 @@ class EngineLoop:
         self.on_fatal = on_fatal
         self.max_failed_steps = max_failed_steps
         self.fatal: BaseException | None = None
+        self._closed = False                     # no more submissions (under _lock)
         self._failed_steps = 0
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Callable[[Any], None]] = {}
@@ -116,10 +124,16 @@ class EngineLoop:
     def alive(self) -> bool:
         return self.fatal is None and self._thread.is_alive()
 
-    def close(self) -> None:
+    def close(self, timeout: float = 10.0) -> bool:
+        """Stop the loop after its current step; False if it is still stepping after
+        ``timeout`` seconds (its backends must not be closed under it then)."""
+        with self._lock:
+            self._closed = True
         self._stop.set()
         self._commands.put(("wake",))
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=timeout)
+        self._refuse_queued("the server is shutting down")
+        return not self._thread.is_alive()
 
     # -- the handlers' side (asyncio) -------------------------------------------------------
     async def prepare(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
@@ -140,7 +154,7 @@ class EngineLoop:
                     f"the prompt ({len(prompt)} characters, so at least {fewest} tokens) + "
                     f"max_tokens ({params.max_tokens}) exceeds the model's context of "
                     f"{self.engine.max_model_len} tokens (model.max_model_len)")
-            ids = tok.encode(prompt)
+            ids = tok.encode(check_text(prompt))
         else:
             ids = list(prompt)
         self.engine.scheduler.admission.check(ids, params)       # reads constants only
@@ -150,15 +164,16 @@ class EngineLoop:
         """Queue a request; its deltas, then a ``Finished``, arrive through the handle. Raises
         ``Overloaded`` past the queue limit, ``EngineError`` once the engine has stopped; a
         prompt that can never be served arrives as a ``RequestRejected`` from the handle."""
-        if not self.alive:
-            raise EngineError(f"the engine has stopped: {self.fatal}")
+        loop = asyncio.get_running_loop()
         with self._lock:
+            if self._closed or not self.alive:
+                raise EngineStopped(f"the engine has stopped: {self.fatal}" if self.fatal
+                                    else "the server is shutting down")
             if self._in_flight >= self.max_queue:
                 raise Overloaded(f"{self._in_flight} requests in flight (server.max_queue = "
                                  f"{self.max_queue}); retry later")
             self._in_flight += 1
         handle = Handle(self, f"req-{next(self._ids)}")
-        loop = asyncio.get_running_loop()
 
         def sink(item: Any) -> None:
             try:
@@ -188,10 +203,23 @@ class EngineLoop:
                     self._step()
                 self._safely(self.on_change)
         except BaseException as exc:        # the loop itself broke: nothing may hang on it
-            self.fatal = exc
+            with self._lock:
+                self.fatal, self._closed = exc, True
             log.critical("the engine loop stopped: %s", exc, exc_info=exc)
             self._fail_open(f"the engine stopped: {exc}")
+            self._refuse_queued(f"the engine stopped: {exc}")
             self._safely(self.on_fatal, exc)
+
+    def _refuse_queued(self, message: str) -> None:
+        """Answer every request still queued, once the loop no longer takes commands."""
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                self._release_slot()
+                cmd[4](EngineStopped(message))
 
     def _handle(self, cmd: tuple) -> None:
         if cmd[0] == "add":
@@ -220,16 +248,19 @@ class EngineLoop:
             log.exception("engine step failed")
             for request_id in exc.request_ids:
                 self._error(request_id, f"the engine failed: {exc.__cause__}")
-            self._count_failure(exc)
+            if exc.veterans:             # new prompts failing alone may be their own fault
+                self._count_failure(exc)
             return
         except Exception as exc:         # outside the backends: end everything in flight
             log.exception("engine step failed")
             self._fail_open(f"the engine failed: {exc}")
             self._count_failure(exc)
             return
-        self._failed_steps = 0
-        if self.on_step is not None and self.engine.steps.records:
-            self._safely(self.on_step, self.engine.steps.records[-1])
+        last = self.engine.steps.records[-1] if self.engine.steps.records else None
+        if last is not None and last.decode_seqs:    # running requests advanced: not broken
+            self._failed_steps = 0
+        if self.on_step is not None and last is not None:
+            self._safely(self.on_step, last)
         for d in deltas:
             sink = self._sinks.get(d.request_id)
             if sink is None:

@@ -51,10 +51,17 @@ class Gate:
                 return
             if body is None:                 # the client left while sending
                 return
-            await self.app(scope, _replay(body, receive), send_counting)
+            try:
+                await self.app(scope, _replay(body, receive), send_counting)
+            except Exception:
+                if not status["code"]:       # the 500 the error middleware above will send
+                    status["code"] = 500
+                    self.metrics.requests.labels(route, "500").inc()
+                raise
         finally:
             client = scope.get("client") or ("-", 0)
-            access_log.info('%s "%s %s" %d %.0f ms', client[0], scope["method"], scope["path"],
+            path = scope["path"].encode("unicode_escape").decode("ascii")    # one line, always
+            access_log.info('%s "%s %s" %d %.0f ms', client[0], scope["method"], path,
                             status["code"], 1000 * (time.perf_counter() - start))
 
     def _route(self, scope) -> str:

@@ -35,6 +35,7 @@ class ApiError(Exception):
 # NaN and infinities are refused.
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 MAX_STOP = 16                      # stop strings per request
+MAX_STOP_CHARS = 256               # characters in one (each is searched for after every token)
 MAX_MESSAGES = 1024                # chat messages per request
 MAX_PROMPTS = 64                   # prompts in one /v1/completions request
 
@@ -47,6 +48,7 @@ def _utf8(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_utf8)]
+StopText = Annotated[str, AfterValidator(_utf8), Field(max_length=MAX_STOP_CHARS)]
 TokenId = Annotated[int, Field(ge=0)]
 
 
@@ -61,7 +63,7 @@ class _Common(BaseModel):
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP)] | None = None
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP)] | None = None
     seed: Annotated[int, Field(ge=-(2 ** 63), le=2 ** 64 - 1)] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -126,7 +128,7 @@ class ChatMessage(BaseModel):
     model_config = STRICT
     role: Literal["system", "developer", "user", "assistant"]
     content: Text | Annotated[list[TextPart], Field(min_length=1)]
-    name: str | None = None
+    name: Text | None = None
 
     def for_template(self) -> dict[str, str]:
         """What a chat template reads: text content, and ``developer`` as ``system`` (OpenAI's

@@ -72,7 +72,9 @@ def serve(cfg: Config, host: str, port: int, api_key: str | None) -> int:
         if server is not None:
             server.should_exit = True
 
-    with LLM(cfg) as llm:
+    llm = LLM(cfg)
+    stopped = True
+    try:
         name = sv.model_name or llm.model.model_id
         app = create_app(llm, name, api_key, sv.max_queue, sv.default_max_tokens, sv.max_body_bytes,
                          on_fatal=on_fatal)
@@ -83,7 +85,15 @@ def serve(cfg: Config, host: str, port: int, api_key: str | None) -> int:
                  "%d-byte bodies, %g s to finish at shutdown)", name, host, sock.getsockname()[1],
                  "required" if api_key else "off", sv.max_queue, sv.max_body_bytes,
                  sv.shutdown_timeout_s)
-        server.run(sockets=[sock])
+        try:
+            server.run(sockets=[sock])
+        finally:
+            stopped = app.state.loop.close()       # also where uvicorn skipped its lifespan
+    finally:
+        if stopped:                                 # never close backends under a running step
+            llm.close()
+        else:
+            log.warning("the engine is still in a step; its backends are left to the process exit")
     if fatal:
         raise TwophaseError(f"the engine stopped: {fatal[0]}")
     return 0

@@ -12,17 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
 
 from twophase.core.outputs import Delta, RequestOutput
 from twophase.core.params import SamplingParams
 from twophase.errors import RequestRejected
 from twophase.server import protocol as P
-from twophase.server.loop import EngineError, EngineLoop, Finished, Handle, Overloaded
+from twophase.server.loop import EngineError, EngineLoop, EngineStopped, Finished, Handle, Overloaded
 
 DISCONNECT_POLL_S = 0.25
 
@@ -49,15 +50,18 @@ class Formatter(Protocol):
 
 async def respond(request: Request, loop: EngineLoop, prompts: list[str | list[int]],
                   params: SamplingParams, stream: bool, fmt: Formatter):
-    handles = await _start(loop, prompts, params)
+    handles = await _start(request, loop, prompts, params)
     if not stream:
         outputs = await _collect(request, handles)
         return JSONResponse(fmt.whole(outputs))
+    # the abort runs however the response ends, also when it is cancelled before it started
     return StreamingResponse(_events(handles, fmt), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+                             headers={"Cache-Control": "no-cache"},
+                             background=BackgroundTask(_abort, handles))
 
 
-async def _start(loop: EngineLoop, prompts: list[str | list[int]], params: SamplingParams) -> list[Handle]:
+async def _start(request: Request, loop: EngineLoop, prompts: list[str | list[int]],
+                 params: SamplingParams) -> list[Handle]:
     """Check, submit and wait for each request's first item, so refusals become a status, not
     a stream."""
     try:
@@ -68,9 +72,12 @@ async def _start(loop: EngineLoop, prompts: list[str | list[int]], params: Sampl
     try:
         for one in ids:
             handles.append(loop.submit(one, params))
-        for h in handles:
-            await h.first()
+        await _unless_disconnected(request, _firsts(handles))
         return handles
+    except EngineStopped as exc:
+        _abort(handles)
+        raise P.ApiError(503, str(exc), type_="server_error", code="engine_stopped",
+                         headers={"Retry-After": "1"}) from None
     except Overloaded as exc:
         _abort(handles)
         raise P.ApiError(503, str(exc), type_="server_overloaded", code="overloaded",
@@ -86,6 +93,11 @@ async def _start(loop: EngineLoop, prompts: list[str | list[int]], params: Sampl
         raise
 
 
+async def _firsts(handles: list[Handle]) -> None:
+    for h in handles:
+        await h.first()
+
+
 def _abort(handles: list[Handle]) -> None:
     for h in handles:
         h.abort()                   # no-op once finished
@@ -97,10 +109,11 @@ async def _until_finished(handle: Handle) -> RequestOutput:
     return item.output
 
 
-async def _collect(request: Request, handles: list[Handle]) -> list[RequestOutput]:
-    """Every output of a non-streamed request; aborts them if the client goes away (checked
-    every ``DISCONNECT_POLL_S``, whether or not tokens are arriving)."""
-    task = asyncio.ensure_future(asyncio.gather(*(_until_finished(h) for h in handles)))
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """``work``'s result; ``ApiError(499)`` if the client goes away first (checked every
+    ``DISCONNECT_POLL_S``, whether or not tokens are arriving). ``work`` is cancelled either way
+    if it has not finished."""
+    task = asyncio.ensure_future(work)
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
@@ -108,10 +121,20 @@ async def _collect(request: Request, handles: list[Handle]) -> list[RequestOutpu
                 return task.result()
             if await request.is_disconnected():
                 raise P.ApiError(499, "client disconnected")
+    finally:
+        task.cancel()
+
+
+async def _collect(request: Request, handles: list[Handle]) -> list[RequestOutput]:
+    """Every output of a non-streamed request; aborts them if the client goes away."""
+    tasks = [asyncio.ensure_future(_until_finished(h)) for h in handles]
+    try:
+        return await _unless_disconnected(request, asyncio.gather(*tasks))
     except EngineError as exc:
         raise P.ApiError(500, str(exc), type_="server_error", code="engine_error") from None
     finally:
-        task.cancel()
+        for t in tasks:
+            t.cancel()
         _abort(handles)
 
 

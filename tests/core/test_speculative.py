@@ -1,0 +1,146 @@
+"""Speculative decoding keeps outputs exactly: the verifier's draws are distributed as the
+target's distribution whatever was proposed, greedy outputs are token for token the same, and
+rolling rejected drafts back leaks no block and never makes a draft a prefix-cache hit."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from helpers.int_backend import VOCAB, expected_tokens, make_engine, next_token
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from twophase.core import verify as V
+from twophase.core.ngram import NgramProposer
+from twophase.core.params import SamplingParams
+from twophase.core.request import Request
+from twophase.core.seams import Proposal
+
+P = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
+CASES = {
+    "draft q unlike p": torch.tensor([0.1, 0.1, 0.2, 0.3, 0.3]),
+    "draft q close to p": torch.tensor([0.45, 0.25, 0.1, 0.1, 0.1]),
+    "draft q on one token": torch.tensor([0.0, 0.0, 0.0, 1.0, 0.0]),
+}
+DRAWS = 10 ** 6
+
+
+def _tv(tokens: torch.Tensor, p: torch.Tensor) -> float:
+    freq = torch.bincount(tokens, minlength=p.numel()).double() / tokens.numel()
+    return 0.5 * float((freq - p.double()).abs().sum())
+
+
+def _draw(q: torch.Tensor | None, draft: int | None = None) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    drafts = (torch.full((DRAWS,), draft) if q is None
+              else torch.multinomial(q, DRAWS, replacement=True, generator=gen))
+    return V.accept_or_resample(P, q, drafts, gen)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_accepted_or_resampled_tokens_are_distributed_as_the_target(case):
+    assert _tv(_draw(CASES[case]), P) < 0.01
+
+
+@pytest.mark.parametrize("draft", [0, 3])
+def test_one_hot_proposals_keep_the_target_distribution(draft):
+    """n-gram drafts have no q: the draft is kept with probability p(d), else a token is drawn
+    from p without d."""
+    assert _tv(_draw(None, draft), P) < 0.01
+
+
+def test_a_planted_wrong_residual_is_caught(monkeypatch):
+    monkeypatch.setattr(V, "residual", lambda p, q, drafts: p.unsqueeze(0))   # forgets to subtract q
+    assert _tv(_draw(CASES["draft q unlike p"]), P) > 0.01
+
+
+def _req(tokens: list[int], **params) -> Request:
+    return Request("r", tokens, SamplingParams(max_tokens=50, **params), 0.0)
+
+
+def test_greedy_verification_keeps_exactly_the_argmax_prefix():
+    logits = torch.zeros(4, 6)
+    for j, t in enumerate([2, 4, 1, 5]):
+        logits[j, t] = 3.0
+    assert V.verify(logits, _req([1]), Proposal([2, 4, 3]), ()) == [2, 4, 1]   # third rejected
+    assert V.verify(logits, _req([1]), Proposal([2, 4, 1]), ()) == [2, 4, 1, 5]  # all + bonus
+    assert V.verify(logits, _req([1]), Proposal([0, 4, 1]), ()) == [2]
+
+
+def test_seeded_speculative_sampling_is_reproducible():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(3))
+    runs = [V.verify(logits, _req([1], temperature=0.8, seed=7), Proposal([4, 9, 2]), ())
+            for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def test_ngram_proposes_what_followed_the_longest_recurring_suffix():
+    prop = NgramProposer(2, 4)
+    assert prop.propose(_req([1, 2, 3, 4, 5, 9, 2, 3, 4]), 3).token_ids == [5, 9, 2]
+    assert prop.propose(_req([1, 2, 3, 1, 2]), 5).token_ids == [3, 1, 2]
+    assert prop.propose(_req([7, 8, 9]), 3).token_ids == []
+    assert prop.propose(_req([1, 2, 1, 2]), 0).token_ids == []
+
+
+class Scripted:
+    """Proposes the integer backend's true continuation, turned wrong at random places: the
+    verifier must keep exactly the true prefix, whatever the mix."""
+
+    def __init__(self, seed: int, p_wrong: float):
+        self.rng, self.p_wrong = random.Random(seed), p_wrong
+
+    def propose(self, req: Request, k: int) -> Proposal:
+        seq, out = list(req.token_ids), []
+        for _ in range(self.rng.randint(0, k)):
+            t = next_token(seq)
+            if self.rng.random() < self.p_wrong:
+                t = (t + 1 + self.rng.randrange(VOCAB - 1)) % VOCAB              # wrong
+            out.append(t)
+            seq.append(t)
+        return Proposal(out)
+
+
+@settings(deadline=None, max_examples=150, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10 ** 6), p_wrong=st.sampled_from([0.0, 0.3, 0.7, 1.0]),
+       k=st.integers(1, 6), num_blocks=st.sampled_from([12, 24, 64]),
+       prompts=st.lists(st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=20),
+                        min_size=1, max_size=6))
+def test_random_accepts_and_rejects_leave_outputs_and_the_pool_exact(seed, p_wrong, k, num_blocks,
+                                                                     prompts):
+    eng = make_engine(num_blocks=num_blocks, block_size=4, max_num_seqs=4,
+                      max_num_batched_tokens=24, max_model_len=48)
+    eng.scheduler.proposer, eng.scheduler.num_spec_tokens = Scripted(seed, p_wrong), k
+    shared = [3, 1, 4, 1, 5, 9, 2, 6]                     # a common prefix: prefix-cache hits
+    jobs = {f"r{i}": (shared + p if i % 2 else p, 1 + (seed + i) % 20) for i, p in enumerate(prompts)}
+    held = {rid: eng.add_request(p, SamplingParams(max_tokens=n), rid) for rid, (p, n) in jobs.items()}
+    steps = 0
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+        assert steps < 2000, "no progress"
+        pool = eng.kv.pool
+        held_blocks = sum(len(t) for t in eng.kv.tables.values())
+        assert pool.num_free + sum(1 for c in pool.ref_cnt if c) == pool.num_blocks
+        assert held_blocks >= sum(1 for c in pool.ref_cnt if c)
+        for req in eng.scheduler.running:           # rejected drafts' whole blocks went back
+            assert len(eng.kv.block_table(req)) == eng.kv.blocks_for(req.num_computed_tokens), req
+    for rid, (p, n) in jobs.items():
+        assert held[rid].output_token_ids == expected_tokens(p, n), rid
+    assert eng.kv.num_free_blocks == num_blocks and not any(eng.kv.pool.ref_cnt), "blocks leaked"
+    # a newcomer whose prompt is a finished request's tokens must compute right through the
+    # cache: were a block holding a rejected draft ever published, its K would change this
+    for rid in list(jobs)[:2]:
+        again = list(held[rid].token_ids)
+        if len(again) + 3 > 48:
+            continue
+        newcomer = eng.add_request(again, SamplingParams(max_tokens=3), rid + "-again")
+        while eng.has_unfinished():
+            eng.step()
+        assert newcomer.output_token_ids == expected_tokens(again, 3), "a stale block was a hit"
+    drafted = sum(r.num_draft_tokens for r in held.values())
+    kept = sum(r.num_accepted_tokens for r in held.values())
+    assert p_wrong > 0 or kept == drafted, "a true draft was rejected"
+    assert p_wrong < 1 or kept == 0, "a wrong draft was kept"

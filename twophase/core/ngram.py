@@ -1,0 +1,31 @@
+"""Prompt lookup (n-gram) proposals: text that quotes its input repeats it, so the longest
+suffix of a sequence that occurred earlier in it proposes the tokens that followed there. No
+second model, no forward pass: a search over the sequence's own tokens."""
+
+from __future__ import annotations
+
+from twophase.core.request import Request
+from twophase.core.seams import Proposal
+
+
+class NgramProposer:
+    def __init__(self, min_n: int = 2, max_n: int = 4):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"prompt lookup needs 1 <= min ({min_n}) <= max ({max_n})")
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, req: Request, k: int) -> Proposal:
+        """Up to ``k`` tokens: what followed the most recent earlier occurrence of the longest
+        suffix of ``min_n`` to ``max_n`` tokens (none where no suffix recurs)."""
+        toks = req.token_ids
+        if k <= 0:
+            return Proposal([])
+        for n in range(min(self.max_n, len(toks) - 1), self.min_n - 1, -1):
+            suffix = toks[-n:]
+            last = suffix[-1]
+            for end in range(len(toks) - 2, n - 2, -1):       # ``end``: the earlier match's last
+                if toks[end] == last and toks[end - n + 1:end + 1] == suffix:
+                    follow = toks[end + 1:end + 1 + k]
+                    if follow:
+                        return Proposal(list(follow))
+        return Proposal([])
