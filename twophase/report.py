@@ -33,8 +33,12 @@ def phase_table(r: dict[str, Any]) -> Table:
         ("peak KV blocks used", f"{r['peak_kv_blocks']} of {r['kv_blocks_total']}"),
         ("prefix-cache hit rate", f"{100 * r['prefix_cache_hit_rate']:.1f}%"),
         ("preemptions", str(r["preemptions"])),
-        ("model load time", f"{r['load_time_s']:.2f} s"),
     ]
+    sp = r.get("speculative")
+    if sp:
+        rows.append(("drafts kept / verified (mean accepted length)",
+                     f"{sp['accepted_tokens']} / {sp['draft_tokens']} ({sp['mean_accepted_length']:.2f})"))
+    rows.append(("model load time", f"{r['load_time_s']:.2f} s"))
     for k, v in rows:
         t.add_row(k, v)
     t.caption = "* rates over steps that ran that phase alone; mixed steps are counted apart"

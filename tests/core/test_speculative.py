@@ -82,6 +82,8 @@ def test_ngram_proposes_what_followed_the_longest_recurring_suffix():
     assert prop.propose(_req([1, 2, 3, 1, 2]), 5).token_ids == [3, 1, 2]
     assert prop.propose(_req([7, 8, 9]), 3).token_ids == []
     assert prop.propose(_req([1, 2, 1, 2]), 0).token_ids == []
+    # a short cycle: the most recent match has one token after it, an earlier one has k
+    assert prop.propose(_req([4, 5, 4, 5, 4, 5, 4, 5]), 3).token_ids == [4, 5, 4]
 
 
 class Scripted:

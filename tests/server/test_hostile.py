@@ -15,7 +15,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 from helpers.server import MODEL, all_blocks_free, serving  # noqa: E402
 
-from twophase import LLM  # noqa: E402
+from twophase import LLM, SamplingParams  # noqa: E402
 
 
 def _tiny() -> LLM:
@@ -255,3 +255,24 @@ def test_an_engine_failure_ends_its_streams_with_an_error_and_the_server_goes_on
         assert len(fatal) == 1 and "in a row failed" in str(fatal[0])   # serve exits non-zero on it
         r = _post(url, {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3})
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_stopped"
+
+
+def test_speculation_streams_the_kept_tokens_of_a_step_together():
+    cfg = {"model": {"name": "tiny", "weights": "random"}, "cache": {"num_blocks": 128}}
+    prompt = [5, 6, 7, 8, 9, 10] * 4                    # random weights repeat: drafts are kept
+    want = LLM.from_config(cfg).generate([prompt], SamplingParams(max_tokens=40, min_tokens=40))[0].token_ids
+    llm = LLM.from_config({**cfg, "speculative": {"method": "ngram", "num_tokens": 4}})
+    with serving(llm) as (url, app):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 40, "min_tokens": 40, "logprobs": 0,
+                "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+            events = [e for e in _events(r) if isinstance(e, dict) and e["choices"]]
+        per_chunk = [len(e["choices"][0]["logprobs"]["tokens"]) for e in events
+                     if e["choices"][0]["logprobs"] and e["choices"][0]["logprobs"]["tokens"]]
+        assert sum(per_chunk) == len(want) and max(per_chunk) > 1, per_chunk
+        assert "".join(e["choices"][0]["text"] for e in events) == llm.tokenizer.decode(want)
+        text = httpx.get(url + "/metrics").text
+        kept = next(float(line.split()[1]) for line in text.splitlines()
+                    if line.startswith("twophase_spec_accepted_tokens_total "))
+        assert kept == sum(per_chunk) - len(per_chunk)
+

@@ -15,17 +15,24 @@ class NgramProposer:
         self.min_n, self.max_n = min_n, max_n
 
     def propose(self, req: Request, k: int) -> Proposal:
-        """Up to ``k`` tokens: what followed the most recent earlier occurrence of the longest
-        suffix of ``min_n`` to ``max_n`` tokens (none where no suffix recurs)."""
+        """Up to ``k`` tokens: what followed an earlier occurrence of the longest suffix of
+        ``min_n`` to ``max_n`` tokens that recurs: the most recent one with ``k`` tokens after
+        it, else the one with the most (in text that repeats a short cycle, the most recent
+        occurrence is too close to the end to have ``k`` tokens after it)."""
         toks = req.token_ids
         if k <= 0:
             return Proposal([])
         for n in range(min(self.max_n, len(toks) - 1), self.min_n - 1, -1):
             suffix = toks[-n:]
             last = suffix[-1]
+            best: list[int] = []
             for end in range(len(toks) - 2, n - 2, -1):       # ``end``: the earlier match's last
                 if toks[end] == last and toks[end - n + 1:end + 1] == suffix:
                     follow = toks[end + 1:end + 1 + k]
-                    if follow:
-                        return Proposal(list(follow))
+                    if len(follow) > len(best):
+                        best = follow
+                        if len(best) == k:
+                            break
+            if best:
+                return Proposal(list(best))
         return Proposal([])

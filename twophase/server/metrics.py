@@ -26,6 +26,10 @@ class ServerMetrics:
         self.decode_tokens = Counter("twophase_decode_tokens", "tokens decoded", registry=r)
         self.preemptions = Counter("twophase_preemptions", "requests preempted for KV blocks",
                                    registry=r)
+        self.draft_tokens = Counter("twophase_spec_draft_tokens", "speculative tokens verified",
+                                    registry=r)
+        self.accepted_tokens = Counter("twophase_spec_accepted_tokens",
+                                       "speculative tokens the target kept", registry=r)
         self.decode_batch = Histogram("twophase_step_decode_sequences",
                                       "sequences decoding in one engine step",
                                       buckets=BATCH_BUCKETS, registry=r)
@@ -38,8 +42,10 @@ class ServerMetrics:
     def step(self, rec) -> None:
         """After each engine step (on the engine's thread)."""
         self.prefill_tokens.inc(rec.prefill_tokens)
-        self.decode_tokens.inc(rec.decode_seqs)
+        self.decode_tokens.inc(rec.decode_tokens)
         self.preemptions.inc(rec.preemptions)
+        self.draft_tokens.inc(rec.draft_tokens)
+        self.accepted_tokens.inc(rec.accepted_tokens)
         if rec.decode_seqs:
             self.decode_batch.observe(rec.decode_seqs)
 
