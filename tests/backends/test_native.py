@@ -135,3 +135,16 @@ def test_default_model_quality_on_native():
     native = LLM.from_config({**cfg, "model": Q4, "backend": {"name": "native"}})
     assert abs(perplexity(native, text) / perplexity(ref, text) - 1) < 0.005
     assert kl_divergence(native, ref, text) < 0.005
+
+
+def test_speculation_verified_on_native_changes_no_token():
+    """Drafts verified by native's prefill (k + 1 tokens after the cache, logits at each) keep
+    every greedy token: each token is computed on its own, so a verify row equals a decode."""
+    prompts = [[5, 6, 7, 8, 9] * 5, [40, 41, 42] * 6] + random_prompts(3, seed=2)
+    p = SamplingParams(max_tokens=24, ignore_eos=True)
+    routed = {"prefill": {"name": "onnxruntime"}, "decode": {"name": "native"}}
+    want = tiny_llm(model=Q4, backend=routed).generate(prompts, p)
+    spec = tiny_llm(model=Q4, backend=routed, speculative={"method": "ngram", "num_tokens": 4})
+    got = spec.generate(prompts, p)
+    assert spec.report(got)["speculative"]["accepted_tokens"] > 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
