@@ -1,11 +1,13 @@
-"""Speculative decoding side by side: the same backend with and without n-gram drafts, greedy,
-batch 1 (one request at a time), on prompts whose answers quote their input (repeat a text, edit
-a code file) and on open chat prompts; rounds interleaved so a noisy machine's drift hits both.
+"""Speculative decoding side by side: the same backend without drafts, with n-gram drafts at a
+fixed k, and with ``num_tokens = "auto"``; greedy, on prompts whose answers quote their input
+(repeat a text, edit a code file) and on open chat prompts; rounds interleaved so a noisy
+machine's drift hits all three alike. Tokens are checked equal.
 
-Decode tokens/s is each request's own: output tokens after the first over the time from the
-first token to the last (1 / TPOT), median over prompts and rounds. Tokens are checked equal.
+At batch 1 (one request at a time) decode tokens/s is each request's own 1 / TPOT, the median
+over prompts; at ``--batch N`` N requests run at once and the rate is over the decode-only steps.
 
     python benchmarks/speculative.py                          # onnxruntime, the default model
+    python benchmarks/speculative.py --batch 32 --max-tokens 64
     python benchmarks/speculative.py --backend torch --k 4 --rounds 3
 """
 
@@ -40,54 +42,69 @@ def workloads(llm: LLM) -> dict[str, list[str]]:
     }
 
 
-def build(args, speculative: bool) -> LLM:
-    cfg = {"model": {}, "backend": {"name": args.backend}, "cache": {"num_blocks": 256}}
-    if speculative:
-        cfg["speculative"] = {"method": "ngram", "num_tokens": args.k}
+def build(args, num_tokens: int | str | None) -> LLM:
+    cfg = {"model": {}, "backend": {"name": args.backend}, "cache": {"num_blocks": 1024}}
+    if num_tokens is not None:
+        cfg["speculative"] = {"method": "ngram", "num_tokens": num_tokens}
     return LLM.from_config(cfg)
+
+
+def rate(llm: LLM, prompts: list[str], p: SamplingParams, batch: int) -> tuple[float, list, dict]:
+    """Decode tokens/s: at batch 1, the median over prompts of each request's 1 / TPOT; at
+    batch N, N requests at once (the prompts repeated) over the decode-only steps."""
+    llm.reset_stats()
+    if batch == 1:
+        outs = [llm.generate([q], p)[0] for q in prompts]
+        value = statistics.median(1 / o.metrics["tpot_s"] for o in outs if o.metrics["tpot_s"])
+    else:
+        outs = llm.generate([prompts[i % len(prompts)] for i in range(batch)], p)
+        value = llm.report(outs)["decode_tokens_per_s"]
+    return value, [o.token_ids for o in outs], llm.report(outs)["speculative"] or {}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", default="onnxruntime")
     ap.add_argument("--k", type=int, default=4, help="drafts a verify pass (speculative.num_tokens)")
+    ap.add_argument("--batch", type=int, default=1, help="requests at once (default 1)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=160)
     args = ap.parse_args()
-    engines = {"off": build(args, False), "ngram": build(args, True)}
+    engines = {"off": build(args, None), f"k = {args.k}": build(args, args.k),
+               "auto": build(args, "auto")}
     loads = workloads(engines["off"])
     p = SamplingParams(max_tokens=args.max_tokens)
     rates = {(w, e): [] for w in loads for e in engines}
-    spec = {w: {"draft": 0, "kept": 0, "passes": 0} for w in loads}
+    kept = {(w, e): [0, 0] for w in loads for e in engines}
     mismatches = 0
     for _ in range(args.rounds):
         for w, prompts in loads.items():
-            for prompt in prompts:
-                outs = {}
-                for e, llm in engines.items():            # interleaved: each prompt on both
-                    llm.reset_stats()
-                    (out,) = llm.generate([prompt], p)
-                    outs[e] = out
-                    if out.metrics["tpot_s"]:
-                        rates[(w, e)].append(1 / out.metrics["tpot_s"])
-                    if e == "ngram" and (s := llm.report([out])["speculative"]):
-                        spec[w]["draft"] += s["draft_tokens"]
-                        spec[w]["kept"] += s["accepted_tokens"]
-                        spec[w]["passes"] += s["verify_passes"]
-                mismatches += outs["off"].token_ids != outs["ngram"].token_ids
-    table = Table(title=f"decode tokens/s at batch 1, {args.backend}, greedy, k = {args.k} "
-                        f"(median of {args.rounds} rounds x prompts)")
-    for col in ("workload", "off", "ngram", "ratio", "acceptance", "mean accepted length"):
-        table.add_column(col, justify="right")
+            tokens = {}
+            for e, llm in engines.items():                 # interleaved: each workload on all
+                value, tokens[e], spec = rate(llm, prompts, p, args.batch)
+                rates[(w, e)].append(value)
+                kept[(w, e)][0] += spec.get("accepted_tokens", 0)
+                kept[(w, e)][1] += spec.get("verify_passes", 0)
+            mismatches += sum(t != tokens["off"] for t in tokens.values())
+    table = Table(title=f"decode tokens/s at batch {args.batch}, {args.backend}, greedy, n-gram "
+                        f"(median of {args.rounds} rounds)")
+    table.add_column("workload")
+    for e in engines:
+        table.add_column(e, justify="right")
     for w in loads:
-        off, on = (statistics.median(rates[(w, e)]) for e in ("off", "ngram"))
-        s = spec[w]
-        table.add_row(w, f"{off:.1f}", f"{on:.1f}", f"x{on / off:.2f}",
-                      f"{s['kept'] / s['draft']:.0%}" if s["draft"] else "-",
-                      f"{1 + s['kept'] / s['passes']:.2f}" if s["passes"] else "-")
+        base = statistics.median(rates[(w, "off")])
+        cells = []
+        for e in engines:
+            v = statistics.median(rates[(w, e)])
+            k, passes = kept[(w, e)]
+            tail = f" x{v / base:.2f}" + (f", {1 + k / passes:.2f}/pass" if passes else "")
+            cells.append(f"{v:.1f}" + ("" if e == "off" else tail))
+        table.add_row(w, *cells)
     console = Console()
     console.print(table)
-    console.print(f"outputs that differ with speculation: {mismatches} (greedy: near-ties only)")
+    console.print("x: against off, side by side; n/pass: mean accepted length (tokens a verify "
+                  f"pass gives a sequence). Outputs that differ from off: {mismatches} "
+                  "(greedy: near-ties only)")
 
 
 if __name__ == "__main__":

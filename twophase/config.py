@@ -136,7 +136,7 @@ class ServerConfig:
 @dataclass
 class SpeculativeConfig:
     method: Literal["none", "ngram"] = "none"     # ngram: prompt lookup, no second model
-    num_tokens: int = 4                    # drafts verified a pass (k)
+    num_tokens: int | Literal["auto"] = 4  # drafts verified a pass (k); auto: chosen per step
     prompt_lookup_min: int = 2             # ngram: the shortest suffix looked up
     prompt_lookup_max: int = 4             # ngram: the longest
 
@@ -261,7 +261,7 @@ def _check_server(cfg: Config) -> None:
 
 def _check_speculative(cfg: Config) -> None:
     sp = cfg.speculative
-    if not 1 <= sp.num_tokens <= 32:
+    if sp.num_tokens != "auto" and not 1 <= sp.num_tokens <= 32:
         raise ConfigError("speculative.num_tokens", f"must be in [1, 32], got {sp.num_tokens}")
     if not 1 <= sp.prompt_lookup_min <= sp.prompt_lookup_max:
         raise ConfigError("speculative.prompt_lookup_min", f"must be in [1, prompt_lookup_max "

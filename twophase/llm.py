@@ -25,12 +25,14 @@ from twophase.core.ngram import NgramProposer
 from twophase.core.outputs import RequestOutput
 from twophase.core.params import SamplingParams
 from twophase.core.scheduler import Scheduler
+from twophase.core.spec_control import SpecController
 from twophase.device import available_memory, same_device
 from twophase.errors import ConfigError, ModelError, RequestRejected
 from twophase.models import loader
 
 log = logging.getLogger(__name__)
 GiB = 1 << 30
+AUTO_MAX_DRAFTS = 6          # the most drafts num_tokens = "auto" gives a decode
 
 
 class LLM:
@@ -172,10 +174,13 @@ class LLM:
         arch = self.model.arch
         sp = self.config.speculative
         proposer = NgramProposer(sp.prompt_lookup_min, sp.prompt_lookup_max) if sp.method == "ngram" else None
+        auto = sp.num_tokens == "auto"
+        k = AUTO_MAX_DRAFTS if auto else sp.num_tokens
         scheduler = Scheduler(kv, max_seqs, budget, sc.policy, chunked,
                               max_model_len=self.max_model_len,
                               eos_token_ids=tuple(arch.eos_token_ids), vocab_size=arch.vocab_size,
-                              proposer=proposer, num_spec_tokens=sp.num_tokens)
+                              proposer=proposer, num_spec_tokens=k,
+                              spec_control=SpecController(k) if auto else None)
         return Engine(self.prefill_backend, self.decode_backend, scheduler, self.tokenizer,
                       vocab_size=arch.vocab_size, clock=clock)
 

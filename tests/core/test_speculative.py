@@ -17,6 +17,7 @@ from twophase.core.ngram import NgramProposer
 from twophase.core.params import SamplingParams
 from twophase.core.request import Request
 from twophase.core.seams import Proposal
+from twophase.core.spec_control import SpecController
 
 P = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
 CASES = {
@@ -146,3 +147,37 @@ def test_random_accepts_and_rejects_leave_outputs_and_the_pool_exact(seed, p_wro
     kept = sum(r.num_accepted_tokens for r in held.values())
     assert p_wrong > 0 or kept == drafted, "a true draft was rejected"
     assert p_wrong < 1 or kept == 0, "a wrong draft was kept"
+
+
+def _with_acceptance(rid: str, kept: int, tried: int) -> Request:
+    r = Request(rid, [1, 2, 3], SamplingParams(max_tokens=50), 0.0)
+    r.num_draft_tokens, r.num_accepted_tokens = tried, kept
+    return r
+
+
+def _fed(a: float, b: float) -> SpecController:
+    """A controller that has seen decode steps costing ``a + b * tokens`` seconds."""
+    c = SpecController(6)
+    for tokens in (1, 2, 4, 8, 16, 32, 40):
+        c.observe(tokens, a + b * tokens)
+    return c
+
+
+def test_auto_drafts_freely_where_a_step_is_memory_bound_and_not_where_tokens_cost():
+    c = _fed(a=0.010, b=0.0001)                       # reading weights dominates: drafts are cheap
+    assert c.cost() == pytest.approx((0.010, 0.0001))
+    assert c.plan([_with_acceptance("r", 50, 100)])["r"] >= 4
+    assert c.plan([_with_acceptance("r", 0, 1000)])["r"] == 0     # drafts that are never kept
+    busy = _fed(a=0.001, b=0.001)                     # each token costs as much as the weights
+    reqs = [_with_acceptance(f"r{i}", 50, 100) for i in range(32)]
+    assert set(busy.plan(reqs).values()) == {0}
+    mixed = c.plan([_with_acceptance("good", 90, 100), _with_acceptance("poor", 5, 100)])
+    assert mixed["good"] > mixed["poor"]
+
+
+def test_auto_explores_until_it_has_seen_steps_of_two_sizes():
+    c = SpecController(6)
+    assert c.plan([_with_acceptance("r", 0, 0)]) == {"r": 6}
+    c.observe(1, 0.01)
+    c.observe(1, 0.011)
+    assert c.cost() is None

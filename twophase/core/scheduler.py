@@ -23,6 +23,7 @@ from twophase.core.kv_manager import KVManager
 from twophase.core.outputs import SampledTokens, SeqUpdate
 from twophase.core.request import Request, Status
 from twophase.core.seams import Proposal, Proposer
+from twophase.core.spec_control import SpecController
 from twophase.core.stop import check_stop
 
 NO_DRAFTS = Proposal([])
@@ -63,7 +64,7 @@ class Scheduler:
                  policy: str = "decode-first", chunked_prefill: bool = True, *,
                  max_model_len: int, eos_token_ids: tuple[int, ...] = (),
                  vocab_size: int | None = None, proposer: Proposer | None = None,
-                 num_spec_tokens: int = 0):
+                 num_spec_tokens: int = 0, spec_control: SpecController | None = None):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
@@ -72,6 +73,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = tuple(eos_token_ids)
         self.proposer, self.num_spec_tokens = proposer, num_spec_tokens if proposer else 0
+        self.spec_control = spec_control if proposer else None    # "auto": drafts per decode
         self.admission = Admission(kv, max_model_len, max_num_batched_tokens, chunked_prefill,
                                    vocab_size)
         self.waiting: deque[Request] = deque()
@@ -142,6 +144,7 @@ class Scheduler:
 
     def _schedule_decodes(self, out: SchedulerOutput) -> None:
         decoding = [r for r in self.running if r.status is Status.RUNNING and r.in_decode]
+        plan = self.spec_control.plan(decoding) if self.spec_control else {}
         for i, req in enumerate(decoding):
             if self._left == 0:
                 break
@@ -149,7 +152,8 @@ class Scheduler:
                 continue      # (a preempted request re-admitted this step may look like a decode)
             # drafts take budget only beyond one token for each decode still to come and one
             # for prefill: speculation never starves anyone
-            proposal = self._propose(req, self._left - (len(decoding) - i) - 1)
+            proposal = self._propose(req, min(self._left - (len(decoding) - i) - 1,
+                                              plan.get(req.request_id, self.num_spec_tokens)))
             n = 1 + len(proposal.token_ids)
             if n > 1 and not self.kv.allocate(req, n):      # drafts never cost a preemption
                 proposal, n = NO_DRAFTS, 1
