@@ -38,6 +38,8 @@ def phase_table(r: dict[str, Any]) -> Table:
     if sp:
         rows.append(("drafts kept / verified (mean accepted length)",
                      f"{sp['accepted_tokens']} / {sp['draft_tokens']} ({sp['mean_accepted_length']:.2f})"))
+        rows.append(("time drafting / in verify steps",
+                     f"{sp['propose_s'] * 1e3:.1f} ms / {sp['verify_s']:.2f} s"))
     rows.append(("model load time", f"{r['load_time_s']:.2f} s"))
     for k, v in rows:
         t.add_row(k, v)

@@ -145,7 +145,8 @@ class Engine:
                           prefill_seqs=len(out.prefills), decode_seqs=len(out.decodes),
                           kv_blocks_used=self.kv.num_used_blocks,
                           preemptions=len(out.preempted), draft_tokens=out.num_draft_tokens,
-                          drafted_seqs=len(out.drafts), accepted_tokens=accepted)
+                          drafted_seqs=len(out.drafts), accepted_tokens=accepted,
+                          propose_s=out.propose_s)
 
     def close(self) -> None:
         """Release the backends' resources."""

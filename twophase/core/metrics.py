@@ -21,6 +21,7 @@ class StepRecord:
     preemptions: int = 0
     draft_tokens: int = 0    # speculative tokens verified this step
     drafted_seqs: int = 0    # decodes that had drafts
+    propose_s: float = 0.0   # of ``duration``, the time spent drafting
     accepted_tokens: int = 0  # of which the target kept (each a decode token beyond the first)
 
     @property
@@ -116,7 +117,9 @@ def _speculative(steps: list[StepRecord]) -> dict[str, Any] | None:
     passes = sum(s.drafted_seqs for s in steps)
     # tokens a verify pass gives a sequence: the drafts kept and the target's own one
     return {"draft_tokens": drafted, "accepted_tokens": kept, "acceptance_rate": kept / drafted,
-            "verify_passes": passes, "mean_accepted_length": 1 + kept / passes}
+            "verify_passes": passes, "mean_accepted_length": 1 + kept / passes,
+            "propose_s": sum(s.propose_s for s in steps),
+            "verify_s": sum(s.duration - s.propose_s for s in steps if s.draft_tokens)}
 
 
 def step_dicts(steps: list[StepRecord]) -> list[dict[str, Any]]:

@@ -15,6 +15,7 @@ publication, new tokens, stop rules, freeing), ``finish`` retires a request.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -35,6 +36,7 @@ class SchedulerOutput:
     prefills: list[tuple[Request, int]] = field(default_factory=list)  # (request, chunk length)
     preempted: list[Request] = field(default_factory=list)
     drafts: dict[str, Proposal] = field(default_factory=dict)       # decodes verified this step
+    propose_s: float = 0.0                                           # time spent drafting them
 
     @property
     def empty(self) -> bool:
@@ -80,6 +82,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._left = max_num_batched_tokens
+        self._propose_s = 0.0
 
     def add(self, req: Request) -> None:
         """Queue ``req``; raises ``RequestRejected`` if it could never be served."""
@@ -145,6 +148,7 @@ class Scheduler:
     def _schedule_decodes(self, out: SchedulerOutput) -> None:
         decoding = [r for r in self.running if r.status is Status.RUNNING and r.in_decode]
         plan = self.spec_control.plan(decoding) if self.spec_control else {}
+        self._propose_s = 0.0
         for i, req in enumerate(decoding):
             if self._left == 0:
                 break
@@ -162,6 +166,7 @@ class Scheduler:
                 if proposal.token_ids:
                     out.drafts[req.request_id] = proposal
                 self._left -= n
+        out.propose_s = self._propose_s
 
     def _propose(self, req: Request, room: int) -> Proposal:
         """Drafts for ``req``: at most ``num_spec_tokens``, what the budget leaves, and what its
@@ -170,7 +175,9 @@ class Scheduler:
                 self.max_model_len - req.num_tokens - 1)
         if self.proposer is None or k <= 0:
             return NO_DRAFTS
+        t0 = time.perf_counter()
         proposal = self.proposer.propose(req, k)
+        self._propose_s += time.perf_counter() - t0
         if len(proposal.token_ids) > k:
             proposal = Proposal(proposal.token_ids[:k],
                                 None if proposal.probs is None else proposal.probs[:k])
