@@ -38,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--backends", help="comma list (default: bench.backends)")
     bench.add_argument("--out", metavar="DIR", default="bench-results",
                        help="where results.json, report.md and the plots go (default: %(default)s)")
+    bench.add_argument("--speculative", action="store_true",
+                       help="also serve the workload with speculative decoding (the config's "
+                            "[speculative], else n-gram with num_tokens = auto) on the first "
+                            "backend, beside the same run without")
     bench.add_argument("--compare-chunked", action="store_true",
                        help="also run a long prompt among running decodes with chunked prefill "
                             "on and off, and show the inter-token latency spike without it")
@@ -131,7 +135,7 @@ def cmd_bench(args) -> int:
     names = [n.strip() for n in args.backends.split(",") if n.strip()] if args.backends else None
     if names is not None and not names:
         raise ConfigError("--backends", "name at least one backend")
-    res = bench.run(cfg, names, args.compare_chunked, bench.command_line(args.argv))
+    res = bench.run(cfg, names, args.compare_chunked, bench.command_line(args.argv), args.speculative)
     print_tables(res, Console())
     for path in bench.write(res, args.out):
         log.info("wrote %s", path)

@@ -133,13 +133,17 @@ rate = 100
 """)
     out = tmp_path / "out"
     run = subprocess.run([sys.executable, "-m", "twophase", "bench", str(cfg), "--out", str(out),
-                          "--compare-chunked"], capture_output=True, text=True, timeout=600)
+                          "--compare-chunked", "--speculative"], capture_output=True, text=True,
+                         timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     for name in ("results.json", "report.md", "prefill_tokens_per_s.png",
                  "decode_tokens_per_s.png", "ttft_itl.png", "chunked_itl.png"):
         assert (out / name).stat().st_size > 100, name
     res = json.loads((out / "results.json").read_text())
     assert res["lines"] == ["torch", "hf"]
+    spec = res["serving"]["torch, speculative ngram k=auto"]         # beside the same workload
+    assert spec["output_tokens"] == res["serving"]["torch"]["output_tokens"]
+    assert "speculative ngram" in (out / "report.md").read_text()
     for phase, shapes in (("prefill", [16, 48]), ("decode", [1, 4])):
         for line in res["lines"]:
             got = res[phase][line]

@@ -21,7 +21,7 @@ from rich.progress import (
 
 from twophase.bench import calibrate, serving, sweeps
 from twophase.bench.roofline import CostModel
-from twophase.config import Config, SchedulerConfig
+from twophase.config import Config, SchedulerConfig, SpeculativeConfig
 from twophase.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,8 @@ def _bench_llm(cfg: Config, backend: str):
         cfg, backend=dataclasses.replace(cfg.backend, name=backend, device=device, prefill=None,
                                          decode=None,
                                          options=cfg.backend.options if backend == cfg.backend.name else {}),
-        scheduler=sweep_sched, cache=dataclasses.replace(cc, num_blocks=num_blocks, prefix_caching=True))
+        scheduler=sweep_sched, cache=dataclasses.replace(cc, num_blocks=num_blocks, prefix_caching=True),
+        speculative=SpeculativeConfig())       # the sweeps measure plain steps; --speculative adds a line
     return LLM(run_cfg)
 
 
@@ -85,7 +86,7 @@ def _round(line: str, eng: Any, phase: str, x: int, b: Any, k: int) -> float:
 
 
 def run(cfg: Config, backends: list[str] | None = None, compare_chunked: bool = False,
-        command: str | None = None) -> dict[str, Any]:
+        command: str | None = None, speculative: bool = False) -> dict[str, Any]:
     b = cfg.bench
     names = backends or b.backends
     device = cfg.phases()[0].device
@@ -110,7 +111,8 @@ def run(cfg: Config, backends: list[str] | None = None, compare_chunked: bool = 
     cases = [("prefill", n) for n in b.prompt_lens] + [("decode", x) for x in b.batch_sizes]
     times: dict[str, dict[str, dict[int, list[float]]]] = {
         ph: {line: {} for line in lines} for ph in ("prefill", "decode")}
-    total = b.repeats * len(cases) * len(lines) + len(lines) + (2 if compare_chunked else 0)
+    total = (b.repeats * len(cases) * len(lines) + len(lines) + (2 if compare_chunked else 0)
+             + (1 if speculative else 0))
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), transient=not sys.stderr.isatty()) as progress:
         task = progress.add_task("bench", total=total)
@@ -128,6 +130,14 @@ def run(cfg: Config, backends: list[str] | None = None, compare_chunked: bool = 
             else:
                 eng.reschedule(cfg.scheduler)
                 served[line] = serving.run(eng.engine, requests)
+            progress.advance(task)
+        if speculative:
+            progress.update(task, description=f"serving workload on {names[0]}, speculative")
+            label, spec = _speculative_line(cfg, names[0])
+            first.config = dataclasses.replace(first.config, speculative=spec)
+            first.reschedule(cfg.scheduler)
+            served[label] = serving.run(first.engine, requests)
+            first.config = dataclasses.replace(first.config, speculative=SpeculativeConfig())
             progress.advance(task)
         chunked = {}
         if compare_chunked:
@@ -170,6 +180,13 @@ def run(cfg: Config, backends: list[str] | None = None, compare_chunked: bool = 
         res["chunked"] = chunked
         res["chunked_long_prompt"] = max(b.prompt_lens)
     return res
+
+
+def _speculative_line(cfg: Config, backend: str) -> tuple[str, SpeculativeConfig]:
+    """The config's [speculative] section, else n-gram drafts with num_tokens = "auto"."""
+    spec = cfg.speculative if cfg.speculative.method != "none" else \
+        SpeculativeConfig(method="ngram", num_tokens="auto")
+    return f"{backend}, speculative {spec.method} k={spec.num_tokens}", spec
 
 
 def _long_prompt_among_decodes(engine, requests, n: int, max_tokens: int) -> dict[str, Any]:

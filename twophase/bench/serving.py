@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from twophase.core.metrics import summarize
+from twophase.core.metrics import speculative_summary, summarize
 from twophase.core.params import SamplingParams
 from twophase.errors import ConfigError
 
@@ -109,4 +109,5 @@ def summary(requests, wall_s: float, steps=()) -> dict[str, Any]:
         "ttft_values": [t.ttft for t in times if t.ttft is not None],
         "itl_values": [x for t in times for x in t.itl],
         "max_decode_batch": max((s.decode_seqs for s in steps), default=0),
+        "speculative": speculative_summary(list(steps)),
     }

@@ -97,7 +97,7 @@ def phase_report(steps: list[StepRecord], requests: list[RequestTimes],
         "decode_tokens": decode_tokens,
         "decode_tokens_per_s": (sum(s.decode_tokens for s in decode_only) / decode_time
                                 if decode_time else None),
-        "speculative": _speculative(steps),
+        "speculative": speculative_summary(steps),
         "steps_by_mix": by_mix,
         "peak_kv_blocks": max((s.kv_blocks_used for s in steps), default=0),
         "preemptions": sum(s.preemptions for s in steps),
@@ -108,7 +108,7 @@ def phase_report(steps: list[StepRecord], requests: list[RequestTimes],
     }
 
 
-def _speculative(steps: list[StepRecord]) -> dict[str, Any] | None:
+def speculative_summary(steps: list[StepRecord]) -> dict[str, Any] | None:
     """Drafts verified and kept over the run; None where nothing was speculated."""
     drafted = sum(s.draft_tokens for s in steps)
     if not drafted:
