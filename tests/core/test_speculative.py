@@ -181,3 +181,18 @@ def test_auto_explores_until_it_has_seen_steps_of_two_sizes():
     c.observe(1, 0.01)
     c.observe(1, 0.011)
     assert c.cost() is None
+
+
+@pytest.mark.parametrize("p_wrong, rate", [(0.0, 1.0), (1.0, 0.0)])
+def test_acceptance_is_reported_per_draft_position(p_wrong, rate):
+    from twophase.core.metrics import speculative_summary
+
+    eng = make_engine(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=24)
+    eng.scheduler.proposer, eng.scheduler.num_spec_tokens = Scripted(1, p_wrong), 4
+    for i in range(3):
+        eng.add_request([3 + i, 9, 27], SamplingParams(max_tokens=30, ignore_eos=True), f"r{i}")
+    while eng.has_unfinished():
+        eng.step()
+    summary = speculative_summary(list(eng.steps.records))
+    assert summary["acceptance_by_position"] and set(summary["acceptance_by_position"]) == {rate}
+    assert summary["acceptance_rate"] == rate

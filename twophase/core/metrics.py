@@ -22,6 +22,9 @@ class StepRecord:
     draft_tokens: int = 0    # speculative tokens verified this step
     drafted_seqs: int = 0    # decodes that had drafts
     propose_s: float = 0.0   # of ``duration``, the time spent drafting
+    # per draft position j: drafts verified there, and kept (a draft is kept only if all before it were)
+    drafted_at: tuple[int, ...] = ()
+    kept_at: tuple[int, ...] = ()
     accepted_tokens: int = 0  # of which the target kept (each a decode token beyond the first)
 
     @property
@@ -118,8 +121,23 @@ def speculative_summary(steps: list[StepRecord]) -> dict[str, Any] | None:
     # tokens a verify pass gives a sequence: the drafts kept and the target's own one
     return {"draft_tokens": drafted, "accepted_tokens": kept, "acceptance_rate": kept / drafted,
             "verify_passes": passes, "mean_accepted_length": 1 + kept / passes,
+            "acceptance_by_position": _by_position(steps),
             "propose_s": sum(s.propose_s for s in steps),
             "verify_s": sum(s.duration - s.propose_s for s in steps if s.draft_tokens)}
+
+
+def _by_position(steps: list[StepRecord]) -> list[float]:
+    """Of the drafts verified at each position, the share kept."""
+    drafted: list[int] = []
+    kept: list[int] = []
+    for s in steps:
+        for j, (d, k) in enumerate(zip(s.drafted_at, s.kept_at)):
+            if j == len(drafted):
+                drafted.append(0)
+                kept.append(0)
+            drafted[j] += d
+            kept[j] += k
+    return [k / d for k, d in zip(kept, drafted) if d]
 
 
 def step_dicts(steps: list[StepRecord]) -> list[dict[str, Any]]:
