@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.models import PREEMPTING, random_prompts, tiny_llm
+from helpers.models import PREEMPTING, dequantised_reference, random_prompts, tiny_llm
 
 from twophase import LLM, SamplingParams
 from twophase.backends.base import BackendUnavailable
@@ -44,10 +44,9 @@ def _all_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
 def test_native_logits_match_the_dequantised_model(outliers):
     """Several sequences' chunks in one step; int8 activations, as onnxruntime's level 4
     (measured: 8e-3 relative)."""
-    from test_quant import _dequantised_reference
 
     native = tiny_llm(model={**Q4, "outlier_channels": outliers}, backend={"name": "native"})
-    ref = _dequantised_reference(native)
+    ref = dequantised_reference(native)
     prompts = [list(range(5 + i, 40 + 3 * i)) for i in range(4)]
     got, want = _all_logits(native, prompts), _all_logits(ref, prompts)
     rel = float((got - want).abs().max() / want.abs().max())

@@ -11,8 +11,7 @@ import sys
 
 import numpy as np
 import pytest
-import torch
-from helpers.models import tiny_llm
+from helpers.models import dequantised_reference, tiny_llm
 
 from twophase import LLM, SamplingParams
 from twophase.core.batch import prefill_batch
@@ -153,30 +152,13 @@ def test_every_quantised_matmul_takes_the_prepacked_path(tmp_path):
     assert _prepacked_nodes(tmp_path / "float_zp.onnx")[1] < nodes      # caught
 
 
-def _dequantised_reference(llm_q4) -> LLM:
-    """The torch model with every projection and the head replaced by its dequantised q4 form."""
-    from twophase.models.q4_weights import model_qweights
-
-    ref = tiny_llm(cache={"num_blocks": 64})
-    model = ref.backend.model
-    weights = model_qweights(model, model.arch, None)
-    with torch.no_grad():
-        for name, qw in weights.items():
-            target = model.lm_head.weight if name == "lm_head.weight" else model.get_parameter(name)
-            if name == "lm_head.weight" and model.arch.tie_word_embeddings:
-                model.lm_head.weight = torch.nn.Parameter(torch.from_numpy(qw.dequantize()))
-            else:
-                target.copy_(torch.from_numpy(qw.dequantize()))
-    return ref
-
-
 @pytest.mark.parametrize("level, tol", [(0, 1e-4), (4, 5e-2)])
 def test_q4_logits_match_the_dequantised_model(level, tol):
     """Level 0 computes in fp32 (the weights are the only difference, and they are the same);
     level 4 rounds activations to int8 per block of 32: a stated tolerance."""
     q4 = tiny_llm(model={"quantization": "q4", "accuracy_level": level}, backend={"name": "onnxruntime"},
                   cache={"num_blocks": 64})
-    ref = _dequantised_reference(q4)
+    ref = dequantised_reference(q4)
     prompts = [list(range(5 + i, 40 + 3 * i)) for i in range(4)]
     for llm in (q4, ref):
         for p in prompts:

@@ -22,7 +22,7 @@ from twophase.core.executor import Executor
 from twophase.core.kv_manager import KVManager
 from twophase.core.metrics import StepLog, StepRecord
 from twophase.core.output_processor import OutputProcessor
-from twophase.core.outputs import Delta, RequestOutput, RequestStats, SampledTokens
+from twophase.core.outputs import Delta, RequestOutput, RequestStats
 from twophase.core.params import SamplingParams
 from twophase.core.request import Request
 from twophase.core.sampler import sample_step
@@ -115,7 +115,6 @@ class Engine:
                 logits = self.executor.run(batches)
                 now = self.clock()                      # the step's time: its tokens exist
                 sampled = sample_step(logits, batches.rows, self.scheduler.eos_token_ids, out.drafts)
-                accepted = sum(len(sampled[r].token_ids) - 1 for r in out.drafts if r in sampled)
                 updates = self.scheduler.update_from_output(out, sampled, now)
                 deltas = self.output.process(updates, lambda rid, why: self._retire(rid, why, now))
         except Exception as exc:
@@ -124,7 +123,7 @@ class Engine:
             for request_id in failed:
                 self.output.finish(request_id, "error", self._retire(request_id, "error"))
             raise StepFailed(f"the step failed: {exc}", failed, veterans) from exc
-        self.steps.add(self._record(out, start, now, accepted, sampled))
+        self.steps.add(self._record(out, start, now))
         if self.scheduler.spec_control is not None and out.decodes and not out.prefills:
             self.scheduler.spec_control.observe(sum(n for _, n in out.scheduled), now - start)
         return deltas
@@ -139,12 +138,11 @@ class Engine:
         self.scheduler.finish(req, reason, now)
         return RequestStats.of(req)
 
-    def _record(self, out: SchedulerOutput, start: float, now: float, accepted: int,
-                sampled: dict[str, SampledTokens]) -> StepRecord:
+    def _record(self, out: SchedulerOutput, start: float, now: float) -> StepRecord:
         width = max((len(p.token_ids) for p in out.drafts.values()), default=0)
         drafted_at, kept_at = [0] * width, [0] * width
         for rid, proposal in out.drafts.items():
-            kept = len(sampled[rid].token_ids) - 1 if rid in sampled else 0
+            kept = out.accepted.get(rid, 0)
             for j in range(len(proposal.token_ids)):
                 drafted_at[j] += 1
                 kept_at[j] += j < kept
@@ -153,7 +151,7 @@ class Engine:
                           prefill_seqs=len(out.prefills), decode_seqs=len(out.decodes),
                           kv_blocks_used=self.kv.num_used_blocks,
                           preemptions=len(out.preempted), draft_tokens=out.num_draft_tokens,
-                          drafted_seqs=len(out.drafts), accepted_tokens=accepted,
+                          drafted_seqs=len(out.drafts), accepted_tokens=sum(out.accepted.values()),
                           propose_s=out.propose_s, drafted_at=tuple(drafted_at), kept_at=tuple(kept_at))
 
     def close(self) -> None:

@@ -65,22 +65,33 @@ class OutputProcessor:
                                       s.text, reason, s.logprobs, stats)
 
     def _delta(self, u: SeqUpdate, retire: Retire) -> Delta:
+        """The step's tokens one at a time (a speculative step brings several): text, then stop
+        strings, so tokens after the one that completes a stop string are dropped, and
+        ``min_tokens`` is counted at the token that completes it."""
         s = self._streams[u.request_id]
-        s.token_ids += u.new_token_ids
-        s.logprobs += u.new_logprobs
         reason = u.finish_reason
-        new_text = "".join(s.detok.push(t) for t in u.new_token_ids) if s.detok else ""
-        if reason is not None and s.detok is not None:
-            new_text += s.detok.flush()
-        text, hit = self._release(s, new_text, u.num_output_tokens, final=reason is not None)
+        tokens, logprobs = list(u.new_token_ids), list(u.new_logprobs)
+        before = u.num_output_tokens - len(tokens)
+        text, hit = "", False
+        for i, token in enumerate(tokens):
+            final = reason is not None and i == len(tokens) - 1
+            new_text = s.detok.push(token) if s.detok else ""
+            if final and s.detok is not None:
+                new_text += s.detok.flush()
+            piece, hit = self._release(s, new_text, before + i + 1, final)
+            text += piece
+            if hit:
+                tokens, logprobs = tokens[:i + 1], logprobs[:i + 1]
+                break
+        s.token_ids += tokens
+        s.logprobs += logprobs
         s.text += text
         if hit:
             reason = "stop"
         output = None
         if reason is not None:
             output = self.finish(u.request_id, reason, retire(u.request_id, reason))
-        return Delta(u.request_id, list(u.new_token_ids), text, list(u.new_logprobs), reason,
-                     output)
+        return Delta(u.request_id, tokens, text, logprobs, reason, output)
 
     @staticmethod
     def _release(s: _Stream, new_text: str, num_output_tokens: int,

@@ -37,6 +37,7 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     drafts: dict[str, Proposal] = field(default_factory=dict)       # decodes verified this step
     propose_s: float = 0.0                                           # time spent drafting them
+    accepted: dict[str, int] = field(default_factory=dict)          # drafts kept (after the step)
 
     @property
     def empty(self) -> bool:
@@ -102,6 +103,7 @@ class Scheduler:
         else:
             self._schedule_prefills(out)
             self._schedule_decodes(out)
+        self._schedule_drafts(out)           # last: from what decodes and prefill left over
         if now is not None:
             for req, _ in out.scheduled:
                 if req.times.first_scheduled is None:
@@ -117,54 +119,58 @@ class Scheduler:
         for req, n in out.scheduled:
             got = sampled.get(req.request_id)
             proposal = out.drafts.get(req.request_id)
+            kept = 0
             if proposal is not None and got is not None:
                 # the pending token and every draft were computed; the drafts after the first
                 # one the target did not keep are rolled back (their slots overwritten later)
                 kept = len(got.token_ids) - 1
-                req.num_draft_tokens += len(proposal.token_ids)
-                req.num_accepted_tokens += kept
                 n = 1 + kept
             req.num_computed_tokens += n
             if proposal is not None:
                 self.kv.truncate(req, req.num_computed_tokens)
-            self.kv.cache_computed(req)
-            if got is None:
-                continue
-            kept, reason = 0, None
-            for token in got.token_ids:
+            reason, appended = None, 0
+            for token in got.token_ids if got is not None else ():
                 req.token_ids.append(token)
                 req.times.token_times.append(now)
-                kept += 1
+                appended += 1
                 reason = check_stop(req, self.max_model_len, self.eos_token_ids)
                 if reason is not None:
                     break
-            logprobs = (got.logprobs or [])[:kept]
+            if proposal is not None:
+                req.num_draft_tokens += len(proposal.token_ids)
+                out.accepted[req.request_id] = min(kept, appended)   # what a stop left of them
+                req.num_accepted_tokens += out.accepted[req.request_id]
+            self.kv.cache_computed(req)   # after the tokens: a block hashes the tokens it holds
             if reason is not None:
                 self.finish(req, reason, now)
-            updates.append(SeqUpdate(req.request_id, got.token_ids[:kept], logprobs,
-                                     req.num_output_tokens, reason))
+            if got is not None:
+                updates.append(SeqUpdate(req.request_id, got.token_ids[:appended],
+                                         (got.logprobs or [])[:appended], req.num_output_tokens,
+                                         reason))
         return updates
 
     def _schedule_decodes(self, out: SchedulerOutput) -> None:
-        decoding = [r for r in self.running if r.status is Status.RUNNING and r.in_decode]
-        plan = self.spec_control.plan(decoding) if self.spec_control else {}
-        self._propose_s = 0.0
-        for i, req in enumerate(decoding):
+        for req in list(self.running):
             if self._left == 0:
                 break
-            if req.status is not Status.RUNNING or self._scheduled(req, out):
+            if req.status is not Status.RUNNING or not req.in_decode or self._scheduled(req, out):
                 continue      # (a preempted request re-admitted this step may look like a decode)
-            # drafts take budget only beyond one token for each decode still to come and one
-            # for prefill: speculation never starves anyone
-            proposal = self._propose(req, min(self._left - (len(decoding) - i) - 1,
-                                              plan.get(req.request_id, self.num_spec_tokens)))
-            n = 1 + len(proposal.token_ids)
-            if n > 1 and not self.kv.allocate(req, n):      # drafts never cost a preemption
-                proposal, n = NO_DRAFTS, 1
-            if self._allocate_or_preempt(req, n, out):
+            if self._allocate_or_preempt(req, 1, out):
                 out.decodes.append(req)
-                if proposal.token_ids:
-                    out.drafts[req.request_id] = proposal
+                self._left -= 1
+
+    def _schedule_drafts(self, out: SchedulerOutput) -> None:
+        """Drafts for the scheduled decodes, from the budget and free blocks that decodes and
+        prefill left: speculation never preempts anyone nor slows a prompt down."""
+        if self.proposer is None or not out.decodes:
+            return
+        plan = self.spec_control.plan(out.decodes) if self.spec_control else {}
+        self._propose_s = 0.0
+        for req in out.decodes:
+            proposal = self._propose(req, min(self._left, plan.get(req.request_id, self.num_spec_tokens)))
+            n = len(proposal.token_ids)
+            if n and self.kv.allocate(req, 1 + n):       # blocks for the drafts, if free
+                out.drafts[req.request_id] = proposal
                 self._left -= n
         out.propose_s = self._propose_s
 

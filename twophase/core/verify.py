@@ -30,9 +30,14 @@ def verify(logits: torch.Tensor, req: Request, proposal: Proposal,
         row = processed(logits[j], req, eos_ids, drafts[:j])
         if is_greedy(req):
             t = int(row.argmax())
+        elif proposal.probs is None:
+            # one-hot q: drawing t from p and keeping d when t == d keeps d with probability p(d)
+            # and otherwise gives p without d, exactly as accept_or_resample does, with one draw
+            # per token emitted: a seeded request draws what it would without speculation
+            t = int(torch.multinomial(distribution(row, req).cpu(), 1, generator=req.generator))
         else:
             p = distribution(row, req).cpu()
-            q = proposal.probs[j].float().cpu() if proposal.probs is not None else None
+            q = proposal.probs[j].float().cpu()
             t = int(accept_or_resample(p, q, torch.tensor([d]), req.generator)[0])
         out.append(t)
         if t != d:
