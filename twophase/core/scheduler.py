@@ -83,7 +83,6 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._left = max_num_batched_tokens
-        self._propose_s = 0.0
 
     def add(self, req: Request) -> None:
         """Queue ``req``; raises ``RequestRejected`` if it could never be served."""
@@ -165,14 +164,14 @@ class Scheduler:
         if self.proposer is None or not out.decodes:
             return
         plan = self.spec_control.plan(out.decodes) if self.spec_control else {}
-        self._propose_s = 0.0
+        t0 = time.perf_counter()
         for req in out.decodes:
             proposal = self._propose(req, min(self._left, plan.get(req.request_id, self.num_spec_tokens)))
             n = len(proposal.token_ids)
             if n and self.kv.allocate(req, 1 + n):       # blocks for the drafts, if free
                 out.drafts[req.request_id] = proposal
                 self._left -= n
-        out.propose_s = self._propose_s
+        out.propose_s = time.perf_counter() - t0
 
     def _propose(self, req: Request, room: int) -> Proposal:
         """Drafts for ``req``: at most ``num_spec_tokens``, what the budget leaves, and what its
@@ -181,9 +180,7 @@ class Scheduler:
                 self.max_model_len - req.num_tokens - 1)
         if self.proposer is None or k <= 0:
             return NO_DRAFTS
-        t0 = time.perf_counter()
         proposal = self.proposer.propose(req, k)
-        self._propose_s += time.perf_counter() - t0
         if len(proposal.token_ids) > k:
             proposal = Proposal(proposal.token_ids[:k],
                                 None if proposal.probs is None else proposal.probs[:k])
