@@ -19,7 +19,7 @@ LAYERS = [
     ["twophase.models", "twophase.graph"],                          # the model; graph signature, inputs
     ["twophase.exporters"],                                         # build artefacts offline
     ["twophase.backends"],                                          # runtimes (and the registry)
-    ["twophase.llm", "twophase.quality", "twophase.workload"],      # the Python API
+    ["twophase.llm", "twophase.draft", "twophase.quality", "twophase.workload"],   # the Python API
     ["twophase.server", "twophase.bench", "twophase.cli", "twophase.testing", "twophase.__main__",
      "twophase"],                                                   # front ends
 ]

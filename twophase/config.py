@@ -134,11 +134,27 @@ class ServerConfig:
 
 
 @dataclass
+class DraftConfig:
+    """The draft model of ``method = "draft"``: each key unset is the target's ``[model]``
+    key, so ``quantization = "q4"`` alone drafts the target with its own 4-bit blocks."""
+
+    name: str | None = None
+    path: str | None = None
+    weights: Literal["pretrained", "random"] | None = None
+    num_layers: int | None = None
+    seed: int | None = None
+    quantization: Literal["none", "q4"] | None = None
+    backend: BackendSection | None = None  # default: the target's decode backend
+    num_blocks: int | Literal["auto"] = "auto"   # its own KV pool; auto: as many as the target's
+
+
+@dataclass
 class SpeculativeConfig:
-    method: Literal["none", "ngram"] = "none"     # ngram: prompt lookup, no second model
+    method: Literal["none", "ngram", "draft"] = "none"   # ngram: prompt lookup; draft: a model
     num_tokens: int | Literal["auto"] = 4  # drafts verified a pass (k); auto: chosen per step
     prompt_lookup_min: int = 2             # ngram: the shortest suffix looked up
     prompt_lookup_max: int = 4             # ngram: the longest
+    draft: DraftConfig | None = None       # method = "draft": [speculative.draft]
 
 
 @dataclass
@@ -188,20 +204,26 @@ def load_config(source: str | Path | dict[str, Any]) -> Config:
     return cfg
 
 
-def _check_backend_shape(data: dict[str, Any]) -> None:
+def _check_backend_shape(data: dict[str, Any], where: str = "") -> None:
+    """``[backend]`` (and the draft model's) is one section or a prefill/decode pair."""
+    spec = data.get("speculative")
+    draft = spec.get("draft") if isinstance(spec, dict) else None
+    if not where and isinstance(draft, dict):
+        _check_backend_shape(draft, "speculative.draft.")
     b = data.get("backend")
     if not isinstance(b, dict):
         return
+    key = f"{where}backend"
     split = [k for k in ("prefill", "decode") if k in b]
     if split and len(split) != 2:
-        raise ConfigError(f"backend.{split[0]}", "give both [backend.prefill] and [backend.decode]")
+        raise ConfigError(f"{key}.{split[0]}", f"give both [{key}.prefill] and [{key}.decode]")
     if split and set(b) - {"prefill", "decode"}:
         other = sorted(set(b) - {"prefill", "decode"})[0]
-        raise ConfigError(f"backend.{other}", "give either [backend] (one backend for both "
-                          "phases) or [backend.prefill] and [backend.decode], not both")
+        raise ConfigError(f"{key}.{other}", f"give either [{key}] (one backend for both "
+                          f"phases) or [{key}.prefill] and [{key}.decode], not both")
     for k in split:
         if isinstance(b[k], dict) and {"prefill", "decode"} & set(b[k]):
-            raise ConfigError(f"backend.{k}", "a phase's backend cannot be split again")
+            raise ConfigError(f"{key}.{k}", "a phase's backend cannot be split again")
 
 
 def _check(cfg: Config) -> None:
@@ -266,6 +288,19 @@ def _check_speculative(cfg: Config) -> None:
     if not 1 <= sp.prompt_lookup_min <= sp.prompt_lookup_max:
         raise ConfigError("speculative.prompt_lookup_min", f"must be in [1, prompt_lookup_max "
                           f"({sp.prompt_lookup_max})], got {sp.prompt_lookup_min}")
+    if sp.method == "draft" and sp.draft is None:
+        raise ConfigError("speculative.draft", 'method = "draft" needs a [speculative.draft] '
+                          'section naming the draft, e.g. quantization = "q4" with '
+                          '[speculative.draft.backend] name = "native"')
+    if sp.draft is not None and sp.method != "draft":
+        raise ConfigError("speculative.draft", f'is read only with method = "draft" (method is '
+                          f'{sp.method!r})')
+    d = sp.draft
+    if d is not None:
+        for key in ("num_layers", "num_blocks"):
+            v = getattr(d, key)
+            if isinstance(v, int) and v < 1:
+                raise ConfigError(f"speculative.draft.{key}", f"must be a positive integer, got {v}")
 
 
 def _check_workload(cfg: Config) -> None:

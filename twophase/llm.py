@@ -15,9 +15,11 @@ from typing import Any
 
 import torch
 
+from twophase import draft
 from twophase.backends.base import BackendConfig, EngineLimits, KVCache, ModelSpec
 from twophase.backends.registry import Registry
 from twophase.config import Config, SchedulerConfig, load_config
+from twophase.core.draft_proposer import DraftProposer
 from twophase.core.engine import Engine
 from twophase.core.kv_manager import KVManager
 from twophase.core.metrics import phase_report
@@ -25,6 +27,7 @@ from twophase.core.ngram import NgramProposer
 from twophase.core.outputs import RequestOutput
 from twophase.core.params import SamplingParams
 from twophase.core.scheduler import Scheduler
+from twophase.core.seams import Proposer
 from twophase.core.spec_control import SpecController
 from twophase.device import available_memory, same_device
 from twophase.errors import ConfigError, ModelError, RequestRejected
@@ -52,6 +55,7 @@ class LLM:
                               f"phases read and write one KV pool, so they must share a device")
         device = pcfg.device
         self.model = loader.resolve(mc, device)
+        draft_cfg = self._draft_config(config)
         arch = self.model.arch
         self.max_model_len = min(mc.max_model_len or arch.max_position_embeddings,
                                  arch.max_position_embeddings)
@@ -67,6 +71,8 @@ class LLM:
         for b in {id(self.prefill_backend): self.prefill_backend,
                   id(self.decode_backend): self.decode_backend}.values():
             b.bind_kv_cache(self.kv_cache)
+        self.draft = None if draft_cfg is None else LLM(draft.with_pool(draft_cfg, self.num_blocks),
+                                                        self.registry)
         self.engine = self._build_engine()
         self.load_time_s = time.perf_counter() - t0
         names = pcfg.name if same else f"{pcfg.name} prefill + {dcfg.name} decode"
@@ -97,6 +103,19 @@ class LLM:
             raise ConfigError("backend.decode.name", f"prefill ({pcfg.name}) keeps K/V in "
                               f"{ps.dtype} and decode ({dcfg.name}) in {ds.dtype}: the phases "
                               f"share one pool, so they must agree")
+
+    def _draft_config(self, config: Config) -> Config | None:
+        """The draft model's config (``method = "draft"``), its vocabulary checked against the
+        target's before either loads its weights."""
+        if config.speculative.method != "draft":
+            return None
+        cfg = draft.draft_config(config)
+        try:
+            resolved = loader.resolve(cfg.model, cfg.phases()[0].device)
+        except ConfigError as exc:
+            raise draft.rekeyed(exc) from None
+        draft.check_vocabulary(self.model, resolved)
+        return cfg
 
     @classmethod
     def from_config(cls, source: str | Path | dict[str, Any]) -> "LLM":
@@ -173,7 +192,14 @@ class LLM:
         kv = KVManager(self.num_blocks, cc.block_size, cc.prefix_caching)
         arch = self.model.arch
         sp = self.config.speculative
-        proposer = NgramProposer(sp.prompt_lookup_min, sp.prompt_lookup_max) if sp.method == "ngram" else None
+        proposer: Proposer | None = None
+        if sp.method == "ngram":
+            proposer = NgramProposer(sp.prompt_lookup_min, sp.prompt_lookup_max)
+        elif self.draft is not None:
+            d = self.draft
+            proposer = DraftProposer(d.prefill_backend, d.decode_backend,
+                                     KVManager(d.num_blocks, cc.block_size, prefix_caching=False),
+                                     tuple(arch.eos_token_ids), budget)
         auto = sp.num_tokens == "auto"
         k = AUTO_MAX_DRAFTS if auto else sp.num_tokens
         scheduler = Scheduler(kv, max_seqs, budget, sc.policy, chunked,
@@ -235,6 +261,10 @@ class LLM:
         rep["load_time_s"] = self.load_time_s
         p, d = self.config.phases()
         rep["backend"] = {"prefill": p.name, "decode": d.name, "device": p.device}
+        if self.draft is not None:
+            dp, dd = self.draft.config.phases()
+            rep["backend"]["draft"] = {"model": self.draft.model.model_id, "prefill": dp.name,
+                                       "decode": dd.name, "quantization": self.draft.spec.quantization}
         return rep
 
     def reschedule(self, scheduler: SchedulerConfig) -> None:
@@ -246,6 +276,8 @@ class LLM:
     def close(self) -> None:
         """Release the backends' resources (device memory, runtime sessions)."""
         self.engine.close()
+        if self.draft is not None:
+            self.draft.close()
 
     def __enter__(self) -> "LLM":
         return self

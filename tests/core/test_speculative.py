@@ -79,12 +79,12 @@ def test_seeded_speculative_sampling_is_reproducible():
 
 def test_ngram_proposes_what_followed_the_longest_recurring_suffix():
     prop = NgramProposer(2, 4)
-    assert prop.propose(_req([1, 2, 3, 4, 5, 9, 2, 3, 4]), 3).token_ids == [5, 9, 2]
-    assert prop.propose(_req([1, 2, 3, 1, 2]), 5).token_ids == [3, 1, 2]
-    assert prop.propose(_req([7, 8, 9]), 3).token_ids == []
-    assert prop.propose(_req([1, 2, 1, 2]), 0).token_ids == []
+    assert prop.lookup([1, 2, 3, 4, 5, 9, 2, 3, 4], 3) == [5, 9, 2]
+    assert prop.lookup([1, 2, 3, 1, 2], 5) == [3, 1, 2]
+    assert prop.lookup([7, 8, 9], 3) == []
+    assert prop.lookup([1, 2, 1, 2], 0) == []
     # a short cycle: the most recent match has one token after it, an earlier one has k
-    assert prop.propose(_req([4, 5, 4, 5, 4, 5, 4, 5]), 3).token_ids == [4, 5, 4]
+    assert prop.lookup([4, 5, 4, 5, 4, 5, 4, 5], 3) == [4, 5, 4]
 
 
 class Scripted:
@@ -94,7 +94,13 @@ class Scripted:
     def __init__(self, seed: int, p_wrong: float):
         self.rng, self.p_wrong = random.Random(seed), p_wrong
 
-    def propose(self, req: Request, k: int) -> Proposal:
+    def propose(self, reqs: list[Request], ks: list[int]) -> list[Proposal]:
+        return [self._one(r, k) for r, k in zip(reqs, ks)]
+
+    def release(self, req: Request) -> None:
+        pass
+
+    def _one(self, req: Request, k: int) -> Proposal:
         seq, out = list(req.token_ids), []
         for _ in range(self.rng.randint(0, k)):
             t = next_token(seq)

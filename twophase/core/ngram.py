@@ -4,6 +4,8 @@ second model, no forward pass: a search over the sequence's own tokens."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from twophase.core.request import Request
 from twophase.core.seams import Proposal
 
@@ -14,14 +16,19 @@ class NgramProposer:
             raise ValueError(f"prompt lookup needs 1 <= min ({min_n}) <= max ({max_n})")
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, req: Request, k: int) -> Proposal:
+    def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> list[Proposal]:
+        return [Proposal(self.lookup(r.token_ids, k)) for r, k in zip(reqs, ks)]
+
+    def release(self, req: Request) -> None:
+        """Nothing is kept between steps."""
+
+    def lookup(self, toks: list[int], k: int) -> list[int]:
         """Up to ``k`` tokens: what followed an earlier occurrence of the longest suffix of
         ``min_n`` to ``max_n`` tokens that recurs: the most recent one with ``k`` tokens after
         it, else the one with the most (in text that repeats a short cycle, the most recent
         occurrence is too close to the end to have ``k`` tokens after it)."""
-        toks = req.token_ids
         if k <= 0:
-            return Proposal([])
+            return []
         for n in range(min(self.max_n, len(toks) - 1), self.min_n - 1, -1):
             suffix = toks[-n:]
             last = suffix[-1]
@@ -34,5 +41,5 @@ class NgramProposer:
                         if len(best) == k:
                             break
             if best:
-                return Proposal(list(best))
-        return Proposal([])
+                return list(best)
+        return []

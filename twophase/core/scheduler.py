@@ -27,8 +27,6 @@ from twophase.core.seams import Proposal, Proposer
 from twophase.core.spec_control import SpecController
 from twophase.core.stop import check_stop
 
-NO_DRAFTS = Proposal([])
-
 
 @dataclass
 class SchedulerOutput:
@@ -165,26 +163,28 @@ class Scheduler:
             return
         plan = self.spec_control.plan(out.decodes) if self.spec_control else {}
         t0 = time.perf_counter()
+        reqs, ks, left = [], [], self._left
         for req in out.decodes:
-            proposal = self._propose(req, min(self._left, plan.get(req.request_id, self.num_spec_tokens)))
-            n = len(proposal.token_ids)
+            k = self._draft_room(req, min(left, plan.get(req.request_id, self.num_spec_tokens)))
+            if k > 0:
+                reqs.append(req)
+                ks.append(k)
+                left -= k
+        proposals = self.proposer.propose(reqs, ks) if reqs else []
+        for req, k, proposal in zip(reqs, ks, proposals):
+            n = min(len(proposal.token_ids), k)
             if n and self.kv.allocate(req, 1 + n):       # blocks for the drafts, if free
-                out.drafts[req.request_id] = proposal
+                out.drafts[req.request_id] = Proposal(
+                    proposal.token_ids[:n], None if proposal.probs is None else proposal.probs[:n])
                 self._left -= n
         out.propose_s = time.perf_counter() - t0
 
-    def _propose(self, req: Request, room: int) -> Proposal:
-        """Drafts for ``req``: at most ``num_spec_tokens``, what the budget leaves, and what its
-        ``max_tokens`` and the context allow (the verify pass adds one token more)."""
-        k = min(self.num_spec_tokens, room, req.params.max_tokens - req.num_output_tokens - 1,
-                self.max_model_len - req.num_tokens - 1)
-        if self.proposer is None or k <= 0:
-            return NO_DRAFTS
-        proposal = self.proposer.propose(req, k)
-        if len(proposal.token_ids) > k:
-            proposal = Proposal(proposal.token_ids[:k],
-                                None if proposal.probs is None else proposal.probs[:k])
-        return proposal
+    def _draft_room(self, req: Request, room: int) -> int:
+        """Drafts ``req`` may have: at most ``num_spec_tokens``, what the budget leaves, and
+        what its ``max_tokens`` and the context allow (the verify pass adds one token more)."""
+        return max(0, min(self.num_spec_tokens, room,
+                          req.params.max_tokens - req.num_output_tokens - 1,
+                          self.max_model_len - req.num_tokens - 1))
 
     def _schedule_prefills(self, out: SchedulerOutput) -> None:
         # requests already running whose prompt is not fully computed (earlier chunks done)
@@ -269,6 +269,8 @@ class Scheduler:
         req.finish_reason = reason
         if req.status is Status.FINISHED:
             return
+        if self.proposer is not None:
+            self.proposer.release(req)
         if req.status is Status.RUNNING:
             self.running.remove(req)
         elif req.status is Status.WAITING:

@@ -1,7 +1,8 @@
 """The interfaces the step loop is built to take next, each with its one place of entry.
 
-- ``Proposer`` (speculative decoding; ``core/ngram.py`` is one): the scheduler asks it for up
-  to ``k`` draft tokens of a sequence in decode and schedules them as a ``k + 1``-token chunk
+- ``Proposer`` (speculative decoding; ``core/ngram.py`` and ``core/draft_proposer.py``): the
+  scheduler asks it, once a step for all of them, for up to ``k`` draft tokens of each sequence
+  in decode, and schedules them as a ``k + 1``-token chunk
   after the cached tokens, verified in one ``prefill`` with ``logits = "all"``
   (``core/verify.py``). ``Scheduler.update_from_output`` takes the kept drafts and one token
   through the stop rules, counts as computed only what was kept, and ``KVManager.truncate``
@@ -18,6 +19,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -38,8 +40,13 @@ class Proposal:
 
 
 class Proposer(Protocol):
-    def propose(self, req: Request, k: int) -> Proposal:
-        """Up to ``k`` tokens likely to follow ``req.token_ids`` (fewer, or none, is fine)."""
+    def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> list[Proposal]:
+        """For each request, up to its ``k`` tokens likely to follow its ``token_ids`` (fewer,
+        or none, is fine)."""
+        ...
+
+    def release(self, req: Request) -> None:
+        """``req`` is finished: drop whatever was kept for it."""
         ...
 
 

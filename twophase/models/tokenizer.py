@@ -16,6 +16,7 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str: ...
+    def vocabulary(self) -> dict[str, int]: ...
 
 
 class HFTokenizer:
@@ -48,6 +49,10 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    def vocabulary(self) -> dict[str, int]:
+        """Every token's string and id, added tokens included."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         if not self.chat_template:
             raise ValueError("this model's tokenizer has no chat template")
@@ -78,6 +83,9 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         data = bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < 256 + self.OFFSET)
         return data.decode("utf-8", errors="replace")
+
+    def vocabulary(self) -> dict[str, int]:
+        return {"<pad>": 0, "<s>": 1, "</s>": 2} | {f"<0x{b:02X}>": b + self.OFFSET for b in range(256)}
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
