@@ -176,9 +176,49 @@ def test_decode_graph_equals_the_step_graph(model):
     got = ort.decode(batch)
     decoded = pool.clone()
     pool.copy_(before)
-    want = ort.prefill(batch.as_prefill())
+    want = _on_step_graph(ort, batch.as_prefill())
     assert float((got - want).abs().max() / want.abs().max()) < 1e-5
     assert torch.allclose(decoded, pool, atol=1e-6)
+
+
+def _on_step_graph(ort, batch):
+    verify, ort.verify_session = ort.verify_session, None
+    try:
+        return ort.prefill(batch)
+    finally:
+        ort.verify_session = verify
+
+
+@pytest.mark.parametrize("model", [{}, {"quantization": "q4", "accuracy_level": 0}],
+                         ids=["float", "q4"])
+@pytest.mark.parametrize("logits", ["all", "last"])
+def test_verify_graph_equals_the_step_graph(model, logits):
+    """Short chunks (a decode and its drafts) run the verify graph: the same logits and K/V as
+    the step graph, for chunks of unequal lengths (padded) after caches of unequal lengths."""
+    llm = tiny_llm(model=model, backend={"name": "onnxruntime"}, cache={"num_blocks": 128, "block_size": 4})
+    ort, kv = llm.backend, llm.engine.kv
+    assert ort.verify_session is not None
+    eng = llm.engine
+    reqs = [eng.add_request(list(range(3 + i, 3 + i + n)), SamplingParams(max_tokens=8, ignore_eos=True))
+            for i, n in enumerate((9, 30, 2, 21))]
+    while any(r.num_output_tokens < 2 for r in reqs):
+        eng.step()
+    drafts = {r.request_id: [7 + i] * i for i, r in enumerate(reqs)}      # 0 to 3 drafts
+    items = [(r, r.num_computed_tokens, 1 + i) for i, r in enumerate(reqs)]
+    for r, _, n in items:
+        assert kv.allocate(r, n)
+    batch = prefill_batch(items, kv, drafts)
+    batch.logits = logits
+    assert ort._short_chunks(batch)
+    pool = llm.kv_cache.pool
+    before = pool.clone()
+    got = ort.prefill(batch)
+    verified = pool.clone()
+    pool.copy_(before)
+    want = _on_step_graph(ort, batch)
+    assert got.shape == want.shape == (batch.num_tokens if logits == "all" else 4, llm.model.arch.vocab_size)
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+    assert torch.allclose(verified, pool, atol=1e-6) and not torch.equal(pool, before)
 
 
 def test_decode_graph_can_be_turned_off():

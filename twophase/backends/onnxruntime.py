@@ -8,8 +8,11 @@ The graph returns the new tokens' K/V; they are written into the pool at the bat
 (``index_copy_`` on the pool itself).
 
 Steps that are all decodes run a second, decode-only graph on the CPU
-(``twophase.exporters.decode_graph``; option ``decode_graph = false`` keeps them on the step
-graph): a batch-1 decode step is 1.4x faster. It holds its own copy of the weights.
+(``twophase.exporters.decode_graph``): a batch-1 decode step is 1.4x faster. Batches of short
+chunks (a speculative verify pass: each decode and its drafts; at most ``SHORT_CHUNK`` tokens,
+padded to the longest) run a third, its variant with ``Q`` tokens a sequence, where the step
+graph's ~4,900 nodes cost a verify pass about two decode steps. Each holds its own copy of the
+weights; option ``decode_graph = false`` keeps every step on the step graph.
 
 The CUDA path is written from ONNX Runtime's documentation and has not run on this project's
 machines (none has ``onnxruntime-gpu`` and a GPU together).
@@ -38,7 +41,7 @@ from twophase.backends.base import (
 from twophase.backends.hookspecs import hookimpl
 from twophase.device import require_device, threads_option
 from twophase.errors import ConfigError
-from twophase.graph.inputs import decode_graph_inputs, step_inputs, write_new_kv
+from twophase.graph.inputs import decode_graph_inputs, step_inputs, verify_graph_inputs, write_new_kv
 from twophase.models.shapes import LlamaArch
 
 log = logging.getLogger(__name__)
@@ -46,6 +49,7 @@ OPTIONS = {"threads", "inter_op_threads", "graph_optimization_level", "spinning"
            "decode_graph"}
 LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC",
           "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
+SHORT_CHUNK = 33            # the longest chunk the verify graph takes (32 drafts and a decode)
 NP_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64}
 
 
@@ -104,27 +108,31 @@ class OnnxRuntimeBackend(Backend):
             log.warning("could not load %s (%s): exporting again", path, exc)
             path = exporter.export(model, out, force=True)
             self.session = self._session(path, cfg.options)
-        decode_path = path.parent / "decode.onnx"
-        wanted = use_decode_graph and self.device.type == "cpu" and decode_path.exists()
-        self.decode_session = self._decode_session(decode_path, cfg.options) if wanted else None
+        wanted = use_decode_graph and self.device.type == "cpu"
+        self.decode_session, self.verify_session = (
+            self._decode_session(path.parent / name, cfg.options) if wanted else None
+            for name in ("decode.onnx", "verify.onnx"))
+        self.group = self.arch.num_heads // self.arch.num_kv_heads
 
     def _decode_session(self, path, options: dict[str, Any]):
-        """The decode-only graph for steps that are all decodes, unless its copy of the weights
-        would crowd the KV pool out of memory or it does not load (the step graph then runs
-        them: slower at small batches, never wrong)."""
+        """A hand-built graph (decodes, or short chunks), unless it was not exported (a model
+        with biases), its copy of the weights would crowd the KV pool out of memory or it does
+        not load (the step graph then runs those steps: slower at small batches, never wrong)."""
         from twophase.device import available_memory
         from twophase.models.loader import weight_bytes
 
+        if not path.exists():
+            return None
         need, free = weight_bytes(self.arch, self.dtype), available_memory("cpu")
         if need > free / 2:
-            log.warning("no decode-only graph: its copy of the weights (%.1f GiB) would leave too "
-                        "little of %.1f GiB free; decodes run on the step graph", need / 2**30, free / 2**30)
+            log.warning("not loading %s: its copy of the weights (%.1f GiB) would leave too "
+                        "little of %.1f GiB free; its steps run on the step graph", path.name,
+                        need / 2**30, free / 2**30)
             return None
         try:
             return self._session(path, options)
         except Exception as exc:
-            log.warning("could not load the decode-only graph %s (%s): decodes run on the step "
-                        "graph", path, exc)
+            log.warning("could not load %s (%s): its steps run on the step graph", path, exc)
             return None
 
     def _session(self, path, options: dict[str, Any]):
@@ -169,10 +177,26 @@ class OnnxRuntimeBackend(Backend):
 
     # -- the two operations -----------------------------------------------------------------
     def prefill(self, batch: PrefillBatch) -> torch.Tensor:
+        if self.verify_session is not None and self._short_chunks(batch):
+            return self._verify(batch)
         inputs = step_inputs(batch, self.kv.block_size)
         logits, new_k, new_v = self._run(inputs)
         write_new_kv(self.kv.pool, new_k, new_v, batch.slot_mapping.to(self.device))
         return logits
+
+    @staticmethod
+    def _short_chunks(batch: PrefillBatch) -> bool:
+        """Chunks the verify graph runs faster: short, and padding at most doubles them."""
+        longest = max(batch.query_lens)
+        return longest <= SHORT_CHUNK and longest * batch.num_seqs <= 2 * batch.num_tokens
+
+    def _verify(self, batch: PrefillBatch) -> torch.Tensor:
+        inputs, rows = verify_graph_inputs(batch, self.kv.pool, self.group)
+        logits, new_k, new_v = self._run(inputs, self.verify_session)
+        write_new_kv(self.kv.pool, new_k[:, rows], new_v[:, rows], batch.slot_mapping)
+        if batch.logits == "last":
+            rows = rows[torch.tensor(batch.query_start[1:]) - 1]
+        return logits[rows]
 
     def decode(self, batch: DecodeBatch) -> torch.Tensor:
         if self.decode_session is None:

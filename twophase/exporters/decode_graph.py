@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from twophase.exporters import q4
-from twophase.graph.signature import DECODE_GRAPH
+from twophase.graph.signature import DECODE_GRAPH, VERIFY_GRAPH
 from twophase.models.quant import QWeight
 
 MS = "com.microsoft"
@@ -39,15 +39,20 @@ def supported(arch) -> bool:
 
 
 def build(torch_model, path: Path, qweights: dict[str, QWeight] | None = None,
-          outliers: dict[str, np.ndarray] | None = None, accuracy_level: int = 4) -> int:
+          outliers: dict[str, np.ndarray] | None = None, accuracy_level: int = 4,
+          verify: bool = False) -> int:
     """Write the decode graph of ``torch_model`` (float32) to ``path``, its projections on
-    ``qweights`` where given (as in the q4 step graph) else float; returns its node count."""
+    ``qweights`` where given (as in the q4 step graph) else float; returns its node count.
+
+    ``verify``: the graph for short chunks instead (``VERIFY_GRAPH``): each of ``B`` sequences
+    brings ``Q`` tokens (a decode and its drafts, padded to the longest), attending causally
+    among themselves after the cache; the same nodes but for a few transposes."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     a = torch_model.arch
     sd = {k: v.detach().float().numpy() for k, v in torch_model.state_dict().items()}
-    L, H, KVH, hd, G = a.num_layers, a.num_heads, a.num_kv_heads, a.head_dim, a.num_heads // a.num_kv_heads
+    L, H, KVH, hd = a.num_layers, a.num_heads, a.num_kv_heads, a.head_dim
     outliers = outliers or {}
     nodes, inits = [], []
 
@@ -71,20 +76,19 @@ def build(torch_model, path: Path, qweights: dict[str, QWeight] | None = None,
     freqs = np.arange(a.max_position_embeddings, dtype=np.float32)[:, None] * torch_model.inv_freq.numpy()[None]
     const("cos_cache", np.cos(freqs))
     const("sin_cache", np.sin(freqs))
-    for name, value in {"qkv3": [0, 1, (H + 2 * KVH) * hd], "split_qkv": [(H + KVH) * hd, KVH * hd],
-                        "split_qk": [H * hd, KVH * hd], "q4d": [-1, KVH, G, hd], "rows2d": [-1, H * hd],
-                        "kv_new": [1, -1, KVH, 1, hd], "kv_blocks": [1, 0, 0, KVH, -1, hd],
-                        "kv_past": [1, 0, 0, -1, hd], "split_gu": [a.intermediate_size] * 2,
-                        "new_kv": [L, -1, KVH, hd]}.items():
+    for name, value in _shapes(a, verify).items():
         const(name, np.array(value, np.int64))
+    # the projections' rows reshaped to [B, Q, width] (Q = 1 in the decode graph)
+    qkv_shape = op("Concat", [op("Shape", ["positions"], ["pos_shape"]), "qkv_width"], ["qkv_shape"],
+                   axis=0) if verify else "qkv3"
     const("scale", np.array(hd ** -0.5, np.float32))
     res = op("Gather", [const("embed", sd["embed.weight"]), "input_ids"], ["x0"], axis=0)
     pool = op("Flatten", ["kv_pool"], ["pool_blocks"], axis=3)       # [L * 2 * NB, KVH * BS * hd]
 
     def attention(i: int, q: str, k: str, v: str) -> tuple[str, str, str]:
         """Attention of the new tokens ``q`` over each sequence's cached blocks of layer ``i``
-        and their own ``k``/``v`` ([B, 1, KVH * hd]); returns the output ``[B, H * hd]`` and the
-        new K and V, ``[1, B, KVH, 1, hd]`` each."""
+        and their own ``k``/``v`` ([B, Q, KVH * hd]); returns the output ``[B * Q, H * hd]`` and
+        the new K and V, ``[1, B, KVH, Q, hd]`` each."""
         p = f"l{i}."
         new, seen = [], []
         for j, (kind, x) in enumerate((("k", k), ("v", v))):
@@ -94,14 +98,14 @@ def build(torch_model, path: Path, qweights: dict[str, QWeight] | None = None,
                      [f"{p}{kind}_got6d"])                                     # [1, B, W, KVH, BS, hd]
             past = op("Reshape", [op("Transpose", [got], [f"{p}{kind}_heads"], perm=[0, 1, 3, 2, 4, 5]),
                                   "kv_past"], [f"{p}{kind}_past"])            # [1, B, KVH, W * BS, hd]
-            new.append(op("Reshape", [x, "kv_new"], [f"{p}{kind}_new"]))
+            new.append(_new_kv(op, x, f"{p}{kind}", verify))
             seen.append(op("Concat", [past, new[-1]], [f"{p}{kind}_all"], axis=3))
         keys, values = seen
-        scores = op("MatMul", [op("Reshape", [q, "q4d"], [p + "q4"]),
-                               op("Transpose", [keys], [p + "keys_t"], perm=[0, 1, 2, 4, 3])], [p + "s"])
+        keys_t = op("Transpose", [keys], [p + "keys_t"], perm=[0, 1, 2, 4, 3])
+        scores = op("MatMul", [_queries(op, q, p, verify), keys_t], [p + "s"])
         scores = op("Add", [op("Mul", [scores, "scale"], [p + "s_scaled"]), "mask"], [p + "s_masked"])
         out = op("MatMul", [op("Softmax", [scores], [p + "probs"], axis=-1), values], [p + "attn"])
-        return op("Reshape", [out, "rows2d"], [p + "attn2d"]), new[0], new[1]
+        return _rows(op, out, p, verify), new[0], new[1]
 
     mlp_out, new_k, new_v = None, [], []
     eps = a.rms_norm_eps
@@ -113,7 +117,7 @@ def build(torch_model, path: Path, qweights: dict[str, QWeight] | None = None,
         else:
             h, _, _, res = op("SkipSimplifiedLayerNormalization", [res, mlp_out, g1],
                               [p + "h", "", "", p + "res0"], domain=MS, epsilon=eps)
-        qkv = op("Reshape", [linear(h, f"layers.{i}.attn.qkv.weight", p + "qkv"), "qkv3"], [p + "qkv3"])
+        qkv = op("Reshape", [linear(h, f"layers.{i}.attn.qkv.weight", p + "qkv"), qkv_shape], [p + "qkv3"])
         qk, v = op("Split", [qkv, "split_qkv"], [p + "qk", p + "v"], axis=2)
         qk = op("RotaryEmbedding", [qk, "positions", "cos_cache", "sin_cache"], [p + "qkr"],
                 domain=MS, interleaved=0, num_heads=H + KVH)
@@ -133,16 +137,58 @@ def build(torch_model, path: Path, qweights: dict[str, QWeight] | None = None,
                         ["final", "", "", "res_f"], domain=MS, epsilon=eps)
     linear(final, "lm_head.weight", "logits")
     for name, parts in (("new_k", new_k), ("new_v", new_v)):
-        op("Reshape", [op("Concat", parts, [name + "_layers"], axis=0), "new_kv"], [name])
+        joined = op("Concat", parts, [name + "_layers"], axis=0)                  # [L, B, KVH, Q, hd]
+        if verify:
+            joined = op("Transpose", [joined], [name + "_rows"], perm=[0, 1, 3, 2, 4])
+        op("Reshape", [joined, "new_kv"], [name])
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
     model_dims = {"L": L, "KVH": KVH, "hd": hd, "2L": 2 * L}
+    sig = VERIFY_GRAPH if verify else DECODE_GRAPH
     graph = helper.make_graph(
-        nodes, "decode",
+        nodes, "verify" if verify else "decode",
         [helper.make_tensor_value_info(name, f32 if name in ("kv_pool", "mask") else i64,
-                                       DECODE_GRAPH.partial_shape(name, model_dims))
-         for name in DECODE_GRAPH.names],
-        [helper.make_tensor_value_info(n, f32, None) for n in DECODE_GRAPH.outputs], inits)
+                                       sig.partial_shape(name, model_dims))
+         for name in sig.names],
+        [helper.make_tensor_value_info(n, f32, None) for n in sig.outputs], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(MS, 1)])
     onnx.save(model, str(path), save_as_external_data=True, location=Path(path).name + ".data",
               size_threshold=1024)
     return len(nodes)
+
+
+def _shapes(a, verify: bool) -> dict[str, list[int]]:
+    """The graph's constant shapes (0: the input's size there, -1: the rest)."""
+    L, H, KVH, hd = a.num_layers, a.num_heads, a.num_kv_heads, a.head_dim
+    G = H // KVH
+    shapes = {"split_qkv": [(H + KVH) * hd, KVH * hd], "split_qk": [H * hd, KVH * hd],
+              "rows2d": [-1, H * hd], "kv_blocks": [1, 0, 0, KVH, -1, hd], "kv_past": [1, 0, 0, -1, hd],
+              "split_gu": [a.intermediate_size] * 2, "new_kv": [L, -1, KVH, hd]}
+    if verify:
+        return shapes | {"kv4": [0, 0, KVH, hd], "q5": [0, 0, KVH, G, hd], "q4m": [0, 0, -1, hd],
+                         "qg5": [0, 0, -1, G, hd], "axis0": [0], "qkv_width": [(H + 2 * KVH) * hd]}
+    return shapes | {"qkv3": [0, 1, (H + 2 * KVH) * hd], "q4d": [-1, KVH, G, hd],
+                     "kv_new": [1, -1, KVH, 1, hd]}
+
+
+def _new_kv(op, x: str, p: str, verify: bool) -> str:
+    """A layer's new K or V ``[B, Q, KVH * hd]`` as ``[1, B, KVH, Q, hd]``."""
+    if not verify:
+        return op("Reshape", [x, "kv_new"], [p + "_new"])
+    heads = op("Transpose", [op("Reshape", [x, "kv4"], [p + "_4d"])], [p + "_heads_new"], perm=[0, 2, 1, 3])
+    return op("Unsqueeze", [heads, "axis0"], [p + "_new"])
+
+
+def _queries(op, q: str, p: str, verify: bool) -> str:
+    """``q [B, Q, H * hd]`` as each KV head's query rows ``q * G + g``: ``[B, KVH, Q * G, hd]``."""
+    if not verify:
+        return op("Reshape", [q, "q4d"], [p + "q4"])
+    q = op("Transpose", [op("Reshape", [q, "q5"], [p + "q5"])], [p + "q5t"], perm=[0, 2, 1, 3, 4])
+    return op("Reshape", [q, "q4m"], [p + "q4"])
+
+
+def _rows(op, out: str, p: str, verify: bool) -> str:
+    """Attention's output ``[1, B, KVH, Q * G, hd]`` as one row a token: ``[B * Q, H * hd]``."""
+    if verify:
+        out = op("Reshape", [op("Squeeze", [out, "axis0"], [p + "attn4"]), "qg5"], [p + "attn5"])
+        out = op("Transpose", [out], [p + "attn_t"], perm=[0, 2, 1, 3, 4])
+    return op("Reshape", [out, "rows2d"], [p + "attn2d"])

@@ -81,8 +81,8 @@ OPSET = 18
 Q4_FORMAT = 3                   # 2: a float model's head at 8 bits; 3: centred zero points, outlier channels
 # 2: dynamic block size; 3: no onnxscript pass; 4: flat pool gather; 5: K and V gathered apart;
 # 6: masks built once a step, slices for splits; 7: decode.onnx beside it; 9: it gathers whole
-# blocks; 13: new K/V joined once at the end (10 to 12: unreleased trials)
-FORMAT = "twophase-onnx/13"
+# blocks; 13: new K/V joined once at the end; 15: verify.onnx (10 to 12, 14: unreleased trials)
+FORMAT = "twophase-onnx/15"
 
 
 def manifest_for(model: ModelSpec) -> dict[str, Any]:
@@ -105,8 +105,9 @@ def export_dir(manifest: dict[str, Any]) -> Path:
 
 def export(model: ModelSpec, out_dir: Path | None = None, force: bool = False) -> Path:
     """The ONNX graph for ``model`` (``model.onnx`` + external weights + ``manifest.json``, and
-    ``decode.onnx``, the decode-only graph, for float32 models), exported now unless an
-    up-to-date one is already in ``out_dir`` (default: the cache)."""
+    for float32 models ``decode.onnx`` and ``verify.onnx``, the hand-built graphs for decodes
+    and for short chunks), exported now unless an up-to-date one is already in ``out_dir``
+    (default: the cache)."""
     manifest = manifest_for(model)
     folder = Path(out_dir) if out_dir else export_dir(manifest)
     if model.quantization == "q4":           # rewritten from the (cached) float export
@@ -118,8 +119,8 @@ def export(model: ModelSpec, out_dir: Path | None = None, force: bool = False) -
 
 
 def _export_to(model: ModelSpec, folder: Path) -> None:
-    """``model.onnx``, the step graph (torch's trace), and for float32 models ``decode.onnx``,
-    the graph for all-decode steps (``twophase.exporters.decode_graph``)."""
+    """``model.onnx``, the step graph (torch's trace), and for float32 models the hand-built
+    graphs for all-decode steps and short chunks (``twophase.exporters.decode_graph``)."""
     step = PagedStep(cpu_model(model)).eval()
     args, dynamic = _example(step.model.arch, model.dtype)
     with quiet_exporter_logs(), warnings.catch_warnings():
@@ -129,7 +130,8 @@ def _export_to(model: ModelSpec, folder: Path) -> None:
                           opset_version=OPSET, external_data=True,
                           optimize=False)   # ORT optimises at load; onnxscript's pass took minutes
     if model.dtype == torch.float32 and decode_graph.supported(step.model.arch):
-        decode_graph.build(step.model, folder / "decode.onnx")
+        for name, verify in (("decode.onnx", False), ("verify.onnx", True)):
+            decode_graph.build(step.model, folder / name, verify=verify)
 
 
 def _quantize_to(model: ModelSpec, float_graph: Path, folder: Path) -> None:
@@ -144,7 +146,9 @@ def _quantize_to(model: ModelSpec, float_graph: Path, folder: Path) -> None:
     n = q4.quantize_graph(float_graph, folder / "model.onnx", weights, model.accuracy_level,
                           outliers)
     if model.dtype == torch.float32 and decode_graph.supported(torch_model.arch):
-        decode_graph.build(torch_model, folder / "decode.onnx", weights, outliers, model.accuracy_level)
+        for name, verify in (("decode.onnx", False), ("verify.onnx", True)):
+            decode_graph.build(torch_model, folder / name, weights, outliers, model.accuracy_level,
+                               verify=verify)
     log.info("%d matmuls run on quantised weights (MatMulNBits, accuracy level %d, %d outlier "
              "channels each in float32)", n, model.accuracy_level, model.outlier_channels)
 

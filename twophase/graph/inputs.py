@@ -64,6 +64,35 @@ def decode_graph_inputs(batch: DecodeBatch, pool: torch.Tensor) -> dict[str, tor
             "blocks": blocks, "mask": mask}
 
 
+def verify_graph_inputs(batch: PrefillBatch, pool: torch.Tensor,
+                        group: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The verify graph's inputs for a batch of short chunks, and which of its ``B * Q`` rows
+    are the batch's tokens (the rest is padding, up to the longest chunk ``Q``). ``group``:
+    query heads a KV head. Each sequence's row ``q * group + g`` of ``mask`` opens its cached
+    tokens and its own new tokens up to ``q``; a padding row (its outputs dropped) sees the same
+    up to itself, so no row is all ``-inf``."""
+    L, _, NB, _, BS, _ = pool.shape
+    lens, starts, B = batch.query_lens, batch.start_positions, batch.num_seqs
+    Q = max(lens)
+    cached = torch.tensor(starts, dtype=torch.long)
+    W = max(1, -(-int(cached.max()) // BS))
+    if batch.block_tables.shape[1] < W:
+        raise ValueError(f"block tables of width {batch.block_tables.shape[1]} for {W} cached blocks")
+    rows = torch.cat([torch.arange(n) + b * Q for b, n in enumerate(lens)])
+    ids = torch.zeros(B * Q, dtype=torch.long)
+    ids[rows] = batch.token_ids
+    q = torch.arange(Q)
+    positions = cached.view(B, 1) + q.view(1, Q)
+    positions = torch.minimum(positions, positions.new_tensor(lens).view(B, 1) + cached.view(B, 1) - 1)
+    blocks = torch.arange(2 * L).view(2 * L, 1, 1) * NB + batch.block_tables[:, :W].view(1, B, W)
+    past = torch.arange(W * BS).view(1, 1, -1) < cached.view(B, 1, 1)               # [B, 1, W*BS]
+    own = q.view(1, 1, Q) <= q.view(1, Q, 1)                                       # [1, Q, Q]
+    allowed = torch.cat([past.expand(B, Q, W * BS), own.expand(B, Q, Q)], dim=2)     # [B, Q, PQ]
+    mask = torch.zeros(B, Q, W * BS + Q).masked_fill_(~allowed, float("-inf"))
+    mask = mask.repeat_interleave(group, dim=1).unsqueeze(1)                         # [B, 1, QG, PQ]
+    return {"input_ids": ids, "positions": positions, "blocks": blocks, "mask": mask}, rows
+
+
 def write_new_kv(pool: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor,
                  slots: torch.Tensor) -> None:
     """Write a graph's ``new_k``/``new_v [L, T, KVH, hd]`` into ``pool`` at ``slots [T]``, as

@@ -84,3 +84,15 @@ DECODE_GRAPH = GraphSignature((
     ("blocks", ("2L", "B", "W")),
     ("mask", ("B", 1, 1, "P1")),
 ))
+
+# The same graph for short chunks (a decode and its drafts): ``B`` sequences of ``Q`` tokens each
+# (padded), ``input_ids`` sequence by sequence, and ``mask`` over the ``PQ = W * BS + Q`` keys
+# for each query row ``q * G + g`` (``G`` query heads a KV head): the cache, then causally the
+# sequence's own new tokens.
+VERIFY_GRAPH = GraphSignature((
+    ("input_ids", ("BQ",)),
+    ("positions", ("B", "Q")),
+    ("kv_pool", POOL),
+    ("blocks", ("2L", "B", "W")),
+    ("mask", ("B", 1, "QG", "PQ")),
+))
