@@ -1,12 +1,16 @@
-"""Speculative decoding side by side: the same backend without drafts, with n-gram drafts at a
-fixed k, and with ``num_tokens = "auto"``; greedy, on prompts whose answers quote their input
-(repeat a text, edit a code file) and on open chat prompts; rounds interleaved so a noisy
-machine's drift hits all three alike. Tokens are checked equal.
+"""Speculative decoding side by side: the same backend without drafts, with drafts at a fixed
+k, and with ``num_tokens = "auto"``; greedy, on prompts whose answers quote their input (repeat
+a text, edit a code file) and on open chat prompts; rounds interleaved so a noisy machine's drift
+hits all three alike. Tokens are checked equal.
+
+Drafts come from n-gram lookup (``--method ngram``) or a draft model (``--method draft``: the
+model's own 4-bit blocks, prefilled on onnxruntime and drafting on the native backend).
 
 At batch 1 (one request at a time) decode tokens/s is each request's own 1 / TPOT, the median
 over prompts; at ``--batch N`` N requests run at once and the rate is over the decode-only steps.
 
     python benchmarks/speculative.py                          # onnxruntime, the default model
+    python benchmarks/speculative.py --method draft --workloads "open chat"
     python benchmarks/speculative.py --batch 32 --max-tokens 64
     python benchmarks/speculative.py --backend torch --k 4 --rounds 3
 """
@@ -42,10 +46,16 @@ def workloads(llm: LLM) -> dict[str, list[str]]:
     }
 
 
+Q4_DRAFT = {"quantization": "q4",
+            "backend": {"prefill": {"name": "onnxruntime"}, "decode": {"name": "native"}}}
+
+
 def build(args, num_tokens: int | str | None) -> LLM:
     cfg = {"model": {}, "backend": {"name": args.backend}, "cache": {"num_blocks": 1024}}
     if num_tokens is not None:
-        cfg["speculative"] = {"method": "ngram", "num_tokens": num_tokens}
+        cfg["speculative"] = {"method": args.method, "num_tokens": num_tokens}
+        if args.method == "draft":
+            cfg["speculative"]["draft"] = Q4_DRAFT
     return LLM.from_config(cfg)
 
 
@@ -65,7 +75,9 @@ def rate(llm: LLM, prompts: list[str], p: SamplingParams, batch: int) -> tuple[f
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", default="onnxruntime")
+    ap.add_argument("--method", choices=["ngram", "draft"], default="ngram")
     ap.add_argument("--k", type=int, default=4, help="drafts a verify pass (speculative.num_tokens)")
+    ap.add_argument("--workloads", nargs="+", help="only these (default: all three)")
     ap.add_argument("--batch", type=int, default=1, help="requests at once (default 1)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=160)
@@ -73,6 +85,11 @@ def main() -> None:
     engines = {"off": build(args, None), f"k = {args.k}": build(args, args.k),
                "auto": build(args, "auto")}
     loads = workloads(engines["off"])
+    if args.workloads:
+        unknown = set(args.workloads) - set(loads)
+        if unknown:
+            ap.error(f"unknown workload {sorted(unknown)[0]!r}; known: {', '.join(map(repr, loads))}")
+        loads = {w: loads[w] for w in args.workloads}
     p = SamplingParams(max_tokens=args.max_tokens)
     rates = {(w, e): [] for w in loads for e in engines}
     kept = {(w, e): [0, 0] for w in loads for e in engines}
@@ -86,7 +103,8 @@ def main() -> None:
                 kept[(w, e)][0] += spec.get("accepted_tokens", 0)
                 kept[(w, e)][1] += spec.get("verify_passes", 0)
             mismatches += sum(t != tokens["off"] for t in tokens.values())
-    table = Table(title=f"decode tokens/s at batch {args.batch}, {args.backend}, greedy, n-gram "
+    drafts = "n-gram" if args.method == "ngram" else "q4 draft model (onnxruntime -> native)"
+    table = Table(title=f"decode tokens/s at batch {args.batch}, {args.backend}, greedy, {drafts} "
                         f"(median of {args.rounds} rounds)")
     table.add_column("workload")
     for e in engines:

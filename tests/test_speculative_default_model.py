@@ -1,5 +1,6 @@
-"""n-gram speculation on the default model gives token for token the greedy output without it:
-chat prompts, a prompt that quotes its input, a code edit; batched, chunked, preempted (a small
+"""Speculation on the default model, by n-gram lookup and by a draft model (the model's own q4
+blocks on the native backend), gives token for token the greedy output without it: chat
+prompts, a prompt that quotes its input, a code edit; batched, chunked, preempted (a small
 pool) and again from the prefix cache."""
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from twophase import LLM, SamplingParams
+from twophase.backends.base import BackendUnavailable
 from twophase.quality import shipped_text
 from twophase.testing import assert_greedy_match, logprob_gaps
 
@@ -55,3 +57,34 @@ def test_ngram_speculation_keeps_the_greedy_tokens(default_llm, default_prompts)
     for g, w in zip(again, want[-2:]):
         assert_greedy_match(g.token_ids, w.token_ids, logprob_gaps(w), "again")
     assert spec.engine.kv.num_free_blocks == spec.num_blocks
+
+
+def test_draft_speculation_keeps_the_greedy_tokens(default_llm, default_prompts):
+    from twophase.backends.native import NativeBackend
+
+    try:
+        NativeBackend.check_available("cpu")
+    except BackendUnavailable as exc:
+        pytest.skip(str(exc))
+    spec = LLM.from_config({"model": {"name": "smollm2-135m-instruct"},
+                            "cache": {"num_blocks": 24},                # preempts
+                            "scheduler": {"max_num_batched_tokens": 96, "max_num_seqs": 6},
+                            "speculative": {"method": "draft", "num_tokens": 4, "draft": {
+                                "quantization": "q4", "backend": {"name": "native"}}}})
+    prompts = _prompts(default_llm, default_prompts)
+    p = SamplingParams(max_tokens=TOKENS, logprobs=2)
+    want = default_llm.generate(prompts, p)
+    got = spec.generate(prompts, p)
+    rep = spec.report(got)
+    assert rep["backend"]["draft"]["decode"] == "native"
+    assert rep["preemptions"] > 0 and rep["steps_by_mix"].get("mixed")
+    assert rep["speculative"]["acceptance_rate"] > 0.8
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_greedy_match(g.token_ids, w.token_ids, logprob_gaps(w), f"prompt {i}")
+    again = spec.generate(prompts[-2:], p)                  # from the prefix cache
+    assert all(o.metrics["num_cached_tokens"] > 0 for o in again)
+    for g, w in zip(again, want[-2:]):
+        assert_greedy_match(g.token_ids, w.token_ids, logprob_gaps(w), "again")
+    proposer = spec.engine.scheduler.proposer
+    assert spec.engine.kv.num_free_blocks == spec.num_blocks
+    assert proposer.kv.num_free_blocks == spec.draft.num_blocks and not proposer.shadows

@@ -36,6 +36,17 @@ from twophase.core.seams import Proposal
 log = logging.getLogger(__name__)
 
 
+def draft_generator(req: Request) -> torch.Generator | None:
+    """A seeded request's drafts draw from a stream of their own: from the request's own, the
+    first draft would reuse the random numbers that picked the token before it, and so repeat
+    it far more often than ``q`` says (the verifier's correction assumes drafts drawn from
+    ``q``). Unseeded requests draw from the global generator, as their own tokens do."""
+    seed = req.params.seed
+    if seed is None:
+        return None
+    return torch.Generator().manual_seed((seed * 6364136223846793005 + 1442695040888963407) % 2**63)
+
+
 def common_prefix(a: list[int], b: list[int], limit: int) -> int:
     """How many leading tokens ``a`` and ``b`` share, up to ``limit``."""
     limit = min(limit, len(a), len(b))
@@ -59,12 +70,13 @@ class DraftProposer:
             with self.executor.glue():
                 return self._propose(reqs, ks)
         except Exception as exc:
-            # the shadows' K/V may be half written: forget them (they are recomputed)
+            # the shadows' K/V may be half written: drop it (it is recomputed)
             self.failures += 1
             log.error("the draft model failed (%d times so far), so this step has no drafts: %s",
                       self.failures, exc, exc_info=self.failures == 1)
             for req in reqs:
-                self.release(req)
+                if req.request_id in self.shadows:
+                    self._drop_kv(self.shadows[req.request_id])
             return [Proposal([]) for _ in reqs]
 
     def release(self, req: Request) -> None:
@@ -135,6 +147,7 @@ class DraftProposer:
         shadow = self.shadows.get(req.request_id)
         if shadow is None:
             shadow = Request(req.request_id, req.token_ids, req.params, 0.0)
+            shadow.generator = draft_generator(req)
             self.shadows[req.request_id] = shadow
             return shadow
         self.shadows.move_to_end(req.request_id)
@@ -148,8 +161,15 @@ class DraftProposer:
         """Blocks for ``n`` more tokens of ``shadow``, evicting idle shadows (least recently
         drafted first) while the pool is short."""
         while not self.kv.allocate(shadow, n):
-            idle = next((rid for rid in self.shadows if rid not in busy), None)
+            idle = next((s for rid, s in self.shadows.items()
+                         if rid not in busy and self.kv.block_table(s)), None)
             if idle is None:
                 return False
-            self.kv.free(self.shadows.pop(idle))
+            self._drop_kv(idle)
         return True
+
+    def _drop_kv(self, shadow: Request) -> None:
+        """Free ``shadow``'s blocks; it keeps its random stream (a seeded request's draws
+        must not start over) and computes its tokens again when it drafts next."""
+        self.kv.free(shadow)
+        shadow.num_computed_tokens = 0
