@@ -182,6 +182,17 @@ def test_auto_drafts_freely_where_a_step_is_memory_bound_and_not_where_tokens_co
     assert mixed["good"] > mixed["poor"]
 
 
+def test_a_new_request_starts_from_the_rate_everyones_drafts_were_kept_at():
+    c = _fed(a=0.010, b=0.0015)                   # a draft costs 15% of a step
+    newcomer = _with_acceptance("new", 0, 0)
+    assert c.plan([newcomer])["new"] > 0          # no record anywhere: an even chance pays
+    for _ in range(200):
+        c.learn(drafted=32, kept=2)               # recent drafts were rarely kept
+    assert c.shared_rate < 0.1
+    assert c.plan([newcomer])["new"] == 0
+    assert c.plan([_with_acceptance("known", 40, 50)])["known"] > 0   # its own record wins
+
+
 def test_auto_explores_until_it_has_seen_steps_of_two_sizes():
     c = SpecController(6)
     assert c.plan([_with_acceptance("r", 0, 0)]) == {"r": 6}

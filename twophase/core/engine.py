@@ -124,8 +124,11 @@ class Engine:
                 self.output.finish(request_id, "error", self._retire(request_id, "error"))
             raise StepFailed(f"the step failed: {exc}", failed, veterans) from exc
         self.steps.add(self._record(out, start, now))
-        if self.scheduler.spec_control is not None and out.decodes and not out.prefills:
-            self.scheduler.spec_control.observe(sum(n for _, n in out.scheduled), now - start)
+        control = self.scheduler.spec_control
+        if control is not None:
+            control.learn(out.num_draft_tokens, sum(out.accepted.values()))
+            if out.decodes and not out.prefills:
+                control.observe(sum(n for _, n in out.scheduled), now - start)
         return deltas
 
     def _retire(self, request_id: str, reason: str, now: float | None = None) -> RequestStats:

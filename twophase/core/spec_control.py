@@ -3,11 +3,14 @@
 A verify pass costs time in proportion to the tokens it computes; decode steps are measured as
 they run and fitted to ``seconds = a + b * tokens`` (``a``: reading the weights once; ``b``: each
 token's own work). A request's drafts are kept at a running rate ``alpha``, so its ``j``-th draft
-is kept with probability ``alpha ** j``. Drafts are handed out one at a time to the request whose
-next one is most likely kept, while its expected tokens per second of added step time beat the
-step's tokens per second so far: in a memory-bound step (``b`` small against ``a``) drafts are
-nearly free and many are given; where each token costs real compute (large batches) or drafts
-are rarely kept, none are, and decoding runs as it would without speculation.
+is kept with probability ``alpha ** j``; a request with no record yet starts from the rate of
+recent steps' drafts, all requests together (a short chat answer at a large batch must not pay
+for drafts while it learns what every chat answer before it showed). Drafts are handed out one
+at a time to the request whose next one is most likely kept, while its expected tokens per
+second of added step time beat the step's tokens per second so far: in a memory-bound step
+(``b`` small against ``a``) drafts are nearly free and many are given; where each token costs
+real compute (large batches) or drafts are rarely kept, none are, and decoding runs as it would
+without speculation.
 """
 
 from __future__ import annotations
@@ -17,13 +20,25 @@ from collections import deque
 from twophase.core.request import Request
 
 WINDOW = 64                 # decode steps the cost fit remembers
-PRIOR = (1.0, 2.0)          # a new request's acceptance: (kept + 1) / (tried + 2) = 0.5
+PRIOR_WEIGHT = 2.0          # drafts' worth of evidence the shared rate counts for in a request's
+DECAY = 0.99                # a step's weight in the shared rate, against the step after it
 
 
 class SpecController:
     def __init__(self, max_tokens: int):
         self.max_tokens = max_tokens
         self._steps: deque[tuple[int, float]] = deque(maxlen=WINDOW)   # (decode tokens, seconds)
+        self._kept, self._tried = 0.0, 0.0          # drafts of recent steps, decayed
+
+    def learn(self, drafted: int, kept: int) -> None:
+        """A step's drafts verified and kept, all requests together."""
+        self._kept = self._kept * DECAY + kept
+        self._tried = self._tried * DECAY + drafted
+
+    @property
+    def shared_rate(self) -> float:
+        """The recent acceptance of everyone's drafts (0.5 before any)."""
+        return (self._kept + 1.0) / (self._tried + 2.0)
 
     def observe(self, decode_tokens: int, seconds: float) -> None:
         """A decode-only step's size (decodes plus drafts) and duration."""
@@ -41,10 +56,9 @@ class SpecController:
         b = max(0.0, sum((t - mt) * (s - ms) for t, s in self._steps) / var)
         return max(ms - b * mt, 1e-9), b
 
-    @staticmethod
-    def acceptance(req: Request) -> float:
-        kept, tried = req.num_accepted_tokens + PRIOR[0], req.num_draft_tokens + PRIOR[1]
-        return min(kept / tried, 0.99)
+    def acceptance(self, req: Request) -> float:
+        kept = req.num_accepted_tokens + PRIOR_WEIGHT * self.shared_rate
+        return min(kept / (req.num_draft_tokens + PRIOR_WEIGHT), 0.99)
 
     def plan(self, reqs: list[Request]) -> dict[str, int]:
         """Drafts for each decode this step (request id -> k, 0 for none)."""
