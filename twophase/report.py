@@ -35,6 +35,10 @@ def phase_table(r: dict[str, Any]) -> Table:
         ("preemptions", str(r["preemptions"])),
     ]
     sp = r.get("speculative")
+    draft = b.get("draft")
+    if draft:
+        rows.append(("draft model", f"{draft['model']} ({draft['quantization']}; {draft['prefill']} "
+                                    f"prefill, {draft['decode']} decode)"))
     if sp:
         rows.append(("drafts kept / verified (mean accepted length)",
                      f"{sp['accepted_tokens']} / {sp['draft_tokens']} ({sp['mean_accepted_length']:.2f})"))

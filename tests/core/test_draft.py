@@ -243,3 +243,18 @@ def test_draft_errors_are_keyed_under_the_draft(monkeypatch):
                    speculative={"method": "draft", "draft": {"num_layers": 2}})
     assert exc.key == "speculative.draft.num_layers"
     assert str(exc).startswith("speculative.draft.num_layers: ")
+
+
+def test_the_run_report_names_the_draft_model():
+    from rich.console import Console
+
+    from twophase.report import phase_table
+
+    llm = _draft_llm(SHALLOW)
+    rep = llm.report(llm.generate(random_prompts(3), GREEDY))
+    assert rep["backend"]["draft"] == {"model": "tiny-random", "prefill": "torch", "decode": "torch",
+                                       "quantization": "none"}
+    console = Console(record=True, width=200)
+    console.print(phase_table(rep))
+    text = console.export_text()
+    assert "draft model" in text and "tiny-random (none; torch prefill, torch decode)" in text

@@ -17,7 +17,7 @@ from twophase.core.ngram import NgramProposer
 from twophase.core.params import SamplingParams
 from twophase.core.request import Request
 from twophase.core.seams import Proposal
-from twophase.core.spec_control import SpecController
+from twophase.core.spec_control import REFRESH, SpecController
 
 P = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
 CASES = {
@@ -162,17 +162,19 @@ def _with_acceptance(rid: str, kept: int, tried: int) -> Request:
     return r
 
 
-def _fed(a: float, b: float) -> SpecController:
-    """A controller that has seen decode steps costing ``a + b * tokens`` seconds."""
+def _fed(a: float, b: float, verify_extra: float = 0.0) -> SpecController:
+    """A controller that has seen decode steps costing ``a + b * tokens`` seconds, and
+    ``verify_extra`` more for a step that verifies drafts."""
     c = SpecController(6)
-    for tokens in (1, 2, 4, 8, 16, 32, 40):
-        c.observe(tokens, a + b * tokens)
+    for n in (1, 2, 4, 8, 16, 32, 40):
+        c.observe(n, 0, a + b * n)                                     # plain steps
+        c.observe(1, n, a + b * (1 + n) + verify_extra)                # one decode and n drafts
     return c
 
 
 def test_auto_drafts_freely_where_a_step_is_memory_bound_and_not_where_tokens_cost():
     c = _fed(a=0.010, b=0.0001)                       # reading weights dominates: drafts are cheap
-    assert c.cost() == pytest.approx((0.010, 0.0001))
+    assert c.cost() == pytest.approx((0.010, 0.0001)) and c.plain_seconds(3) == pytest.approx(0.0103)
     assert c.plan([_with_acceptance("r", 50, 100)])["r"] >= 4
     assert c.plan([_with_acceptance("r", 0, 1000)])["r"] == 0     # drafts that are never kept
     busy = _fed(a=0.001, b=0.001)                     # each token costs as much as the weights
@@ -193,11 +195,31 @@ def test_a_new_request_starts_from_the_rate_everyones_drafts_were_kept_at():
     assert c.plan([_with_acceptance("known", 40, 50)])["known"] > 0   # its own record wins
 
 
+def test_no_one_drafts_where_a_verify_pass_costs_more_than_its_drafts_add():
+    """Drafts that each pay for themselves on the verify fit, but a verify pass that costs a
+    third more than a plain step (a batch that leaves the fast decode path): a plain step wins."""
+    reqs = [_with_acceptance(f"r{i}", 30, 100) for i in range(8)]
+    assert sum(_fed(a=0.010, b=0.0005).plan(reqs).values()) > 0
+    assert set(_fed(a=0.010, b=0.0005, verify_extra=0.004).plan(reqs).values()) == {0}
+
+
+def test_auto_takes_a_plain_step_to_measure_its_baseline():
+    c = SpecController(6)
+    for n in (2, 3):
+        c.observe(1, n, 0.01 + 0.001 * n)
+    assert c.plan([_with_acceptance("r", 90, 100)]) == {"r": 0}        # no plain step seen yet
+    c.observe(1, 0, 0.02)
+    assert c.plan([_with_acceptance("r", 90, 100)])["r"] > 0
+    for _ in range(REFRESH):
+        c.observe(1, 4, 0.015)
+    assert c.plan([_with_acceptance("r", 90, 100)]) == {"r": 0}        # time for another
+
+
 def test_auto_explores_until_it_has_seen_steps_of_two_sizes():
     c = SpecController(6)
     assert c.plan([_with_acceptance("r", 0, 0)]) == {"r": 6}
-    c.observe(1, 0.01)
-    c.observe(1, 0.011)
+    c.observe(1, 1, 0.01)
+    c.observe(1, 1, 0.011)
     assert c.cost() is None
 
 

@@ -128,7 +128,7 @@ class Engine:
         if control is not None:
             control.learn(out.num_draft_tokens, sum(out.accepted.values()))
             if out.decodes and not out.prefills:
-                control.observe(sum(n for _, n in out.scheduled), now - start)
+                control.observe(len(out.decodes), out.num_draft_tokens, now - start)
         return deltas
 
     def _retire(self, request_id: str, reason: str, now: float | None = None) -> RequestStats:
