@@ -200,7 +200,11 @@ def test_no_one_drafts_where_a_verify_pass_costs_more_than_its_drafts_add():
     third more than a plain step (a batch that leaves the fast decode path): a plain step wins."""
     reqs = [_with_acceptance(f"r{i}", 30, 100) for i in range(8)]
     assert sum(_fed(a=0.010, b=0.0005).plan(reqs).values()) > 0
-    assert set(_fed(a=0.010, b=0.0005, verify_extra=0.004).plan(reqs).values()) == {0}
+    dear = _fed(a=0.010, b=0.0005, verify_extra=0.004)
+    assert set(dear.plan(reqs).values()) == {0}
+    for _ in range(REFRESH):
+        dear.observe(8, 0, 0.014)
+    assert sum(dear.plan(reqs).values()) > 0           # after a while, drafts are timed again
 
 
 def test_auto_takes_a_plain_step_to_measure_its_baseline():

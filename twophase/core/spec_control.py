@@ -13,7 +13,8 @@ decodes, or no one drafts. In a memory-bound step drafts are nearly free and man
 where each token costs real compute (large batches), where a verify pass costs more than the
 tokens it adds (a batch that leaves the backend's fastest decode path for a few drafts), or where
 drafts are rarely kept, none are, and decoding runs as it would without speculation. Every
-``REFRESH`` drafting steps one plain step is taken, so the baseline stays current.
+``REFRESH`` drafting steps one plain step is taken, and every ``REFRESH`` plain steps the plan
+is tried again without the comparison, so neither side's timing goes stale.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class SpecController:
         self.max_tokens = max_tokens
         self._verify: deque[tuple[int, float]] = deque(maxlen=WINDOW)   # (tokens, seconds)
         self._plain: deque[tuple[int, float]] = deque(maxlen=WINDOW)    # (decodes, seconds)
-        self._since_plain = 0
+        self._since_plain = self._since_verify = 0      # steps since one of the other kind
         self._kept, self._tried = 0.0, 0.0          # drafts of recent steps, decayed
 
     def learn(self, drafted: int, kept: int) -> None:
@@ -50,10 +51,10 @@ class SpecController:
         """A decode-only step: its sequences, their drafts, its duration."""
         if drafts:
             self._verify.append((decodes + drafts, seconds))
-            self._since_plain += 1
+            self._since_plain, self._since_verify = self._since_plain + 1, 0
         else:
             self._plain.append((decodes, seconds))
-            self._since_plain = 0
+            self._since_plain, self._since_verify = 0, self._since_verify + 1
 
     def cost(self) -> tuple[float, float] | None:
         """``(a, b)`` of ``seconds = a + b * tokens`` over recent verify steps; None until steps
@@ -95,8 +96,8 @@ class SpecController:
                 break
             k[best.request_id] += 1
             tokens, seconds = tokens + gain, seconds + b
-        if tokens / seconds <= len(reqs) / plain:       # a plain step does better
-            return dict.fromkeys(k, 0)
+        if tokens / seconds <= len(reqs) / plain and self._since_verify < REFRESH:
+            return dict.fromkeys(k, 0)                   # a plain step does better
         return k
 
 
