@@ -55,7 +55,8 @@ class LLM:
                               f"phases read and write one KV pool, so they must share a device")
         device = pcfg.device
         self.model = loader.resolve(mc, device)
-        draft_cfg = self._draft_config(config)
+        self._draft_config(config)                # refuse a bad draft before any weights load
+        self.draft: LLM | None = None             # loaded by the first engine that drafts with it
         arch = self.model.arch
         self.max_model_len = min(mc.max_model_len or arch.max_position_embeddings,
                                  arch.max_position_embeddings)
@@ -71,8 +72,6 @@ class LLM:
         for b in {id(self.prefill_backend): self.prefill_backend,
                   id(self.decode_backend): self.decode_backend}.values():
             b.bind_kv_cache(self.kv_cache)
-        self.draft = None if draft_cfg is None else LLM(draft.with_pool(draft_cfg, self.num_blocks),
-                                                        self.registry)
         self.engine = self._build_engine()
         self.load_time_s = time.perf_counter() - t0
         names = pcfg.name if same else f"{pcfg.name} prefill + {dcfg.name} decode"
@@ -116,6 +115,15 @@ class LLM:
             raise draft.rekeyed(exc) from None
         draft.check_vocabulary(self.model, resolved)
         return cfg
+
+    def _load_draft(self) -> LLM:
+        """The draft model (``method = "draft"``), loaded once, with a pool as large as the
+        target's unless its ``num_blocks`` says otherwise."""
+        if self.draft is None:
+            cfg = self._draft_config(self.config)
+            assert cfg is not None
+            self.draft = LLM(draft.with_pool(cfg, self.num_blocks), self.registry)
+        return self.draft
 
     @classmethod
     def from_config(cls, source: str | Path | dict[str, Any]) -> "LLM":
@@ -195,8 +203,8 @@ class LLM:
         proposer: Proposer | None = None
         if sp.method == "ngram":
             proposer = NgramProposer(sp.prompt_lookup_min, sp.prompt_lookup_max)
-        elif self.draft is not None:
-            d = self.draft
+        elif sp.method == "draft":
+            d = self._load_draft()
             proposer = DraftProposer(d.prefill_backend, d.decode_backend,
                                      KVManager(d.num_blocks, cc.block_size, prefix_caching=False),
                                      tuple(arch.eos_token_ids), budget)
@@ -261,7 +269,7 @@ class LLM:
         rep["load_time_s"] = self.load_time_s
         p, d = self.config.phases()
         rep["backend"] = {"prefill": p.name, "decode": d.name, "device": p.device}
-        if self.draft is not None:
+        if self.draft is not None and self.config.speculative.method == "draft":
             dp, dd = self.draft.config.phases()
             rep["backend"]["draft"] = {"model": self.draft.model.model_id, "prefill": dp.name,
                                        "decode": dd.name, "quantization": self.draft.spec.quantization}
