@@ -89,6 +89,48 @@ def test_cost_model_matches_a_hand_count():
     assert d.bound_s(1e3, 1e2) == max(d.flops / 1e3, d.bytes / 1e2)
 
 
+def test_sweeps_leave_out_what_the_context_cannot_take_and_never_hit_the_prefix_cache():
+    from twophase.bench import sweeps
+    from twophase.config import BenchConfig
+    from twophase.errors import ConfigError
+
+    b, notes = sweeps.servable(BenchConfig(), 2048)              # the defaults reach 2,048
+    assert b.prompt_lens == [128, 256, 512, 1024] and len(notes) == 1 and "prefill 2048" in notes[0]
+    with pytest.raises(ConfigError, match="bench.prompt_lens"):
+        sweeps.servable(BenchConfig(prompt_lens=[4096]), 2048)
+    with pytest.raises(ConfigError, match="bench.decode_context"):
+        sweeps.servable(BenchConfig(decode_context=2047), 2048)
+    # on a 512-token vocabulary, after the decode sweep's contexts are cached, every prefill
+    # prompt of every round is computed, none found cached
+    from twophase.bench.run import _bench_llm
+    from twophase.config import load_config
+
+    llm = _bench_llm(load_config({"model": {"name": "tiny", "weights": "random"},
+                                  "bench": {"prompt_lens": b.prompt_lens}}), "torch")
+    for batch in b.batch_sizes:
+        sweeps.decode_round(llm, batch, b.decode_context, b.decode_steps, 0)
+    hits = llm.engine.kv.hits
+    for salt in range(3):
+        for n in b.prompt_lens:
+            assert sweeps.prefill_round(llm, n, 0, salt) > 0
+    assert llm.engine.kv.hits == hits
+
+
+def test_a_verify_pass_is_decode_for_each_of_its_tokens_over_one_weight_read():
+    cost = CostModel(TOY, weight_bytes=4, kv_bytes=4)
+    one = cost.verify(1, 5, 1)
+    assert (one.flops, one.bytes) == (cost.decode(1, 5).flops, cost.decode(1, 5).bytes)
+    # 3 tokens after 5 cached: they see 6, 7 and 8 keys; one read of the weights
+    v = cost.verify(1, 5, 3)
+    assert v.flops == 3 * 2 * 1232 + 4 * 2 * 2 * 4 * (6 + 7 + 8)
+    assert v.bytes == 1232 * 4 + 8 * 64
+    got = cost.speculative_intensity(5, {"draft_tokens": 20, "verify_passes": 10,
+                                         "mean_accepted_length": 2.5})
+    assert got["tokens_computed_per_pass"] == 3 and got["verify_intensity_b1"] == v.intensity
+    assert got["decode_intensity_b1"] < got["kept_intensity_b1"] < got["verify_intensity_b1"]
+    assert got["kept_intensity_b1"] == pytest.approx(v.intensity * 2.5 / 3)
+
+
 def test_roofline_of_an_8b_model_on_an_h200_matches_the_known_bounds():
     """An 8B bf16 model holds 16.06 GB of weights, but a decode step reads 15.0 of them: the
     embedding table is read only at the batch's rows, so 3.5 ms at 4.3 TB/s, not the 3.7 ms of

@@ -70,6 +70,13 @@ def serving_rows(res: dict[str, Any]) -> list[list[str]]:
 def headline(res: dict[str, Any]) -> list[str]:
     c, rf = res["ceilings"], res["roofline"]
     cross = rf["decode_crossover_batch"]
+    sp = rf.get("speculative")
+    spec = [] if not sp else [
+        f"With speculation ({sp['line']}): a verify pass computed {sp['tokens_computed_per_pass']:.2f} "
+        f"tokens a sequence for one read of the weights, raising decode's intensity at batch 1 from "
+        f"{sp['decode_intensity_b1']:.2f} to {sp['verify_intensity_b1']:.2f} FLOP/byte; "
+        f"{sp['mean_accepted_length']:.2f} of them were kept ({sp['kept_intensity_b1']:.2f} FLOP/byte "
+        f"of work that became output)."]
     return [
         f"{res['model']} on {res['device']} ({res['dtype']}); ceilings measured by `twophase "
         f"calibrate`: {_fmt(c['peak_flops'], 'FLOP/s')} matmul peak, {_fmt(c['bandwidth'], 'B/s')} "
@@ -78,6 +85,8 @@ def headline(res: dict[str, Any]) -> list[str]:
         f"{rf['prefill_intensity_at']} tokens, decode {rf['decode_intensity_b1']:.2f} at batch 1 "
         f"(context {res['decode_context']}); decode turns compute-bound at batch "
         f"{cross if cross else 'never (the K/V read grows with the batch)'}.",
+        *spec,
+        *res.get("skipped", []),
     ]
 
 

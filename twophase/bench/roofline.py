@@ -76,6 +76,26 @@ class CostModel:
         moved = self.weight_bytes_per_step + batch * (context + 1) * self.kv_bytes_per_token
         return Cost(flops, moved)
 
+    def verify(self, batch: int, context: int, tokens: float) -> Cost:
+        """A speculative verify pass: ``tokens`` per sequence (its decode and its drafts, on
+        average) after ``context`` cached ones, for one read of the weights."""
+        L = self.arch.num_layers
+        flops = batch * tokens * (2 * (L * self.layer_params + self.head_params)
+                                  + self._attention_flops(context + (tokens + 1) / 2))
+        moved = self.weight_bytes_per_step + batch * (context + tokens) * self.kv_bytes_per_token
+        return Cost(flops, moved)
+
+    def speculative_intensity(self, context: int, summary: dict) -> dict[str, float]:
+        """What speculation did to decode's arithmetic intensity at batch 1, from a run's
+        speculative summary: the tokens a verify pass computed per weight read, those it kept,
+        and the FLOP/byte of each (kept: the work that became output)."""
+        computed = 1 + summary["draft_tokens"] / summary["verify_passes"]
+        kept = summary["mean_accepted_length"]
+        verify = self.verify(1, context, computed).intensity
+        return {"tokens_computed_per_pass": computed, "mean_accepted_length": kept,
+                "decode_intensity_b1": self.decode(1, context).intensity,
+                "verify_intensity_b1": verify, "kept_intensity_b1": verify * kept / computed}
+
     def decode_crossover(self, context: int, peak_flops: float, bandwidth: float,
                          limit: int = 1 << 16) -> int | None:
         """The smallest batch at which decode turns compute-bound (None: never, below

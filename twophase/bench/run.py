@@ -93,6 +93,7 @@ def run(cfg: Config, backends: list[str] | None = None, compare_chunked: bool = 
     _check_backends(names, device)
     llms = {name: _bench_llm(cfg, name) for name in names}
     first = llms[names[0]]
+    b, skipped = sweeps.servable(b, first.max_model_len)
     arch, dtype = first.model.arch, first.model.dtype
     kv_dtype = first.kv_cache.pool.dtype
     cost = CostModel(arch, dtype.itemsize, kv_dtype.itemsize)
@@ -164,9 +165,19 @@ def run(cfg: Config, backends: list[str] | None = None, compare_chunked: bool = 
         "serving": served,
         "serving_workload": _describe_workload(s, len(requests)),
         "load_time_s": {name: llm.load_time_s for name, llm in llms.items()},
+        "skipped": skipped,
     }
+    res["roofline"] = _roofline(cost, b, ceil, served)
+    if chunked:
+        res["chunked"] = chunked
+        res["chunked_long_prompt"] = max(b.prompt_lens)
+    return res
+
+
+def _roofline(cost, b, ceil, served: dict[str, Any]) -> dict[str, Any]:
+    """Each phase's arithmetic intensity and bound, and what speculation did to decode's."""
     big = max(b.prompt_lens)
-    res["roofline"] = {
+    out = {
         "prefill_intensity": cost.prefill(big, b.cache_depth).intensity, "prefill_intensity_at": big,
         "decode_intensity_b1": cost.decode(1, b.decode_context).intensity,
         "decode_intensity": {str(x): cost.decode(x, b.decode_context).intensity for x in b.batch_sizes},
@@ -176,10 +187,10 @@ def run(cfg: Config, backends: list[str] | None = None, compare_chunked: bool = 
         "decode_bound_tokens_per_s": {str(x): x / cost.decode(x, b.decode_context).bound_s(
             ceil.peak_flops, ceil.bandwidth) for x in b.batch_sizes},
     }
-    if chunked:
-        res["chunked"] = chunked
-        res["chunked_long_prompt"] = max(b.prompt_lens)
-    return res
+    for line, s in served.items():
+        if "speculative" in line and s.get("speculative"):
+            out["speculative"] = {"line": line, **cost.speculative_intensity(b.decode_context, s["speculative"])}
+    return out
 
 
 def _speculative_line(cfg: Config, backend: str) -> tuple[str, SpeculativeConfig]:

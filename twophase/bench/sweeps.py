@@ -13,14 +13,37 @@ shared machine hits every backend alike, and takes the median and spread over ro
 
 from __future__ import annotations
 
+import dataclasses
+import random
 import statistics
 
+from twophase.config import BenchConfig
 from twophase.core.params import SamplingParams
+from twophase.errors import ConfigError
 
 
 def tokens(n: int, salt: int, vocab: int) -> list[int]:
-    """``n`` token ids; different salts give sequences with no common prefix."""
-    return [3 + (i * 7 + salt * 7919) % (vocab - 3) for i in range(n)]
+    """``n`` pseudo-random token ids, the same for the same salt; different salts give
+    sequences with no common first block, so no sweep prompt is a prefix-cache hit for another
+    (an arithmetic sequence repeated itself every ``vocab`` tokens on a small vocabulary)."""
+    rng = random.Random(f"{salt}:{n}")
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def servable(b: BenchConfig, max_model_len: int) -> tuple[BenchConfig, list[str]]:
+    """``b`` with the prompt lengths the model's context cannot take (prompt, cached prefix and
+    the one token generated) left out, and a note for each; a config with nothing left to
+    measure is a ``ConfigError``."""
+    fits = [n for n in b.prompt_lens if b.cache_depth + n + 1 <= max_model_len]
+    notes = [f"prefill {n}: skipped, {b.cache_depth} cached + {n} + 1 generated tokens exceed the "
+             f"context of {max_model_len}" for n in b.prompt_lens if n not in fits]
+    if not fits:
+        raise ConfigError("bench.prompt_lens", f"no prompt length fits the context of "
+                          f"{max_model_len} tokens (after bench.cache_depth = {b.cache_depth})")
+    if b.decode_context + b.decode_steps + 2 > max_model_len:
+        raise ConfigError("bench.decode_context", f"{b.decode_context} cached + {b.decode_steps} "
+                          f"steps exceed the context of {max_model_len} tokens")
+    return dataclasses.replace(b, prompt_lens=fits), notes
 
 
 def prefill_prompt(n: int, depth: int, salt: int, vocab: int) -> list[int]:
@@ -40,7 +63,9 @@ def prefill_round(llm, n: int, depth: int, salt: int) -> float:
     if depth:
         llm.generate([prompt[:depth]], SamplingParams(max_tokens=1, ignore_eos=True))
     llm.reset_stats()
-    llm.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))[0]
+    if out.finish_reason == "rejected":
+        raise RuntimeError(f"prefill sweep: the {n}-token prompt was rejected: {out.error}")
     step = llm.engine.steps.records[0]
     if step.mix != "prefill" or step.prefill_tokens != n:
         raise RuntimeError(f"prefill sweep: expected one step of {n} new tokens, got "
