@@ -390,6 +390,9 @@ CLI_CASES = {
                    "w.jsonl": '{"prompt": "hi", "max_tokens": 2}\n\n{"prompt": oops}\n'},
                   ["run", "c.toml"]),
     "run_tiny": ({"c.toml": TINY_RUN_TOML}, ["run", "c.toml", "--json", "out.json"]),
+    "run_flags": ({}, ["run", "--model", "tiny", "--prompt", "Hi", "--prompt", "Yo", "--max-tokens", "3"]),
+    "empty_prompts": ({"c.toml": TINY_TOML + "[workload]\nprompts = []\n"}, ["run", "c.toml"]),
+    "version": ({}, ["--version"]),
     "backends": ({}, ["backends"]),
 }
 
@@ -506,6 +509,90 @@ def test_cli_run_tiny_prints_report_and_writes_json(cli):
     assert isinstance(data["steps"], list) and data["steps"]
     assert isinstance(data["report"], dict) and data["report"]["backend"]["prefill"] == "torch"
     assert data["config"] == str((d / "c.toml").resolve())
+
+
+def test_cli_runs_without_a_config_from_flags(cli):
+    r, _ = cli("run_flags")
+    assert r.returncode == 0, str(r)
+    assert "#0 (length, 3 tokens)" in r.stdout and "#1 (length, 3 tokens)" in r.stdout
+    assert "requests / output tokens" in r.stdout and "2 / 6" in r.stdout
+
+
+def test_cli_empty_prompts_is_an_error_not_the_examples(cli):
+    r, _ = cli("empty_prompts")
+    assert r.returncode == 2, str(r)
+    line = assert_one_line_error(r, "twophase: config error: workload.prompts: ")
+    assert "is empty" in line
+
+
+def test_cli_version(cli):
+    from importlib.metadata import version
+
+    r, _ = cli("version")
+    assert r.returncode == 0 and r.stdout.strip() == f"twophase {version('twophase')}", str(r)
+
+
+def test_flags_override_the_config_key_by_key():
+    import argparse
+
+    from twophase import flags
+
+    def parsed(*argv):
+        p = argparse.ArgumentParser()
+        flags.add(p)
+        return p.parse_args(argv)
+
+    split = {"backend": {"prefill": {"name": "onnxruntime"}, "decode": {"name": "native"}}}
+    got = flags.overrides(parsed("--threads", "2"), split)
+    assert got["backend"] == {k: {"options": {"threads": 2}} for k in ("prefill", "decode")}
+    got = flags.overrides(parsed("--backend", "torch", "--threads", "1"), split)
+    assert got["backend"] == {"name": "torch", "prefill": None, "decode": None, "options": {"threads": 1}}
+    cfg = load_config(split, flags.overrides(parsed("--backend", "torch", "--model", "tiny"), split))
+    assert cfg.backend.name == "torch" and cfg.backend.prefill is None
+    assert (cfg.model.name, cfg.model.weights) == ("tiny", "random")
+    cfg = load_config({"model": {"path": "x.gguf"}},
+                      flags.overrides(parsed("--model", "smollm2-135m-instruct", "--quantization", "q4"), {}))
+    assert (cfg.model.name, cfg.model.path, cfg.model.weights, cfg.model.quantization) == \
+        ("smollm2-135m-instruct", None, "pretrained", "q4")
+    cfg = load_config(None, flags.overrides(parsed("--prompt", "a", "--max-tokens", "5"), {}))
+    assert cfg.workload.prompts == ["a"] and cfg.sampling.max_tokens == 5
+
+
+def test_chat_auto_uses_the_template_only_where_the_model_has_one():
+    from twophase import workload
+
+    class Tok:
+        chat_template = "x"
+
+        def apply_chat_template(self, messages):
+            return f"<user>{messages[0]['content']}</user>"
+
+    cfg = load_config({"workload": {"prompts": ["hi"]}})
+    assert workload.build(cfg, Tok(), 512)[0][0] == "<user>hi</user>"
+    Tok.chat_template = None
+    assert workload.build(cfg, Tok(), 512)[0][0] == "hi"
+    cfg = load_config({"workload": {"prompts": ["hi"], "chat": False}})
+    Tok.chat_template = "x"
+    assert workload.build(cfg, Tok(), 512)[0][0] == "hi"
+
+
+def test_cache_lists_kinds_and_clears_only_what_is_named(tmp_path):
+    from twophase import cache_contents as cc
+
+    (tmp_path / "onnx" / "m-1").mkdir(parents=True)
+    (tmp_path / "onnx" / "m-1" / "model.onnx").write_bytes(b"x" * 1000)
+    (tmp_path / "onnx" / "m-2.tmp").mkdir()
+    (tmp_path / "gguf").mkdir()
+    (tmp_path / "gguf" / "a.gguf").write_bytes(b"y" * 10)
+    (tmp_path / "calibration.json").write_text("{}")
+    (tmp_path / "mine").mkdir()
+    got = {(e.kind, e.name): (e.bytes, e.complete) for e in cc.entries(tmp_path)}
+    assert got == {("onnx", "m-1"): (1000, True), ("onnx", "m-2.tmp"): (0, False),
+                   ("gguf", "a.gguf"): (10, True), ("calibration.json", ""): (2, True)}
+    assert cc.unknown(tmp_path) == ["mine"]
+    assert cc.clear(tmp_path, ["onnx", "calibration.json"]) == 1002
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gguf", "mine"]
+    assert cc.human(1536) == "1.5 KB" and cc.human(3 << 30) == "3.0 GB"
 
 
 def test_cli_backends_lists_torch_builtin(cli):

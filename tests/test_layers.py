@@ -20,7 +20,8 @@ LAYERS = [
     ["twophase.exporters"],                                         # build artefacts offline
     ["twophase.backends"],                                          # runtimes (and the registry)
     ["twophase.llm", "twophase.draft", "twophase.quality", "twophase.workload"],   # the Python API
-    ["twophase.server", "twophase.bench", "twophase.cli", "twophase.testing", "twophase.__main__",
+    ["twophase.server", "twophase.bench", "twophase.cli", "twophase.flags", "twophase.chat",
+     "twophase.cache_contents", "twophase.testing", "twophase.__main__",
      "twophase"],                                                   # front ends
 ]
 

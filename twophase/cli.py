@@ -1,4 +1,5 @@
-"""twophase: run a config, serve it over HTTP, benchmark backends, list backends, export models.
+"""twophase: run a config, chat with its model, serve it over HTTP, benchmark backends, list
+backends, export models, manage the cache.
 
 User mistakes end in one message (exit status 2 for config errors), never a traceback.
 """
@@ -11,6 +12,8 @@ import logging
 import sys
 from pathlib import Path
 
+from twophase import flags
+from twophase.cache_contents import KINDS
 from twophase.errors import ConfigError, TwophaseError
 
 log = logging.getLogger("twophase")
@@ -19,9 +22,10 @@ log = logging.getLogger("twophase")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="twophase", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"twophase {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a config's workload and print completions and a phase report")
-    run.add_argument("config", help="TOML file")
+    flags.add(run)
     run.add_argument("--json", metavar="FILE", help="write completions, report and steps as JSON")
     run.add_argument("--quiet", action="store_true", help="report only, no completions")
     sub.add_parser("backends", help="list registered backends and whether they can run here")
@@ -45,8 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--compare-chunked", action="store_true",
                        help="also run a long prompt among running decodes with chunked prefill "
                             "on and off, and show the inter-token latency spike without it")
+    chat = sub.add_parser("chat", help="talk to the model in the terminal, answers streamed")
+    flags.add(chat, prompts=False)
     serve = sub.add_parser("serve", help="serve the config's model over an OpenAI-compatible HTTP API")
-    serve.add_argument("config", help="TOML file; its [server] section sets the defaults")
+    flags.add(serve, prompts=False)
     serve.add_argument("--host", help="default: server.host (127.0.0.1)")
     serve.add_argument("--port", type=int, help="default: server.port (8000)")
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: "
@@ -56,21 +62,20 @@ def main(argv: list[str] | None = None) -> int:
     cal.add_argument("--device", default="cpu")
     cal.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     cal.add_argument("--force", action="store_true", help="measure again even if cached")
+    cache = sub.add_parser("cache", help="what $TWOPHASE_CACHE holds, with sizes; clear parts of it")
+    cache.add_argument("action", nargs="?", choices=["list", "clear"], default="list")
+    cache.add_argument("kinds", nargs="*", metavar="KIND",
+                       help=f"clear: what to delete ({', '.join(KINDS)})")
+    cache.add_argument("--all", action="store_true", help="clear: every kind")
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
+    commands = {"run": cmd_run, "export": cmd_export, "bench": cmd_bench, "calibrate": cmd_calibrate,
+                "serve": cmd_serve, "chat": cmd_chat, "cache": cmd_cache}
     try:
-        if args.command == "run":
-            return cmd_run(args)
-        if args.command == "export":
-            return cmd_export(args)
-        if args.command == "bench":
-            return cmd_bench(args)
-        if args.command == "calibrate":
-            return cmd_calibrate(args)
-        if args.command == "serve":
-            return cmd_serve(args)
+        if args.command in commands:
+            return commands[args.command](args)
         return cmd_backends()
     except ConfigError as exc:
         print(f"twophase: config error: {exc}", file=sys.stderr)
@@ -82,11 +87,19 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("twophase")
+    except PackageNotFoundError:          # run from a source tree that is not installed
+        return "unknown (not installed)"
+
+
 def cmd_run(args) -> int:
     from twophase import workload
-    from twophase.config import load_config
 
-    cfg = load_config(args.config)          # before torch is imported: config errors come at once
+    cfg = flags.load(args)          # before torch is imported: config errors come at once
     workload.validate(cfg)
     from twophase.llm import LLM
 
@@ -115,7 +128,7 @@ def _run_and_report(args, cfg, llm) -> int:
     report = llm.report(outputs)
     console.print(phase_table(report))
     if args.json:
-        data = {"config": str(Path(args.config).resolve()), "report": report,
+        data = {"config": str(Path(args.config).resolve()) if args.config else None, "report": report,
                 "outputs": [{k: v for k, v in o.__dict__.items() if k != "times"} for o in outputs],
                 "steps": step_dicts(list(llm.engine.steps.records))}
         Path(args.json).write_text(json.dumps(data, indent=2, default=str))
@@ -145,13 +158,59 @@ def cmd_bench(args) -> int:
 def cmd_serve(args) -> int:
     import os
 
-    from twophase.config import load_config
     from twophase.server.serve import serve
 
-    cfg = load_config(args.config)
+    cfg = flags.load(args)
     sv = cfg.server
     key = args.api_key or sv.api_key or os.environ.get("TWOPHASE_API_KEY")
     return serve(cfg, args.host or sv.host, args.port if args.port is not None else sv.port, key)
+
+
+def cmd_chat(args) -> int:
+    from twophase import workload
+    from twophase.chat import chat
+    from twophase.llm import LLM
+
+    cfg = flags.load(args)
+    params = workload.sampling_params(cfg)
+    with LLM(cfg) as llm:
+        return chat(llm, params)
+
+
+def cmd_cache(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from twophase import cache_contents as cc
+    from twophase.paths import cache_dir
+
+    root = cache_dir()
+    if args.action == "clear":
+        kinds = list(KINDS) if args.all else args.kinds
+        wrong = [k for k in kinds if k not in KINDS]
+        if not kinds or wrong:
+            raise ConfigError("cache clear", f"name what to clear ({', '.join(KINDS)}) or --all"
+                              + (f"; not a kind: {wrong[0]!r}" if wrong else ""))
+        print(f"freed {cc.human(cc.clear(root, kinds))} from {root} ({', '.join(kinds)})")
+        return 0
+    found = cc.entries(root)
+    t = Table(title=f"{root}: {cc.human(sum(e.bytes for e in found))}")
+    for col in ("kind", "entry", "size", "last written"):
+        t.add_column(col, justify="right" if col == "size" else "left", overflow="fold")
+    for e in found:
+        t.add_row(e.kind, e.name + ("" if e.complete else " (incomplete build)"), cc.human(e.bytes),
+                  cc.age(e.modified))
+    console = Console()
+    console.print(t if found else f"{root} is empty")
+    for kind, what in KINDS.items():
+        total = sum(e.bytes for e in found if e.kind == kind)
+        if total:
+            console.print(f"  {kind}: {what}, {cc.human(total)}")
+    if cc.unknown(root):
+        console.print(f"  not twophase's, left alone: {', '.join(cc.unknown(root))}")
+    console.print("Everything here is rebuilt when needed; `twophase cache clear KIND` or "
+                  "`--all` deletes it.")
+    return 0
 
 
 def cmd_calibrate(args) -> int:

@@ -91,8 +91,8 @@ class SyntheticConfig:
 
 @dataclass
 class WorkloadConfig:
-    prompts: list[str] = field(default_factory=list)
-    chat: bool = False                     # wrap each prompt in the model's chat template
+    prompts: list[str] | None = None       # none given (and no jsonl/synthetic): a few examples
+    chat: bool | Literal["auto"] = "auto"  # the model's chat template; auto: where it has one
     jsonl: str | None = None               # one {"prompt": ..., optional sampling keys} a line
     synthetic: SyntheticConfig | None = None
 
@@ -181,11 +181,14 @@ class Config:
         return p if p.is_absolute() else self.base_dir / p
 
 
-def load_config(source: str | Path | dict[str, Any]) -> Config:
-    """A checked ``Config`` from a TOML path or a dict of the TOML's shape."""
-    if isinstance(source, dict):
-        _check_backend_shape(source)
-        cfg = _build(Config, source, "")
+def load_config(source: str | Path | dict[str, Any] | None,
+                overrides: dict[str, Any] | None = None) -> Config:
+    """A checked ``Config`` from a TOML path or a dict of the TOML's shape (``None``: every
+    default), with ``overrides`` (the same shape, e.g. from command-line flags) over it."""
+    if source is None or isinstance(source, dict):
+        data = merged(source or {}, overrides or {})
+        _check_backend_shape(data)
+        cfg = _build(Config, data, "")
         cfg.base_dir = Path(".")
     else:
         path = Path(source)
@@ -197,11 +200,26 @@ def load_config(source: str | Path | dict[str, Any]) -> Config:
             raise ConfigError("", f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError("", f"{path}: TOML syntax error: {exc}") from None
+        data = merged(data, overrides or {})
         _check_backend_shape(data)
         cfg = _build(Config, data, "")
         cfg.base_dir = path.resolve().parent
     _check(cfg)
     return cfg
+
+
+def merged(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with ``overrides`` over it, section by section (a value replaces, ``None``
+    removes the key, back to its default; a table is merged into the table it replaces)."""
+    out = dict(data)
+    for key, value in overrides.items():
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merged(out[key], value)
+        else:
+            out[key] = value
+    return out
 
 
 def _check_backend_shape(data: dict[str, Any], where: str = "") -> None:
@@ -304,6 +322,9 @@ def _check_speculative(cfg: Config) -> None:
 
 
 def _check_workload(cfg: Config) -> None:
+    if cfg.workload.prompts == []:
+        raise ConfigError("workload.prompts", "is empty: give prompts, or leave the key out to "
+                          "run a few example prompts")
     syn = cfg.workload.synthetic
     if syn is not None:
         if syn.num_requests < 1:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import random
 from dataclasses import asdict
 
@@ -10,6 +11,7 @@ from twophase.config import Config
 from twophase.core.params import SamplingParams
 from twophase.errors import ConfigError, InvalidSamplingParam
 
+log = logging.getLogger(__name__)
 DEFAULT_PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -32,9 +34,11 @@ def build(cfg: Config, tokenizer, vocab_size: int) -> list[tuple[str | list[int]
     w = cfg.workload
     base = sampling_params(cfg)
     items: list[tuple[str | list[int], SamplingParams]] = []
+    templated = tokenizer is not None and (w.chat is True or (
+        w.chat == "auto" and tokenizer.chat_template))
     chat = (lambda p: tokenizer.apply_chat_template([{"role": "user", "content": p}])) \
-        if w.chat and tokenizer is not None else (lambda p: p)
-    items += [(chat(p), base) for p in w.prompts]
+        if templated else (lambda p: p)
+    items += [(chat(p), base) for p in w.prompts or []]
     if w.jsonl:
         items += _jsonl(cfg, chat)
     if w.synthetic is not None:
@@ -49,6 +53,7 @@ def build(cfg: Config, tokenizer, vocab_size: int) -> list[tuple[str | list[int]
         if tokenizer is None:
             raise ConfigError("workload", "this model has no tokenizer: give workload.synthetic "
                                           "or a JSONL file of prompt_token_ids")
+        log.info("no [workload] given: running %d example prompts", len(DEFAULT_PROMPTS))
         items = [(chat(p), base) for p in DEFAULT_PROMPTS]
     return items
 

@@ -12,6 +12,7 @@ from typing import Protocol
 class Tokenizer(Protocol):
     eos_token_ids: tuple[int, ...]
     max_token_chars: int        # the most characters of text one token stands for
+    chat_template: str | None   # the model's own (None: it has none)
 
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
@@ -71,6 +72,7 @@ class ByteTokenizer:
 
     OFFSET = 3
     max_token_chars = 1
+    chat_template = None
 
     def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...] = (2,)):
         if vocab_size < 256 + self.OFFSET:
