@@ -12,7 +12,10 @@ import hashlib
 import json
 import logging
 import shutil
-from collections.abc import Callable
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +74,21 @@ def is_fresh(folder: Path, manifest: dict[str, Any]) -> bool:
         for name, size in files.items())
 
 
+@contextmanager
+def _spinner(text: str) -> Iterator[None]:
+    """A line with the time elapsed while ``text`` runs, where stderr is a terminal (a cold
+    export takes a minute or two and prints nothing else); elsewhere the log lines say it."""
+    if not sys.stderr.isatty():
+        yield
+        return
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn(text), TimeElapsedColumn(), transient=True,
+                  console=Console(stderr=True)):
+        yield
+
+
 def build_cached(folder: Path, manifest: dict[str, Any], build: Callable[[Path], None],
                  force: bool = False, what: str = "artefact") -> Path:
     """``folder``, built by ``build(tmp_folder)`` unless an up-to-date build is already there."""
@@ -83,7 +101,10 @@ def build_cached(folder: Path, manifest: dict[str, Any], build: Callable[[Path],
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    build(tmp)
+    t0 = time.perf_counter()
+    with _spinner(f"building {what} for {manifest['model_id']} (once)"):
+        build(tmp)
+    log.info("built %s in %.0f s", what, time.perf_counter() - t0)
     manifest = dict(manifest, files={p.name: p.stat().st_size for p in tmp.iterdir()})
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
     shutil.rmtree(folder, ignore_errors=True)

@@ -127,7 +127,7 @@ def _export_to(model: ModelSpec, folder: Path) -> None:
         warnings.simplefilter("ignore")
         torch.onnx.export(step, args, str(folder / "model.onnx"), dynamo=True,
                           input_names=INPUTS, output_names=OUTPUTS, dynamic_shapes=dynamic,
-                          opset_version=OPSET, external_data=True,
+                          opset_version=OPSET, external_data=True, verbose=False,
                           optimize=False)   # ORT optimises at load; onnxscript's pass took minutes
     if model.dtype == torch.float32 and decode_graph.supported(step.model.arch):
         for name, verify in (("decode.onnx", False), ("verify.onnx", True)):
@@ -158,9 +158,11 @@ def quiet_exporter_logs():
     """The exporters' passes log every node at INFO."""
     loggers = [logging.getLogger(n) for n in ("onnxscript", "onnx_ir", "torch.onnx", "torch.export",
                                               "iree.turbine")]
+    # torch's op registry warns, at each export, that torchvision (never used here) is missing
+    loggers.append(logging.getLogger("torch.onnx._internal.exporter._registration"))
     levels = [lg.level for lg in loggers]
     for lg in loggers:
-        lg.setLevel(logging.WARNING)
+        lg.setLevel(logging.ERROR if lg is loggers[-1] else logging.WARNING)
     try:
         yield
     finally:
