@@ -5,6 +5,7 @@ artefact."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -89,7 +90,7 @@ def test_cost_model_matches_a_hand_count():
     assert d.bound_s(1e3, 1e2) == max(d.flops / 1e3, d.bytes / 1e2)
 
 
-def test_sweeps_leave_out_what_the_context_cannot_take_and_never_hit_the_prefix_cache():
+def test_sweeps_leave_out_what_the_context_cannot_take_and_never_hit_the_prefix_cache(one_torch_thread):
     from twophase.bench import sweeps
     from twophase.config import BenchConfig
     from twophase.errors import ConfigError
@@ -114,6 +115,23 @@ def test_sweeps_leave_out_what_the_context_cannot_take_and_never_hit_the_prefix_
         for n in b.prompt_lens:
             assert sweeps.prefill_round(llm, n, 0, salt) > 0
     assert llm.engine.kv.hits == hits
+
+
+def test_hf_decode_is_timed_step_by_step_never_as_a_difference(one_torch_thread, monkeypatch):
+    """A decode step is the gap between two tokens reaching generate's streamer (a difference
+    of two generate calls once came out negative at batch 32, reported as 0.0 ms)."""
+    from twophase.bench.hf_baseline import HFBaseline, _TokenClock
+
+    clock = _TokenClock()
+    clock.times = [0.0, 5.0, 5.1, 5.3, 5.4, 5.6]      # prompt, prefill's token, 4 decode steps
+    assert clock.decode_step_s(4) == pytest.approx(0.2)        # median of .2 .1 .2 (the first left out)
+    with pytest.raises(RuntimeError, match="4 decode steps timed, expected 5"):
+        clock.decode_step_s(5)
+    puts = []
+    monkeypatch.setattr(_TokenClock, "put", lambda self, v: puts.append(v.shape) or self.times.append(len(puts)))
+    step = HFBaseline(tiny_llm()).decode_round(32, 24, 4, 0)
+    assert step == 1.0                                 # one fake second between puts
+    assert puts[0] == (32, 24) and puts[1:] == [(32,)] * 5
 
 
 def test_a_verify_pass_is_decode_for_each_of_its_tokens_over_one_weight_read():
@@ -152,7 +170,9 @@ def test_roofline_of_an_8b_model_on_an_h200_matches_the_known_bounds():
     assert cost.decode(cross, 0).intensity >= 790 / 4.3 > cost.decode(cross - 1, 0).intensity
 
 
-def test_bench_on_the_tiny_model_writes_every_artefact(tmp_path):
+def test_bench_on_the_tiny_model_writes_every_artefact(tmp_path, seed_calibration):
+    # ceilings far below anything the model runs at: every figure beats its roofline bound
+    seed_calibration(peak_flops=1e6, bandwidth=1e6)
     cfg = tmp_path / "bench.toml"
     cfg.write_text("""
 [model]
@@ -176,7 +196,7 @@ rate = 100
     out = tmp_path / "out"
     run = subprocess.run([sys.executable, "-m", "twophase", "bench", str(cfg), "--out", str(out),
                           "--compare-chunked", "--speculative"], capture_output=True, text=True,
-                         timeout=600)
+                         timeout=600, env={**os.environ, "COLUMNS": "80"})
     assert run.returncode == 0, run.stderr[-3000:]
     for name in ("results.json", "report.md", "prefill_tokens_per_s.png",
                  "decode_tokens_per_s.png", "ttft_itl.png", "chunked_itl.png"):
@@ -186,18 +206,36 @@ rate = 100
     spec = res["serving"]["torch, speculative ngram k=auto"]         # beside the same workload
     assert spec["output_tokens"] == res["serving"]["torch"]["output_tokens"]
     assert "speculative ngram" in (out / "report.md").read_text()
+    assert (res["repeats_requested"], res["repeats"]) == (2, 3)       # raised to 3, with a warning
+    assert "bench.repeats = 2 raised to 3" in run.stderr
     for phase, shapes in (("prefill", [16, 48]), ("decode", [1, 4])):
         for line in res["lines"]:
             got = res[phase][line]
             assert sorted(map(int, got)) == shapes
-            assert all(m["rounds"] == 2 and m["tokens_per_s"] > 0 and 0 < m["roofline_fraction"] <= 1.0
-                       for m in got.values())
+            assert all(m["rounds"] == 3 and m["min_s"] <= m["median_s"] <= m["max_s"]
+                       and m["roofline_fraction"] > 1 for m in got.values())
+    assert isinstance(res["outliers"], list)
+    assert {"load_before", "load_after", "steal_fraction", "others_cpu_fraction"} <= set(res["machine"])
     assert res["serving"]["torch"]["requests"] == 6 and res["serving"]["torch"]["ttft_s"]["p99"] > 0
     assert set(res["chunked"]) == {"on", "off"}
-    assert res["ceilings"]["peak_flops"] > 0 and res["ceilings"]["bandwidth"] > 0
-    assert "decode (tokens/s)" in run.stdout and "serving" in run.stdout
+    for s in res["chunked"].values():
+        at = s["itl_timeline_at_s"]
+        assert at == sorted(at) and len(at) == len(s["itl_timeline"])
+        assert 0 < s["long_prompt_arrival_s"] < s["long_prompt_first_token_s"]
+    assert res["ceilings"]["peak_flops"] == 1e6                        # the seeded entry, not a new one
+    assert "decode: tokens/s" in run.stdout and "serving" in run.stdout
+    words = " ".join(run.stdout.split())                              # as wrapped at 80 columns
+    assert "Measured above the roofline bound" in words and "twophase calibrate --force" in words
+    assert all(len(line) <= 80 for line in run.stdout.splitlines()) and "…" not in run.stdout
+    # not a terminal: one log line a phase instead of a progress bar
+    logged = [line for line in run.stderr.splitlines() if "bench [" in line]
+    assert len(logged) == 1 + 3 + 2 + 1 + 2, logged       # warm-up, rounds, serving, speculative, chunked
+    for phase, line in zip(("warm-up", "round 1/3", "round 3/3", "serving workload on hf",
+                            "chunked prefill off"), [logged[i] for i in (0, 1, 3, 5, 8)]):
+        assert phase in line, (phase, line)
     md = (out / "report.md").read_text()
     assert "| 48 | torch |" in md and "![decode_tokens_per_s](decode_tokens_per_s.png)" in md
+    assert "## Warnings" in md and "twophase calibrate --force" in md
 
 
 @pytest.mark.parametrize("bench, message", [
@@ -220,20 +258,6 @@ def test_unknown_backend_in_bench_is_a_config_error(tmp_path):
     run = subprocess.run([sys.executable, "-m", "twophase", "bench", str(cfg), "--backends",
                           "torch,nosuch"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and "nosuch" in run.stderr and "Traceback" not in run.stderr
-
-
-def test_calibration_is_cached(tmp_path, monkeypatch):
-    from twophase.bench import calibrate
-
-    monkeypatch.setenv("TWOPHASE_CACHE", str(tmp_path))
-    calls = []
-    monkeypatch.setattr(calibrate, "_peak", lambda d, t: calls.append("peak") or 2e9)
-    monkeypatch.setattr(calibrate, "_bandwidth", lambda d: calls.append("bw") or 1e9)
-    c = calibrate.ceilings("cpu", torch.float32)
-    assert c.peak_flops == 2e9 and c.ridge == 2.0
-    assert calibrate.ceilings("cpu", torch.float32) == c and calls == ["peak", "bw"]
-    calibrate.ceilings("cpu", torch.float32, force=True)
-    assert calls == ["peak", "bw"] * 2
 
 
 def test_calibrate_refuses_a_device_it_cannot_measure():

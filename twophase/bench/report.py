@@ -1,5 +1,10 @@
 """The bench's outputs: terminal tables (rich), ``results.json``, ``report.md`` and PNG plots.
 Everything is drawn from the results dict alone, so a saved ``results.json`` can be re-rendered.
+
+Tables fit 80 columns (long line names wrap, figures never do); every median comes with its
+min–max over rounds; warnings say when a figure should not be trusted: measured above its
+roofline bound (the ceilings are stale), a calibration or a bench on a busy machine, a round far
+off its case's others.
 """
 
 from __future__ import annotations
@@ -8,25 +13,49 @@ import json
 from pathlib import Path
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from twophase.bench import machine
 
-def _fmt(v: float | None, unit: str = "") -> str:
+RECALIBRATE = "run `twophase calibrate --force` on a quiet machine, then bench again"
+
+
+def _num(v: float | None) -> str:
+    """A plain number, digits grouped, one decimal below 100."""
+    if v is None:
+        return "-"
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.1f}"
+
+
+def _si(v: float | None) -> str:
+    """``v`` with an SI prefix, for FLOP/s and bytes/s columns (the unit is in the header)."""
     if v is None:
         return "-"
     for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(v) >= scale and unit:
-            return f"{v / scale:.1f} {prefix}{unit}"
-    return f"{v:.1f}{' ' + unit if unit else ''}"
+        if abs(v) >= scale:
+            return f"{v / scale:.1f} {prefix}"
+    return f"{v:.1f}"
 
 
 def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1e3:.1f}"
 
 
+def tokens_range(m: dict[str, Any], tokens: float) -> tuple[float, float]:
+    """(slowest, fastest) tokens/s over the rounds of a measurement."""
+    return tokens / m["max_s"], tokens / m["min_s"]
+
+
+def phase_columns(res: dict[str, Any], phase: str) -> list[str]:
+    return ["prompt" if phase == "prefill" else "batch", "line", "tok/s", "min–max",
+            f"vs {res['lines'][0]}", "FLOP/s", "B/s", "of roofline"]
+
+
 def phase_rows(res: dict[str, Any], phase: str) -> list[list[str]]:
-    """One row per (shape, line): tokens/s, ratio to the first line, FLOP/s, GB/s, % of bound."""
+    """One row per (shape, line): median tokens/s and its min–max over rounds, the ratio to
+    the first line, achieved FLOP/s and bytes/s, and the fraction of the roofline bound."""
     rows = []
     lines = res["lines"]
     for key in res["shapes"][phase]:
@@ -35,36 +64,50 @@ def phase_rows(res: dict[str, Any], phase: str) -> list[list[str]]:
             m = res[phase][line].get(str(key))
             if m is None:
                 continue
-            ratio = f"x{m['tokens_per_s'] / base:.2f}" if base else "-"
-            spread = f"{m['min_s'] * 1e3:.1f}–{m['max_s'] * 1e3:.1f}"
-            rows.append([str(key), line, f"{m['tokens_per_s']:.1f}", ratio,
-                         f"{m['median_s'] * 1e3:.2f} ({spread})", _fmt(m["flops_per_s"], "FLOP/s"),
-                         _fmt(m["bytes_per_s"], "B/s"), f"{100 * m['roofline_fraction']:.0f}%"])
+            lo, hi = tokens_range(m, float(key))   # a prompt's tokens, or one a sequence
+            frac = m["roofline_fraction"]
+            rows.append([str(key), line, _num(m["tokens_per_s"]), f"{_num(lo)}–{_num(hi)}",
+                         f"x{m['tokens_per_s'] / base:.2f}" if base else "-",
+                         _si(m["flops_per_s"]), _si(m["bytes_per_s"]),
+                         f"{100 * frac:.0f}%" + (" !" if frac > 1 else "")])
     return rows
 
 
-PHASE_COLUMNS = ["shape", "line", "tokens/s", "ratio", "ms/step (min–max)", "achieved FLOP/s",
-                 "achieved bytes/s", "of roofline"]
-SERVING_COLUMNS = ["line", "req/s", "output tok/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
-                   "ITL p50/p99 ms", "E2E p50/p99 ms", "max decode batch"]
+THROUGHPUT_COLUMNS = ["line", "req/s", "output tok/s", "max decode batch"]
+LATENCY_COLUMNS = ["line", "TTFT", "TPOT", "ITL", "E2E"]
 
 
-def serving_rows(res: dict[str, Any]) -> list[list[str]]:
-    rows = []
+def _serving_lines(res: dict[str, Any]) -> list[tuple[str, dict[str, Any], str]]:
+    """(label, summary, note) for each serving run: the workload's, then the chunked pair."""
+    out = []
     for line, s in res["serving"].items():
-        if "ttft_s" not in s:        # the HF reference: throughput only
-            rows.append([line, f"{s['request_throughput']:.2f}", f"{s['output_tokens_per_s']:.1f}",
-                         "-", "-", "-", "-", f"static batch {s['batch_size']}"])
-            continue
-        rows.append([line, f"{s['request_throughput']:.2f}", f"{s['output_tokens_per_s']:.1f}",
-                     *(f"{_ms(s[k]['p50'])} / {_ms(s[k]['p99'])}" for k in ("ttft_s", "tpot_s", "itl_s", "e2e_s")),
-                     str(s["max_decode_batch"])])
+        note = str(s.get("max_decode_batch", "-"))
+        if "ttft_s" not in s:
+            note = f"static batches of {s['batch_size']}"
+        out.append((line, s, note))
     for mode, s in res.get("chunked", {}).items():
-        rows.append([f"{res['lines'][0]}, chunked prefill {mode}", f"{s['request_throughput']:.2f}",
-                     f"{s['output_tokens_per_s']:.1f}",
-                     *(f"{_ms(s[k]['p50'])} / {_ms(s[k]['p99'])}" for k in ("ttft_s", "tpot_s", "itl_s", "e2e_s")),
-                     f"ITL max {_ms(max(s['itl_values'], default=0))} ms"])
-    return rows
+        out.append((f"{res['lines'][0]}, chunked prefill {mode}", s,
+                    f"ITL max {_ms(max(s['itl_values'], default=0))} ms"))
+    return out
+
+
+def throughput_rows(res: dict[str, Any]) -> list[list[str]]:
+    return [[label, f"{s['request_throughput']:.2f}", _num(s["output_tokens_per_s"]), note]
+            for label, s, note in _serving_lines(res)]
+
+
+def latency_rows(res: dict[str, Any]) -> list[list[str]]:
+    """p50 / p99 in ms; the HF reference has none (static batches give no per-token times)."""
+    keys = ("ttft_s", "tpot_s", "itl_s", "e2e_s")
+    return [[label, *(f"{_ms(s[k]['p50'])} / {_ms(s[k]['p99'])}" if k in s else "-" for k in keys)]
+            for label, s, _ in _serving_lines(res)]
+
+
+def _calibration_note(c: dict[str, Any]) -> str:
+    when = c.get("measured_at") or "at an unknown date"
+    spread = max(c.get("peak_spread", 0.0), c.get("bandwidth_spread", 0.0))
+    return f"calibrated {when}, best runs within {100 * spread:.0f}%" if "peak_spread" in c else \
+        f"calibrated {when}"
 
 
 def headline(res: dict[str, Any]) -> list[str]:
@@ -79,8 +122,9 @@ def headline(res: dict[str, Any]) -> list[str]:
         f"of work that became output)."]
     return [
         f"{res['model']} on {res['device']} ({res['dtype']}); ceilings measured by `twophase "
-        f"calibrate`: {_fmt(c['peak_flops'], 'FLOP/s')} matmul peak, {_fmt(c['bandwidth'], 'B/s')} "
-        f"memory bandwidth (ridge {c['peak_flops'] / c['bandwidth']:.1f} FLOP/byte).",
+        f"calibrate`: {_si(c['peak_flops'])}FLOP/s matmul peak, {_si(c['bandwidth'])}B/s "
+        f"memory bandwidth (ridge {c['peak_flops'] / c['bandwidth']:.1f} FLOP/byte; "
+        f"{_calibration_note(c)}).",
         f"Arithmetic intensity: prefill {rf['prefill_intensity']:.0f} FLOP/byte at "
         f"{rf['prefill_intensity_at']} tokens, decode {rf['decode_intensity_b1']:.2f} at batch 1 "
         f"(context {res['decode_context']}); decode turns compute-bound at batch "
@@ -90,23 +134,130 @@ def headline(res: dict[str, Any]) -> list[str]:
     ]
 
 
+def above_roofline(res: dict[str, Any]) -> list[tuple[str, Any, str, float]]:
+    """(phase, shape, line, fraction) of every median measured faster than its bound allows."""
+    return [(phase, key, line, m["roofline_fraction"])
+            for phase in ("prefill", "decode") for line in res["lines"]
+            for key, m in res[phase][line].items() if m["roofline_fraction"] > 1]
+
+
+def _roofline_warnings(res: dict[str, Any]) -> list[str]:
+    out = []
+    above = above_roofline(res)
+    if above:
+        which = ", ".join(f"{p} {k} on {line} {100 * f:.0f}%" for p, k, line, f in above)
+        out.append(f"Measured above the roofline bound ({which}): no figure can beat its bound, so "
+                   f"the ceilings are probably stale or were measured on a busy machine; {RECALIBRATE}.")
+    c = res["ceilings"]
+    if "measured_at" not in c:
+        out.append(f"The ceilings carry no date or load record (an older calibration); {RECALIBRATE}.")
+    busy = machine.busy_reasons(c.get("machine"))
+    if busy:
+        out.append(f"The ceilings were calibrated on a busy machine ({'; '.join(busy)}), so the "
+                   f"roofline may sit too low; {RECALIBRATE}.")
+    return out
+
+
+def _round_warnings(res: dict[str, Any], limit: int = 8) -> list[str]:
+    out = []
+    asked = res.get("repeats_requested", res["repeats"])
+    if asked < res["repeats"]:
+        out.append(f"bench.repeats = {asked} was raised to {res['repeats']}: a median and its "
+                   f"spread need {res['repeats']} rounds at least.")
+    odd = res.get("outliers", [])
+    for o in odd[:limit]:
+        what = "prompt" if o["phase"] == "prefill" else "batch"
+        r = o["seconds"] / o["median_s"]
+        how = f"{r:.1f}x slower" if r > 1 else f"{1 / r:.1f}x faster"
+        out.append(f"Round {o['round']} of {o['phase']} {what} {o['shape']} on {o['line']} took "
+                   f"{o['seconds'] * 1e3:.2f} ms, {how} than the median of its rounds "
+                   f"({o['median_s'] * 1e3:.2f} ms): something else ran then.")
+    if len(odd) > limit:
+        out.append(f"... and {len(odd) - limit} more rounds that far off (results.json: outliers).")
+    return out
+
+
+def warnings(res: dict[str, Any]) -> list[str]:
+    """Why some figures of this run deserve less trust than the tables suggest."""
+    out = _roofline_warnings(res)
+    busy = machine.busy_reasons(res.get("machine"))
+    if busy:
+        out.append(f"The machine was not quiet during this bench ({'; '.join(busy)}): figures are "
+                   f"slower and noisier than the device allows; bench again when it is quiet.")
+    out += _round_warnings(res)
+    if res.get("baseline_missing"):
+        out.append(f"No HF baseline: {res['baseline_missing']}.")
+    return out
+
+
+def _table(title: str, columns: list[str], rows: list[list[str]]) -> Table:
+    """A compact table: text columns may wrap (not below ``TEXT_MIN``), figures never do (nor
+    turn into '…')."""
+    t = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
+    for i, col in enumerate(columns):
+        text = _is_text(i, col)
+        longest = max([len(r[i]) for r in rows] + [len(col)])
+        t.add_column(col, justify="left" if text else "right", overflow="fold", no_wrap=not text,
+                     min_width=min(longest, TEXT_MIN) if text else longest)
+    for row in rows:
+        t.add_row(*row)
+    return t
+
+
+def tables(res: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """(title, columns, rows) of every table, terminal and markdown alike."""
+    rounds = f"median and min–max of {res['repeats']} rounds after a warm-up"
+    return [
+        (f"prefill: prompt tokens/s, {rounds}", phase_columns(res, "prefill"), phase_rows(res, "prefill")),
+        (f"decode: tokens/s at context {res['decode_context']}, {rounds}", phase_columns(res, "decode"),
+         phase_rows(res, "decode")),
+        (f"serving throughput: {res['serving_workload']}", THROUGHPUT_COLUMNS, throughput_rows(res)),
+        ("serving latency: p50 / p99 in ms", LATENCY_COLUMNS, latency_rows(res)),
+    ]
+
+
+DROPPABLE = ("B/s", "FLOP/s")          # left out, in this order, from a terminal too narrow
+TEXT_MIN = 12                          # a text column may wrap down to this width
+
+
+def _is_text(i: int, col: str) -> bool:
+    return i == 0 or col == "line"
+
+
+def _width(columns: list[str], rows: list[list[str]]) -> int:
+    """Characters ``_table`` needs: figures and their headers whole, text wrapped to
+    ``TEXT_MIN``, three between columns (a separator and its padding)."""
+    total = 3 * (len(columns) - 1)
+    for i, col in enumerate(columns):
+        w = max([len(r[i]) for r in rows] + [len(col)])
+        total += min(w, max(TEXT_MIN, *map(len, col.split()))) if _is_text(i, col) else w
+    return total
+
+
+def fit(columns: list[str], rows: list[list[str]], width: int) -> tuple[list[str], list[list[str]], list[str]]:
+    """The table with ``DROPPABLE`` columns left out until it fits ``width``; and which went."""
+    dropped = []
+    for name in DROPPABLE:
+        if _width(columns, rows) <= width or name not in columns:
+            continue
+        i = columns.index(name)
+        columns = columns[:i] + columns[i + 1:]
+        rows = [r[:i] + r[i + 1:] for r in rows]
+        dropped.append(name)
+    return columns, rows, dropped
+
+
 def print_tables(res: dict[str, Any], console: Console | None = None) -> None:
     console = console or Console()
     for text in headline(res):
-        console.print(text)
-    for phase, title in (("prefill", "prefill (prompt tokens/s)"), ("decode", "decode (tokens/s)")):
-        t = Table(title=title + f", median of {res['repeats']} interleaved rounds")
-        for col in PHASE_COLUMNS:
-            t.add_column(col, justify="left" if col in ("line",) else "right")
-        for row in phase_rows(res, phase):
-            t.add_row(*row)
-        console.print(t)
-    t = Table(title=f"serving: {res['serving_workload']}")
-    for col in SERVING_COLUMNS:
-        t.add_column(col, justify="left" if col == "line" else "right")
-    for row in serving_rows(res):
-        t.add_row(*row)
-    console.print(t)
+        console.print(text, highlight=False)
+    for text in warnings(res):
+        console.print(f"[bold yellow]warning:[/] {text}", highlight=False)
+    for title, columns, rows in tables(res):
+        columns, rows, dropped = fit(columns, rows, console.width)
+        console.print(_table(title, columns, rows))
+        if dropped:
+            console.print(f"({' and '.join(dropped)} left out at this width: see report.md)", highlight=False)
 
 
 def _md_table(columns: list[str], rows: list[list[str]]) -> str:
@@ -116,14 +267,15 @@ def _md_table(columns: list[str], rows: list[list[str]]) -> str:
 
 
 def write_markdown(res: dict[str, Any], path: Path, plots: list[str]) -> None:
-    parts = ["# twophase bench", "", *headline(res), "",
-             f"Command: `{res['command']}`", "",
-             "## Prefill", "", _md_table(PHASE_COLUMNS, phase_rows(res, "prefill")), "",
-             "## Decode", "", _md_table(PHASE_COLUMNS, phase_rows(res, "decode")), "",
-             "## Serving", "", res["serving_workload"], "",
-             _md_table(SERVING_COLUMNS, serving_rows(res)), "",
-             "Ratios are to the first line, measured in the same run; 'of roofline' is the "
-             "analytic lower bound on the step's time over the measured time.", ""]
+    parts = ["# twophase bench", "", *headline(res), "", f"Command: `{res['command']}`", ""]
+    warn = warnings(res)
+    if warn:
+        parts += ["## Warnings", "", *(f"- {w}" for w in warn), ""]
+    for title, columns, rows in tables(res):
+        parts += [f"## {title[0].upper()}{title[1:]}", "", _md_table(columns, rows), ""]
+    parts += ["Ratios are to the first line, measured in the same run; 'of roofline' is the "
+              "analytic lower bound on the step's time over the measured median time (above 100%: "
+              "the ceilings are wrong, see the warnings).", ""]
     parts += [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
     path.write_text("\n".join(parts) + "\n")
 
@@ -140,70 +292,18 @@ def plot(res: dict[str, Any], out: Path) -> list[str]:
         return []
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from twophase.bench import plots
 
-    files = []
-    for phase, xlabel, bound_key in (("prefill", "prompt tokens", "prefill_bound_tokens_per_s"),
-                                     ("decode", "batch size", "decode_bound_tokens_per_s")):
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        xs = res["shapes"][phase]
-        for line in res["lines"]:
-            pts = [(x, res[phase][line][str(x)]["tokens_per_s"]) for x in xs if str(x) in res[phase][line]]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=line)
-        bound = res["roofline"][bound_key]
-        ax.plot(xs, [bound[str(x)] for x in xs], "k--", label="roofline (calibrated ceilings)")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("tokens/s")
-        title = f"{phase}: {res['model']} on {res['device']}"
-        if phase == "decode":
-            title += f", context {res['decode_context']}"
-        ax.set_title(title)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
-        files.append(str(out / f"{phase}_tokens_per_s.png"))
-        fig.tight_layout()
-        fig.savefig(files[-1], dpi=110)
-        plt.close(fig)
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, key, label in ((axes[0], "ttft_values", "TTFT (ms)"), (axes[1], "itl_values", "ITL (ms)")):
-        for line, s in res["serving"].items():
-            vals = sorted(v * 1e3 for v in s.get(key, []))
-            if vals:
-                ax.plot(vals, [(i + 1) / len(vals) for i in range(len(vals))], label=line)
-        ax.set_xlabel(label)
-        ax.set_ylabel("fraction of requests" if key == "ttft_values" else "fraction of tokens")
-        ax.set_xscale("log")
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    fig.suptitle(f"serving latency distributions: {res['serving_workload']}", fontsize=9)
-    fig.tight_layout()
-    files.append(str(out / "ttft_itl.png"))
-    fig.savefig(files[-1], dpi=110)
-    plt.close(fig)
-
+    files = [plots.phase(res, phase, out) for phase in ("prefill", "decode")]
+    files.append(plots.latency(res, out))
     if res.get("chunked"):
-        fig, ax = plt.subplots(figsize=(7, 4.2))
-        for mode, s in res["chunked"].items():
-            ax.plot([v * 1e3 for v in s["itl_timeline"]], label=f"chunked prefill {mode}", alpha=0.8)
-        ax.set_xlabel("output token of running decodes, in time order")
-        ax.set_ylabel("inter-token latency (ms)")
-        ax.set_title(f"a {res['chunked_long_prompt']}-token prompt arriving among decodes")
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        files.append(str(out / "chunked_itl.png"))
-        fig.savefig(files[-1], dpi=110)
-        plt.close(fig)
+        files.append(plots.chunked(res, out))
     return files
 
 
 def write_all(res: dict[str, Any], out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(res, indent=2, default=str))
-    plots = plot(res, out)
-    write_markdown(res, out / "report.md", plots)
-    return [out / "results.json", out / "report.md", *map(Path, plots)]
+    files = plot(res, out)
+    write_markdown(res, out / "report.md", files)
+    return [out / "results.json", out / "report.md", *map(Path, files)]

@@ -8,9 +8,11 @@ import dataclasses
 import logging
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -19,7 +21,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from twophase.bench import calibrate, serving, sweeps
+from twophase.bench import calibrate, machine, serving, sweeps
 from twophase.bench.roofline import CostModel
 from twophase.config import Config, SchedulerConfig, SpeculativeConfig
 from twophase.errors import ConfigError
@@ -77,7 +79,7 @@ def _check_backends(names: list[str], device: str) -> None:
 
 
 def _round(line: str, eng: Any, phase: str, x: int, b: Any, k: int) -> float:
-    """One timed round of ``phase`` at ``x`` (prompt length or batch size) on one line."""
+    """One round of ``phase`` at ``x`` (prompt length or batch size) on one line."""
     if line == "hf":
         return (eng.prefill_round(x, b.cache_depth, k) if phase == "prefill"
                 else eng.decode_round(x, b.decode_context, b.decode_steps, k))
@@ -85,87 +87,212 @@ def _round(line: str, eng: Any, phase: str, x: int, b: Any, k: int) -> float:
             else sweeps.decode_round(eng, x, b.decode_context, b.decode_steps, k))
 
 
+MIN_REPEATS = 3                # a median and a spread need three rounds at least
+
+
+def _enough_rounds(b):
+    """``b`` with at least ``MIN_REPEATS`` rounds (fewer gives a median of two, or of one)."""
+    if b.repeats >= MIN_REPEATS:
+        return b
+    log.warning("bench.repeats = %d raised to %d: a median and its spread need %d rounds at least",
+                b.repeats, MIN_REPEATS, MIN_REPEATS)
+    return dataclasses.replace(b, repeats=MIN_REPEATS)
+
+
+class _Phases:
+    """Progress: a rich bar on a terminal; elsewhere (a log file, CI) one log line a phase, since
+    a bar redrawn in place leaves nothing readable there."""
+
+    def __init__(self, total: int):
+        self.start = time.perf_counter()
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn()) if sys.stderr.isatty() else None
+        self.total = total
+
+    def __enter__(self) -> _Phases:
+        if self.bar:
+            self.bar.__enter__()
+            self.task = self.bar.add_task("bench", total=self.total)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar:
+            self.bar.__exit__(*exc)
+
+    def phase(self, text: str) -> None:
+        """A new phase: logged where there is no bar."""
+        if self.bar:
+            self.bar.update(self.task, description=text)
+        else:
+            log.info("bench [%.1f s]: %s", time.perf_counter() - self.start, text)
+
+    def item(self, text: str) -> None:
+        """A step within a phase: shown on the bar only."""
+        if self.bar:
+            self.bar.update(self.task, description=text)
+
+    def advance(self) -> None:
+        if self.bar:
+            self.bar.advance(self.task)
+
+
+def _sweeps(lines: dict[str, Any], cases: list[tuple[str, int]], b: Any,
+            progress: _Phases) -> dict[str, dict[str, dict[int, list[float]]]]:
+    """One untimed warm-up round of every case on every line (first calls compile, allocate and
+    fill the prefix cache), then ``b.repeats`` timed rounds, interleaved across lines."""
+    times: dict[str, dict[str, dict[int, list[float]]]] = {
+        ph: {line: {} for line in lines} for ph in ("prefill", "decode")}
+    progress.phase(f"warm-up: one untimed round of {len(cases)} cases on {', '.join(lines)}")
+    for phase, x in cases:
+        for line, eng in lines.items():
+            progress.item(f"warm-up: {phase} {x} on {line}")
+            _round(line, eng, phase, x, b, -1)
+            progress.advance()
+    for k in range(b.repeats):
+        progress.phase(f"round {k + 1}/{b.repeats}: {len(cases)} cases on {', '.join(lines)}")
+        for phase, x in cases:
+            for line, eng in lines.items():       # interleaved: each round visits every line
+                progress.item(f"round {k + 1}/{b.repeats}: {phase} {x} on {line}")
+                times[phase][line].setdefault(x, []).append(_round(line, eng, phase, x, b, k))
+                progress.advance()
+    return times
+
+
+def _serve(cfg: Config, lines: dict[str, Any], requests, progress: _Phases) -> dict[str, Any]:
+    served = {}
+    for line, eng in lines.items():
+        progress.phase(f"serving workload on {line}")
+        if line == "hf":
+            served[line] = eng.serve(requests, cfg.bench.hf_batch_size)
+        else:
+            eng.reschedule(cfg.scheduler)
+            served[line] = serving.run(eng.engine, requests)
+        progress.advance()
+    return served
+
+
+def _serve_speculative(cfg: Config, name: str, first, requests, progress: _Phases) -> tuple[str, dict]:
+    progress.phase(f"serving workload on {name}, speculative")
+    label, spec = _speculative_line(cfg, name)
+    first.config = dataclasses.replace(first.config, speculative=spec)
+    first.reschedule(cfg.scheduler)
+    out = serving.run(first.engine, requests)
+    first.config = dataclasses.replace(first.config, speculative=SpeculativeConfig())
+    progress.advance()
+    return label, out
+
+
+def _compare_chunked(cfg: Config, b, name: str, first, requests, progress: _Phases) -> dict[str, Any]:
+    long_n, s = max(b.prompt_lens), b.serving
+    chunked = {}
+    for mode in ("on", "off"):
+        progress.phase(f"a long prompt among decodes on {name}, chunked prefill {mode}")
+        budget = cfg.scheduler.max_num_batched_tokens if mode == "on" else long_n + s.output_len[1]
+        first.reschedule(dataclasses.replace(cfg.scheduler, chunked_prefill=mode == "on",
+                                             max_num_batched_tokens=budget))
+        chunked[mode] = _long_prompt_among_decodes(first.engine, requests, long_n, s.output_len[1])
+        progress.advance()
+    return chunked
+
+
+def _requests(cfg: Config, s, vocab: int):
+    if s.jsonl:
+        return serving.trace(cfg.resolve(s.jsonl), s.rate, s.output_len[1], s.seed)
+    return serving.synthetic(s.num_requests, s.rate, s.input_len, s.output_len, vocab, s.seed)
+
+
+def _outliers(times: dict[str, dict[str, dict[int, list[float]]]]) -> list[dict[str, Any]]:
+    """Every round more than ``sweeps.OUTLIER`` times off the median of its case's rounds."""
+    return [{"phase": phase, "shape": x, "line": line, "round": i + 1, "seconds": v, "median_s": m}
+            for phase, by_line in times.items() for line, by_x in by_line.items()
+            for x, values in by_x.items() for i, v, m in sweeps.outliers(values)]
+
+
+def _baseline(b, first) -> tuple[Any, str | None]:
+    """The HF reference line, or None and why there is none (the report says it)."""
+    if b.baseline != "hf":
+        return None, f'bench.baseline = "{b.baseline}"'
+    from twophase.bench.hf_baseline import HFBaseline
+
+    try:
+        return HFBaseline(first), None
+    except ImportError as exc:                       # transformers (or a part it needs) is absent
+        log.warning("no HF baseline: %s", exc)
+        return None, f"transformers cannot be imported ({exc})"
+
+
+SMALL_MODEL_BYTES = 64 << 20      # weights a step reads, below which torch runs on one thread
+
+
+def _threads_for_size(cfg: Config, device: str, cost: CostModel) -> None:
+    """One torch thread for a small model on the CPU, unless ``backend.options.threads`` says
+    otherwise: its ops last microseconds, so threads spend a step waiting for each other (the
+    tiny model's decode step: 0.4 ms on one thread, 47 ms on two while another process held a
+    core). Set before calibrating, so the ceilings are those of the threads the bench uses."""
+    if device != "cpu" or "threads" in cfg.backend.options or cost.weight_bytes_per_step >= SMALL_MODEL_BYTES:
+        return
+    if torch.get_num_threads() != 1:
+        log.info("a %.1f MB model: torch on one thread (set backend.options.threads to choose)",
+                 cost.weight_bytes_per_step / 1e6)
+        torch.set_num_threads(1)
+
+
+def _start_sample() -> machine.Sample:
+    """The machine's state before anything loads, with a warning now if it is busy."""
+    before = machine.sample()
+    cores = before.cpus
+    if before.load1 is not None and before.load1 > machine.QUIET_LOAD * cores:
+        log.warning("the machine is busy (1-minute load %.2f on %d cores): figures will be slow and "
+                    "noisy; results.json and the report record it", before.load1, cores)
+    return before
+
+
 def run(cfg: Config, backends: list[str] | None = None, compare_chunked: bool = False,
         command: str | None = None, speculative: bool = False) -> dict[str, Any]:
-    b = cfg.bench
+    b = _enough_rounds(cfg.bench)
     names = backends or b.backends
     device = cfg.phases()[0].device
     _check_backends(names, device)
+    before = _start_sample()
     llms = {name: _bench_llm(cfg, name) for name in names}
     first = llms[names[0]]
     b, skipped = sweeps.servable(b, first.max_model_len)
     arch, dtype = first.model.arch, first.model.dtype
-    kv_dtype = first.kv_cache.pool.dtype
-    cost = CostModel(arch, dtype.itemsize, kv_dtype.itemsize)
+    cost = CostModel(arch, dtype.itemsize, first.kv_cache.pool.dtype.itemsize)
+    _threads_for_size(cfg, device, cost)
     ceil = calibrate.ceilings(device, dtype)
-    lines = dict(llms)
-    if b.baseline == "hf":
-        from twophase.bench.hf_baseline import HFBaseline
-
-        lines["hf"] = HFBaseline(first)
-    s = b.serving
-    if s.jsonl:
-        requests = serving.trace(cfg.resolve(s.jsonl), s.rate, s.output_len[1], s.seed)
-    else:
-        requests = serving.synthetic(s.num_requests, s.rate, s.input_len, s.output_len,
-                                     arch.vocab_size, s.seed)
+    lines: dict[str, Any] = dict(llms)
+    hf, no_baseline = _baseline(b, first)
+    if hf is not None:
+        lines["hf"] = hf
+    requests = _requests(cfg, b.serving, arch.vocab_size)
     cases = [("prefill", n) for n in b.prompt_lens] + [("decode", x) for x in b.batch_sizes]
-    times: dict[str, dict[str, dict[int, list[float]]]] = {
-        ph: {line: {} for line in lines} for ph in ("prefill", "decode")}
-    total = (b.repeats * len(cases) * len(lines) + len(lines) + (2 if compare_chunked else 0)
+    total = ((b.repeats + 1) * len(cases) * len(lines) + len(lines) + (2 if compare_chunked else 0)
              + (1 if speculative else 0))
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), transient=not sys.stderr.isatty()) as progress:
-        task = progress.add_task("bench", total=total)
-        for k in range(b.repeats):
-            for phase, x in cases:
-                for line, eng in lines.items():       # interleaved: each round visits every line
-                    progress.update(task, description=f"round {k + 1}/{b.repeats}: {phase} {x} on {line}")
-                    times[phase][line].setdefault(x, []).append(_round(line, eng, phase, x, b, k))
-                    progress.advance(task)
-        served = {}
-        for line, eng in lines.items():
-            progress.update(task, description=f"serving workload on {line}")
-            if line == "hf":
-                served[line] = eng.serve(requests, b.hf_batch_size)
-            else:
-                eng.reschedule(cfg.scheduler)
-                served[line] = serving.run(eng.engine, requests)
-            progress.advance(task)
+    with _Phases(total) as progress:
+        times = _sweeps(lines, cases, b, progress)
+        served = _serve(cfg, lines, requests, progress)
         if speculative:
-            progress.update(task, description=f"serving workload on {names[0]}, speculative")
-            label, spec = _speculative_line(cfg, names[0])
-            first.config = dataclasses.replace(first.config, speculative=spec)
-            first.reschedule(cfg.scheduler)
-            served[label] = serving.run(first.engine, requests)
-            first.config = dataclasses.replace(first.config, speculative=SpeculativeConfig())
-            progress.advance(task)
-        chunked = {}
-        if compare_chunked:
-            long_n = max(b.prompt_lens)
-            for mode in ("on", "off"):
-                progress.update(task, description=f"chunked prefill {mode} on {names[0]}")
-                budget = cfg.scheduler.max_num_batched_tokens if mode == "on" else long_n + s.output_len[1]
-                first.reschedule(dataclasses.replace(cfg.scheduler, chunked_prefill=mode == "on",
-                                                     max_num_batched_tokens=budget))
-                chunked[mode] = _long_prompt_among_decodes(first.engine, requests, long_n,
-                                                           s.output_len[1])
-                progress.advance(task)
-
+            label, served[label] = _serve_speculative(cfg, names[0], first, requests, progress)
+        chunked = _compare_chunked(cfg, b, names[0], first, requests, progress) if compare_chunked else {}
     res: dict[str, Any] = {
         "command": command or "twophase bench", "model": first.model.model_id, "device": device,
         "dtype": str(dtype).removeprefix("torch."), "lines": list(lines), "repeats": b.repeats,
+        "repeats_requested": cfg.bench.repeats, "warmup_rounds": 1, "torch_threads": torch.get_num_threads(),
         "decode_context": b.decode_context, "cache_depth": b.cache_depth,
         "ceilings": dataclasses.asdict(ceil),
+        "machine": machine.between(before, machine.sample()),
         "shapes": {"prefill": b.prompt_lens, "decode": b.batch_sizes},
         "prefill": {line: {str(n): _measured(v, n, cost.prefill(n, b.cache_depth), ceil)
                            for n, v in times["prefill"][line].items()} for line in lines},
         "decode": {line: {str(x): _measured(v, x, cost.decode(x, b.decode_context), ceil)
                           for x, v in times["decode"][line].items()} for line in lines},
+        "outliers": _outliers(times),
         "serving": served,
-        "serving_workload": _describe_workload(s, len(requests)),
+        "serving_workload": _describe_workload(b.serving, len(requests)),
         "load_time_s": {name: llm.load_time_s for name, llm in llms.items()},
         "skipped": skipped,
+        "baseline_missing": no_baseline,
     }
     res["roofline"] = _roofline(cost, b, ceil, served)
     if chunked:
@@ -216,8 +343,12 @@ def _long_prompt_among_decodes(engine, requests, n: int, max_tokens: int) -> dic
     while engine.has_unfinished():
         engine.step()
     out = serving.summary(shorts + [long], engine.clock() - start)
-    gaps = sorted((b, b - a) for r in shorts for a, b in zip(r.times.token_times, r.times.token_times[1:]))
+    gaps = sorted((b - start, b - a) for r in shorts
+                  for a, b in zip(r.times.token_times, r.times.token_times[1:]))
     out["itl_timeline"] = [g for _, g in gaps]
+    out["itl_timeline_at_s"] = [t for t, _ in gaps]        # when each gap ended, from the start
+    out["long_prompt_arrival_s"] = long.times.arrival - start
+    out["long_prompt_first_token_s"] = long.times.token_times[0] - start
     return out
 
 

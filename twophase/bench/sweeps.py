@@ -92,3 +92,16 @@ def spread(values: list[float]) -> dict[str, float]:
     """Median, min and max of a measurement's rounds."""
     return {"median": statistics.median(values), "min": min(values), "max": max(values),
             "rounds": len(values)}
+
+
+OUTLIER = 2.0                  # a round this many times off its case's median is flagged
+
+
+def outliers(values: list[float], factor: float = OUTLIER) -> list[tuple[int, float, float]]:
+    """(index, value, median) of each round more than ``factor`` times slower or faster than
+    the median of all the rounds (the figure reported; with one round far off, the median of
+    the others is no fairer and would flag the good rounds too)."""
+    if len(values) < 3:
+        return []
+    m = statistics.median(values)
+    return [(i, v, m) for i, v in enumerate(values) if v > factor * m or v * factor < m]
