@@ -207,6 +207,7 @@ rate = 100
     assert spec["output_tokens"] == res["serving"]["torch"]["output_tokens"]
     assert "speculative ngram" in (out / "report.md").read_text()
     assert (res["repeats_requested"], res["repeats"]) == (2, 3)       # raised to 3, with a warning
+    assert res["torch_threads"] == 1                                   # a small model: one thread
     assert "bench.repeats = 2 raised to 3" in run.stderr
     for phase, shapes in (("prefill", [16, 48]), ("decode", [1, 4])):
         for line in res["lines"]:

@@ -140,6 +140,28 @@ def test_fewer_than_three_repeats_are_raised_with_a_warning(caplog):
     assert _enough_rounds(BenchConfig(repeats=5)).repeats == 5
 
 
+def test_each_case_has_an_untimed_warm_up_round_before_the_timed_ones():
+    from twophase.bench.run import _Phases, _sweeps
+    from twophase.config import BenchConfig
+
+    calls = []
+
+    class Line:
+        def prefill_round(self, n, depth, k):
+            calls.append(("prefill", n, k))
+            return 10.0 if k < 0 else 1.0 + k
+
+        def decode_round(self, batch, context, steps, k):
+            calls.append(("decode", batch, k))
+            return 10.0 if k < 0 else 2.0 + k
+
+    b = BenchConfig(repeats=3)
+    times = _sweeps({"hf": Line()}, [("prefill", 16), ("decode", 4)], b, _Phases(8))
+    assert calls[:2] == [("prefill", 16, -1), ("decode", 4, -1)]
+    assert calls[2:] == [(ph, x, k) for k in range(3) for ph, x in (("prefill", 16), ("decode", 4))]
+    assert times["prefill"]["hf"][16] == [1.0, 2.0, 3.0] and times["decode"]["hf"][4] == [2.0, 3.0, 4.0]
+
+
 def test_progress_off_a_terminal_is_one_log_line_a_phase(caplog, monkeypatch):
     from twophase.bench import run
 

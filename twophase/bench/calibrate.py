@@ -164,7 +164,7 @@ def settled(run_once: Callable[[], float], settle: Settle) -> tuple[float, float
         s, spent = spread(times, settle.best_of), sum(times)
         if len(times) >= settle.min_runs and spent >= settle.min_s and s <= settle.tolerance:
             return min(times), s
-        if spent >= settle.cap_s:
+        if spent >= settle.cap_s and len(times) >= settle.best_of:      # a finite spread to record
             log.warning("the best %d of %d runs still differ by %.0f%% after %.0f s; is the machine busy?",
                         settle.best_of, len(times), 100 * s, spent)
             return min(times), s
