@@ -57,8 +57,9 @@ def results(**changes) -> dict:
                      "decode_intensity": {"1": 0.98, "32": 20.1}, "decode_crossover_batch": 7,
                      "prefill_bound_tokens_per_s": {"128": 2000.0, "1024": 1200.0},
                      "decode_bound_tokens_per_s": {"1": 150.0, "32": 900.0}},
-        "chunked": {mode: {**served(16), "itl_timeline": [0.02, 0.3, 0.02], "itl_timeline_at_s": [0.1, 0.4, 0.42],
-                           "long_prompt_arrival_s": 0.09, "long_prompt_first_token_s": 0.39}
+        "chunked": {mode: {**served(16), "itl_timeline": [0.02, 0.3 if mode == "off" else 0.05, 0.02],
+                           "itl_timeline_at_s": [0.1, 0.4, 0.42], "long_prompt_arrival_s": 0.09,
+                           "long_prompt_first_token_s": 0.39}
                     for mode in ("on", "off")},
         "chunked_long_prompt": 1024,
     }
@@ -201,8 +202,11 @@ def test_every_plot_is_drawn_from_results_alone_with_its_notes(tmp_path, monkeyp
     from twophase.bench import plots
 
     notes: list[str] = []
-    real = plots._notes
+    real, save = plots._notes, plots._save
     monkeypatch.setattr(plots, "_notes", lambda fig, n: notes.extend(t for t, _ in n) or real(fig, n))
+    tops = {}
+    monkeypatch.setattr(plots, "_save", lambda fig, path, n: tops.setdefault(path.name, [
+        ax.get_ylim()[1] for ax in fig.axes]) and save(fig, path, n))
     res = results(baseline_missing='bench.baseline = "none"', lines=["torch", "onnxruntime"])
     res["prefill"]["torch"]["1024"]["roofline_fraction"] = 1.3
     files = report.plot(copy.deepcopy(res), tmp_path)
@@ -213,3 +217,4 @@ def test_every_plot_is_drawn_from_results_alone_with_its_notes(tmp_path, monkeyp
     assert len(stale) == 1                            # on the prefill plot only
     assert sum("no HF baseline: bench.baseline" in n for n in notes) == 4
     assert any(n.startswith("hf: throughput only") for n in notes)
+    assert min(tops["chunked_itl.png"]) >= 300          # the 0.3 s spike whole on both panels

@@ -161,9 +161,10 @@ def chunked(res: dict[str, Any], out: Path) -> str:
             ax.axvline(arrive, color="k", ls="--", lw=1, label="long prompt arrives")
             ax.axvspan(arrive, first, color="k", alpha=0.08, label="until its first token")
         ax.set_ylabel("ITL (ms)")
-        ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8, loc="upper right")
+    top = max((v for s in runs.values() for v in s["itl_timeline"]), default=0.001) * 1e3
+    axes[0, 0].set_ylim(0, top * 1.08)                  # shared: every spike whole, on both panels
     axes[-1, 0].set_xlabel("wall time since the run started (ms)" if timed
                            else "output token of running decodes, in time order")
     axes[0, 0].set_title(f"inter-token latency of running decodes while a {res['chunked_long_prompt']}-token "
