@@ -218,3 +218,17 @@ def test_every_plot_is_drawn_from_results_alone_with_its_notes(tmp_path, monkeyp
     assert sum("no HF baseline: bench.baseline" in n for n in notes) == 4
     assert any(n.startswith("hf: throughput only") for n in notes)
     assert min(tops["chunked_itl.png"]) >= 300          # the 0.3 s spike whole on both panels
+
+
+def test_results_saved_by_an_older_bench_still_render(tmp_path):
+    pytest.importorskip("matplotlib")
+    res = results()
+    for key in ("machine", "outliers", "repeats_requested", "baseline_missing"):
+        del res[key]
+    res["ceilings"] = {k: res["ceilings"][k] for k in ("device", "dtype", "peak_flops", "bandwidth", "threads")}
+    for s in res["chunked"].values():
+        for key in ("itl_timeline_at_s", "long_prompt_arrival_s", "long_prompt_first_token_s"):
+            del s[key]
+    files = report.write_all(res, tmp_path)
+    assert len(files) == 6
+    assert "no date or load record" in (tmp_path / "report.md").read_text()
