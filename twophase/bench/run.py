@@ -1,6 +1,7 @@
 """``twophase bench``: every backend (and the HF reference) through the same phase sweeps and
-serving workload, in one process, rounds interleaved across them so drift hits all alike; each
-figure also shown against the calibrated roofline."""
+serving workload, in one process, rounds interleaved across them so drift hits all alike (after
+one untimed warm-up round of each); each figure also shown against the calibrated roofline, and
+the machine's load recorded beside them."""
 
 from __future__ import annotations
 
