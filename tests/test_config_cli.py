@@ -81,7 +81,7 @@ def test_missing_config_file(tmp_path):
      ["name", "path", "weights", "dtype", "num_layers", "max_model_len", "seed", "quantization",
       "accuracy_level", "outlier_channels"]),
     (TINY_TOML + "[scheduler]\nfoo = 1\n", "scheduler.foo",
-     ["policy", "max_num_seqs", "max_num_batched_tokens", "chunked_prefill"]),
+     ["policy", "max_num_seqs", "max_num_batched_tokens", "chunked_prefill", "admission"]),
     ('[modle]\nname = "tiny"\n', "modle",
      ["model", "backend", "scheduler", "cache", "sampling", "workload", "bench", "server", "speculative"]),
     (TINY_TOML + "[cache]\nblock_sise = 16\n", "cache.block_sise",

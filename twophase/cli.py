@@ -230,6 +230,9 @@ def cmd_calibrate(args) -> int:
     print(f"{c.device} ({c.dtype}, {c.threads or 'all'} threads): matmul peak "
           f"{c.peak_flops / 1e9:.1f} GFLOP/s, memory bandwidth {c.bandwidth / 1e9:.1f} GB/s, "
           f"ridge {c.ridge:.1f} FLOP/byte")
+    print(f"measured {c.measured_at}; best runs within {100 * max(c.peak_spread, c.bandwidth_spread):.1f}%")
+    for why in c.busy:
+        print(f"warning: the machine was not quiet while calibrating: {why}")
     return 0
 
 

@@ -52,6 +52,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None   # default: 512 on CPU, 4096 on CUDA
     chunked_prefill: bool = True
+    admission: Literal["reserve", "greedy"] = "reserve"   # reserve: keep running sequences' growth free
 
 
 @dataclass
@@ -341,9 +342,12 @@ def _check_bench(cfg: Config) -> None:
         v = getattr(b, key)
         if not v or any(x < 1 for x in v):
             raise ConfigError(f"bench.{key}", f"must be a non-empty list of positive integers, got {v}")
-    for key in ("decode_context", "decode_steps", "repeats", "hf_batch_size"):
+    for key in ("decode_context", "decode_steps", "hf_batch_size"):
         if getattr(b, key) < 1:
             raise ConfigError(f"bench.{key}", f"must be a positive integer, got {getattr(b, key)}")
+    if b.repeats < 3:
+        raise ConfigError("bench.repeats", f"must be at least 3 (a median and its min-max need "
+                          f"three rounds; with two the median is their mean), got {b.repeats}")
     if b.cache_depth < 0 or b.cache_depth % cfg.cache.block_size:
         raise ConfigError("bench.cache_depth", f"must be a multiple of cache.block_size "
                           f"({cfg.cache.block_size}) so the cached prefix is whole blocks; got {b.cache_depth}")

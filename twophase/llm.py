@@ -214,7 +214,8 @@ class LLM:
                               max_model_len=self.max_model_len,
                               eos_token_ids=tuple(arch.eos_token_ids), vocab_size=arch.vocab_size,
                               proposer=proposer, num_spec_tokens=k,
-                              spec_control=SpecController(k) if auto else None)
+                              spec_control=SpecController(k) if auto else None,
+                              reserve=sc.admission == "reserve")
         return Engine(self.prefill_backend, self.decode_backend, scheduler, self.tokenizer,
                       vocab_size=arch.vocab_size, clock=clock)
 

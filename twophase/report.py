@@ -32,7 +32,7 @@ def phase_table(r: dict[str, Any]) -> Table:
     rows += [
         ("peak KV blocks used", f"{r['peak_kv_blocks']} of {r['kv_blocks_total']}"),
         ("prefix-cache hit rate", f"{100 * r['prefix_cache_hit_rate']:.1f}%"),
-        ("preemptions", str(r["preemptions"])),
+        ("preemptions (computed tokens thrown away)", f"{r['preemptions']} ({r['recomputed_tokens']})"),
     ]
     sp = r.get("speculative")
     draft = b.get("draft")

@@ -185,7 +185,7 @@ prompt_lens = [16, 48]
 batch_sizes = [1, 4]
 decode_context = 24
 decode_steps = 3
-repeats = 2
+repeats = 3
 
 [bench.serving]
 num_requests = 6
@@ -206,9 +206,8 @@ rate = 100
     spec = res["serving"]["torch, speculative ngram k=auto"]         # beside the same workload
     assert spec["output_tokens"] == res["serving"]["torch"]["output_tokens"]
     assert "speculative ngram" in (out / "report.md").read_text()
-    assert (res["repeats_requested"], res["repeats"]) == (2, 3)       # raised to 3, with a warning
+    assert res["repeats"] == 3
     assert res["torch_threads"] == 1                                   # a small model: one thread
-    assert "bench.repeats = 2 raised to 3" in run.stderr
     for phase, shapes in (("prefill", [16, 48]), ("decode", [1, 4])):
         for line in res["lines"]:
             got = res[phase][line]
@@ -243,6 +242,7 @@ rate = 100
     ({"cache_depth": 5}, "bench.cache_depth: must be a multiple of cache.block_size"),
     ({"serving": {"rate": 0}}, "bench.serving.rate: must be a positive number"),
     ({"batch_sizes": []}, "bench.batch_sizes: must be a non-empty list"),
+    ({"repeats": 2}, "bench.repeats: must be at least 3"),
 ])
 def test_bad_bench_config_is_one_clear_line(tmp_path, bench, message):
     from twophase.config import load_config

@@ -2,27 +2,42 @@
 that never fits is refused at once rather than queued for ever), and whether a waiting one may
 start now.
 
-Starting now keeps ``watermark_blocks`` free for the running sequences' growth: a newcomer
-that would take the last blocks forces preemptions (recomputation) within a few steps, so it
-waits instead. Preemption by recompute stays the last resort.
+Starting now keeps free the blocks the running sequences are expected to grow into: a
+newcomer that takes them forces preemptions (recomputation) within a few steps, so it waits
+instead. The expectation is each running sequence's whole prompt and a fraction ``ratio`` of the
+``max_tokens`` it has yet to generate, as SGLang reserves: most
+requests stop well before ``max_tokens``, so reserving all of it would idle the pool. The ratio
+starts at ``RATIO_START``, decays towards ``RATIO_MIN`` with each step that preempted no one, and
+jumps back up with each preemption, so a workload whose outputs run long learns to reserve more;
+an engine that runs dry starts again from ``RATIO_START`` (the same requests scheduled again are
+scheduled the same way). Preemption by recompute stays the last resort.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from twophase.core.kv_manager import KVManager
 from twophase.core.params import SamplingParams
+from twophase.core.request import Request
 from twophase.errors import RequestRejected
+
+RATIO_START = 0.5           # of each running sequence's remaining tokens, reserved at first
+RATIO_MIN = 0.1
+RATIO_DECAY = 0.002         # per step without a preemption
+RATIO_STEP_UP = 0.25        # per preemption
 
 
 class Admission:
     def __init__(self, kv: KVManager, max_model_len: int, token_budget: int,
-                 chunked_prefill: bool, vocab_size: int | None = None, watermark_blocks: int = 0):
+                 chunked_prefill: bool, vocab_size: int | None = None, reserve: bool = True):
         self.kv = kv
         self.max_model_len = max_model_len
         self.token_budget = token_budget
         self.chunked_prefill = chunked_prefill
         self.vocab_size = vocab_size
-        self.watermark_blocks = watermark_blocks
+        self.reserve = reserve
+        self.ratio = RATIO_START
 
     def check(self, ids: list[int], params: SamplingParams) -> None:
         """Raise ``RequestRejected``, naming the limit, if ``ids`` + ``params`` can never run."""
@@ -50,6 +65,29 @@ class Admission:
                 f"prompt + max_tokens = {total} tokens exceeds scheduler.max_num_batched_tokens "
                 f"({self.token_budget}) with chunked prefill off")
 
-    def may_start(self, new_blocks: int) -> bool:
-        """May a waiting request that needs ``new_blocks`` more blocks start this step?"""
-        return self.kv.num_free_blocks - new_blocks >= self.watermark_blocks
+    def may_start(self, new_blocks: int, running: Iterable[Request]) -> bool:
+        """May a waiting request that needs ``new_blocks`` more blocks start this step, beside
+        the ``running`` sequences?"""
+        return self.kv.num_free_blocks - new_blocks >= self.watermark(running)
+
+    def watermark(self, running: Iterable[Request]) -> int:
+        """Free blocks kept for the running sequences' expected growth."""
+        if not self.reserve:
+            return 0
+        need = 0
+        for r in running:
+            left = r.params.max_tokens - r.num_output_tokens
+            expected = r.num_tokens + int(self.ratio * left + 0.999)
+            need += max(0, self.kv.blocks_for(expected) - len(self.kv.block_table(r)))
+        return need
+
+    def idle(self) -> None:
+        """Nothing runs or waits: the next burst starts from the first ratio."""
+        self.ratio = RATIO_START
+
+    def stepped(self, preemptions: int) -> None:
+        """After a step's scheduling: reserve more after preemptions, a little less otherwise."""
+        if preemptions:
+            self.ratio = min(1.0, self.ratio + RATIO_STEP_UP * preemptions)
+        else:
+            self.ratio = max(RATIO_MIN, self.ratio - RATIO_DECAY)

@@ -153,7 +153,8 @@ class Engine:
                           prefill_tokens=out.num_prefill_tokens,
                           prefill_seqs=len(out.prefills), decode_seqs=len(out.decodes),
                           kv_blocks_used=self.kv.num_used_blocks,
-                          preemptions=len(out.preempted), draft_tokens=out.num_draft_tokens,
+                          preemptions=len(out.preempted), recomputed_tokens=out.recomputed_tokens,
+                          draft_tokens=out.num_draft_tokens,
                           drafted_seqs=len(out.drafts), accepted_tokens=sum(out.accepted.values()),
                           propose_s=out.propose_s, drafted_at=tuple(drafted_at), kept_at=tuple(kept_at))
 

@@ -19,6 +19,7 @@ class StepRecord:
     decode_seqs: int         # one token each
     kv_blocks_used: int
     preemptions: int = 0
+    recomputed_tokens: int = 0       # computed tokens the step's preemptions threw away
     draft_tokens: int = 0    # speculative tokens verified this step
     drafted_seqs: int = 0    # decodes that had drafts
     propose_s: float = 0.0   # of ``duration``, the time spent drafting
@@ -104,6 +105,7 @@ def phase_report(steps: list[StepRecord], requests: list[RequestTimes],
         "steps_by_mix": by_mix,
         "peak_kv_blocks": max((s.kv_blocks_used for s in steps), default=0),
         "preemptions": sum(s.preemptions for s in steps),
+        "recomputed_tokens": sum(s.recomputed_tokens for s in steps),
         "ttft_s": summarize([t.ttft for t in requests if t.ttft is not None]),
         "tpot_s": summarize([t.tpot for t in requests if t.tpot is not None]),
         "itl_s": summarize([x for t in requests for x in t.itl]),

@@ -33,6 +33,7 @@ class SchedulerOutput:
     decodes: list[Request] = field(default_factory=list)             # one token each, + drafts
     prefills: list[tuple[Request, int]] = field(default_factory=list)  # (request, chunk length)
     preempted: list[Request] = field(default_factory=list)
+    recomputed_tokens: int = 0                 # computed tokens the preemptions threw away
     drafts: dict[str, Proposal] = field(default_factory=dict)       # decodes verified this step
     propose_s: float = 0.0                                           # time spent drafting them
     accepted: dict[str, int] = field(default_factory=dict)          # drafts kept (after the step)
@@ -65,7 +66,8 @@ class Scheduler:
                  policy: str = "decode-first", chunked_prefill: bool = True, *,
                  max_model_len: int, eos_token_ids: tuple[int, ...] = (),
                  vocab_size: int | None = None, proposer: Proposer | None = None,
-                 num_spec_tokens: int = 0, spec_control: SpecController | None = None):
+                 num_spec_tokens: int = 0, spec_control: SpecController | None = None,
+                 reserve: bool = True):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
@@ -76,7 +78,7 @@ class Scheduler:
         self.proposer, self.num_spec_tokens = proposer, num_spec_tokens if proposer else 0
         self.spec_control = spec_control if proposer else None    # "auto": drafts per decode
         self.admission = Admission(kv, max_model_len, max_num_batched_tokens, chunked_prefill,
-                                   vocab_size)
+                                   vocab_size, reserve)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -101,6 +103,7 @@ class Scheduler:
             self._schedule_prefills(out)
             self._schedule_decodes(out)
         self._schedule_drafts(out)           # last: from what decodes and prefill left over
+        self.admission.stepped(len(out.preempted))
         if now is not None:
             for req, _ in out.scheduled:
                 if req.times.first_scheduled is None:
@@ -209,7 +212,7 @@ class Scheduler:
             n = min(pending, self._left)
             if n < pending and not self.chunked_prefill:
                 return
-            if not self.admission.may_start(self.kv.blocks_needed(req, n, computed)):
+            if not self.admission.may_start(self.kv.blocks_needed(req, n, computed), self.running):
                 return
             if not self.kv.allocate(req, n, computed):
                 return
@@ -228,6 +231,7 @@ class Scheduler:
         until they fit. False if ``req`` itself had to be preempted."""
         while not self.kv.allocate(req, n):
             victim = self.running[-1]
+            out.recomputed_tokens += victim.num_computed_tokens
             self.preempt(victim)
             out.preempted.append(victim)
             self._left += self._unschedule(victim, out)
@@ -279,3 +283,5 @@ class Scheduler:
         req.status = Status.FINISHED
         if now is not None:
             req.times.finished = now
+        if not self.has_work():
+            self.admission.idle()

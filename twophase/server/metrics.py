@@ -26,6 +26,8 @@ class ServerMetrics:
         self.decode_tokens = Counter("twophase_decode_tokens", "tokens decoded", registry=r)
         self.preemptions = Counter("twophase_preemptions", "requests preempted for KV blocks",
                                    registry=r)
+        self.recomputed = Counter("twophase_recomputed_tokens", "computed tokens preemptions threw "
+                                  "away (to be computed again)", registry=r)
         self.draft_tokens = Counter("twophase_spec_draft_tokens", "speculative tokens verified",
                                     registry=r)
         self.accepted_tokens = Counter("twophase_spec_accepted_tokens",
@@ -44,6 +46,7 @@ class ServerMetrics:
         self.prefill_tokens.inc(rec.prefill_tokens)
         self.decode_tokens.inc(rec.decode_tokens)
         self.preemptions.inc(rec.preemptions)
+        self.recomputed.inc(rec.recomputed_tokens)
         self.draft_tokens.inc(rec.draft_tokens)
         self.accepted_tokens.inc(rec.accepted_tokens)
         if rec.decode_seqs:
