@@ -77,6 +77,26 @@ class LLM:
         names = pcfg.name if same else f"{pcfg.name} prefill + {dcfg.name} decode"
         log.info("loaded %s on %s/%s in %.2f s (%d KV blocks of %d tokens)", self.model.model_id,
                  names, device, self.load_time_s, self.num_blocks, config.cache.block_size)
+        m = self.memory = self._memory(device)
+        log.info("KV cache %.2f GiB = %d tokens; max concurrency %d at %d tokens; weights %.2f GiB; "
+                 "headroom %.2f GiB", m["kv_cache_bytes"] / GiB, m["kv_tokens"], m["max_concurrency"],
+                 self.max_model_len, m["weight_bytes"] / GiB, m["headroom_bytes"] / GiB)
+
+    def _memory(self, device: str) -> dict[str, int]:
+        """What the KV pool holds and the weights take (4-bit blocks: 20 bytes a block of 32
+        weights), how many full-context sequences fit, and what the device has left."""
+        pool, bs = self.kv_cache.pool, self.config.cache.block_size
+        weights = loader.weight_bytes(self.model.arch, self.model.dtype)
+        if self.spec.quantization == "q4":
+            weights = self.model.arch.num_params() * 20 // 32
+        kv = pool.numel() * pool.element_size() if pool.device.type != "meta" \
+            else self.num_blocks * self.prefill_backend.kv_cache_spec().bytes_per_block(bs)
+        free = available_memory(device)
+        if torch.device(device).type == "cpu":
+            free -= kv              # the pool's pages are the OS's until first written
+        return {"kv_cache_bytes": kv, "kv_tokens": self.num_blocks * bs,
+                "max_concurrency": self.num_blocks // -(-self.max_model_len // bs),
+                "weight_bytes": weights, "headroom_bytes": free}
 
     def _load_backend(self, sec, spec: ModelSpec):
         backend = self.registry.get(sec.name)()
@@ -267,6 +287,7 @@ class LLM:
                            sum(len(o.token_ids) for o in served))
         rep["prefix_cache_hit_rate"] = self.engine.kv.hit_rate
         rep["kv_blocks_total"] = self.num_blocks
+        rep["memory"] = self.memory
         rep["load_time_s"] = self.load_time_s
         p, d = self.config.phases()
         rep["backend"] = {"prefill": p.name, "decode": d.name, "device": p.device}

@@ -186,3 +186,13 @@ def test_text_a_tokenizer_cannot_take_and_seeds_past_64_bits_are_refused_by_name
             SamplingParams(seed=seed)
     assert SamplingParams(seed=2 ** 64 - 1).seed == 2 ** 64 - 1
     assert llm.generate([[5, 6]], SamplingParams(max_tokens=2, seed=2 ** 64 - 1))[0].token_ids
+
+
+def test_the_memory_figures_say_what_the_pool_holds():
+    llm = tiny_llm(cache={"num_blocks": 64, "block_size": 16}, model={"max_model_len": 256})
+    m = llm.report()["memory"]
+    a = llm.model.arch
+    per_token = a.num_layers * 2 * a.num_kv_heads * a.head_dim * 4          # float32 K and V
+    assert m["kv_tokens"] == 64 * 16 and m["max_concurrency"] == 64 // (256 // 16)
+    assert m["kv_cache_bytes"] >= 64 * 16 * per_token
+    assert m["weight_bytes"] == a.num_params() * 4 and m["headroom_bytes"] > 0
