@@ -38,8 +38,9 @@ def _prompts(llm: LLM, chat_prompts: list[str]) -> list[str]:
 
 def test_ngram_speculation_keeps_the_greedy_tokens(default_llm, default_prompts):
     spec = LLM.from_config({"model": {"name": "smollm2-135m-instruct"},
-                            "cache": {"num_blocks": 24},                # preempts
-                            "scheduler": {"max_num_batched_tokens": 96, "max_num_seqs": 6},
+                            "cache": {"num_blocks": 24},
+                            "scheduler": {"max_num_batched_tokens": 96, "max_num_seqs": 6,
+                                          "admission": "greedy"},      # preempts
                             "speculative": {"method": "ngram", "num_tokens": 4}})
     prompts = _prompts(default_llm, default_prompts)
     p = SamplingParams(max_tokens=TOKENS, logprobs=2)
@@ -67,8 +68,9 @@ def test_draft_speculation_keeps_the_greedy_tokens(default_llm, default_prompts)
     except BackendUnavailable as exc:
         pytest.skip(str(exc))
     spec = LLM.from_config({"model": {"name": "smollm2-135m-instruct"},
-                            "cache": {"num_blocks": 24},                # preempts
-                            "scheduler": {"max_num_batched_tokens": 96, "max_num_seqs": 6},
+                            "cache": {"num_blocks": 24},
+                            "scheduler": {"max_num_batched_tokens": 96, "max_num_seqs": 6,
+                                          "admission": "greedy"},      # preempts
                             "speculative": {"method": "draft", "num_tokens": 4, "draft": {
                                 "quantization": "q4", "backend": {"name": "native"}}}})
     prompts = _prompts(default_llm, default_prompts)
