@@ -1,5 +1,7 @@
 """Compare backends phase by phase through the Python API (what `twophase bench` does, for
-people who script rather than configure).
+people who script rather than configure). IREE, unless it is the first backend, runs in a process
+of its own, as in `twophase bench`: its runtime keeps what each new shape allocated (7 GB and
+more for the default model in one process).
 
     python examples/compare_backends.py                       # tiny random model, CPU
     python examples/compare_backends.py --model smollm2-135m-instruct --backends torch,onnxruntime,iree
@@ -15,6 +17,8 @@ from rich.table import Table
 
 from twophase import LLM
 from twophase.bench import serving, sweeps
+from twophase.bench.isolated import ISOLATED, IsolatedLine
+from twophase.config import SchedulerConfig, load_config
 
 
 def main() -> None:
@@ -26,14 +30,22 @@ def main() -> None:
     model = {"name": args.model} if args.model == "smollm2-135m-instruct" else \
         {"name": args.model, "weights": "random"}
     names = args.backends.split(",")
-    llms = {n: LLM.from_config({"model": model, "backend": {"name": n},
-                                "scheduler": {"policy": "prefill-first", "max_num_batched_tokens": 512},
-                                "cache": {"num_blocks": 1024}}) for n in names}
+    cfgs = {n: {"model": model, "backend": {"name": n}, "cache": {"num_blocks": 1024},
+                "scheduler": {"policy": "prefill-first", "max_num_batched_tokens": 512}} for n in names}
+    llms = {n: IsolatedLine(load_config(cfgs[n]), n) if n in ISOLATED and i > 0
+            else LLM.from_config(cfgs[n]) for i, n in enumerate(names)}
+
+    def prefill(llm, n, k):
+        return llm.prefill_round(n, 0, k) if isinstance(llm, IsolatedLine) else sweeps.prefill_round(llm, n, 0, k)
+
+    def decode(llm, b, k):
+        return llm.decode_round(b, 256, 6, k) if isinstance(llm, IsolatedLine) else \
+            sweeps.decode_round(llm, b, 256, 6, k)
 
     # one round of every measurement on every backend, then the next round: drift hits all alike
-    cases = {"prefill 512": lambda llm, k: 512 / sweeps.prefill_round(llm, 512, 0, k),
-             "decode b1": lambda llm, k: 1 / sweeps.decode_round(llm, 1, 256, 6, k),
-             "decode b32": lambda llm, k: 32 / sweeps.decode_round(llm, 32, 256, 6, k)}
+    cases = {"prefill 512": lambda llm, k: 512 / prefill(llm, 512, k),
+             "decode b1": lambda llm, k: 1 / decode(llm, 1, k),
+             "decode b32": lambda llm, k: 32 / decode(llm, 32, k)}
     rates = {n: {c: [] for c in cases} for n in names}
     for k in range(args.rounds):
         for case, measure in cases.items():
@@ -44,9 +56,13 @@ def main() -> None:
     vocab = llms[names[0]].model.arch.vocab_size
     requests = serving.synthetic(16, 8.0, [32, 256], [16, 48], vocab, seed=0)
     served = {}
-    for n, llm in llms.items():
-        llm.reschedule(llm.config.scheduler.__class__())        # the default serving scheduler
-        served[n] = serving.run(llm.engine, requests)
+    for n, llm in llms.items():                                 # the default serving scheduler
+        if isinstance(llm, IsolatedLine):
+            served[n] = llm.serve(SchedulerConfig(), requests)
+            llm.close()
+        else:
+            llm.reschedule(SchedulerConfig())
+            served[n] = serving.run(llm.engine, requests)
 
     table = Table(title=f"{args.model}: tokens/s (median of {args.rounds} rounds; ratio to {names[0]})")
     for col in ["backend", *cases, "serving out tok/s", "TTFT p50 ms", "ITL p99 ms"]:

@@ -48,7 +48,7 @@ def results(**changes) -> dict:
         "prefill": {line: {"128": measured(0.0912, 128, 0.61), "1024": measured(1.234, 1024, 0.72)}
                     for line in lines},
         "decode": {line: {"1": measured(0.0123, 1, 0.55), "32": measured(0.0789, 32, 0.43)} for line in lines},
-        "outliers": [], "skipped": [], "baseline_missing": None,
+        "outliers": [], "notes": [], "baseline_missing": None,
         "serving": {"torch": served(), "onnxruntime": served(),
                     "hf": {"requests": 32, "wall_s": 20.0, "batch_size": 16, "request_throughput": 1.6,
                            "output_tokens": 1234, "output_tokens_per_s": 61.7}},

@@ -130,7 +130,7 @@ def headline(res: dict[str, Any]) -> list[str]:
         f"(context {res['decode_context']}); decode turns compute-bound at batch "
         f"{cross if cross else 'never (the K/V read grows with the batch)'}.",
         *spec,
-        *res.get("skipped", []),
+        *res.get("notes", res.get("skipped", [])),      # "skipped": results of older benches
     ]
 
 

@@ -23,6 +23,7 @@ from rich.progress import (
 )
 
 from twophase.bench import calibrate, machine, serving, sweeps
+from twophase.bench.isolated import ISOLATED, IsolatedLine
 from twophase.bench.roofline import CostModel
 from twophase.config import Config, SchedulerConfig, SpeculativeConfig
 from twophase.errors import ConfigError
@@ -81,7 +82,7 @@ def _check_backends(names: list[str], device: str) -> None:
 
 def _round(line: str, eng: Any, phase: str, x: int, b: Any, k: int) -> float:
     """One round of ``phase`` at ``x`` (prompt length or batch size) on one line."""
-    if line == "hf":
+    if line == "hf" or isinstance(eng, IsolatedLine):
         return (eng.prefill_round(x, b.cache_depth, k) if phase == "prefill"
                 else eng.decode_round(x, b.decode_context, b.decode_steps, k))
     return (sweeps.prefill_round(eng, x, b.cache_depth, k) if phase == "prefill"
@@ -165,6 +166,8 @@ def _serve(cfg: Config, lines: dict[str, Any], requests, progress: _Phases) -> d
         progress.phase(f"serving workload on {line}")
         if line == "hf":
             served[line] = eng.serve(requests, cfg.bench.hf_batch_size)
+        elif isinstance(eng, IsolatedLine):
+            served[line] = eng.serve(cfg.scheduler, requests)
         else:
             eng.reschedule(cfg.scheduler)
             served[line] = serving.run(eng.engine, requests)
@@ -255,7 +258,32 @@ def run(cfg: Config, backends: list[str] | None = None, compare_chunked: bool = 
     device = cfg.phases()[0].device
     _check_backends(names, device)
     before = _start_sample()
-    llms = {name: _bench_llm(cfg, name) for name in names}
+    llms = _lines(cfg, names)
+    try:
+        return _run(cfg, b, names, llms, before, compare_chunked, command, speculative)
+    finally:
+        for llm in llms.values():
+            if isinstance(llm, IsolatedLine):
+                llm.close()
+
+
+def _lines(cfg: Config, names: list[str]) -> dict[str, Any]:
+    """Each backend's LLM; those in ``ISOLATED`` but the first in a process of their own (the
+    first line also runs the speculative and chunked comparisons, here)."""
+    llms: dict[str, Any] = {}
+    for i, name in enumerate(names):
+        if name in ISOLATED and i > 0:
+            log.info("%s: benched in a process of its own (its runtime keeps what each new shape "
+                     "allocated)", name)
+            llms[name] = IsolatedLine(cfg, name)
+        else:
+            llms[name] = _bench_llm(cfg, name)
+    return llms
+
+
+def _run(cfg: Config, b, names: list[str], llms: dict[str, Any], before, compare_chunked: bool,
+         command: str | None, speculative: bool) -> dict[str, Any]:
+    device = cfg.phases()[0].device
     first = llms[names[0]]
     b, skipped = sweeps.servable(b, first.max_model_len)
     arch, dtype = first.model.arch, first.model.dtype
@@ -292,7 +320,8 @@ def run(cfg: Config, backends: list[str] | None = None, compare_chunked: bool = 
         "serving": served,
         "serving_workload": _describe_workload(b.serving, len(requests)),
         "load_time_s": {name: llm.load_time_s for name, llm in llms.items()},
-        "skipped": skipped,
+        "notes": skipped + [f"{n}: benched in a process of its own, since its runtime keeps what each "
+                              f"new shape allocated" for n, llm in llms.items() if isinstance(llm, IsolatedLine)],
         "baseline_missing": no_baseline,
     }
     res["roofline"] = _roofline(cost, b, ceil, served)
