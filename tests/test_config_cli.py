@@ -610,3 +610,21 @@ def test_every_example_config_passes_the_checks(path):
     from twophase.config import load_config
 
     load_config(path)
+
+
+def test_a_context_the_pool_cannot_hold_is_refused_or_lowered(monkeypatch):
+    from twophase.models import loader
+
+    llm = LLM.from_config({"model": dict(TINY), "cache": {"num_blocks": 8}})        # 128 tokens
+    assert llm.max_model_len == 128
+    out, = llm.generate([[5] * 200], SamplingParams(max_tokens=2))
+    assert out.finish_reason == "rejected" and "context of 128 tokens" in out.error
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights were loaded before the config was refused")
+
+    monkeypatch.setattr(loader, "model_spec", no_weights)
+    with pytest.raises(ConfigError) as info:
+        LLM.from_config({"model": {**TINY, "max_model_len": 512}, "cache": {"num_blocks": 8}})
+    assert info.value.key == "model.max_model_len"
+    assert "holds 128" in str(info.value) and "set it to 128 at most" in str(info.value)

@@ -61,6 +61,8 @@ class LLM:
         self.max_model_len = min(mc.max_model_len or arch.max_position_embeddings,
                                  arch.max_position_embeddings)
         self._check_fits(device)
+        if isinstance(config.cache.num_blocks, int):         # known before any weights load
+            self._fit_context(config.cache.num_blocks * config.cache.block_size)
         self.spec = spec = loader.model_spec(self.model, mc)
         self.prefill_backend = self._load_backend(pcfg, spec)
         same = (pcfg.name, pcfg.device, pcfg.options) == (dcfg.name, dcfg.device, dcfg.options)
@@ -69,6 +71,7 @@ class LLM:
             self._check_pool_sharing(pcfg, dcfg)
         self.backend = self.prefill_backend
         self.kv_cache = self._allocate_pool(device)
+        self._fit_context(self.num_blocks * config.cache.block_size)
         for b in {id(self.prefill_backend): self.prefill_backend,
                   id(self.decode_backend): self.decode_backend}.values():
             b.bind_kv_cache(self.kv_cache)
@@ -154,6 +157,21 @@ class LLM:
         return self.model.tokenizer
 
     # -- setup ------------------------------------------------------------------------------
+    def _fit_context(self, pool_tokens: int) -> None:
+        """One request must fit the pool: a ``max_model_len`` the config asks for and the pool
+        cannot hold is an error naming the largest that fits; the model's own context is
+        lowered to the pool's, with a log line."""
+        if pool_tokens >= self.max_model_len:
+            return
+        if self.config.model.max_model_len is not None:
+            raise ConfigError("model.max_model_len", f"{self.max_model_len} tokens, but the KV pool "
+                              f"holds {pool_tokens}: a request that long could never be served; set "
+                              f"it to {pool_tokens} at most, or give the pool more (cache.num_blocks, "
+                              f"cache.memory_gb)")
+        log.info("max_model_len %d, what the KV pool holds (the model's context is %d; "
+                 "cache.num_blocks or cache.memory_gb give the pool more)", pool_tokens, self.max_model_len)
+        self.max_model_len = pool_tokens
+
     def _check_fits(self, device: str) -> None:
         need = loader.weight_bytes(self.model.arch, self.model.dtype)
         have = available_memory(device)
