@@ -160,14 +160,9 @@ def test_cuda_execution_provider_equals_torch_on_cuda():
 def test_decode_graph_equals_the_step_graph(model):
     """All-decode steps run the decode-only graph: the same logits and K/V as the step graph on
     the same batch (decodes of unequal lengths, over copies of one pool)."""
-    llm = tiny_llm(model=model, backend={"name": "onnxruntime"}, cache={"num_blocks": 128, "block_size": 4})
-    ort = llm.backend
+    llm, reqs = _decoding(model)
+    ort, eng = llm.backend, llm.engine
     assert ort.decode_session is not None
-    eng = llm.engine
-    reqs = [eng.add_request(list(range(3 + i, 3 + i + n)), SamplingParams(max_tokens=8, ignore_eos=True))
-            for i, n in enumerate((9, 30, 2, 21))]
-    while any(r.num_output_tokens < 2 for r in reqs):
-        eng.step()
     sched = eng.scheduler.schedule()
     assert not sched.prefills and len({r.num_computed_tokens for r in sched.decodes}) > 1
     batch = decode_batch(sched.decodes, eng.kv)
@@ -179,6 +174,17 @@ def test_decode_graph_equals_the_step_graph(model):
     want = _on_step_graph(ort, batch.as_prefill())
     assert float((got - want).abs().max() / want.abs().max()) < 1e-5
     assert torch.allclose(decoded, pool, atol=1e-6)
+
+
+def _decoding(model: dict):
+    """The tiny model on onnxruntime, with four sequences of unequal lengths in decode."""
+    llm = tiny_llm(model=model, backend={"name": "onnxruntime"}, cache={"num_blocks": 128, "block_size": 4})
+    eng = llm.engine
+    reqs = [eng.add_request(list(range(3 + i, 3 + i + n)), SamplingParams(max_tokens=8, ignore_eos=True))
+            for i, n in enumerate((9, 30, 2, 21))]
+    while any(r.num_output_tokens < 2 for r in reqs):
+        eng.step()
+    return llm, reqs
 
 
 def _on_step_graph(ort, batch):
@@ -195,14 +201,9 @@ def _on_step_graph(ort, batch):
 def test_verify_graph_equals_the_step_graph(model, logits):
     """Short chunks (a decode and its drafts) run the verify graph: the same logits and K/V as
     the step graph, for chunks of unequal lengths (padded) after caches of unequal lengths."""
-    llm = tiny_llm(model=model, backend={"name": "onnxruntime"}, cache={"num_blocks": 128, "block_size": 4})
+    llm, reqs = _decoding(model)
     ort, kv = llm.backend, llm.engine.kv
     assert ort.verify_session is not None
-    eng = llm.engine
-    reqs = [eng.add_request(list(range(3 + i, 3 + i + n)), SamplingParams(max_tokens=8, ignore_eos=True))
-            for i, n in enumerate((9, 30, 2, 21))]
-    while any(r.num_output_tokens < 2 for r in reqs):
-        eng.step()
     drafts = {r.request_id: [7 + i] * i for i, r in enumerate(reqs)}      # 0 to 3 drafts
     items = [(r, r.num_computed_tokens, 1 + i) for i, r in enumerate(reqs)]
     for r, _, n in items:
