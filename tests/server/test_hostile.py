@@ -209,6 +209,9 @@ def test_gauges_follow_aborts_and_a_full_queue_says_when_to_retry():
         all_blocks_free(llm, app)
         text = httpx.get(url + "/metrics").text
         assert "twophase_requests_running 0.0" in text and "twophase_kv_blocks_used 0.0" in text
+        mem = llm.memory
+        assert f"twophase_kv_tokens {float(mem['kv_tokens'])}" in text
+        assert f"twophase_max_concurrency {float(mem['max_concurrency'])}" in text
 
 
 def test_an_engine_failure_ends_its_streams_with_an_error_and_the_server_goes_on():

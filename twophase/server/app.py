@@ -32,6 +32,7 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_queue: int 
     stops for good; ``twophase serve`` then shuts the server down and exits non-zero."""
     metrics = ServerMetrics()
     metrics.kv_total.set(llm.engine.kv.pool.num_blocks)
+    metrics.loaded(llm.memory)
     engine = llm.engine
     loop = EngineLoop(llm, max_queue, on_step=metrics.step, on_finish=metrics.finished,
                       on_change=lambda: metrics.refresh(engine.scheduler, engine.kv),

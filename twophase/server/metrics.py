@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+MEMORY = {"kv_cache_bytes": "bytes of the KV pool", "kv_tokens": "tokens the KV pool holds",
+          "max_concurrency": "sequences of max_model_len tokens the KV pool holds at once",
+          "weight_bytes": "bytes of the model's weights",
+          "headroom_bytes": "bytes the device had left after the KV pool, at start-up"}
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 # a token's time: 1 ms (a GPU's decode step) to 1 s (a large model on a CPU)
 TOKEN_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1)
@@ -40,6 +45,12 @@ class ServerMetrics:
                              registry=r)
         self.kv_used = Gauge("twophase_kv_blocks_used", "KV blocks held by requests", registry=r)
         self.kv_total = Gauge("twophase_kv_blocks_total", "KV blocks in the pool", registry=r)
+        self.memory = {key: Gauge(f"twophase_{key}", what, registry=r) for key, what in MEMORY.items()}
+
+    def loaded(self, memory: dict[str, int]) -> None:
+        """What the memory is for, as the start-up log line says it (``LLM.memory``)."""
+        for key, gauge in self.memory.items():
+            gauge.set(memory[key])
 
     def step(self, rec) -> None:
         """After each engine step (on the engine's thread)."""
