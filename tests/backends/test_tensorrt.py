@@ -1,7 +1,7 @@
-"""The tensorrt backend on both sides of the boundary this machine cannot cross: the profile
-shapes computed from a config, and the calls the backend makes, against a recording stand-in for
-TensorRT that runs the engine's ONNX graph (``fake_tensorrt``). Real TensorRT runs only in the
-GPU-marked test."""
+"""The tensorrt backend on both sides of the boundary this machine cannot cross: the profiles and
+the memory they imply, computed from a config, and the calls the backend makes, against a
+stand-in for TensorRT that keeps its rules and runs the engine's ONNX graph
+(``fake_tensorrt``). Real TensorRT runs only in the GPU-marked test."""
 
 from __future__ import annotations
 
@@ -16,34 +16,52 @@ from helpers.models import random_prompts, tiny_llm
 from twophase import LLM, SamplingParams
 from twophase.backends.base import BackendUnavailable, EngineLimits
 from twophase.exporters import tensorrt as exporter
+from twophase.exporters.trt_profiles import MAX_POOL_BLOCKS
 from twophase.graph.signature import STEP
 
-pytest.importorskip("onnxruntime")
-ARCH = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8}
+ARCH = {"num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "intermediate_size": 64,
+        "vocab_size": 100}
 
 
 def test_profile_shapes_follow_the_config():
+    """A small model within the tile: one prefill and one decode profile, at the scheduler's
+    own limits; the pool's block count dynamic."""
     prefill, decode = exporter.profile_shapes(ARCH, EngineLimits(8, 48, 100), block_size=4,
                                               num_blocks=64)
     assert set(prefill) == set(decode) == set(STEP.names)
-    # prefill: up to the token budget, chunks up to it, decodes riding along (0..max_num_seqs)
+    # prefill: up to the token budget, up to max_num_seqs chunks as long as it, no decodes
     assert prefill["input_ids"] == ((1,), (48,), (48,))
-    assert prefill["chunk_index"] == ((0, 1), (1, 48), (8, 48))
-    assert prefill["chunk_tables"] == ((0, 1), (1, 12), (8, 25))      # 100 tokens = 25 blocks
-    assert prefill["dec_tables"] == ((0, 1), (0, 12), (8, 25))
-    assert prefill["logits_index"] == ((1,), (8,), (48,))
+    assert prefill["chunk_index"] == ((1, 1), (8, 48), (8, 48))
+    assert prefill["chunk_tables"] == ((1, 1), (8, 12), (8, 25))      # 100 tokens = 25 blocks
+    assert prefill["dec_tables"] == ((0, 1), (0, 1), (0, 1))
+    assert prefill["logits_index"] == ((1,), (48,), (48,))
     # decode: one token per sequence, 1..max_num_seqs, no chunk group
     assert decode["input_ids"] == ((1,), (8,), (8,))
     assert decode["dec_tables"] == ((1, 1), (8, 12), (8, 25))
     assert decode["chunk_index"] == ((0, 1), (0, 1), (0, 1))
-    assert prefill["kv_pool"] == decode["kv_pool"] == ((2, 2, 64, 2, 4, 8),) * 3
+    pool = ((2, 2, 1, 2, 4, 8), (2, 2, MAX_POOL_BLOCKS, 2, 4, 8), (2, 2, MAX_POOL_BLOCKS, 2, 4, 8))
+    assert prefill["kv_pool"] == decode["kv_pool"] == pool
+    # a pool of another size keys the same engine; one narrower than a context does not
+    assert exporter.profile_shapes(ARCH, EngineLimits(8, 48, 100), 4, 1000) == [prefill, decode]
+    assert exporter.profile_shapes(ARCH, EngineLimits(8, 48, 100), 4, 20) != [prefill, decode]
+
+
+def aligned_zeros(shape, dtype, device):
+    """The pool at a 256-byte boundary, as CUDA's allocator gives it (the CPU's gives 64)."""
+    from twophase.backends.tensorrt import aligned_empty
+
+    return aligned_empty(tuple(shape), dtype, torch.device(device)).zero_()
 
 
 @pytest.fixture
 def standin(monkeypatch, tmp_path):
     """TensorRT replaced by the stand-in, the GPU by the CPU, the cache by a temporary folder."""
+    pytest.importorskip("onnxruntime")
+    import twophase.llm
     from twophase.backends.tensorrt import TensorRTBackend
 
+    monkeypatch.setattr(twophase.llm, "zeros", aligned_zeros)
+    monkeypatch.setattr(fake_tensorrt, "allocated", [0])
     monkeypatch.setitem(sys.modules, "tensorrt", fake_tensorrt)
     monkeypatch.setattr(TensorRTBackend, "check_available", classmethod(lambda cls, device="cuda": None))
     monkeypatch.setattr(exporter, "gpu_identity", lambda index=0: {"gpu": "Stand-in GPU",
@@ -66,10 +84,18 @@ def test_call_sequence_and_tokens_through_the_standin(standin):
                      "Builder.build_serialized_network", "Logger", "Runtime",
                      "Runtime.deserialize_cuda_engine",
                      "ICudaEngine.create_execution_context",
+                     "IExecutionContext.set_device_memory",
                      "IExecutionContext.set_optimization_profile_async",
                      "ICudaEngine.create_execution_context",
+                     "IExecutionContext.set_device_memory",
                      "IExecutionContext.set_optimization_profile_async"]
     assert standin[2] == ("Builder.create_network", 0)              # strongly typed, no flags
+    # both contexts on one buffer of the larger profile's size, none of their own
+    user = fake_tensorrt.ExecutionContextAllocationStrategy.USER_MANAGED
+    assert [c[1] for c in standin if c[0] == "ICudaEngine.create_execution_context"] == [user, user]
+    engine = llm.backend.engine
+    sizes = {c[1] for c in standin if c[0] == "IExecutionContext.set_device_memory"}
+    assert sizes == {max(engine.get_device_memory_size_for_profile_v2(p) for p in (0, 1))}
     assert all(c[1] == sorted(STEP.names) for c in standin if c[0].endswith("add_optimization_profile"))
     assert [c[1] for c in standin if c[0].endswith("profile_async")] == [0, 1]
     standin.clear()
@@ -82,7 +108,9 @@ def test_call_sequence_and_tokens_through_the_standin(standin):
     # pure-decode steps ran the decode profile with an empty chunk group; the others profile 0
     decodes = [shapes for profile, shapes in ((c[1], c[2]) for c in runs) if profile == 1]
     assert decodes and all(s["chunk_index"][0] == 0 for s in decodes)
-    assert len(runs) == len(llm.engine.steps.records)
+    # within the tile: one call a phase a step (a mixed step's decodes run the decode profile)
+    steps = llm.engine.steps.records
+    assert len(runs) == sum((r.prefill_seqs > 0) + (r.decode_seqs > 0) for r in steps)
     assert llm.engine.kv.num_free_blocks == llm.num_blocks
 
 

@@ -2,10 +2,22 @@
 without TensorRT or a GPU.
 
 It implements exactly the methods twophase calls, with their real signatures, records each call,
-and enforces what TensorRT enforces: a context runs the profile it selected, every input's shape
-must lie within that profile, every I/O tensor needs an address. Its "engine" is the ONNX graph
-the parser read, run by ONNX Runtime on the CPU, reading and writing the bound host addresses,
-so a backend driven through it computes real tokens.
+and enforces what TensorRT enforces:
+
+- a new execution context starts on profile 0 and runs the profile it last selected; every
+  input's shape must lie within that profile; every I/O tensor needs a 256-byte aligned address;
+- no tensor the engine computes may hold more than 2^31 - 1 elements (the builder fails): the
+  I/O tensors at each profile's maxima (the pool aside: only a Gather reads it, which indexes
+  in 64 bits since TensorRT 10) and the step graph's attention and MLP intermediates;
+- an engine's activation memory is sized for each profile's maxima at once; a ``STATIC`` context
+  allocates the largest profile's from ``DEVICE_MEMORY`` (creation fails when it is spent), a
+  ``USER_MANAGED`` one runs only once given a large enough, aligned buffer;
+- I/O tensors have the graph's dtypes: float32, float16 or bfloat16 float data, int64 indices.
+
+Its "engine" is the ONNX graph the parser read, run by ONNX Runtime on the CPU, reading and
+writing the bound host addresses, so a backend driven through it computes real tokens. Its
+activation figures are its own estimate from the graph's weights and the profile maxima,
+independent of twophase's.
 """
 
 from __future__ import annotations
@@ -13,10 +25,15 @@ from __future__ import annotations
 import ctypes
 import json
 
+import ml_dtypes
 import numpy as np
 
 __version__ = "11.0.0-standin"
 calls: list[tuple] = []                    # (method, args...) in call order
+ELEMENT_LIMIT = 2**31 - 1
+ALIGNMENT = 256
+DEVICE_MEMORY = 141 * 10**9                # an H200's: tests lower it
+allocated = [0]                            # bytes STATIC contexts hold
 
 
 def _record(*call):
@@ -32,6 +49,12 @@ class Logger:
 
 class MemoryPoolType:
     WORKSPACE = "WORKSPACE"
+
+
+class ExecutionContextAllocationStrategy:
+    STATIC = 0
+    ON_PROFILE_CHANGE = 1
+    USER_MANAGED = 2
 
 
 class INetworkDefinition:
@@ -90,8 +113,58 @@ class Builder:
 
     def build_serialized_network(self, network: INetworkDefinition, config: IBuilderConfig):
         _record("Builder.build_serialized_network", len(config.profiles))
-        return json.dumps({"tensorrt": __version__, "onnx": network.onnx_path,
+        arch = _graph_arch(network.onnx_path)
+        memory = []
+        for index, profile in enumerate(config.profiles):
+            tensors = _profile_tensors(arch, profile.shapes)
+            big = {n: v for n, v in tensors.items() if v > ELEMENT_LIMIT}
+            if big:                            # TensorRT logs the layer and returns None
+                _record("Builder.error", index, big)
+                return None
+            memory.append(_activation_bytes(arch, tensors))
+        return json.dumps({"tensorrt": __version__, "onnx": network.onnx_path, "memory": memory,
                            "profiles": [p.shapes for p in config.profiles]}).encode()
+
+
+def _graph_arch(onnx_path: str) -> dict:
+    """What the activation sizes depend on, read from the graph: its pool input's fixed
+    dimensions and its weights' shapes."""
+    import onnx
+
+    model = onnx.load(onnx_path, load_external_data=False)
+    shapes = {i.name: list(i.dims) for i in model.graph.initializer}
+    pool = next(i for i in model.graph.input if i.name == "kv_pool")
+    dims = [d.dim_value for d in pool.type.tensor_type.shape.dim]
+    kvh, hd = dims[3], dims[5]
+    qkv = next(v for k, v in shapes.items() if k.endswith("qkv.weight"))
+    gate_up = next(v for k, v in shapes.items() if k.endswith("gate_up.weight"))
+    embed = next(v for k, v in shapes.items() if k.endswith("embed.weight"))
+    itemsize = {1: 4, 10: 2, 16: 2}[pool.type.tensor_type.elem_type]
+    return {"H": qkv[0] // hd - 2 * kvh, "KVH": kvh, "hd": hd, "F": gate_up[0] // 2,
+            "vocab": embed[0], "hidden": embed[1], "itemsize": itemsize}
+
+
+def _profile_tensors(arch: dict, shapes: dict) -> dict[str, int]:
+    """Elements of each I/O tensor at the profile's maxima, and of the graph's largest
+    intermediates: attention scores and gathered K/V of both groups, the MLP, the logits."""
+    mx = {name: s[2] for name, s in shapes.items()}
+    out = {n: int(np.prod(s)) for n, s in mx.items() if n != "kv_pool"}
+    H, KVH, hd = arch["H"], arch["KVH"], arch["hd"]
+    bs = mx["kv_pool"][4]
+    C, Q = mx["chunk_index"]
+    Wc, (D, Wd), T = mx["chunk_tables"][1], mx["dec_tables"], mx["input_ids"][0]
+    out.update({
+        "chunk_scores": C * H * Q * (Wc * bs + Q), "chunk_kv": C * (Wc * bs + Q) * KVH * hd,
+        "decode_scores": D * Wd * bs * H, "decode_kv": D * Wd * bs * KVH * hd,
+        "mlp": T * 2 * arch["F"], "logits": mx["logits_index"][0] * arch["vocab"]})
+    return out
+
+
+def _activation_bytes(arch: dict, t: dict[str, int]) -> int:
+    size = arch["itemsize"]
+    attention = max(3 * 4 * t["chunk_scores"] + 4 * size * t["chunk_kv"],
+                    3 * 4 * t["decode_scores"] + 2 * size * t["decode_kv"])
+    return attention + 2 * size * t["mlp"] + 4 * t["logits"] + (1 << 30)
 
 
 class Runtime:
@@ -111,6 +184,7 @@ class ICudaEngine:
         import onnxruntime as ort
 
         self.profiles = data["profiles"]
+        self.memory = data["memory"]
         so = ort.SessionOptions()
         so.intra_op_num_threads = 1
         self.session = ort.InferenceSession(data["onnx"], so, providers=["CPUExecutionProvider"])
@@ -119,28 +193,50 @@ class ICudaEngine:
     def num_optimization_profiles(self) -> int:
         return len(self.profiles)
 
-    def create_execution_context(self) -> "IExecutionContext":
-        _record("ICudaEngine.create_execution_context")
-        return IExecutionContext(self)
+    @property
+    def device_memory_size_v2(self) -> int:
+        return max(self.memory)
+
+    def get_device_memory_size_for_profile_v2(self, profile_index: int) -> int:
+        return self.memory[profile_index]
+
+    def create_execution_context(self, strategy: int = ExecutionContextAllocationStrategy.STATIC):
+        _record("ICudaEngine.create_execution_context", strategy)
+        if strategy == ExecutionContextAllocationStrategy.USER_MANAGED:
+            return IExecutionContext(self)
+        if allocated[0] + self.device_memory_size_v2 > DEVICE_MEMORY:
+            return None                     # TensorRT logs "out of memory" and returns null
+        allocated[0] += self.device_memory_size_v2
+        ctx = IExecutionContext(self)
+        ctx.memory_size = self.device_memory_size_v2
+        return ctx
 
 
-_CTYPES = {"tensor(int64)": (ctypes.c_int64, np.int64), "tensor(float)": (ctypes.c_float, np.float32)}
+_DTYPES = {"tensor(int64)": np.int64, "tensor(float)": np.float32, "tensor(float16)": np.float16,
+           "tensor(bfloat16)": ml_dtypes.bfloat16}
 
 
 def _array(address: int, shape, onnx_type: str) -> np.ndarray:
-    ct, dt = _CTYPES[onnx_type]
+    dt = np.dtype(_DTYPES[onnx_type])
     n = int(np.prod(shape))
     if n == 0:
         return np.empty(shape, dtype=dt)
-    return np.ctypeslib.as_array(ctypes.cast(address, ctypes.POINTER(ct)), shape=(n,)).reshape(shape)
+    raw = (ctypes.c_uint8 * (n * dt.itemsize)).from_address(address)
+    return np.frombuffer(raw, dtype=dt).reshape(shape)
 
 
 class IExecutionContext:
     def __init__(self, engine: ICudaEngine):
         self.engine = engine
-        self.profile: int | None = None
+        self.profile = 0                    # TensorRT's default: the code must select its own
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.addresses: dict[str, int] = {}
+        self.memory_size = 0                # activation bytes it was given or allocated
+
+    def set_device_memory(self, memory: int, size: int) -> None:
+        _record("IExecutionContext.set_device_memory", size)
+        assert memory % ALIGNMENT == 0, f"device memory at {memory:#x} is not {ALIGNMENT}-byte aligned"
+        self.memory_size = size
 
     def set_optimization_profile_async(self, profile_index: int, stream_handle: int) -> bool:
         _record("IExecutionContext.set_optimization_profile_async", profile_index)
@@ -157,12 +253,15 @@ class IExecutionContext:
         return True
 
     def set_tensor_address(self, name: str, memory: int) -> bool:
-        assert memory, f"{name}: a null address"
+        if not memory or memory % ALIGNMENT:      # TensorRT logs the error and returns false
+            return False
         self.addresses[name] = memory
         return True
 
     def execute_async_v3(self, stream_handle: int) -> bool:
         _record("IExecutionContext.execute_async_v3", self.profile, dict(self.shapes))
+        if self.memory_size < self.engine.memory[self.profile]:
+            return False                        # no (or too little) activation memory
         sess = self.engine.session
         feeds = {i.name: _array(self.addresses[i.name], self.shapes[i.name], i.type)
                  for i in sess.get_inputs()}

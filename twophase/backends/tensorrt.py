@@ -1,20 +1,27 @@
-"""The TensorRT backend: one engine (``twophase.exporters.tensorrt``) with a prefill and a decode
-optimisation profile, run on the torch CUDA stream over the shared KV pool.
+"""The TensorRT backend: one engine (``twophase.exporters.tensorrt``) with a ladder of
+optimisation profiles (rungs), run over the shared KV pool on a CUDA stream of its own.
 
 A profile binds to one execution context at a time, so the backend keeps one context per
-profile, selected once with ``set_optimization_profile_async``. Each call sets the input shapes,
-binds the pool, the small index tensors and torch-allocated outputs by device address
-(``set_tensor_address``: no copies) and enqueues ``execute_async_v3`` on torch's current stream,
-so the K/V write-back and sampling that follow are ordered after it without a sync.
+profile, selected once with ``set_optimization_profile_async`` (a new context starts on profile
+0). The contexts share one activation buffer (``USER_MANAGED`` contexts given the largest
+``get_device_memory_size_for_profile_v2``): their calls run one after another on one stream, so
+the engine never needs more than its largest profile. Each step is cut into calls that each fit
+a rung (``twophase.backends.trt_calls``); each call sets the input shapes, binds the pool, the
+small index tensors and torch-allocated outputs by device address (``set_tensor_address``: no
+copies, 256-byte aligned) and enqueues ``execute_async_v3`` on the backend's stream, which waits
+for torch's current stream first and which torch's waits for after, so the K/V write-back and
+sampling are ordered after it without a host sync.
 
-The engine is built when the pool is bound (its block count and block size are profile shapes).
-Written against TensorRT 11's Python API; no machine of this project has TensorRT and a GPU
-together, so only the calls' sequence has been checked (against a recording stand-in).
+The engine is built when the pool is bound (its block size is a profile shape; its block count
+a dynamic dimension). Written against TensorRT 11's Python API; no machine of this project has
+had TensorRT and a GPU together, so the calls have been checked against a stand-in that keeps
+TensorRT's rules (``tests/helpers/fake_tensorrt.py``).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -32,7 +39,8 @@ from twophase.backends.base import (
     parse_device,
 )
 from twophase.backends.hookspecs import hookimpl
-from twophase.device import require_device
+from twophase.backends.trt_calls import last_rows, plan_calls, sub_batch
+from twophase.device import available_memory, require_device
 from twophase.errors import ConfigError
 from twophase.graph.inputs import step_inputs, write_new_kv
 from twophase.graph.signature import STEP
@@ -78,8 +86,18 @@ class TensorRTBackend(Backend):
 
     def bind_kv_cache(self, kv: KVCache) -> None:
         from twophase.exporters import tensorrt as exporter
+        from twophase.exporters import trt_profiles
 
+        if kv.pool.dtype != self.model.dtype:
+            raise ConfigError("cache.dtype", f"the tensorrt backend's engine reads a "
+                              f"{self.model.dtype} pool, not {kv.pool.dtype}")
+        check_aligned("kv_pool", kv.pool)
         trt = exporter.import_tensorrt()
+        self.rungs = trt_profiles.rungs(self.model.arch, self.limits, kv.num_blocks, kv.block_size)
+        need = trt_profiles.profile_memory(self.model.arch, self.limits, kv.num_blocks,
+                                           kv.block_size, self.model.dtype)
+        if self.device.type == "cuda":
+            trt_profiles.check_fits(need, available_memory(str(self.device)))
         opts = self.cfg.options
         path = exporter.export(self.model, self.limits, kv.block_size, kv.num_blocks,
                                opts.get("engine_dir"), force=bool(opts.get("rebuild", False)),
@@ -92,53 +110,122 @@ class TensorRTBackend(Backend):
             raise exporter.EngineMismatch(
                 f"TensorRT {trt.__version__} could not load {path} (built by another TensorRT "
                 f"version or for another GPU?): delete it to rebuild")
-        stream = self._stream()
-        self.contexts = []
-        for profile in (exporter.PREFILL, exporter.DECODE):
-            ctx = self.engine.create_execution_context()
-            if not ctx.set_optimization_profile_async(profile, stream):
-                raise exporter.EngineMismatch(f"{path} has no optimisation profile {profile}")
-            self.contexts.append(ctx)
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.contexts = self._contexts(trt, path)
         self.kv = kv
         # a valid address for empty inputs (the decode profile's chunk group)
-        self.placeholder = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.placeholder = aligned_empty((1,), torch.long, self.device).zero_()
+
+    def _contexts(self, trt, path) -> list:
+        """One execution context per profile, all on one activation buffer of the largest
+        profile's size."""
+        n = len(self.rungs)
+        if self.engine.num_optimization_profiles != n:
+            raise exporter_mismatch(f"{path} has {self.engine.num_optimization_profiles} "
+                                    f"optimisation profiles, not {n}: delete it to rebuild")
+        size = max(self.engine.get_device_memory_size_for_profile_v2(p) for p in range(n))
+        self.activations = aligned_empty((max(size, 1),), torch.uint8, self.device)
+        contexts = []
+        for profile in range(n):
+            ctx = self.engine.create_execution_context(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
+            if ctx is None:
+                raise RuntimeError(f"TensorRT could not create an execution context for {path} "
+                                   f"(out of device memory?)")
+            ctx.set_device_memory(self.activations.data_ptr(), size)
+            if not ctx.set_optimization_profile_async(profile, self._stream()):
+                raise exporter_mismatch(f"{path}: TensorRT refused optimisation profile {profile}")
+            contexts.append(ctx)
+        return contexts
 
     def _stream(self) -> int:
-        return torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else 0
+        return self.stream.cuda_stream if self.stream is not None else 0
 
     # -- the two operations -----------------------------------------------------------------
     def prefill(self, batch: PrefillBatch) -> torch.Tensor:
-        from twophase.exporters.tensorrt import PREFILL
-
-        return self._run(PREFILL, batch)
+        return self._step(batch)
 
     def decode(self, batch: DecodeBatch) -> torch.Tensor:
-        from twophase.exporters.tensorrt import DECODE
+        return self._step(batch.as_prefill())
 
-        return self._run(DECODE, batch.as_prefill())
+    def _step(self, batch: PrefillBatch) -> torch.Tensor:
+        """The batch as calls that fit the rungs, in order, each one's K/V written before the
+        next reads the pool; the logits gathered back in the batch's order."""
+        rows = batch.num_tokens if batch.logits == "all" else batch.num_seqs
+        out = torch.empty(rows, self.arch.vocab_size, dtype=torch.float32, device=self.device)
+        for call in plan_calls(self.rungs, batch.start_positions, batch.query_lens, self.kv.block_size):
+            sub, idx = sub_batch(batch, call.pieces)
+            logits = self._run(call.rung, sub)
+            if batch.logits == "all":
+                out[idx.to(self.device)] = logits
+            else:
+                got, seqs = last_rows(batch, call.pieces)
+                out[torch.tensor(seqs, dtype=torch.long, device=self.device)] = logits[
+                    torch.tensor(got, dtype=torch.long, device=self.device)]
+        return out
 
     def _run(self, profile: int, batch: PrefillBatch) -> torch.Tensor:
         ctx = self.contexts[profile]
-        feeds = step_inputs(batch, self.kv.block_size)
-        feeds = {n: self.kv.pool if n == "kv_pool" else feeds[n].to(self.device, non_blocking=True)
+        feeds = step_inputs(batch, self.kv.block_size, decodes=self.rungs[profile].phase == "decode")
+        feeds = {n: self.kv.pool if n == "kv_pool" else aligned(feeds[n].to(self.device, non_blocking=True))
                  for n in STEP.names}
         for name, t in feeds.items():
             if not ctx.set_input_shape(name, tuple(t.shape)):
                 raise RuntimeError(f"TensorRT refused shape {tuple(t.shape)} for {name} in "
                                    f"profile {profile} (outside the engine's profile)")
-            ctx.set_tensor_address(name, (t if t.numel() else self.placeholder).data_ptr())
+            self._bind(ctx, name, t if t.numel() else self.placeholder)
         a = self.arch
         T, N = feeds["input_ids"].shape[0], feeds["logits_index"].shape[0]
         dt = self.model.dtype
-        outs = {"logits": torch.empty(N, a.vocab_size, dtype=torch.float32, device=self.device),
-                "new_k": torch.empty(a.num_layers, T, a.num_kv_heads, a.head_dim, dtype=dt, device=self.device),
-                "new_v": torch.empty(a.num_layers, T, a.num_kv_heads, a.head_dim, dtype=dt, device=self.device)}
+        outs = {"logits": aligned_empty((N, a.vocab_size), torch.float32, self.device),
+                "new_k": aligned_empty((a.num_layers, T, a.num_kv_heads, a.head_dim), dt, self.device),
+                "new_v": aligned_empty((a.num_layers, T, a.num_kv_heads, a.head_dim), dt, self.device)}
         for name, t in outs.items():
-            ctx.set_tensor_address(name, t.data_ptr())
+            self._bind(ctx, name, t)
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
         if not ctx.execute_async_v3(self._stream()):
             raise RuntimeError("TensorRT failed to enqueue the step")
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
         write_new_kv(self.kv.pool, outs["new_k"], outs["new_v"], batch.slot_mapping.to(self.device))
         return outs["logits"]
+
+    @staticmethod
+    def _bind(ctx, name: str, t: torch.Tensor) -> None:
+        if not ctx.set_tensor_address(name, t.data_ptr()):
+            raise RuntimeError(f"TensorRT refused the address of {name} ({tuple(t.shape)} "
+                               f"{t.dtype} at {t.data_ptr():#x})")
+
+
+ALIGNMENT = 256           # TensorRT's requirement on every I/O tensor's address
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised tensor whose address is a multiple of ``ALIGNMENT`` (CUDA's allocator
+    gives 512; the CPU's only 64, where the stand-in runs)."""
+    n = max(1, math.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    raw = torch.empty(n + ALIGNMENT, dtype=torch.uint8, device=device)
+    start = -raw.data_ptr() % ALIGNMENT
+    return raw[start:start + n].view(dtype)[:math.prod(shape)].view(shape)
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy of it at an aligned address."""
+    if t.data_ptr() % ALIGNMENT == 0 and t.is_contiguous():
+        return t
+    return aligned_empty(tuple(t.shape), t.dtype, t.device).copy_(t)
+
+
+def check_aligned(name: str, t: torch.Tensor) -> None:
+    if t.data_ptr() % ALIGNMENT:
+        raise RuntimeError(f"{name} starts at {t.data_ptr():#x}, not on the {ALIGNMENT}-byte "
+                           f"boundary TensorRT requires")
+
+
+def exporter_mismatch(message: str) -> Exception:
+    from twophase.exporters.tensorrt import EngineMismatch
+
+    return EngineMismatch(message)
 
 
 @hookimpl

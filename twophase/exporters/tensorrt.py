@@ -1,17 +1,16 @@
-"""ONNX → a TensorRT engine with two optimisation profiles, one per phase.
+"""ONNX → a TensorRT engine with one optimisation profile a *rung*: prefill rungs, then decode
+rungs, each over a narrower cached context with more rows (``twophase.exporters.trt_profiles``).
 
 The engine is built from the ONNX step graph (``twophase.exporters.onnx``), so TensorRT computes
-the same function as every other backend. The graph's shapes differ by phase, and one profile
-spanning both would tune its kernels for neither:
-
-- profile 0, **prefill**: few sequences with many tokens each; the packed token count up to the
-  scheduler's token budget, chunks up to that long, decodes riding along in mixed steps.
-- profile 1, **decode**: 1..``max_num_seqs`` sequences of one token each, contexts up to the
-  model's length limit; the chunk group is empty.
+the same function as every other backend. TensorRT sizes each profile for all its maxima at
+once; the rungs keep every tensor of the graph's attention within TensorRT's element limit and
+the activations a few GiB, and the backend cuts each step into calls that fit them.
 
 TensorRT 11 networks are strongly typed (the FP16/BF16 builder flags are gone): precision is the
 exported graph's, i.e. ``model.dtype``. The engine is saved with a manifest naming the GPU, its
-compute capability, the TensorRT version and the profile shapes; any difference rebuilds it.
+compute capability, the TensorRT version and the profile shapes; any difference rebuilds it. The
+pool's block count is a dynamic dimension, so a pool sized by the free memory of the day reuses
+the engine.
 """
 
 from __future__ import annotations
@@ -23,43 +22,16 @@ from typing import Any
 
 from twophase.backends.base import EngineLimits, ModelSpec
 from twophase.errors import BackendUnavailable, TwophaseError
-from twophase.graph.signature import STEP
+from twophase.exporters.trt_profiles import WORKSPACE_BYTES, Profile, profile_shapes
 
-FORMAT = "twophase-tensorrt/1"
-PREFILL, DECODE = 0, 1
-WORKSPACE_BYTES = 4 << 30
+__all__ = ["EngineMismatch", "build_engine", "export", "import_tensorrt", "profile_shapes"]
+# 2: a ladder of profiles (rungs) and a dynamic pool block count
+FORMAT = "twophase-tensorrt/2"
 log = logging.getLogger(__name__)
-
-Shape = tuple[int, ...]
-Profile = dict[str, tuple[Shape, Shape, Shape]]      # input name → (min, opt, max)
 
 
 class EngineMismatch(TwophaseError):
     """A serialised engine built for another GPU, TensorRT version or set of shapes."""
-
-
-def profile_shapes(arch: dict[str, Any], limits: EngineLimits, block_size: int,
-                   num_blocks: int) -> list[Profile]:
-    """The min/opt/max shape of every graph input in the prefill and the decode profile."""
-    fixed = {"L": arch["num_layers"], "KVH": arch["num_kv_heads"], "hd": arch["head_dim"],
-             "NB": num_blocks, "BS": block_size}
-    tokens, seqs = limits.max_num_batched_tokens, limits.max_num_seqs
-    width = -(-limits.max_model_len // block_size)          # blocks of the longest context
-
-    def rng(lo: int, opt: int, hi: int) -> tuple[int, int, int]:
-        return lo, min(max(opt, lo), hi), hi
-
-    def shapes(**dims: tuple[int, int, int]) -> Profile:
-        """Each input's (min, opt, max) shape from each dimension's (min, opt, max)."""
-        sizes = [{**fixed, **{d: r[i] for d, r in dims.items()}} for i in range(3)]
-        return {name: tuple(STEP.shape(name, s) for s in sizes) for name in STEP.names}
-
-    prefill = shapes(T=rng(1, tokens, tokens), N=rng(1, min(seqs, tokens), tokens),
-                     C=rng(0, 1, min(seqs, tokens)), Q=rng(1, tokens, tokens),
-                     Wc=rng(1, width // 2, width), D=rng(0, 0, seqs), Wd=rng(1, width // 2, width))
-    decode = shapes(T=rng(1, seqs, seqs), N=rng(1, seqs, seqs), D=rng(1, seqs, seqs),
-                    Wd=rng(1, width // 2, width), C=(0, 0, 0), Q=(1, 1, 1), Wc=(1, 1, 1))
-    return [prefill, decode]
 
 
 def gpu_identity(device_index: int = 0) -> dict[str, Any]:
@@ -94,8 +66,8 @@ def check_manifest(folder: Path, expected: dict[str, Any]) -> None:
 
 
 def build_engine(trt, onnx_path: Path, profiles: list[Profile], out: Path) -> None:
-    """Parse the ONNX graph into a strongly typed network and build one engine with the
-    prefill profile (index 0) and the decode profile (index 1)."""
+    """Parse the ONNX graph into a strongly typed network and build one engine with
+    ``profiles`` in order (profile ``i`` is rung ``i``)."""
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     network = builder.create_network()                # strongly typed: no precision flags
@@ -139,8 +111,8 @@ def export(model: ModelSpec, limits: EngineLimits, block_size: int, num_blocks: 
 
     def build(tmp: Path) -> None:
         graph = onnx.export(model)
-        log.info("building a TensorRT engine for %s (prefill and decode profiles): minutes",
-                 model.model_id)
+        log.info("building a TensorRT engine for %s (%d profiles): minutes", model.model_id,
+                 len(profiles))
         build_engine(trt, graph, profiles, tmp / "model.engine")
 
     build_cached(folder, manifest, build, force, "TensorRT engine")

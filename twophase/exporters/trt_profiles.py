@@ -1,0 +1,177 @@
+"""TensorRT's optimisation profiles for the step graph, and the activation memory they imply.
+
+TensorRT sizes an engine's kernels and activation memory for every dimension of a profile at its
+maximum at once, and many of its layers refuse a tensor of more than 2^31 - 1 elements. The step
+graph's attention materialises its scores, ``[C, H, Q, Wc * BS + Q]`` for chunks (each padded to
+the longest, after its cached context) and ``[D, Wd * BS, H]`` for decodes, and gathers each row's
+cached K/V: with every dimension at the engine's own limits (64 chunks of 4,096 queries over
+131,072 keys for llama3-8b) that is terabytes. So the profiles form a ladder over the cached
+context: each *rung* is one profile whose rows (chunks ``C`` of ``Q`` tokens, or decodes ``D``)
+are as many as keep every tensor at most ``TILE`` elements over its context width ``W`` blocks;
+a narrower rung holds more rows. The backend cuts each step into calls that fit a rung
+(``twophase.backends.trt_calls``), so the attention runs block-wise over the context: never one
+padded square for the whole batch.
+
+Pure integer arithmetic (no tensorrt, no torch), so a memory planner can call ``profile_memory``
+before anything loads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from twophase.backends.base import EngineLimits
+from twophase.errors import ConfigError
+from twophase.graph.signature import STEP
+
+ELEMENT_LIMIT = 2**31 - 1        # TensorRT's per-tensor volume for most layers
+TILE = 2**29                     # the largest tensor a rung may imply: a quarter of the limit
+WORKSPACE_BYTES = 1 << 30        # the builder's tactic scratch, part of an engine's device memory
+LADDER = 16                      # each rung's context width a sixteenth of the last one's
+MAX_POOL_BLOCKS = 1 << 24        # the pool's block count is dynamic up to this: not in the cache key
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+Shape = tuple[int, ...]
+Profile = dict[str, tuple[Shape, Shape, Shape]]      # input name → (min, opt, max)
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One profile's maxima: ``rows`` chunks of up to ``chunk`` tokens (``phase = "prefill"``)
+    or ``rows`` one-token decodes, each after at most ``blocks`` cached blocks, ``tokens`` in all."""
+
+    phase: str
+    rows: int
+    chunk: int
+    blocks: int
+    tokens: int
+
+
+def itemsize(dtype: Any) -> int:
+    """Bytes of one element of ``dtype`` (a torch dtype or its name)."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in ITEMSIZE:
+        raise ConfigError("model.dtype", f"TensorRT runs {', '.join(ITEMSIZE)}, not {name}")
+    return ITEMSIZE[name]
+
+
+def rung_tensors(arch: dict[str, Any], rung: Rung, block_size: int) -> dict[str, int]:
+    """Elements of the largest tensors the step graph computes at ``rung``'s maxima, one layer's
+    worth (TensorRT reuses activation memory from layer to layer)."""
+    H, KVH, hd = arch["num_heads"], arch["num_kv_heads"], arch["head_dim"]
+    keys = rung.blocks * block_size
+    if rung.phase == "decode":
+        attention = {"kv_gather": rung.rows * keys * KVH * hd, "scores": rung.rows * keys * H}
+    else:
+        attention = {"kv_gather": rung.rows * (keys + rung.chunk) * KVH * hd,
+                     "scores": rung.rows * H * rung.chunk * (keys + rung.chunk)}
+    T = rung.tokens
+    return {**attention, "qkv": T * (H + 2 * KVH) * hd, "mlp": T * 2 * arch["intermediate_size"],
+            "logits": T * arch["vocab_size"]}
+
+
+def rung_bytes(arch: dict[str, Any], rung: Rung, block_size: int, size: int) -> int:
+    """Activation bytes at ``rung``'s maxima: K and V gathered and laid out for the matmul (four
+    copies), scores and probabilities in float32 and the probabilities cast back, the
+    projections' and the MLP's outputs, the logits before their cast to float32 (an output the
+    backend allocates) and the builder's workspace."""
+    t = rung_tensors(arch, rung, block_size)
+    return (4 * t["kv_gather"] * size + t["scores"] * (2 * 4 + size) + 2 * t["qkv"] * size
+            + 2 * t["mlp"] * size + t["logits"] * size + WORKSPACE_BYTES)
+
+
+def _widths(width: int) -> list[int]:
+    out = [width]
+    while out[-1] > 1:
+        out.append(-(-out[-1] // LADDER))
+    return out
+
+
+def rungs(arch: dict[str, Any], limits: EngineLimits, num_blocks: int, block_size: int) -> list[Rung]:
+    """The prefill rungs, widest context first, then the decode rungs, widest first: each as
+    many rows as keep its tensors within ``TILE``, no more than the scheduler ever sends."""
+    H, KVH, hd = arch["num_heads"], arch["num_kv_heads"], arch["head_dim"]
+    budget, seqs = limits.max_num_batched_tokens, limits.max_num_seqs
+    width = max(1, min(-(-limits.max_model_len // block_size), num_blocks))
+    per_key = max(H, KVH * hd)                   # a cached token's largest footprint in a row
+    if width * block_size * per_key > TILE:
+        longest = TILE // per_key // block_size * block_size
+        raise ConfigError("model.max_model_len", f"{limits.max_model_len} tokens: TensorRT's "
+                          f"attention over one sequence of it needs {width * block_size * per_key:,} "
+                          f"elements, more than {TILE:,}; at most {longest}")
+    prefill: list[Rung] = []
+    decode: list[Rung] = []
+    for w in _widths(width):
+        keys = w * block_size
+        q = min(budget, _longest_chunk(keys, H, per_key))
+        c = min(seqs, budget, TILE // (H * q * (keys + q)), TILE // ((keys + q) * per_key))
+        if not prefill or (prefill[-1].rows, prefill[-1].chunk) != (max(1, c), q):   # else no gain
+            prefill.append(Rung("prefill", max(1, c), q, w, min(budget, max(1, c) * q)))
+        if not decode or decode[-1].rows < seqs:
+            d = min(seqs, TILE // (keys * per_key))
+            decode.append(Rung("decode", d, 1, w, d))
+    return prefill + decode
+
+
+def _longest_chunk(keys: int, heads: int, per_key: int) -> int:
+    """The most queries one chunk after ``keys`` cached keys may hold within ``TILE``."""
+    lo, hi = 1, TILE
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if heads * mid * (keys + mid) <= TILE and (keys + mid) * per_key <= TILE:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def profile_shapes(arch: dict[str, Any], limits: EngineLimits, block_size: int,
+                   num_blocks: int) -> list[Profile]:
+    """The min/opt/max shape of every graph input in each rung's profile, in ``rungs`` order.
+    The pool's block count is dynamic (1 to ``MAX_POOL_BLOCKS``): a pool sized by the free
+    memory of the day reuses the engine; only maxima that depend on it (a context wider than the
+    pool) rebuild it."""
+    fixed = {"L": arch["num_layers"], "KVH": arch["num_kv_heads"], "hd": arch["head_dim"],
+             "BS": block_size}
+    profiles = []
+    for r in rungs(arch, limits, num_blocks, block_size):
+        if r.phase == "prefill":
+            dims = {"T": (1, r.tokens, r.tokens), "N": (1, r.tokens, r.tokens), "C": (1, r.rows, r.rows),
+                    "Q": (1, r.chunk, r.chunk), "Wc": (1, max(1, r.blocks // 2), r.blocks),
+                    "D": (0, 0, 0), "Wd": (1, 1, 1)}
+        else:
+            dims = {"T": (1, r.rows, r.rows), "N": (1, r.rows, r.rows), "D": (1, r.rows, r.rows),
+                    "Wd": (1, max(1, r.blocks // 2), r.blocks), "C": (0, 0, 0), "Q": (1, 1, 1),
+                    "Wc": (1, 1, 1)}
+        dims["NB"] = (1, MAX_POOL_BLOCKS, MAX_POOL_BLOCKS)
+        lo, opt, hi = ({**fixed, **{d: v[i] for d, v in dims.items()}} for i in range(3))
+        profiles.append({n: (STEP.shape(n, lo), STEP.shape(n, opt), STEP.shape(n, hi)) for n in STEP.names})
+    return profiles
+
+
+def profile_memory(arch: dict[str, Any], limits: EngineLimits, num_blocks: int, block_size: int,
+                   dtype: Any) -> int:
+    """Bytes of device memory the engine's activations need: the largest over its profiles, as
+    the backend's execution contexts share one buffer. Refuses a config whose tensors would
+    pass TensorRT's element limit (a ``ConfigError`` naming the scheduler key and the figures)."""
+    size = itemsize(dtype)
+    need = 0
+    for r in rungs(arch, limits, num_blocks, block_size):
+        for name, n in rung_tensors(arch, r, block_size).items():
+            if n > ELEMENT_LIMIT:
+                raise ConfigError("scheduler.max_num_batched_tokens", f"{limits.max_num_batched_tokens} "
+                                  f"tokens a step: TensorRT's {name} tensor would hold {n:,} elements, "
+                                  f"more than its limit of {ELEMENT_LIMIT:,}")
+        need = max(need, rung_bytes(arch, r, block_size, size))
+    return need
+
+
+def check_fits(need: int, free: int, what: str = "the KV pool and the weights") -> None:
+    """Refuse an engine whose activations do not fit in the ``free`` device bytes."""
+    if need > free:
+        raise ConfigError("scheduler.max_num_batched_tokens",
+                          f"the TensorRT engine's activations need {need / 2**30:.1f} GiB, but only "
+                          f"{free / 2**30:.1f} GiB of the device is left after {what}: lower "
+                          f"scheduler.max_num_batched_tokens or max_num_seqs, or the pool "
+                          f"(cache.num_blocks / cache.memory_fraction)")
