@@ -15,6 +15,7 @@ from helpers.models import random_prompts, tiny_llm
 
 from twophase import LLM, SamplingParams
 from twophase.backends.base import BackendUnavailable, EngineLimits
+from twophase.errors import ConfigError
 from twophase.exporters import tensorrt as exporter
 from twophase.exporters.trt_profiles import MAX_POOL_BLOCKS
 from twophase.graph.signature import STEP
@@ -112,6 +113,47 @@ def test_call_sequence_and_tokens_through_the_standin(standin):
     steps = llm.engine.steps.records
     assert len(runs) == sum((r.prefill_seqs > 0) + (r.decode_seqs > 0) for r in steps)
     assert llm.engine.kv.num_free_blocks == llm.num_blocks
+
+
+def test_a_step_cut_into_calls_computes_the_same_tokens(standin, monkeypatch):
+    """With a tile this small, long chunks are cut into pieces run one after another and the
+    decodes of long contexts split over calls: the tokens are the torch backend's."""
+    from twophase.exporters import trt_profiles
+
+    monkeypatch.setattr(trt_profiles, "TILE", 2**14)
+    cfg = {"cache": {"num_blocks": 64, "block_size": 4},
+           "scheduler": {"max_num_batched_tokens": 40, "max_num_seqs": 8}}
+    llm = tiny_llm(**cfg, backend={"name": "tensorrt", "device": "cpu"})
+    rungs = llm.backend.rungs
+    assert len(rungs) > 2 and min(r.chunk for r in rungs if r.phase == "prefill") < 40
+    standin.clear()
+    p = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompts = random_prompts(10, longest=60)
+    outs = llm.generate(prompts, p)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in tiny_llm(**cfg).generate(prompts, p)]
+    runs = [c for c in standin if c[0] == "IExecutionContext.execute_async_v3"]
+    assert len(runs) > len(llm.engine.steps.records) + 10
+    assert llm.engine.kv.num_free_blocks == llm.num_blocks
+
+
+def test_contexts_share_one_activation_buffer(standin, monkeypatch):
+    """Two contexts that each allocated their largest profile's memory would not fit this
+    device; one buffer of the backend's own does. A context TensorRT cannot create is an error
+    that says so."""
+    monkeypatch.setattr(fake_tensorrt, "DEVICE_MEMORY", 1)
+    cfg = {"cache": {"num_blocks": 32, "block_size": 4}}
+    llm = tiny_llm(**cfg, backend={"name": "tensorrt", "device": "cpu"})
+    assert llm.backend.activations.numel() == llm.backend.engine.device_memory_size_v2
+    monkeypatch.setattr(fake_tensorrt.ICudaEngine, "create_execution_context", lambda self, strategy=0: None)
+    with pytest.raises(RuntimeError, match="could not create an execution context"):
+        tiny_llm(**cfg, backend={"name": "tensorrt", "device": "cpu"})
+
+
+def test_a_pool_of_another_dtype_is_refused(standin):
+    with pytest.raises(ConfigError, match="cache.dtype: the tensorrt backend's engine reads a "
+                                          "torch.float32 pool, not torch.float16"):
+        tiny_llm(cache={"num_blocks": 32, "block_size": 4, "dtype": "float16"},
+                 backend={"name": "tensorrt", "device": "cpu"})
 
 
 def test_engine_is_cached_and_one_for_another_gpu_is_refused(standin, tmp_path):

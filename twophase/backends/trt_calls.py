@@ -26,12 +26,17 @@ class Call:
     pieces: list[Piece] = field(default_factory=list)
 
 
-def _narrowest(rungs: list[Rung], phase: str, blocks: int) -> int:
-    """The rung of ``phase`` with the fewest context blocks that still covers ``blocks``."""
+def _rung_for(rungs: list[Rung], phase: str, blocks: int, length: int) -> int:
+    """The rung of ``phase`` for a piece after ``blocks`` cached blocks with ``length`` tokens
+    to go: the narrowest context that covers it, then one that takes the rest whole with the
+    most rows, else the longest chunk."""
     fits = [i for i, r in enumerate(rungs) if r.phase == phase and r.blocks >= blocks]
     if not fits:
         raise ValueError(f"no {phase} profile covers {blocks} cached blocks")
-    return min(fits, key=lambda i: rungs[i].blocks)
+    narrowest = min(rungs[i].blocks for i in fits)
+    fits = [i for i in fits if rungs[i].blocks == narrowest]
+    return max(fits, key=lambda i: (rungs[i].chunk >= length, rungs[i].rows if rungs[i].chunk >= length
+                                                                else rungs[i].chunk))
 
 
 def pieces_of(rungs: list[Rung], start: int, length: int, block_size: int) -> list[tuple[int, int, int]]:
@@ -40,7 +45,7 @@ def pieces_of(rungs: list[Rung], start: int, length: int, block_size: int) -> li
     out, offset = [], 0
     while offset < length:
         blocks = -(-(start + offset) // block_size)
-        rung = _narrowest(rungs, "decode" if length == 1 else "prefill", blocks)
+        rung = _rung_for(rungs, "decode" if length == 1 else "prefill", blocks, length - offset)
         n = min(length - offset, rungs[rung].chunk)
         out.append((rung, offset, n))
         offset += n

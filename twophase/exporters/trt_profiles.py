@@ -82,6 +82,7 @@ def rung_bytes(arch: dict[str, Any], rung: Rung, block_size: int, size: int) -> 
 
 
 def _widths(width: int) -> list[int]:
+    """Context widths from ``width`` down to one block, each ``LADDER`` times narrower."""
     out = [width]
     while out[-1] > 1:
         out.append(-(-out[-1] // LADDER))
@@ -90,7 +91,10 @@ def _widths(width: int) -> list[int]:
 
 def rungs(arch: dict[str, Any], limits: EngineLimits, num_blocks: int, block_size: int) -> list[Rung]:
     """The prefill rungs, widest context first, then the decode rungs, widest first: each as
-    many rows as keep its tensors within ``TILE``, no more than the scheduler ever sends."""
+    many rows as keep its tensors within ``TILE``, no more than the scheduler ever sends. A
+    width has a rung for chunks as long as fit and, where that holds few, one for many chunks
+    of a fair share of the token budget; narrowing stops once the context is shorter than the
+    longest chunk and the decodes are all in one call."""
     H, KVH, hd = arch["num_heads"], arch["num_kv_heads"], arch["head_dim"]
     budget, seqs = limits.max_num_batched_tokens, limits.max_num_seqs
     width = max(1, min(-(-limits.max_model_len // block_size), num_blocks))
@@ -104,13 +108,21 @@ def rungs(arch: dict[str, Any], limits: EngineLimits, num_blocks: int, block_siz
     decode: list[Rung] = []
     for w in _widths(width):
         keys = w * block_size
-        q = min(budget, _longest_chunk(keys, H, per_key))
-        c = min(seqs, budget, TILE // (H * q * (keys + q)), TILE // ((keys + q) * per_key))
-        if not prefill or (prefill[-1].rows, prefill[-1].chunk) != (max(1, c), q):   # else no gain
-            prefill.append(Rung("prefill", max(1, c), q, w, min(budget, max(1, c) * q)))
+        long = min(budget, _longest_chunk(keys, H, per_key))
+        # one rung for long chunks, and, where that holds few, one for many short chunks
+        for q in (long, max(1, min(long, budget // seqs))):
+            c = max(1, min(seqs, budget, TILE // (H * q * (keys + q)), TILE // ((keys + q) * per_key)))
+            rung = Rung("prefill", c, q, w, min(budget, c * q))
+            if rung not in prefill and (q == long or c > 1):
+                prefill.append(rung)
+            if c == seqs:
+                break
         if not decode or decode[-1].rows < seqs:
             d = min(seqs, TILE // (keys * per_key))
             decode.append(Rung("decode", d, 1, w, d))
+        full = prefill[-1].rows == seqs and long == budget
+        if (keys < long or full) and decode[-1].rows == seqs:   # a narrower context gains nothing
+            break
     return prefill + decode
 
 

@@ -1,0 +1,97 @@
+"""TensorRT's profiles for real model shapes (no weights, no TensorRT): the activation memory
+they imply, the configs refused for it, and how a step is cut into calls that fit them."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import fake_tensorrt
+from hypothesis import given
+from hypothesis import strategies as st
+
+from twophase.backends.base import EngineLimits
+from twophase.backends.trt_calls import plan_calls
+from twophase.errors import ConfigError
+from twophase.exporters import trt_profiles
+from twophase.exporters.trt_profiles import ELEMENT_LIMIT, profile_memory, profile_shapes, rung_tensors, rungs
+from twophase.models.shapes import SHAPES
+
+H200 = 141 * 10**9
+LLAMA3_8B = SHAPES["llama3-8b"].to_dict()
+DEFAULTS = EngineLimits(64, 4096, 131072)     # on CUDA: max_num_seqs, the token budget, the model's context
+POOL_BLOCKS = 50_000                          # llama3-8b: 105 GB of 16-token blocks beside its weights
+
+
+def fake_arch(arch: dict) -> dict:
+    return {"H": arch["num_heads"], "KVH": arch["num_kv_heads"], "hd": arch["head_dim"],
+            "F": arch["intermediate_size"], "vocab": arch["vocab_size"], "hidden": arch["hidden_size"],
+            "itemsize": 2}
+
+
+def test_llama3_8b_profiles_fit_an_h200_with_the_default_limits():
+    need = profile_memory(LLAMA3_8B, DEFAULTS, POOL_BLOCKS, 16, "bfloat16")
+    weights = 2 * SHAPES["llama3-8b"].num_params()
+    pool = POOL_BLOCKS * 16 * 32 * 2 * 8 * 128 * 2
+    assert need + weights + pool < H200
+    assert need < 10 * 2**30                  # activations: a few GiB, not terabytes
+    ladder = rungs(LLAMA3_8B, DEFAULTS, POOL_BLOCKS, 16)
+    for r in ladder:
+        assert max(rung_tensors(LLAMA3_8B, r, 16).values()) <= ELEMENT_LIMIT, r
+    # the full context is served, and the narrowest rungs take every sequence the scheduler sends
+    assert max(r.blocks for r in ladder) == 131072 // 16
+    assert [r.rows for r in ladder if r.phase == "decode"][-1] == DEFAULTS.max_num_seqs
+    # the stand-in's own estimate of what TensorRT would allocate agrees they fit
+    arch = fake_arch(LLAMA3_8B)
+    for profile in profile_shapes(LLAMA3_8B, DEFAULTS, 16, POOL_BLOCKS):
+        tensors = fake_tensorrt._profile_tensors(arch, profile)
+        assert max(tensors.values()) <= fake_tensorrt.ELEMENT_LIMIT
+        assert fake_tensorrt._activation_bytes(arch, tensors) < 10 * 2**30
+
+
+def test_the_profiles_per_dimension_maxima_did_not_fit():
+    """What one profile at every limit at once implies (the earlier profiles): refused by the
+    stand-in as TensorRT refuses it."""
+    arch = fake_arch(LLAMA3_8B)
+    width = 131072 // 16
+    square = {"input_ids": [[1], [4096], [4096]], "chunk_index": [[0, 1], [1, 4096], [64, 4096]],
+              "chunk_tables": [[0, 1], [1, width], [64, width]], "dec_tables": [[0, 1], [1, width], [64, width]],
+              "logits_index": [[1], [4096], [4096]], "kv_pool": [[32, 2, 1, 8, 16, 128]] * 3}
+    tensors = fake_tensorrt._profile_tensors(arch, square)
+    assert tensors["chunk_scores"] > 10**12 and tensors["decode_kv"] > 8 * 10**9
+
+
+def test_a_huge_config_is_refused_with_the_figures():
+    too_big = (r"scheduler.max_num_batched_tokens: 131072 tokens a step: TensorRT's \w+ tensor would hold "
+               r"[\d,]+ elements, more than its limit of 2,147,483,647")
+    with pytest.raises(ConfigError, match=too_big):
+        profile_memory(LLAMA3_8B, EngineLimits(1024, 131072, 131072), POOL_BLOCKS, 16, "bfloat16")
+    with pytest.raises(ConfigError, match=r"model.max_model_len: 1048576 tokens.*at most 524288"):
+        profile_memory(LLAMA3_8B, EngineLimits(64, 4096, 1 << 20), 1 << 20, 16, "bfloat16")
+    need = profile_memory(LLAMA3_8B, DEFAULTS, POOL_BLOCKS, 16, "bfloat16")
+    with pytest.raises(ConfigError, match=r"activations need \d+\.\d GiB, but only 1\.0 GiB"):
+        trt_profiles.check_fits(need, 2**30)
+
+
+TINY = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 8}
+
+
+@given(st.lists(st.tuples(st.integers(0, 300), st.integers(1, 90)), min_size=1, max_size=12),
+       st.sampled_from([2**13, 2**14, 2**16]))
+def test_calls_cover_each_chunk_in_order_within_their_rungs(seqs, tile):
+    starts, lens = [s for s, _ in seqs], [n for _, n in seqs]
+    limits = EngineLimits(12, 1100, 400)
+    try:
+        trt_profiles.TILE, saved = tile, trt_profiles.TILE
+        ladder = rungs({**TINY, "intermediate_size": 16, "vocab_size": 10}, limits, 200, 4)
+    finally:
+        trt_profiles.TILE = saved
+    seen = {s: 0 for s in range(len(seqs))}
+    for call in plan_calls(ladder, starts, lens, 4):
+        r = ladder[call.rung]
+        assert len(call.pieces) <= r.rows and sum(n for _, _, n in call.pieces) <= r.tokens
+        assert len({s for s, _, _ in call.pieces}) == len(call.pieces)     # one piece a sequence
+        for s, offset, n in call.pieces:
+            assert offset == seen[s] and n <= r.chunk                       # in order, no gap
+            assert -(-(starts[s] + offset) // 4) <= r.blocks                # its context fits
+            assert (r.phase == "decode") == (lens[s] == 1)
+            seen[s] += n
+    assert [seen[s] for s in range(len(seqs))] == lens
