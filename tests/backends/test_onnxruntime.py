@@ -112,6 +112,27 @@ def test_cuda_without_the_cuda_provider_is_a_clear_error():
         tiny_llm(backend={"name": "onnxruntime", "device": "cuda"})
 
 
+def test_a_pool_past_the_cuda_gather_limit_is_refused_without_64_bit_offsets(monkeypatch):
+    """llama3-8b's pool in what an H200 holds is 6.3e10 elements; the graphs gather from all of
+    it, which an onnxruntime whose CUDA Gather offsets are 32-bit reads out of bounds."""
+    import onnxruntime
+
+    from twophase.backends.base import KVCache
+    from twophase.backends.onnxruntime import OnnxRuntimeBackend
+    from twophase.errors import ConfigError
+
+    backend = OnnxRuntimeBackend()
+    backend.dtype, backend.device = torch.float32, torch.device("cuda")
+    pool = torch.empty(32, 2, 60_000, 8, 16, 128, device="meta")
+    monkeypatch.setattr(onnxruntime, "__version__", "1.24.4")
+    with pytest.raises(ConfigError, match=r"cache.num_blocks: a pool of 60000 blocks holds 62,914,560,000 "
+                                          r"elements.*at most 2047 blocks, or onnxruntime-gpu >= 1.26"):
+        backend.bind_kv_cache(KVCache(pool, 16))
+    backend.bind_kv_cache(KVCache(pool[:, :, :2047], 16))
+    monkeypatch.setattr(onnxruntime, "__version__", "1.26.0")
+    backend.bind_kv_cache(KVCache(pool, 16))
+
+
 def test_split_phases_must_share_a_device_and_pool():
     from twophase.errors import ConfigError
 

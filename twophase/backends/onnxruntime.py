@@ -21,6 +21,8 @@ machines (none has ``onnxruntime-gpu`` and a GPU together).
 from __future__ import annotations
 
 import logging
+import math
+import re
 from typing import Any
 
 import numpy as np
@@ -50,6 +52,11 @@ OPTIONS = {"threads", "inter_op_threads", "graph_optimization_level", "spinning"
 LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC",
           "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
 SHORT_CHUNK = 33            # the longest chunk the verify graph takes (32 drafts and a decode)
+# The graphs gather K/V blocks from the whole pool. onnxruntime's CUDA Gather computed its
+# source offsets in 32 bits (a pool past 2^31 - 1 elements read out of bounds) until its PR 28108,
+# merged in April 2026 and first released in 1.26.
+GATHER_LIMIT = 2**31 - 1
+GATHER_FIXED = (1, 26)
 NP_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64}
 
 
@@ -173,6 +180,8 @@ class OnnxRuntimeBackend(Backend):
         if kv.pool.dtype != self.dtype:
             raise ConfigError("cache.dtype", f"the onnxruntime backend's graph reads a "
                               f"{self.dtype} pool, not {kv.pool.dtype}")
+        if self.device.type == "cuda":
+            check_cuda_gather(tuple(kv.pool.shape), _ort().__version__)
         self.kv = kv
 
     # -- the two operations -----------------------------------------------------------------
@@ -229,6 +238,20 @@ class OnnxRuntimeBackend(Backend):
         session.run_with_iobinding(io)
         io.synchronize_outputs()
         return outs["logits"], outs["new_k"], outs["new_v"]
+
+
+def check_cuda_gather(pool_shape: tuple[int, ...], version: str) -> None:
+    """Refuse a pool too large for the CUDA Gather of an onnxruntime without 64-bit offsets,
+    naming the largest block count that fits."""
+    elements = math.prod(pool_shape)
+    release = tuple(int(x) for x in re.findall(r"\d+", version)[:2])
+    if elements <= GATHER_LIMIT or release >= GATHER_FIXED:
+        return
+    blocks = pool_shape[2]
+    raise ConfigError("cache.num_blocks", f"a pool of {blocks} blocks holds {elements:,} elements; "
+                      f"onnxruntime {version} gathers from it on CUDA with 32-bit offsets "
+                      f"({GATHER_LIMIT:,} elements at most): at most {GATHER_LIMIT // (elements // blocks)} "
+                      f"blocks, or onnxruntime-gpu >= {'.'.join(map(str, GATHER_FIXED))}")
 
 
 @hookimpl
