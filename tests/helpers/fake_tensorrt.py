@@ -25,8 +25,12 @@ from __future__ import annotations
 import ctypes
 import json
 
-import ml_dtypes
 import numpy as np
+
+try:                                       # bfloat16 arrays (onnx depends on it; a bare GPU box may lack it)
+    import ml_dtypes
+except ImportError:
+    ml_dtypes = None
 
 __version__ = "11.0.0-standin"
 calls: list[tuple] = []                    # (method, args...) in call order
@@ -213,7 +217,7 @@ class ICudaEngine:
 
 
 _DTYPES = {"tensor(int64)": np.int64, "tensor(float)": np.float32, "tensor(float16)": np.float16,
-           "tensor(bfloat16)": ml_dtypes.bfloat16}
+           **({"tensor(bfloat16)": ml_dtypes.bfloat16} if ml_dtypes else {})}
 
 
 def _array(address: int, shape, onnx_type: str) -> np.ndarray:
