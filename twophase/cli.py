@@ -62,6 +62,19 @@ def main(argv: list[str] | None = None) -> int:
     cal.add_argument("--device", default="cpu")
     cal.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     cal.add_argument("--force", action="store_true", help="measure again even if cached")
+    plan = sub.add_parser("plan", help="what a config needs in memory on a device, before anything "
+                                       "loads: weights, KV cache, activations...; users that fit")
+    flags.add(plan, prompts=False)
+    plan.add_argument("--device", default="cpu",
+                      help="cpu or cuda (this machine, free memory now), or a GPU by name: "
+                           "h200, h100-80gb, a100-80gb, a100-40gb, l40s, l4, a10g, rtx-4090")
+    plan.add_argument("--memory-gb", type=float, help="the device's memory instead of its own")
+    plan.add_argument("--context", type=int, help="tokens per request for the concurrency figures "
+                                                  "(default: max_model_len)")
+    plan.add_argument("--users", type=int, help="requests at once: do they fit?")
+    plan.add_argument("--json", metavar="FILE", help="write every figure, in bytes")
+    plan.add_argument("--plot", metavar="FILE", default="memory-plan.png",
+                      help="the stacked bar and concurrency curve (default: %(default)s; '' for none)")
     cache = sub.add_parser("cache", help="what $TWOPHASE_CACHE holds, with sizes; clear parts of it")
     cache.add_argument("action", nargs="?", choices=["list", "clear"], default="list")
     cache.add_argument("kinds", nargs="*", metavar="KIND",
@@ -72,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
     commands = {"run": cmd_run, "export": cmd_export, "bench": cmd_bench, "calibrate": cmd_calibrate,
-                "serve": cmd_serve, "chat": cmd_chat, "cache": cmd_cache}
+                "serve": cmd_serve, "chat": cmd_chat, "cache": cmd_cache, "plan": cmd_plan}
     try:
         if args.command in commands:
             return commands[args.command](args)
@@ -175,6 +188,36 @@ def cmd_chat(args) -> int:
     params = workload.sampling_params(cfg)
     with LLM(cfg) as llm:
         return chat(llm, params)
+
+
+def cmd_plan(args) -> int:
+    from rich.console import Console
+
+    from twophase import plan as planner
+    from twophase.plan import render
+
+    for flag in ("context", "users"):
+        v = getattr(args, flag)
+        if v is not None and v < 1:
+            raise ConfigError(f"--{flag}", f"must be a positive integer; got {v}")
+    device = planner.profile(args.device, args.memory_gb)
+    cfg = flags.load(args)
+    if device.kind == "cuda":                 # plan for the GPU whatever device the config names
+        cfg = flags.on_device(cfg, "cuda")
+    p = planner.plan(cfg, device, args.context, args.users)
+    console = Console()
+    console.print(render.table(p))
+    for line in render.summary(p):
+        console.print(line, highlight=False)
+    if args.json:
+        Path(args.json).write_text(json.dumps(p.to_dict(), indent=2))
+        console.print(f"wrote {args.json}")
+    if args.plot:
+        try:
+            console.print(f"wrote {render.plot(p, Path(args.plot))}")
+        except ImportError:
+            console.print("no plot: matplotlib is not installed (pip install 'twophase[bench]')")
+    return 0 if p.fits else 1
 
 
 def cmd_cache(args) -> int:

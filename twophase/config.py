@@ -60,6 +60,7 @@ class CacheConfig:
     block_size: int = 16
     num_blocks: int | Literal["auto"] = "auto"
     memory_gb: float | None = None         # pool budget for num_blocks = "auto"
+    memory_utilization: float = 0.9        # CUDA, num_blocks = "auto": the share of the GPU used
     prefix_caching: bool = True
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"   # auto: the model's
 
@@ -270,6 +271,8 @@ def _check_limits(cfg: Config) -> None:
                           f"decode-first, so running decodes always leave budget for prefill")
     if c.memory_gb is not None and c.memory_gb <= 0:
         raise ConfigError("cache.memory_gb", f"must be a positive number of GiB, got {c.memory_gb}")
+    if not 0 < c.memory_utilization <= 1:
+        raise ConfigError("cache.memory_utilization", f"must be in (0, 1], got {c.memory_utilization}")
 
 
 def _check_sampling(cfg: Config) -> None:

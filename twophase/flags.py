@@ -74,3 +74,13 @@ def model_keys(model: str) -> dict[str, Any]:
         return {"path": model, "name": None, "weights": None, "num_layers": None}
     random = model in SHAPES and model not in PYPI_MODELS
     return {"name": model, "path": None, "weights": "random" if random else None}
+
+
+def on_device(cfg: Config, device: str) -> Config:
+    """The config with every backend section on ``device``."""
+    import dataclasses
+
+    b = cfg.backend
+    phases = {k: dataclasses.replace(getattr(b, k), device=device) for k in ("prefill", "decode")
+              if getattr(b, k) is not None}
+    return dataclasses.replace(cfg, backend=dataclasses.replace(b, device=device, **phases))

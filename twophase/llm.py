@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from twophase import draft
+from twophase import plan as planner
 from twophase.backends.base import BackendConfig, EngineLimits, KVCache, ModelSpec
 from twophase.backends.registry import Registry
 from twophase.config import Config, SchedulerConfig, load_config
@@ -29,9 +30,11 @@ from twophase.core.params import SamplingParams
 from twophase.core.scheduler import Scheduler
 from twophase.core.seams import Proposer
 from twophase.core.spec_control import SpecController
-from twophase.device import available_memory, same_device
+from twophase.device import available_memory, return_freed_memory, same_device
 from twophase.errors import ConfigError, ModelError, RequestRejected
 from twophase.models import loader
+from twophase.plan import check as memcheck
+from twophase.plan.model_source import planned_model
 
 log = logging.getLogger(__name__)
 GiB = 1 << 30
@@ -60,38 +63,70 @@ class LLM:
         arch = self.model.arch
         self.max_model_len = min(mc.max_model_len or arch.max_position_embeddings,
                                  arch.max_position_embeddings)
+        self.plan = self._plan(device)
         self._check_fits(device)
         if isinstance(config.cache.num_blocks, int):         # known before any weights load
             self._fit_context(config.cache.num_blocks * config.cache.block_size)
         self.spec = spec = loader.model_spec(self.model, mc)
+        if torch.device(device).type == "cpu":
+            return_freed_memory()                 # a model loaded and closed before this one
+        used = [memcheck.in_use(device)]
         self.prefill_backend = self._load_backend(pcfg, spec)
         same = (pcfg.name, pcfg.device, pcfg.options) == (dcfg.name, dcfg.device, dcfg.options)
         self.decode_backend = self.prefill_backend if same else self._load_backend(dcfg, spec)
         if not same:
             self._check_pool_sharing(pcfg, dcfg)
         self.backend = self.prefill_backend
+        if torch.device(device).type == "cpu":
+            return_freed_memory()
+        used.append(memcheck.in_use(device))
         self.kv_cache = self._allocate_pool(device)
+        used.append(memcheck.in_use(device))
         self._fit_context(self.num_blocks * config.cache.block_size)
         for b in {id(self.prefill_backend): self.prefill_backend,
                   id(self.decode_backend): self.decode_backend}.values():
-            b.bind_kv_cache(self.kv_cache)
+            b.bind_kv_cache(self.kv_cache)      # TensorRT and IREE load their engines here
+        used.append(memcheck.in_use(device))
         self.engine = self._build_engine()
         self.load_time_s = time.perf_counter() - t0
         names = pcfg.name if same else f"{pcfg.name} prefill + {dcfg.name} decode"
         log.info("loaded %s on %s/%s in %.2f s (%d KV blocks of %d tokens)", self.model.model_id,
                  names, device, self.load_time_s, self.num_blocks, config.cache.block_size)
         m = self.memory = self._memory(device)
+        m["check"] = self._check_plan(device, used)
         log.info("KV cache %.2f GiB = %d tokens; max concurrency %d at %d tokens; weights %.2f GiB; "
                  "headroom %.2f GiB", m["kv_cache_bytes"] / GiB, m["kv_tokens"], m["max_concurrency"],
                  self.max_model_len, m["weight_bytes"] / GiB, m["headroom_bytes"] / GiB)
 
-    def _memory(self, device: str) -> dict[str, int]:
-        """What the KV pool holds and the weights take (4-bit blocks: 20 bytes a block of 32
-        weights), how many full-context sequences fit, and what the device has left."""
+    def _plan(self, device: str) -> planner.Plan:
+        """The memory plan for this config on this device (``twophase plan``): the budget the
+        KV pool is sized from on CUDA, and the figures checked after load."""
+        kind = torch.device(device).type
+        if kind == "cuda":
+            total = torch.cuda.mem_get_info(torch.device(device))[1]
+            dev = planner.DeviceProfile(device, "cuda", total, "this GPU's total")
+        else:
+            dev = planner.DeviceProfile(device, "cpu", available_memory(device), "free now")
+        return planner.plan(self.config, dev, model=planned_model(self.config.model))
+
+    def _check_plan(self, device: str, used: list[int]) -> dict[str, dict[str, int]]:
+        """Predicted against measured: the weights (and engines) over the backends' load and
+        bind; on CUDA the KV pool too (on the CPU its pages are the OS's until written)."""
+        predicted = {"weights": self.plan.total("weights", resident=True)}
+        shared = self.prefill_backend.capabilities().shares_kv_pool
+        kv = self.num_blocks * self.plan.kv_bytes_per_token * self.config.cache.block_size
+        if not shared:              # a backend keeping its own pool allocates it at bind
+            predicted["weights"] += kv
+        measured = {"weights": used[1] - used[0] + used[3] - used[2]}
+        if torch.device(device).type == "cuda" and shared:
+            predicted["kv cache"], measured["kv cache"] = kv, used[2] - used[1]
+        return memcheck.compare(predicted, measured)
+
+    def _memory(self, device: str) -> dict[str, Any]:
+        """What the KV pool holds and the weights take (as the plan counts them: in the layout
+        each backend holds), how many full-context sequences fit, and what the device has left."""
         pool, bs = self.kv_cache.pool, self.config.cache.block_size
-        weights = loader.weight_bytes(self.model.arch, self.model.dtype)
-        if self.spec.quantization == "q4":
-            weights = self.model.arch.num_params() * 20 // 32
+        weights = self.plan.total("weights")
         kv = pool.numel() * pool.element_size() if pool.device.type != "meta" \
             else self.num_blocks * self.prefill_backend.kv_cache_spec().bytes_per_block(bs)
         free = available_memory(device)
@@ -173,12 +208,12 @@ class LLM:
         self.max_model_len = pool_tokens
 
     def _check_fits(self, device: str) -> None:
-        need = loader.weight_bytes(self.model.arch, self.model.dtype)
+        need = self.plan.total("weights")
         have = available_memory(device)
         if need > 0.9 * have:
             raise ModelError(
-                f"{self.model.model_id} needs {need / GiB:.1f} GiB for its weights in "
-                f"{str(self.model.dtype).removeprefix('torch.')} but {device} has "
+                f"{self.model.model_id} needs {need / GiB:.1f} GiB for its weights "
+                f"({self.plan.items[0].how}) but {device} has "
                 f"{have / GiB:.1f} GiB available; choose a smaller shape, fewer layers "
                 f"(model.num_layers) or a smaller dtype")
 
@@ -193,16 +228,11 @@ class LLM:
         if cc.num_blocks == "auto":
             wanted = self.config.scheduler.max_num_seqs * -(-self.max_model_len // cc.block_size)
             free = available_memory(device)
-            if cc.memory_gb is not None:
-                budget = int(cc.memory_gb * GiB)
-            elif torch.device(device).type == "cuda":
-                # the rest: activations, CUDA graphs; a backend's own pool needs room for the
-                # copy its runtime makes of it on each write (IREE's, see backends/iree.py)
-                shared = self.prefill_backend.capabilities().shares_kv_pool
-                budget = int((0.8 if shared else 0.4) * free)
+            if cc.memory_gb is None and torch.device(device).type == "cuda":
+                num_blocks = self._cuda_pool_blocks(free, per_block)
             else:
-                budget = min(2 * GiB, free // 4)
-            num_blocks = max(1, min(wanted, budget // per_block))
+                num_blocks = planner.pool_blocks(self.config, 0, per_block, "cpu", free)
+            num_blocks = max(1, min(wanted, num_blocks))
         else:
             num_blocks = cc.num_blocks
         total = (num_blocks + spec.scratch_blocks) * per_block
@@ -217,6 +247,24 @@ class LLM:
         shared = self.prefill_backend.capabilities().shares_kv_pool
         # a backend that keeps its own pool gets a shape without memory (see bind_kv_cache)
         return KVCache(zeros(shape, spec.dtype, spec.device if shared else "meta"), cc.block_size)
+
+    def _cuda_pool_blocks(self, free: int, per_block: int) -> int:
+        """The plan's pool (everything else and the reserve budgeted from the GPU's total,
+        including the engines TensorRT and IREE load only after the pool), and never more than
+        the memory free now less what the steps will still take and the reserve: another
+        process's memory counts."""
+        p = self.plan
+        later = sum(i.bytes for i in p.items if i.kind not in ("weights", "runtime", "kv cache", "reserve"))
+        if not self.prefill_backend.capabilities().shares_kv_pool:
+            later += p.total("kv cache")          # its runtime's own copy of the pool (IREE)
+        cap = (free - later - p.total("reserve")) // per_block
+        if cap < 1:
+            raise ModelError(f"no room for a KV pool on the GPU: {free / GiB:.2f} GiB free after the "
+                             f"weights, and the steps need {later / GiB:.2f} GiB and the reserve "
+                             f"{p.total('reserve') / GiB:.2f} GiB (see twophase plan; lower "
+                             f"scheduler.max_num_seqs or model.max_model_len, or raise "
+                             f"cache.memory_utilization)")
+        return min(p.num_blocks, cap) if p.num_blocks else cap
 
     def _token_budget(self, chunked: bool) -> int:
         """Tokens one step may compute: the config's, else a default for the device."""

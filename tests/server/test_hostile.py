@@ -124,6 +124,9 @@ def test_metrics_label_routes_not_raw_paths_and_each_request_is_logged(tiny_serv
     llm, url, app = tiny_server
     caplog.set_level("INFO", logger="twophase.access")
     httpx.get(url + "/health")
+    deadline = time.monotonic() + 5           # the line is written as the response completes
+    while not any('"GET /health" 200' in r.getMessage() for r in caplog.records) and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert any('"GET /health" 200' in r.getMessage() for r in caplog.records)
     before = len(httpx.get(url + "/metrics").text)
     for i in range(200):

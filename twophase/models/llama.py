@@ -132,19 +132,41 @@ class Attention(nn.Module):
 
         Attends block by block on the gathered blocks ``[B, nb, KVH, BS, hd]`` without first
         making each sequence's K/V contiguous: that transpose-copy cost more than attention
-        itself (2.7x slower per layer at batch 32, context 272 on CPU)."""
-        B, nb = meta.decode_tables.shape
+        itself (2.7x slower per layer at batch 32, context 272 on CPU). The batch is cut into
+        slices whose gathered K/V stay under ``DECODE_GATHER_BYTES``: padded to the longest
+        context, 64 sequences of llama3-8b at 131,072 tokens would otherwise gather 34 GB."""
+        tables, lens = meta.decode_tables, meta.decode_lens
+        B, nb = tables.shape
+        rows = decode_rows(B, nb * kv_layer.shape[-2], kv_layer.shape[2], kv_layer.shape[-1],
+                           kv_layer.element_size())
+        if rows >= B:
+            return self._decode_rows(q, kv_layer, tables, lens)
+        return torch.cat([self._decode_rows(q[i:i + rows], kv_layer, tables[i:i + rows], lens[i:i + rows])
+                          for i in range(0, B, rows)])
+
+    def _decode_rows(self, q, kv_layer, tables, lens) -> torch.Tensor:
+        B, nb = tables.shape
         _, _, kvh, bs, hd = kv_layer.shape
-        kv = flat_gather(kv_layer, meta.decode_tables)                 # [2, B, nb, KVH, BS, hd]
+        kv = flat_gather(kv_layer, tables)                               # [2, B, nb, KVH, BS, hd]
         qg = q.view(B, 1, kvh, self.h // kvh, hd)
         kv = kv.to(q.dtype)                                              # (a cache.dtype override)
         s = (qg @ kv[0].transpose(-1, -2)).float() * self.scale        # [B, nb, KVH, g, BS]
         pos = torch.arange(nb * bs, device=q.device).view(1, nb, 1, 1, bs)
-        s = s.masked_fill(pos >= meta.decode_lens.view(B, 1, 1, 1, 1), torch.finfo(s.dtype).min)
+        s = s.masked_fill(pos >= lens.view(B, 1, 1, 1, 1), torch.finfo(s.dtype).min)
         p = (s - s.amax(dim=(1, 4), keepdim=True)).exp()
         den = p.sum(dim=(1, 4)).unsqueeze(-1)                            # [B, KVH, g, 1]
         o = (p.to(kv.dtype) @ kv[1]).sum(1).float() / den                # [B, KVH, g, hd]
         return o.to(q.dtype).reshape(B, self.h, hd)
+
+
+DECODE_GATHER_BYTES = 256 << 20     # the most K/V one decode slice gathers
+
+
+def decode_rows(batch: int, context: int, kv_heads: int, head_dim: int, itemsize: int) -> int:
+    """Sequences a decode attends at once: all, unless their K/V padded to ``context`` would
+    gather more than ``DECODE_GATHER_BYTES`` (then as many as fit, at least one)."""
+    per_row = 2 * context * kv_heads * head_dim * itemsize
+    return max(1, min(batch, DECODE_GATHER_BYTES // per_row))
 
 
 def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:

@@ -98,6 +98,13 @@ def pack(spec: ModelSpec, folder: Path) -> None:
         np.save(folder / f"{name}.npy", np.ascontiguousarray(a))
 
 
+def populate(arr: np.ndarray) -> None:
+    """Read one byte of each page of a mapped array, so it is resident from load on (the
+    embedding is left mapped: only the rows of tokens seen are ever read)."""
+    flat = arr.reshape(-1).view(np.uint8)
+    int(flat[::4096].sum())
+
+
 @dataclass
 class NativeWeights:
     model: Model
@@ -114,6 +121,9 @@ class NativeWeights:
         folder = cache_folder("native", man)
         build_cached(folder, man, lambda tmp: pack(spec, tmp), what="native weights")
         a = {f.stem: np.load(f, mmap_mode="r") for f in folder.glob("*.npy")}
+        for name, arr in a.items():
+            if name != "embed":         # read every step: fault them in now, not in the first steps
+                populate(arr)
         arch = LlamaArch.from_dict(spec.arch)
         L = arch.num_layers
 

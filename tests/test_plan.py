@@ -1,0 +1,172 @@
+"""The memory planner: its figures against hand counts, against what a loaded engine measures,
+and ``twophase plan`` as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from twophase import LLM
+from twophase.config import load_config
+from twophase.errors import ConfigError
+from twophase.plan import check, plan, profile
+from twophase.plan.budget import GiB, MiB
+
+TINY = {"name": "tiny", "weights": "random"}
+DEFAULT = {"name": "smollm2-135m-instruct"}
+
+
+def weights(p) -> dict[str, int]:
+    return {i.name.split(" ")[0]: i.bytes for i in p.items if i.kind == "weights"}
+
+
+def test_tiny_weights_and_kv_by_hand():
+    # vocab 512, hidden 64, ffn 128, 2 layers, 4 heads and 2 KV heads of 16, head untied
+    p = plan(load_config({"model": TINY}), profile("cpu"))
+    qkv, o = (4 + 2 * 2) * 16 * 64, 64 * 64
+    assert weights(p) == {"embedding": 512 * 64 * 4, "attention": 2 * (qkv + o) * 4,
+                          "mlp": 2 * 3 * 64 * 128 * 4, "norms": 5 * 64 * 4, "head": 512 * 64 * 4}
+    assert p.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4
+
+
+def test_llama3_8b_bf16_on_an_h200_by_hand():
+    p = plan(load_config({"model": {"name": "llama3-8b", "weights": "random"}}), profile("h200"))
+    per_layer = 4096 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 4096 * 14336 + 2 * 4096
+    params = 32 * per_layer + 2 * 128256 * 4096 + 4096
+    assert p.total("weights") == params * 2 == 16_060_522_496            # "16.06 GB"
+    assert p.kv_bytes_per_token == 128 * 1024
+    # everything but the pool and the reserve, then the pool in whole blocks: one more block
+    # would eat into the reserve
+    rest = p.total() - p.total("kv cache") - p.total("reserve")
+    per_block = p.kv_bytes_per_token * p.block_size
+    assert p.total("reserve") == int(0.1 * p.device.total_bytes)
+    assert rest + p.total("kv cache") + p.total("reserve") <= p.device.total_bytes
+    assert rest + (p.num_blocks + 1) * per_block + p.total("reserve") > p.device.total_bytes
+    # the padded decode is sliced: no 34 GB gather at 64 sequences of 131,072 tokens
+    assert p.total("activations") < 4 * GiB
+    assert p.concurrency(8192) == p.num_blocks // 512
+
+
+def test_default_model_fp32_and_q4_by_hand():
+    """smollm2-135m: vocab 49152 (tied), hidden 576, ffn 1536, 30 layers, 9 heads and 3 KV heads
+    of 64. q4: GGUF blocks of 32 (20 bytes and a zero-point byte), 8 outlier columns in float32
+    with int32 indices, Q8_0 head (34 bytes a block), float32 embedding and norms."""
+    fp32 = plan(load_config({"model": DEFAULT}), profile("cpu"))
+    assert fp32.total("weights") == 134_515_008 * 4
+    assert fp32.kv_bytes_per_token == 30 * 2 * 3 * 64 * 4
+    q4 = plan(load_config({"model": {**DEFAULT, "quantization": "q4"}, "backend": {"name": "native"}}),
+              profile("cpu"))
+
+    def proj(n, k):
+        return n * (k // 32) * 21 + n * 8 * 4 + 8 * 4
+
+    assert weights(q4) == {"embedding": 49152 * 576 * 4,
+                           "attention": 30 * (proj(960, 576) + proj(576, 576)),
+                           "mlp": 30 * (proj(3072, 576) + proj(576, 1536)),
+                           "norms": 61 * 576 * 4, "head": 49152 * 18 * 34}
+
+
+def test_plan_matches_the_native_backends_packed_files():
+    """The q4 layout to the byte: the arrays the native backend maps are what the plan counts."""
+    pytest.importorskip("gguf")
+    from twophase.backends.native import kernel
+
+    try:
+        kernel.load()
+    except Exception as exc:      # no C compiler or an unsupported CPU
+        pytest.skip(f"native kernel unavailable: {exc}")
+    llm = LLM.from_config({"model": {**DEFAULT, "quantization": "q4"}, "backend": {"name": "native"},
+                           "cache": {"num_blocks": 64}})
+    try:
+        held = sum(a.nbytes for a in llm.backend.weights.arrays.values())
+        held -= llm.backend.weights.arrays["inv_freq"].nbytes if "inv_freq" in llm.backend.weights.arrays else 0
+        assert held == llm.plan.total("weights")
+        got = llm.memory["check"]["weights"]
+        assert abs(got["measured"] - got["predicted"]) <= 0.1 * got["predicted"], got
+    finally:
+        llm.close()
+
+
+def test_loaded_default_model_measures_what_the_plan_predicts(default_llm):
+    """fp32 on torch: the resident set grows by the weights the plan counts, within 10%."""
+    got = default_llm.memory["check"]["weights"]
+    assert got["predicted"] == 134_515_008 * 4
+    assert abs(got["measured"] - got["predicted"]) <= 0.1 * got["predicted"], got
+    assert default_llm.memory["weight_bytes"] == got["predicted"]
+
+
+def test_a_gap_is_a_warning_naming_the_item(caplog):
+    caplog.set_level(logging.INFO, logger="twophase.memory")
+    check.compare({"weights": 100 * MiB, "kv cache": 1 * GiB}, {"weights": 101 * MiB, "kv cache": 2 * GiB})
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith("memory: kv cache took 2048.0 MiB"), warnings
+    assert any("predicted vs measured" in r.getMessage() for r in caplog.records)
+
+
+def test_small_items_within_the_floor_do_not_warn(caplog):
+    caplog.set_level(logging.INFO, logger="twophase.memory")
+    check.compare({"weights": 10 * MiB}, {"weights": 200 * MiB})    # 20x, but under 256 MiB
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_unknown_device_and_bad_numbers_are_config_errors():
+    with pytest.raises(ConfigError, match="unknown device 'h300'; known: cpu, cuda, h200"):
+        profile("h300")
+    with pytest.raises(ConfigError, match="--memory-gb"):
+        profile("h200", memory_gb=0)
+    with pytest.raises(ConfigError, match="cache.memory_utilization"):
+        load_config({"cache": {"memory_utilization": 1.5}})
+
+
+def test_users_that_do_not_fit_wait(tmp_path):
+    p = plan(load_config({"model": TINY, "cache": {"num_blocks": 64}}), profile("cpu"), context=256, users=6)
+    d = p.to_dict()
+    assert (d["kv_tokens"], d["max_concurrency"], d["users_fit"], d["users_waiting"]) == (1024, 4, False, 2)
+
+
+def _plan_cli(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "twophase", "plan", *args], capture_output=True,
+                          text=True, cwd=cwd, timeout=300)
+
+
+def test_cli_plans_llama3_70b_on_an_h100_without_loading_anything(tmp_path):
+    r = _plan_cli("--model", "llama3-70b", "--device", "h100-80gb", "--json", "p.json", "--plot", "p.png",
+                  cwd=tmp_path)
+    assert r.returncode == 1, r.stderr                    # 141 GB of bf16 weights do not fit 80 GB
+    assert "does not fit" in r.stdout and "Traceback" not in r.stderr
+    d = json.loads((tmp_path / "p.json").read_text())
+    assert d["totals"]["weights"] == 141_107_412_992 and d["num_blocks"] == 0
+    assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
+def test_cli_llama3_8b_on_an_h200_json_figures_are_bytes(tmp_path):
+    r = _plan_cli("--model", "llama3-8b", "--device", "h200", "--context", "8192", "--users", "100",
+                  "--json", "p.json", "--plot", "", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    d = json.loads((tmp_path / "p.json").read_text())
+    assert d["totals"]["weights"] == 16_060_522_496 and d["kv_bytes_per_token"] == 131072
+    assert d["users_fit"] and d["max_concurrency"] == d["num_blocks"] // 512
+    assert sum(i["bytes"] for i in d["items"]) <= d["device_bytes"]
+    assert "max concurrency at 8,192 tokens" in r.stdout
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_cli_bad_device_is_one_line(tmp_path):
+    r = _plan_cli("--model", "tiny", "--device", "tpu", cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.startswith("twophase: config error: --device: unknown device 'tpu'")
+    assert "Traceback" not in r.stderr
+
+
+def test_q4_weights_on_onnxruntime_count_each_graph(tmp_path):
+    p = plan(load_config({"model": {**DEFAULT, "quantization": "q4"}, "backend": {"name": "onnxruntime"}}),
+             profile("cpu"))
+    one = plan(load_config({"model": {**DEFAULT, "quantization": "q4"},
+                            "backend": {"name": "onnxruntime", "options": {"decode_graph": False}}}),
+               profile("cpu"))
+    assert p.total("weights") == 3 * one.total("weights")
+    assert np.isclose(one.total("weights"), 232_775_424, rtol=1e-4)      # the exported graph's data

@@ -1,0 +1,280 @@
+"""What eats the memory: a config's budget on a device, item by item, from shapes alone.
+
+The engine sizes its KV pool with the same functions (``pool_blocks``), so the plan made before
+loading is the pool the engine allocates. Items:
+
+- ``weights``: per backend that holds them, per tensor group, in the layout it holds
+  (``twophase.plan.weights``); ONNX Runtime on the CPU holds a copy in each of its graphs.
+- ``activations``: the peak of one step at the engine's limits (the token budget's prefill, or
+  ``max_num_seqs`` decodes whose context is padded to ``max_model_len``, whichever is larger).
+- ``logits``: ``max_num_seqs × vocab × 4 B``, ``× (k+1)`` with ``k`` speculative drafts.
+- ``cuda graphs``: the torch backend's captured decode steps on CUDA (their private pool holds
+  the largest bucket's activations and every bucket's logits).
+- ``workspace``: TensorRT's activation memory for its profiles; cuBLAS's on CUDA.
+- ``runtime``: the CUDA context and libraries, or the Python process on the CPU.
+- ``reserve``: what the engine leaves free (``1 - cache.memory_utilization`` of a GPU; on the CPU
+  all but the pool's share of the free memory).
+- ``kv cache``: the rest, in whole blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from twophase.config import BackendSection, Config
+from twophase.models.shapes import LlamaArch
+from twophase.plan import weights as layouts
+from twophase.plan.devices import DeviceProfile
+from twophase.plan.model_source import PlannedModel, planned_model
+
+GiB, MiB = 1 << 30, 1 << 20
+AUTO_MAX_DRAFTS = 6                 # the most drafts num_tokens = "auto" gives a decode
+CUDA_RUNTIME = 512 * MiB            # CUDA context, cuBLAS/cuDNN handles and kernels loaded
+CUBLAS_WORKSPACE = 32 * MiB
+CPU_RUNTIME = 300 * MiB             # Python, torch, libraries (~220 MiB); the first model's threads, kernels
+CPU_POOL_CAP = 2 * GiB              # the CPU pool's default: min(2 GiB, a quarter of free)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class Item:
+    kind: str           # weights, kv cache, activations, logits, cuda graphs, workspace, runtime, reserve
+    name: str
+    bytes: int
+    how: str            # how it was counted, in a few words
+    resident: bool = True    # at load; else mapped from a file and paged in as it is used
+
+
+@dataclass
+class Plan:
+    model: PlannedModel
+    device: DeviceProfile
+    items: list[Item]
+    block_size: int
+    kv_bytes_per_token: int
+    num_blocks: int
+    max_model_len: int                  # what one request may use (the pool's, if smaller)
+    context: int                        # the context the concurrency figures are for
+    users: int | None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def concurrency(self, context: int) -> int:
+        """Sequences of ``context`` tokens the pool holds at once."""
+        return self.num_blocks // -(-context // self.block_size)
+
+    @property
+    def fits(self) -> bool:
+        """Something fits: at least one block, and nothing over the device."""
+        return self.num_blocks > 0 and self.total() - self.total("reserve") <= self.device.total_bytes
+
+    def total(self, kind: str | None = None, resident: bool = False) -> int:
+        """Bytes of the items of ``kind`` (all items if None); only those resident from load on
+        if ``resident``."""
+        return sum(i.bytes for i in self.items if (kind is None or i.kind == kind)
+                   and (i.resident or not resident))
+
+    def to_dict(self) -> dict:
+        conc = self.concurrency(self.context)
+        out = {"model": self.model.model_id, "model_source": self.model.source,
+               "device": self.device.name, "device_bytes": self.device.total_bytes,
+               "items": [i.__dict__ for i in self.items],
+               "totals": {k: self.total(k) for k in dict.fromkeys(i.kind for i in self.items)},
+               "kv_bytes_per_token": self.kv_bytes_per_token, "block_size": self.block_size,
+               "num_blocks": self.num_blocks, "kv_tokens": self.kv_tokens,
+               "max_model_len": self.max_model_len, "context": self.context,
+               "max_concurrency": conc, "fits": self.fits, "notes": self.notes}
+        if self.users is not None:
+            out |= {"users": self.users, "users_fit": self.users <= conc,
+                    "users_waiting": max(0, self.users - conc)}
+        return out
+
+
+def kv_dtype_bytes(config: Config, device_kind: str) -> int:
+    name = config.cache.dtype if config.cache.dtype != "auto" else model_dtype(config, device_kind)
+    return DTYPE_BYTES[name]
+
+
+def model_dtype(config: Config, device_kind: str) -> str:
+    d = config.model.dtype
+    return d if d != "auto" else ("bfloat16" if device_kind == "cuda" else "float32")
+
+
+def kv_bytes_per_token(arch: LlamaArch, itemsize: int) -> int:
+    return arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * itemsize
+
+
+def token_budget(config: Config, device_kind: str, max_model_len: int) -> int:
+    """Tokens one step may compute: the config's, else 4096 on CUDA and 512 on the CPU with
+    chunked prefill, else a whole context."""
+    sc = config.scheduler
+    return sc.max_num_batched_tokens or ((4096 if device_kind == "cuda" else 512)
+                                         if sc.chunked_prefill else max_model_len)
+
+
+def ort_graphs(section: BackendSection, arch: LlamaArch, dtype: str, device_kind: str) -> int:
+    """ONNX Runtime's sessions that each hold the weights: the step graph, and on the CPU for
+    float32 models without biases the decode and verify graphs."""
+    extra = (device_kind == "cpu" and dtype == "float32" and section.options.get("decode_graph", True)
+             and not (arch.attention_bias or arch.mlp_bias))
+    return 3 if extra else 1
+
+
+def weight_items(config: Config, model: PlannedModel, device_kind: str) -> list[Item]:
+    """Each distinct backend's copy of the weights, per group."""
+    pcfg, dcfg = config.phases()
+    sections = [pcfg] if (pcfg.name, pcfg.options) == (dcfg.name, dcfg.options) else [pcfg, dcfg]
+    dtype, q4 = model_dtype(config, device_kind), config.model.quantization == "q4"
+    items = []
+    for sec in sections:
+        copies, arch = 1, model.arch
+        if sec.name == "native":
+            groups, how = layouts.blocks(arch, config.model.outlier_channels, model.head_bits), "q4 blocks"
+        elif q4:
+            groups, how = (layouts.matmulnbits(arch, config.model.outlier_channels, model.head_bits),
+                           "MatMulNBits q4")
+        else:
+            groups, how = layouts.dense(arch, DTYPE_BYTES[dtype]), dtype
+        if sec.name == "onnxruntime":
+            copies = ort_graphs(sec, arch, dtype, device_kind)
+            if arch.tie_word_embeddings and not q4:      # the head's packed copy beside the Gather's
+                groups["head"] = groups["embedding"]
+                how += ", tied head prepacked apart"
+        label = f"{sec.name}" + (f" ×{copies} graphs" if copies > 1 else "")
+        mapped = sec.name == "native"                # its embedding: rows paged in as tokens come
+        items += [Item("weights", f"{g} ({label})", n * copies,
+                       how + (", mapped: rows resident as used" if mapped and g == "embedding" else ""),
+                       resident=not (mapped and g == "embedding"))
+                  for g, n in groups.items() if n]
+    return items
+
+
+def activation_peak(arch: LlamaArch, tokens: int, seqs: int, context: int, e: int) -> tuple[int, str]:
+    """The larger of a prefill step of ``tokens`` (the MLP's ``2f`` and ``f`` wide temporaries,
+    or q/k/v with float32 RoPE, the context's K/V gathered twice and its mask) and a decode step
+    of ``seqs`` sequences padded to ``context`` (their K/V gathered and float32 scores, a slice
+    of sequences at a time: ``twophase.models.llama.decode_rows``)."""
+    from twophase.models.llama import decode_rows
+
+    h, f, H, KV, hd = arch.hidden_size, arch.intermediate_size, arch.num_heads, arch.num_kv_heads, arch.head_dim
+    T, C, B = tokens, context, seqs
+    mlp = 4 * T * f * e
+    attn = T * (H + 2 * KV) * hd * e + 2 * T * H * hd * 4 + T * H * hd * e + 4 * C * KV * hd * e + T * C
+    prefill = 2 * T * h * e + max(mlp, attn)
+    rows = decode_rows(B, C, KV, hd, e)
+    decode = 2 * B * h * e + rows * (2 * C * KV * hd * e + 3 * H * C * 4) + (B * H * hd * e if rows < B else 0)
+    if prefill >= decode:
+        return prefill, f"prefill of {T} tokens"
+    return decode, f"{B} decodes padded to {C} tokens, {rows} at a time"
+
+
+def runtime_items(config: Config, model: PlannedModel, device: DeviceProfile, max_model_len: int) -> list[Item]:
+    """Everything but the weights and the pool, at the engine's limits."""
+    arch, kind = model.arch, device.kind
+    e = DTYPE_BYTES[model_dtype(config, kind)]
+    sc, sp = config.scheduler, config.speculative
+    T = token_budget(config, kind, max_model_len)
+    act, how = activation_peak(arch, T, sc.max_num_seqs, max_model_len, e)
+    k = 0 if sp.method == "none" else (AUTO_MAX_DRAFTS if sp.num_tokens == "auto" else int(sp.num_tokens))
+    logits = sc.max_num_seqs * arch.vocab_size * 4 * (k + 1)
+    items = [Item("activations", "one step's peak", act, how),
+             Item("logits", "logits of a step", logits,
+                  f"{sc.max_num_seqs} seqs × {arch.vocab_size} × 4 B" + (f" × {k + 1}" if k else ""))]
+    names = {s.name for s in config.phases()}
+    if kind == "cuda":
+        items.append(Item("runtime", "CUDA context and libraries", CUDA_RUNTIME, "typical, CUDA 12"))
+        items.append(Item("workspace", "cuBLAS", CUBLAS_WORKSPACE, "one stream"))
+        graphs = [s for s in config.phases() if s.name == "torch" and s.options.get("cuda_graphs", True)]
+        if graphs:
+            items.append(cuda_graph_item(arch, sc.max_num_seqs, max_model_len, config.cache.block_size, e))
+    else:
+        items.append(Item("runtime", "Python, torch and libraries", CPU_RUNTIME,
+                          "measured: imports, the first model's threads"))
+    if "tensorrt" in names:
+        items.append(tensorrt_item(config, arch, T, max_model_len, e))
+    return items
+
+
+def cuda_graph_item(arch: LlamaArch, seqs: int, context: int, block_size: int, e: int) -> Item:
+    """The captured decode steps' pool: the largest bucket's activations, and the logits each
+    (batch, context-blocks) bucket keeps as its output."""
+    pow2 = lambda n: 1 << max(0, (n - 1).bit_length())  # noqa: E731
+    B, nb = pow2(seqs), pow2(-(-context // block_size))
+    act, _ = activation_peak(arch, 0, B, nb * block_size, e)
+    batches = [1 << i for i in range(B.bit_length())]
+    contexts = nb.bit_length()
+    logits = sum(batches) * contexts * arch.vocab_size * 4
+    return Item("cuda graphs", "captured decode steps", act + logits,
+                f"{len(batches)} batch × {contexts} context buckets")
+
+
+def tensorrt_item(config: Config, arch: LlamaArch, tokens: int, context: int, e: int) -> Item:
+    try:
+        from twophase.exporters.tensorrt import profile_memory  # type: ignore[attr-defined]
+    except ImportError:
+        act, _ = activation_peak(arch, tokens, config.scheduler.max_num_seqs, context, e)
+        return Item("workspace", "TensorRT profiles", act, "estimated as one step's peak")
+    return Item("workspace", "TensorRT profiles", int(profile_memory(arch, config.scheduler, context, e)),
+                "the profiles' activation memory")
+
+
+def max_model_len_of(config: Config, arch: LlamaArch) -> int:
+    return min(config.model.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
+
+
+def pool_blocks(config: Config, free_for_pool: int, per_block: int, device_kind: str, free_now: int) -> int:
+    """The engine's rule for ``num_blocks = "auto"``: ``cache.memory_gb`` if given; on CUDA what
+    is left after every other item and the reserve; on the CPU a quarter of the free memory, at
+    most 2 GiB (the rest stays the system's); never more than ``max_num_seqs`` full contexts."""
+    cc = config.cache
+    if cc.num_blocks != "auto":
+        return int(cc.num_blocks)
+    if cc.memory_gb is not None:
+        budget = int(cc.memory_gb * GiB)
+    elif device_kind == "cuda":
+        budget = free_for_pool
+    else:
+        budget = min(CPU_POOL_CAP, free_now // 4)
+    return max(0, budget // per_block)
+
+
+def plan(config: Config, device: DeviceProfile, context: int | None = None, users: int | None = None,
+         model: PlannedModel | None = None) -> Plan:
+    model = model or planned_model(config.model)
+    arch, kind, cc = model.arch, device.kind, config.cache
+    max_len = max_model_len_of(config, arch)
+    items = weight_items(config, model, kind) + runtime_items(config, model, device, max_len)
+    per_token = kv_bytes_per_token(arch, kv_dtype_bytes(config, kind))
+    per_block = per_token * cc.block_size
+    used = sum(i.bytes for i in items)
+    reserve = int((1 - cc.memory_utilization) * device.total_bytes) if kind == "cuda" else 0
+    free_for_pool = max(0, device.total_bytes - used - reserve)
+    wanted = config.scheduler.max_num_seqs * -(-max_len // cc.block_size)
+    blocks = pool_blocks(config, free_for_pool, per_block, kind, max(0, device.total_bytes - used))
+    if cc.num_blocks == "auto":
+        blocks = min(blocks, wanted)
+    notes: list[str] = []
+    if kind == "cpu":
+        reserve = max(0, device.total_bytes - used - blocks * per_block)
+    items += [Item("kv cache", "KV pool", blocks * per_block, f"{blocks} blocks × {cc.block_size} tokens"),
+              Item("reserve", "left free", reserve,
+                   f"1 - cache.memory_utilization ({cc.memory_utilization})" if kind == "cuda"
+                   else "the system's: the CPU pool takes at most a quarter of free memory, 2 GiB")]
+    over = sum(i.bytes for i in items) - device.total_bytes
+    if over > 0:
+        notes.append(f"does not fit: {over / GiB:.2f} GiB over the device's {device.total_bytes / GiB:.2f} GiB")
+    pool_tokens = blocks * cc.block_size
+    if blocks == 0:
+        notes.append("no room for the KV cache: a smaller model, dtype or quantization, a shorter "
+                     "max_model_len or fewer max_num_seqs would leave some")
+    elif pool_tokens < max_len:
+        notes.append(f"the pool holds {pool_tokens} tokens, less than max_model_len {max_len}: "
+                     + ("the engine lowers max_model_len to it" if config.model.max_model_len is None
+                        else "the engine refuses this config"))
+    if context and context > min(max_len, pool_tokens):
+        notes.append(f"a request of {context} tokens is longer than one request may be "
+                     f"({min(max_len, pool_tokens)})")
+    return Plan(model, device, items, cc.block_size, per_token, blocks, max_len, context or max_len, users, notes)

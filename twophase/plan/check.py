@@ -1,0 +1,52 @@
+"""The plan checked against the truth after load: what the process (CPU: resident set) or the
+device (CUDA: memory in use, ``mem_get_info``) gained while each item was allocated, next to what
+the plan predicted. A gap over 10% and over 256 MiB is a warning naming the item."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from twophase.plan.budget import MiB
+
+log = logging.getLogger("twophase.memory")
+TOLERANCE, FLOOR = 0.10, 256 * MiB
+
+
+def in_use(device: str) -> int:
+    """Bytes in use now: this process's resident set on the CPU, the device's used memory on CUDA."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        free, total = torch.cuda.mem_get_info(dev)
+        return int(total - free)
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024      # the peak: better than none
+
+
+def compare(predicted: dict[str, int], measured: dict[str, int]) -> dict[str, dict[str, int]]:
+    """Log each item's predicted and measured bytes; warn where they part."""
+    out, parts = {}, []
+    for item, want in predicted.items():
+        got = measured.get(item)
+        if got is None:
+            continue
+        out[item] = {"predicted": want, "measured": got}
+        parts.append(f"{item} {want / MiB:,.1f} vs {got / MiB:,.1f} MiB")
+        gap = got - want
+        if abs(gap) > max(TOLERANCE * want, FLOOR):
+            log.warning("memory: %s took %.1f MiB, the plan said %.1f MiB (%+.0f%%): the plan "
+                        "(twophase plan) misjudges this item here", item, got / MiB, want / MiB,
+                        100 * gap / max(want, 1))
+    if parts:
+        log.info("memory, predicted vs measured: %s", "; ".join(parts))
+    return out

