@@ -170,3 +170,35 @@ def test_q4_weights_on_onnxruntime_count_each_graph(tmp_path):
                profile("cpu"))
     assert p.total("weights") == 3 * one.total("weights")
     assert np.isclose(one.total("weights"), 232_775_424, rtol=1e-4)      # the exported graph's data
+
+
+class _Caps:
+    shares_kv_pool = True
+
+
+class _Backend:
+    def capabilities(self):
+        return _Caps()
+
+
+def _cuda_sizer(p):
+    """The engine's CUDA pool sizing (``LLM._cuda_pool_blocks``) on a plan, without a GPU."""
+    llm = LLM.__new__(LLM)
+    llm.plan, llm.prefill_backend = p, _Backend()
+    return llm._cuda_pool_blocks
+
+
+def test_the_cuda_pool_is_the_plans_capped_by_what_is_free_now():
+    from twophase.errors import ModelError
+
+    p = plan(load_config({"model": {"name": "llama3-8b", "weights": "random", "max_model_len": 8192}}),
+             profile("h100-80gb"))
+    per_block = p.kv_bytes_per_token * p.block_size
+    later = sum(i.bytes for i in p.items if i.kind in ("activations", "logits", "cuda graphs", "workspace"))
+    size = _cuda_sizer(p)
+    free_after_weights = p.device.total_bytes - p.total("weights") - p.total("runtime")
+    assert size(free_after_weights, per_block) == p.num_blocks               # an idle GPU: the plan
+    busy = free_after_weights - 10 * GiB                                       # another process holds 10 GiB
+    assert size(busy, per_block) == (busy - later - p.total("reserve")) // per_block < p.num_blocks
+    with pytest.raises(ModelError, match="no room for a KV pool on the GPU"):
+        size(later + p.total("reserve"), per_block)
