@@ -152,11 +152,18 @@ def test_a_backend_hidden_by_twophase_plugins_is_named_in_the_error(tmp_path):
 def test_conformance_kit_passes_the_builtin_backends(tmp_path):
     """From a directory outside the repository, as a plugin author would run it. The iree
     modules come from the cache the iree tests filled; tensorrt cannot run here and is skipped
-    with its reason. iree runs twice: over the engine's pool, and keeping its own."""
-    for name, options in (("torch", "{}"), ("onnxruntime", "{}"), ("iree", "{}"),
-                          ("iree", '{"pool": "owned"}')):
-        run = _run(sys.executable, *KIT, "--backend", name, "--backend-options", options, cwd=tmp_path)
-        assert run.returncode == 0, f"{name} {options}:\n{run.stdout[-3000:]}"
+    with its reason. iree runs twice: over the engine's pool, and keeping its own; the q4
+    backends (int8 activations) in the kit's tolerance mode."""
+    from twophase.backends.registry import Registry
+
+    runs = [("torch", "{}", "none"), ("onnxruntime", "{}", "none"), ("iree", "{}", "none"),
+            ("iree", '{"pool": "owned"}', "none"), ("onnxruntime", "{}", "q4")]
+    if not Registry().availability("native", "cpu"):
+        runs.append(("native", "{}", "q4"))
+    for name, options, quantization in runs:
+        run = _run(sys.executable, *KIT, "--backend", name, "--backend-options", options,
+                   "--quantization", quantization, cwd=tmp_path)
+        assert run.returncode == 0, f"{name} {options} {quantization}:\n{run.stdout[-3000:]}"
         assert "8 passed" in run.stdout, run.stdout[-500:]
     run = _run(sys.executable, *KIT, "--backend", "tensorrt", "-rs", cwd=tmp_path)
     assert run.returncode == 0 and "8 skipped" in run.stdout and "TensorRT" in run.stdout

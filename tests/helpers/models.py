@@ -66,16 +66,8 @@ def assert_prefix_hits_give_torch_tokens(name: str) -> None:
 
 def dequantised_reference(llm_q4) -> LLM:
     """The torch model with every projection and the head replaced by its dequantised q4 form."""
-    from twophase.models.q4_weights import model_qweights
+    from twophase.testing import dequantised
 
     ref = tiny_llm(cache={"num_blocks": 64})
-    model = ref.backend.model
-    weights = model_qweights(model, model.arch, None)
-    with torch.no_grad():
-        for name, qw in weights.items():
-            target = model.lm_head.weight if name == "lm_head.weight" else model.get_parameter(name)
-            if name == "lm_head.weight" and model.arch.tie_word_embeddings:
-                model.lm_head.weight = torch.nn.Parameter(torch.from_numpy(qw.dequantize()))
-            else:
-                target.copy_(torch.from_numpy(qw.dequantize()))
+    dequantised(ref)
     return ref

@@ -2,10 +2,13 @@
 
 Every check runs the backend under test and the torch backend on the same batch over copies of
 one KV pool, on a small random-weight model, then compares logits (1e-4 relative) and the whole
-pool afterwards (so K/V must land at the batch's slots and nowhere else)."""
+pool afterwards (so K/V must land at the batch's slots and nowhere else). With
+``--quantization q4`` torch runs the dequantised weights and the bounds are ``Tolerance``'s."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import random
 
 import pytest
@@ -19,28 +22,34 @@ from twophase.backends.base import (
     KVCache,
 )
 from twophase.core.batch import decode_batch, prefill_batch
-from twophase.testing import assert_greedy_match, logprob_gaps
+from twophase.testing import Tolerance, assert_greedy_match, compare_quantised, dequantised, logprob_gaps
+
+log = logging.getLogger("twophase.testing")
 
 BLOCK = 4
 TOKENS, SEQS = 48, 8
 
 
-def _reference(**sections) -> LLM:
+def _reference(quantization: str = "none", **sections) -> LLM:
+    """The torch reference on the tiny model (its q4 weights dequantised for ``q4``)."""
     cfg = {"model": {"name": "tiny", "weights": "random", "dtype": "float32"},
            "cache": {"num_blocks": 128, "block_size": BLOCK},
            "scheduler": {"max_num_batched_tokens": TOKENS, "max_num_seqs": SEQS}}
     cfg.update(sections)
-    return LLM.from_config(cfg)
+    llm = LLM.from_config(cfg)
+    if quantization == "q4" and llm.backend.name == "torch":
+        dequantised(llm)
+    return llm
 
 
-def _backend(llm: LLM, name: str, device: str, options: dict):
+def _backend(llm: LLM, name: str, device: str, options: dict, quantization: str = "none"):
     b = llm.registry.get(name)()
-    b.load(llm.spec,
+    b.load(dataclasses.replace(llm.spec, quantization=quantization),
            BackendConfig(name, device, dict(options), EngineLimits(SEQS, TOKENS, llm.max_model_len)))
     return b
 
 
-def _compare(llm: LLM, under_test, run) -> None:
+def _compare(llm: LLM, under_test, run, quantization: str = "none") -> None:
     """``run(backend)`` on the reference and on the backend under test, pools copied first."""
     pool = llm.kv_cache.pool
     theirs = pool.clone().to(under_test.kv_cache_spec().device)
@@ -48,13 +57,27 @@ def _compare(llm: LLM, under_test, run) -> None:
     under_test.bind_kv_cache(KVCache(theirs, BLOCK))
     got = run(under_test).float().cpu()
     assert got.shape == want.shape, f"logits shape {tuple(got.shape)}, reference {tuple(want.shape)}"
-    rel = float((got - want).abs().max() / want.abs().max())
-    assert rel < 1e-4, f"logits differ from the torch reference by {rel:.2e} (relative)"
     kept = under_test.read_kv_pool()              # a backend with its own pool shows it
     diff = ((theirs if kept is None else kept).cpu().float() - pool.float()).abs()
-    assert float(diff.max()) < 1e-5, (
+    if quantization == "none":
+        rel = float((got - want).abs().max() / want.abs().max())
+        assert rel < 1e-4, f"logits differ from the torch reference by {rel:.2e} (relative)"
+        bound = 1e-5
+    else:
+        kl, agree, rows = compare_quantised(got, want)
+        log.info("int8 activations: KL %.2e, top-1 agreement %.3f over %d of %d rows", kl, agree, rows,
+                 len(want))
+        assert kl < Tolerance.KL and agree >= Tolerance.TOP1, (
+            f"logits: mean KL {kl:.2e} from torch on the dequantised weights (bound {Tolerance.KL}), "
+            f"top-1 agreement {agree:.3f} (bound {Tolerance.TOP1})")
+        bound = Tolerance.KV * float(pool.abs().max())
+        untouched = (pool.float() == 0).flatten(3).all(-1)            # [layers, 2, blocks]
+        stray = diff.amax(dim=(3, 4, 5))[untouched]
+        assert stray.numel() == 0 or float(stray.max()) == 0, \
+            "the backend wrote K/V into blocks the batch does not own"
+    assert float(diff.max()) < bound, (
         f"the pool differs from the reference's after the call at "
-        f"{int((diff.amax(dim=(0, 1, 3, 4, 5)) > 1e-5).sum())} blocks: K/V written at the wrong slots")
+        f"{int((diff.amax(dim=(0, 1, 3, 4, 5)) > bound).sum())} blocks: K/V written at the wrong slots")
 
 
 def _advance(llm: LLM, lengths, decodes: int):
@@ -68,9 +91,9 @@ def _advance(llm: LLM, lengths, decodes: int):
     return reqs
 
 
-def test_capabilities_are_declared(backend_name, backend_device, backend_options):
+def test_capabilities_are_declared(backend_name, backend_device, backend_options, quantization):
     llm = _reference()
-    b = _backend(llm, backend_name, backend_device, backend_options)
+    b = _backend(llm, backend_name, backend_device, backend_options, quantization)
     caps = b.capabilities()
     assert isinstance(caps, Capabilities)
     assert torch.device(backend_device).type in caps.devices
@@ -82,18 +105,19 @@ def test_capabilities_are_declared(backend_name, backend_device, backend_options
 
 @pytest.mark.parametrize("logits", ["last", "all"])
 def test_prefill_of_fresh_prompts_of_unequal_lengths(backend_name, backend_device, backend_options,
-                                                    logits):
-    llm = _reference()
+                                                    quantization, logits):
+    llm = _reference(quantization)
     for i, n in enumerate((9, 30, 3)):
         llm.engine.add_request([3 + (5 * i + j) % 500 for j in range(n)], SamplingParams(max_tokens=4))
     sched = llm.engine.scheduler.schedule()
     batch = prefill_batch([(r, 0, n) for r, n in sched.prefills], llm.engine.kv)
     batch.logits = logits
-    _compare(llm, _backend(llm, backend_name, backend_device, backend_options), lambda b: b.prefill(batch))
+    _compare(llm, _backend(llm, backend_name, backend_device, backend_options, quantization),
+             lambda b: b.prefill(batch), quantization)
 
 
-def test_chunked_prefill_after_cached_tokens(backend_name, backend_device, backend_options):
-    llm = _reference()
+def test_chunked_prefill_after_cached_tokens(backend_name, backend_device, backend_options, quantization):
+    llm = _reference(quantization)
     _advance(llm, (21,), 1)
     req = llm.engine.add_request([3 + (7 * 0 + j) % 500 for j in range(21)] + list(range(200, 230)),
                                  SamplingParams(max_tokens=3))
@@ -101,22 +125,24 @@ def test_chunked_prefill_after_cached_tokens(backend_name, backend_device, backe
     items = [(r, r.num_computed_tokens, n) for r, n in sched.prefills]
     assert any(r is req and s > 0 for r, s, _ in items), "expected a prefix-cache hit"
     batch = prefill_batch(items, llm.engine.kv)
-    _compare(llm, _backend(llm, backend_name, backend_device, backend_options), lambda b: b.prefill(batch))
+    _compare(llm, _backend(llm, backend_name, backend_device, backend_options, quantization),
+             lambda b: b.prefill(batch), quantization)
 
 
-def test_decode_of_sequences_of_unequal_lengths(backend_name, backend_device, backend_options):
-    llm = _reference()
+def test_decode_of_sequences_of_unequal_lengths(backend_name, backend_device, backend_options, quantization):
+    llm = _reference(quantization)
     reqs = _advance(llm, (5, 17, 33, 2), 2)
     sched = llm.engine.scheduler.schedule()
     assert not sched.prefills and len({r.num_computed_tokens for r in sched.decodes}) > 1
     batch = decode_batch(sched.decodes, llm.engine.kv)
     assert len(sched.decodes) == len(reqs)
-    _compare(llm, _backend(llm, backend_name, backend_device, backend_options), lambda b: b.decode(batch))
+    _compare(llm, _backend(llm, backend_name, backend_device, backend_options, quantization),
+             lambda b: b.decode(batch), quantization)
 
 
-def test_mixed_batch_of_chunks_and_decodes(backend_name, backend_device, backend_options):
-    llm = _reference()
-    b = _backend(llm, backend_name, backend_device, backend_options)
+def test_mixed_batch_of_chunks_and_decodes(backend_name, backend_device, backend_options, quantization):
+    llm = _reference(quantization)
+    b = _backend(llm, backend_name, backend_device, backend_options, quantization)
     if not b.capabilities().mixed_batches:
         pytest.skip("the backend declares no mixed batches")
     _advance(llm, (6, 25), 1)
@@ -126,32 +152,48 @@ def test_mixed_batch_of_chunks_and_decodes(backend_name, backend_device, backend
     items = [(r, r.num_computed_tokens, 1) for r in sched.decodes] + \
             [(r, r.num_computed_tokens, n) for r, n in sched.prefills]
     batch = prefill_batch(items, llm.engine.kv)
-    _compare(llm, b, lambda x: x.prefill(batch))
+    _compare(llm, b, lambda x: x.prefill(batch), quantization)
 
 
 def test_generate_with_chunking_and_preemption_equals_torch(backend_name, backend_device,
-                                                           backend_options):
+                                                           backend_options, quantization):
+    """Tokens through chunked prefill and preemption equal torch's (q4: the backend's own on a
+    pool that never preempts: its rows must not depend on how the steps were cut)."""
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(1, 60))] for _ in range(10)]
     p = SamplingParams(max_tokens=10, ignore_eos=True)
+    under_test = {"name": backend_name, "device": backend_device, "options": backend_options}
+    q4 = {"model": {"name": "tiny", "weights": "random", "dtype": "float32", "quantization": quantization}}
     small = {"cache": {"num_blocks": 48, "block_size": BLOCK}}
-    ref = _reference(**small)
-    llm = _reference(**small, backend={"name": backend_name, "device": backend_device,
-                                       "options": backend_options})
+    ref = _reference(**small) if quantization == "none" else _reference(**q4, backend=under_test,
+                                                                        scheduler={"max_num_seqs": SEQS})
+    llm = _reference(**small, **(q4 if quantization != "none" else {}), backend=under_test)
     outs = llm.generate(prompts, p)
     assert llm.report(outs)["preemptions"] > 0, "the workload was meant to preempt"
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref.generate(prompts, p)]
     assert llm.engine.kv.num_free_blocks == llm.num_blocks, "blocks leaked"
 
 
-def test_greedy_tokens_on_the_default_model(backend_name, backend_device, backend_options, request):
+def test_greedy_tokens_on_the_default_model(backend_name, backend_device, backend_options, quantization,
+                                            request):
     if request.config.getoption("--skip-default-model", default=False):
         pytest.skip("--skip-default-model")
     prompts = ["The quick brown fox", "def fibonacci(n):"]
     p = SamplingParams(max_tokens=16, logprobs=2)
     ref = LLM.from_config({"model": {"name": "smollm2-135m-instruct"}, "cache": {"num_blocks": 64}})
-    llm = LLM.from_config({"model": {"name": "smollm2-135m-instruct"}, "cache": {"num_blocks": 64},
+    llm = LLM.from_config({"model": {"name": "smollm2-135m-instruct", "quantization": quantization},
+                           "cache": {"num_blocks": 64},
                            "backend": {"name": backend_name, "device": backend_device,
                                        "options": backend_options}})
+    if quantization != "none":
+        from twophase import quality
+
+        kl = quality.kl_divergence(llm, ref, quality.shipped_text()[:2000])
+        agree = quality.greedy_agreement(llm, ref, prompts, max_tokens=16)
+        log.info("the default model on q4: KL %.4f from float32, greedy agreement %.3f", kl, agree)
+        assert kl < Tolerance.MODEL_KL and agree >= Tolerance.MODEL_AGREE, (
+            f"KL {kl:.4f} from the float32 model (bound {Tolerance.MODEL_KL}), greedy agreement "
+            f"{agree:.3f} (bound {Tolerance.MODEL_AGREE})")
+        return
     for i, (want, got) in enumerate(zip(ref.generate(prompts, p), llm.generate(prompts, p))):
         assert_greedy_match(got.token_ids, want.token_ids, logprob_gaps(want), f"prompt {i}")
