@@ -556,6 +556,8 @@ def test_flags_override_the_config_key_by_key():
         ("smollm2-135m-instruct", None, "pretrained", "q4")
     cfg = load_config(None, flags.overrides(parsed("--prompt", "a", "--max-tokens", "5"), {}))
     assert cfg.workload.prompts == ["a"] and cfg.sampling.max_tokens == 5
+    cfg = load_config(None, flags.overrides(parsed("--backend", "onnxruntime"), {}))      # no config file
+    assert cfg.backend.name == "onnxruntime" and cfg.backend.prefill is None
 
 
 def test_chat_auto_uses_the_template_only_where_the_model_has_one():

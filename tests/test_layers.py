@@ -19,7 +19,8 @@ LAYERS = [
     ["twophase.models", "twophase.graph"],                          # the model; graph signature, inputs
     ["twophase.exporters"],                                         # build artefacts offline
     ["twophase.backends"],                                          # runtimes (and the registry)
-    ["twophase.llm", "twophase.draft", "twophase.quality", "twophase.workload"],   # the Python API
+    ["twophase.llm", "twophase.draft", "twophase.quality", "twophase.workload", "twophase.plan",
+     "twophase.routing", "twophase.phase_timing"],                  # the Python API, its memory and routing
     ["twophase.server", "twophase.bench", "twophase.cli", "twophase.flags", "twophase.chat",
      "twophase.cache_contents", "twophase.testing", "twophase.__main__",
      "twophase"],                                                   # front ends

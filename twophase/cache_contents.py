@@ -18,6 +18,7 @@ KINDS = {
     "mlir": "compiled IREE modules",
     "tensorrt": "TensorRT engines",
     "native": "4-bit weights and the compiled kernel (native)",
+    "routing": "backend auto's timings per model and machine",
     "calibration.json": "device ceilings (twophase calibrate)",
 }
 

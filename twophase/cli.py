@@ -28,7 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     flags.add(run)
     run.add_argument("--json", metavar="FILE", help="write completions, report and steps as JSON")
     run.add_argument("--quiet", action="store_true", help="report only, no completions")
-    sub.add_parser("backends", help="list registered backends and whether they can run here")
+    backends = sub.add_parser("backends", help="list registered backends and whether they can run here; "
+                                               "with a config or --model, what backend auto chose from")
+    flags.add(backends, prompts=False)
+    backends.add_argument("--recalibrate", action="store_true", help="time the backends again")
     exp = sub.add_parser("export", help="export a config's model to a compiled format (cached)")
     exp.add_argument("config", help="TOML file")
     exp.add_argument("--format", choices=["onnx", "mlir", "tensorrt"], default="onnx",
@@ -89,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command in commands:
             return commands[args.command](args)
-        return cmd_backends()
+        return cmd_backends(args)
     except ConfigError as exc:
         print(f"twophase: config error: {exc}", file=sys.stderr)
         return 2
@@ -279,7 +282,7 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
-def cmd_backends() -> int:
+def cmd_backends(args) -> int:
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
@@ -298,8 +301,40 @@ def cmd_backends() -> int:
         table.add_row(name, info.source, *cells)
     for info in reg.failures:
         table.add_row(info.name, info.source, f"[red]failed to load[/]: {escape(info.error)}", "")
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    if args.config or args.model or args.quantization:
+        _print_routing(console, reg, args)
     return 0
+
+
+def _print_routing(console, reg, args) -> None:
+    """What ``[backend] name = "auto"`` measured for the config's model here, and chose."""
+    import dataclasses
+
+    from rich.table import Table
+
+    from twophase import routing
+
+    cfg = flags.load(args)
+    if not routing.wanted(cfg):
+        b = cfg.backend
+        cfg = dataclasses.replace(cfg, backend=dataclasses.replace(b, name="auto", options={}, prefill=None,
+                                                                   decode=None))
+    r = routing.resolve(cfg, reg, recalibrate=args.recalibrate)
+    rows = routing.table_rows(r)
+    if rows:
+        t = Table(title=f"{cfg.model.name} ({cfg.model.quantization}), tokens/s here: prefill of "
+                        f"{r.table['prefill_tokens']} tokens; decode at batch 1, 2, ... (context {r.table['context']})")
+        header = rows[0]
+        for col in (header[0], header[1], *header[2]):
+            t.add_column(col, justify="right")
+        for name, prefill, decode in rows[1:]:
+            t.add_row(name, prefill, *decode)
+        console.print(t)
+    for name, why in r.table.get("left_out", {}).items():
+        console.print(f"left out: {name}: {why}", highlight=False)
+    console.print(f"auto: {r.describe()}", highlight=False)
 
 
 def cmd_export(args) -> int:

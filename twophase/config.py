@@ -217,8 +217,8 @@ def merged(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     for key, value in overrides.items():
         if value is None:
             out.pop(key, None)
-        elif isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merged(out[key], value)
+        elif isinstance(value, dict):       # into the table there, or a new one (its Nones dropped)
+            out[key] = merged(out[key] if isinstance(out.get(key), dict) else {}, value)
         else:
             out[key] = value
     return out

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from twophase import draft
+from twophase import draft, routing
 from twophase import plan as planner
 from twophase.backends.base import BackendConfig, EngineLimits, KVCache, ModelSpec
 from twophase.backends.registry import Registry
@@ -44,8 +44,13 @@ AUTO_MAX_DRAFTS = 6          # the most drafts num_tokens = "auto" gives a decod
 class LLM:
     def __init__(self, config: Config, registry: Registry | None = None):
         t0 = time.perf_counter()
-        self.config = config
         self.registry = registry or Registry()
+        self.routing: routing.Routing | None = None
+        if routing.wanted(config):                # [backend] name = "auto": measured, or cached
+            self.routing = routing.resolve(config, self.registry)
+            config = routing.apply(config, self.routing)
+            log.info("backend auto: %s", self.routing.describe())
+        self.config = config
         mc = config.model
         pcfg, dcfg = config.phases()
         split = config.backend.prefill is not None
@@ -76,6 +81,7 @@ class LLM:
         self.decode_backend = self.prefill_backend if same else self._load_backend(dcfg, spec)
         if not same:
             self._check_pool_sharing(pcfg, dcfg)
+        self.decode_routes = self._load_routes(pcfg, dcfg, spec)
         self.backend = self.prefill_backend
         if torch.device(device).type == "cpu":
             return_freed_memory()
@@ -83,8 +89,8 @@ class LLM:
         self.kv_cache = self._allocate_pool(device)
         used.append(memcheck.in_use(device))
         self._fit_context(self.num_blocks * config.cache.block_size)
-        for b in {id(self.prefill_backend): self.prefill_backend,
-                  id(self.decode_backend): self.decode_backend}.values():
+        routed = [b for _, b in self.decode_routes]
+        for b in {id(b): b for b in (self.prefill_backend, self.decode_backend, *routed)}.values():
             b.bind_kv_cache(self.kv_cache)      # TensorRT and IREE load their engines here
         used.append(memcheck.in_use(device))
         self.engine = self._build_engine()
@@ -107,7 +113,8 @@ class LLM:
             dev = planner.DeviceProfile(device, "cuda", total, "this GPU's total")
         else:
             dev = planner.DeviceProfile(device, "cpu", available_memory(device), "free now")
-        return planner.plan(self.config, dev, model=planned_model(self.config.model))
+        routed = tuple(n for _, n in self.routing.routes) if self.routing else ()
+        return planner.plan(self.config, dev, model=planned_model(self.config.model), routed=routed)
 
     def _check_plan(self, device: str, used: list[int]) -> dict[str, dict[str, int]]:
         """Predicted against measured: the weights (and engines) over the backends' load and
@@ -149,8 +156,22 @@ class LLM:
         backend.load(spec, BackendConfig(sec.name, sec.device, dict(sec.options), limits))
         return backend
 
-    def _check_pool_sharing(self, pcfg, dcfg) -> None:
-        p, d = self.prefill_backend, self.decode_backend
+    def _load_routes(self, pcfg, dcfg, spec: ModelSpec) -> list[tuple[int, Any]]:
+        """The backends ``auto`` routes smaller decode batches to (each loaded once)."""
+        if self.routing is None or not self.routing.routes:
+            return []
+        loaded = {pcfg.name: self.prefill_backend, dcfg.name: self.decode_backend}
+        routes = []
+        for largest, name in self.routing.routes:
+            if name not in loaded:
+                sec = dataclasses.replace(dcfg, name=name)
+                loaded[name] = self._load_backend(sec, spec)
+                self._check_pool_sharing(pcfg, sec, loaded[name])
+            routes.append((largest, loaded[name]))
+        return routes
+
+    def _check_pool_sharing(self, pcfg, dcfg, decode=None) -> None:
+        p, d = self.prefill_backend, decode or self.decode_backend
         for key, b, sec in (("backend.prefill", p, pcfg), ("backend.decode", d, dcfg)):
             if not b.capabilities().shares_kv_pool:
                 raise ConfigError(f"{key}.name", f"the {sec.name} backend keeps its own KV pool, "
@@ -303,7 +324,7 @@ class LLM:
                               spec_control=SpecController(k) if auto else None,
                               reserve=sc.admission == "reserve")
         return Engine(self.prefill_backend, self.decode_backend, scheduler, self.tokenizer,
-                      vocab_size=arch.vocab_size, clock=clock)
+                      vocab_size=arch.vocab_size, clock=clock, decode_routes=self.decode_routes)
 
     # -- generation -------------------------------------------------------------------------
     def apply_chat_template(self, prompt: str) -> str:

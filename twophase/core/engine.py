@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from twophase.backends.base import Backend
@@ -48,8 +48,9 @@ def check_text(text: str) -> str:
 class Engine:
     def __init__(self, prefill_backend: Backend, decode_backend: Backend, scheduler: Scheduler,
                  tokenizer: Tokenizer | None = None, vocab_size: int | None = None,
-                 clock: Callable[[], float] = time.perf_counter):
-        self.executor = Executor(prefill_backend, decode_backend)
+                 clock: Callable[[], float] = time.perf_counter,
+                 decode_routes: Sequence[tuple[int, Backend]] = ()):
+        self.executor = Executor(prefill_backend, decode_backend, decode_routes)
         self.scheduler = scheduler
         self.output = OutputProcessor(tokenizer)
         self.tokenizer = tokenizer

@@ -2,13 +2,14 @@
 
 One backend serving both phases gets ONE call a step (``batch.build`` folds the decodes into the
 prefill chunk, so they ride on the chunk's read of the weights); phases routed to different
-backends make two calls, over the same KV pool.
+backends make two calls, over the same KV pool. Decode may itself be routed by batch size
+(``decode_routes``: ``[backend] name = "auto"`` where two backends cross).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -31,16 +32,26 @@ def torch_threads(n: int | None) -> Iterator[None]:
 
 
 class Executor:
-    def __init__(self, prefill_backend: Backend, decode_backend: Backend):
+    def __init__(self, prefill_backend: Backend, decode_backend: Backend,
+                 decode_routes: Sequence[tuple[int, Backend]] = ()):
+        """``decode_routes``: ``(largest batch, backend)`` in ascending order; a decode of more
+        sequences than the last goes to ``decode_backend``."""
         self.prefill_backend = prefill_backend
         self.decode_backend = decode_backend
-        self.one_call = (prefill_backend is decode_backend
+        self.decode_routes = list(decode_routes)
+        self.one_call = (prefill_backend is decode_backend and not self.decode_routes
                          and prefill_backend.capabilities().mixed_batches)
         # where no backend computes with torch, torch only glues a step together: one thread,
         # since an OpenMP team woken for a 49k-logit argmax keeps spinning into the runtime's
         # next call (measured: q4 batch-1 decode 67 -> 92 tok/s)
-        self.glue_threads = 1 if all(b.capabilities().own_threads
-                                     for b in (prefill_backend, decode_backend)) else None
+        self.glue_threads = 1 if all(b.capabilities().own_threads for b in self.backends()) else None
+
+    def decoder(self, sequences: int) -> Backend:
+        """The backend that decodes (or verifies) a batch of ``sequences``."""
+        for largest, backend in self.decode_routes:
+            if sequences <= largest:
+                return backend
+        return self.decode_backend
 
     def glue(self) -> contextlib.AbstractContextManager[None]:
         """The thread setting for the step's torch work around the backends' calls."""
@@ -51,11 +62,11 @@ class Executor:
         parts = []
         for call, batch in batches.calls:
             if isinstance(batch, DecodeBatch):
-                parts.append(self.decode_backend.decode(batch))
+                parts.append(self.decoder(batch.num_seqs).decode(batch))
             elif call == "prefill":
                 parts.append(self.prefill_backend.prefill(batch))
             else:                     # verify: the decode phase's work, a chunk of each decode
-                parts.append(self.decode_backend.prefill(batch))
+                parts.append(self.decoder(batch.num_seqs).prefill(batch))
         if len(parts) == 1:
             return parts[0]
         device = parts[0].device
@@ -63,7 +74,8 @@ class Executor:
 
     def backends(self) -> list[Backend]:
         """Each distinct backend once."""
-        return list({id(b): b for b in (self.prefill_backend, self.decode_backend)}.values())
+        routed = [b for _, b in self.decode_routes]
+        return list({id(b): b for b in (self.prefill_backend, self.decode_backend, *routed)}.values())
 
     def close(self) -> None:
         for b in self.backends():

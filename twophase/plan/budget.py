@@ -123,10 +123,13 @@ def ort_graphs(section: BackendSection, arch: LlamaArch, dtype: str, device_kind
     return 3 if extra else 1
 
 
-def weight_items(config: Config, model: PlannedModel, device_kind: str) -> list[Item]:
-    """Each distinct backend's copy of the weights, per group."""
+def weight_items(config: Config, model: PlannedModel, device_kind: str, routed: tuple[str, ...] = ()) -> list[Item]:
+    """Each distinct backend's copy of the weights, per group (``routed``: backends that decode
+    small batches beside the phases', ``[backend] name = "auto"``)."""
     pcfg, dcfg = config.phases()
     sections = [pcfg] if (pcfg.name, pcfg.options) == (dcfg.name, dcfg.options) else [pcfg, dcfg]
+    sections += [BackendSection(name=n, device=dcfg.device) for n in dict.fromkeys(routed)
+                 if n not in {s.name for s in sections}]
     dtype, q4 = model_dtype(config, device_kind), config.model.quantization == "q4"
     items = []
     for sec in sections:
@@ -180,10 +183,11 @@ def runtime_items(config: Config, model: PlannedModel, device: DeviceProfile, ma
     act, how = activation_peak(arch, T, sc.max_num_seqs, max_model_len, e)
     k = 0 if sp.method == "none" else (AUTO_MAX_DRAFTS if sp.num_tokens == "auto" else int(sp.num_tokens))
     logits = sc.max_num_seqs * arch.vocab_size * 4 * (k + 1)
-    items = [Item("activations", "one step's peak", act, how),
-             Item("logits", "logits of a step", logits,
-                  f"{sc.max_num_seqs} seqs × {arch.vocab_size} × 4 B" + (f" × {k + 1}" if k else ""))]
     names = {s.name for s in config.phases()}
+    # TensorRT's activations are its profiles' workspace (below)
+    items = [] if names == {"tensorrt"} else [Item("activations", "one step's peak", act, how)]
+    items.append(Item("logits", "logits of a step", logits,
+                      f"{sc.max_num_seqs} seqs × {arch.vocab_size} × 4 B" + (f" × {k + 1}" if k else "")))
     if kind == "cuda":
         items.append(Item("runtime", "CUDA context and libraries", CUDA_RUNTIME, "typical, CUDA 12"))
         items.append(Item("workspace", "cuBLAS", CUBLAS_WORKSPACE, "one stream"))
@@ -194,7 +198,7 @@ def runtime_items(config: Config, model: PlannedModel, device: DeviceProfile, ma
         items.append(Item("runtime", "Python, torch and libraries", CPU_RUNTIME,
                           "measured: imports, the first model's threads"))
     if "tensorrt" in names:
-        items.append(tensorrt_item(config, arch, T, max_model_len, e))
+        items.append(tensorrt_item(config, arch, T, max_model_len, model_dtype(config, kind)))
     return items
 
 
@@ -211,14 +215,17 @@ def cuda_graph_item(arch: LlamaArch, seqs: int, context: int, block_size: int, e
                 f"{len(batches)} batch × {contexts} context buckets")
 
 
-def tensorrt_item(config: Config, arch: LlamaArch, tokens: int, context: int, e: int) -> Item:
-    try:
-        from twophase.exporters.tensorrt import profile_memory  # type: ignore[attr-defined]
-    except ImportError:
-        act, _ = activation_peak(arch, tokens, config.scheduler.max_num_seqs, context, e)
-        return Item("workspace", "TensorRT profiles", act, "estimated as one step's peak")
-    return Item("workspace", "TensorRT profiles", int(profile_memory(arch, config.scheduler, context, e)),
-                "the profiles' activation memory")
+def tensorrt_item(config: Config, arch: LlamaArch, tokens: int, context: int, dtype: str) -> Item:
+    """TensorRT's activation memory: the largest of its profiles (its contexts share one buffer),
+    for a pool of ``max_num_seqs`` full contexts."""
+    from twophase.backends.base import EngineLimits
+    from twophase.exporters.trt_profiles import profile_memory
+
+    bs = config.cache.block_size
+    blocks = config.scheduler.max_num_seqs * -(-context // bs)
+    limits = EngineLimits(config.scheduler.max_num_seqs, tokens, context)
+    return Item("workspace", "TensorRT profiles", int(profile_memory(arch.to_dict(), limits, blocks, bs, dtype)),
+                "the largest profile's activations and builder workspace")
 
 
 def max_model_len_of(config: Config, arch: LlamaArch) -> int:
@@ -242,11 +249,11 @@ def pool_blocks(config: Config, free_for_pool: int, per_block: int, device_kind:
 
 
 def plan(config: Config, device: DeviceProfile, context: int | None = None, users: int | None = None,
-         model: PlannedModel | None = None) -> Plan:
+         model: PlannedModel | None = None, routed: tuple[str, ...] = ()) -> Plan:
     model = model or planned_model(config.model)
     arch, kind, cc = model.arch, device.kind, config.cache
     max_len = max_model_len_of(config, arch)
-    items = weight_items(config, model, kind) + runtime_items(config, model, device, max_len)
+    items = weight_items(config, model, kind, routed) + runtime_items(config, model, device, max_len)
     per_token = kv_bytes_per_token(arch, kv_dtype_bytes(config, kind))
     per_block = per_token * cc.block_size
     used = sum(i.bytes for i in items)

@@ -1,0 +1,100 @@
+"""``[backend] name = "auto"``: the choice a timing table implies, decode routed by batch size
+through the engine with the reference's tokens, the calibration cached, and the command that
+shows it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from helpers.models import random_prompts
+
+from twophase import LLM, SamplingParams, routing
+from twophase.backends.registry import Registry
+from twophase.config import load_config
+from twophase.errors import ConfigError
+
+TINY = {"name": "tiny", "weights": "random"}
+
+
+def _table(prefill, decode):
+    return {"prefill_tokens": 512, "context": 128, "prefill": prefill,
+            "decode": {k: {str(b): x for b, x in v.items()} for k, v in decode.items()}}
+
+
+def test_each_phase_goes_to_the_fastest_and_decode_splits_where_backends_cross():
+    t = _table({"a": 900, "b": 1200},
+               {"a": {1: 200, 2: 250, 4: 300, 8: 320, 16: 330},
+                "b": {1: 100, 2: 180, 4: 310, 8: 500, 16: 700}})
+    r = routing.choose(t)
+    assert (r.prefill, r.routes, r.decode) == ("b", [(2, "a")], "b")
+    assert r.describe() == "prefill on b; decode on batch <= 2: a, larger: b"
+
+
+def test_a_second_backend_must_beat_the_prefills_by_the_margin():
+    t = _table({"a": 900, "b": 1200}, {"a": {1: 104, 4: 300}, "b": {1: 100, 4: 310}})
+    r = routing.choose(t)                           # a is 4% faster at batch 1: not worth its weights
+    assert (r.prefill, r.routes, r.decode) == ("b", [], "b")
+
+
+def test_a_phase_named_in_the_config_stays_there():
+    t = _table({"a": 900, "b": 1200}, {"a": {1: 500}, "b": {1: 100}})
+    assert routing.choose(t, prefill="a").prefill == "a"
+    assert routing.choose(t, decode="b").decode == "b"
+    assert routing.choose(t, decode="b").routes == []
+
+
+def test_candidates_say_why_a_backend_is_left_out():
+    reg = Registry()
+    cfg = load_config({"model": {**TINY, "quantization": "q4"}, "backend": {"name": "auto"}})
+    names, left_out = routing.candidates(cfg, reg)
+    assert "torch" not in names and left_out["torch"] == "does not run 'q4' weights"
+    with pytest.raises(ConfigError, match="backend.options.candidates: no backend named 'numpyy'"):
+        routing.candidates(load_config({"model": TINY, "backend": {"name": "auto", "options": {
+            "candidates": ["torch", "numpyy"]}}}), reg)
+    with pytest.raises(ConfigError, match="backend.options.pool: auto takes only candidates, threads"):
+        routing.candidates(load_config({"model": TINY, "backend": {"name": "auto", "options": {"pool": 1}}}), reg)
+
+
+def test_decode_routed_by_batch_size_keeps_the_tokens_and_uses_each_backend(monkeypatch):
+    pytest.importorskip("onnxruntime")
+    fixed = routing.Routing("torch", "onnxruntime", [(2, "torch")])
+    monkeypatch.setattr(routing, "resolve", lambda config, registry, recalibrate=False: fixed)
+    cache = {"num_blocks": 64, "block_size": 4}
+    llm = LLM.from_config({"model": TINY, "backend": {"name": "auto"}, "cache": cache})
+    assert llm.decode_routes and llm.decode_routes[0][1] is llm.prefill_backend
+    assert llm.decode_backend.name == "onnxruntime"
+    seen = []
+    for b in (llm.prefill_backend, llm.decode_backend):
+        decode = b.decode
+        b.decode = lambda batch, _d=decode, _n=b.name: seen.append((_n, batch.num_seqs)) or _d(batch)
+    prompts = random_prompts(6, seed=1, longest=30)
+    p = [SamplingParams(max_tokens=3 + 3 * i, ignore_eos=True) for i in range(6)]    # the batch shrinks
+    got = [o.token_ids for o in llm.generate(prompts, p)]
+    ref = LLM.from_config({"model": TINY, "cache": cache})
+    assert got == [o.token_ids for o in ref.generate(prompts, p)]
+    assert {n for n, seqs in seen if seqs <= 2} == {"torch"}
+    assert {n for n, seqs in seen if seqs > 2} == {"onnxruntime"}
+
+
+def test_calibration_is_measured_once_and_cached(monkeypatch):
+    pytest.importorskip("onnxruntime")
+    cfg = load_config({"model": TINY, "backend": {"name": "auto"},
+                       "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 64}})
+    reg = Registry()
+    first = routing.resolve(cfg, reg, recalibrate=True)
+    assert set(first.table["prefill"]) == {"torch", "onnxruntime"}
+    assert set(first.table["decode"]["torch"]) == {"1", "2", "4"}
+    monkeypatch.setattr(routing, "calibrate", lambda *a: pytest.fail("measured again"))
+    again = routing.resolve(cfg, reg)
+    assert again.table == first.table and again.describe() == first.describe()
+
+
+def test_backends_command_shows_the_table_it_chose_from(tmp_path):
+    pytest.importorskip("onnxruntime")
+    r = subprocess.run([sys.executable, "-m", "twophase", "backends", "--model", "tiny"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "tokens/s here" in r.stdout and "left out: native: does not run 'none' weights" in r.stdout
+    assert "auto: prefill on " in r.stdout

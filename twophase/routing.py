@@ -1,0 +1,259 @@
+"""``[backend] name = "auto"``: each phase on the fastest backend this machine has for the model.
+
+On first use for a (model, machine) pair, each candidate backend that can run the model here is
+timed through the engine on a prefill of the token budget and on decode steps at batch sizes 1 to
+``max_num_seqs``, rounds interleaved across backends so drift on a busy machine hits all alike.
+Prefill goes to the fastest; decode to the fastest at each batch size, split by batch size where
+two backends cross (a route is kept only where it is at least ``MARGIN`` faster than the prefill's
+backend, whose weights are loaded anyway). The table is cached under ``$TWOPHASE_CACHE/routing``;
+``twophase backends CONFIG`` shows it.
+
+Candidates: ``torch``, ``onnxruntime`` and ``native`` where installed and able to run the model
+(IREE and TensorRT compile for minutes: name them in ``[backend.options] candidates`` to include
+them). All share one KV pool, so only backends that read and write it in place qualify.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from twophase.config import BackendSection, CacheConfig, Config, SchedulerConfig, SpeculativeConfig
+from twophase.errors import BackendUnavailable, ConfigError
+from twophase.paths import cache_dir
+
+log = logging.getLogger(__name__)
+
+AUTO = "auto"
+OPTIONS = {"candidates", "threads"}
+DEFAULT_CANDIDATES = ("torch", "onnxruntime", "native")
+DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+CONTEXT, DECODE_STEPS, ROUNDS = 128, 4, 3
+MARGIN = 1.05
+VERSION = 1                 # of the cached table's format and of the method that fills it
+
+
+@dataclass
+class Routing:
+    prefill: str
+    decode: str                                   # batches past the last route
+    routes: list[tuple[int, str]] = field(default_factory=list)    # (largest batch, backend)
+    table: dict[str, Any] = field(default_factory=dict)           # tokens/s as measured
+
+    def names(self) -> list[str]:
+        return list(dict.fromkeys([self.prefill, *(n for _, n in self.routes), self.decode]))
+
+    def describe(self) -> str:
+        decode = ", ".join(f"batch <= {b}: {n}" for b, n in self.routes)
+        decode = f"{decode}, larger: {self.decode}" if decode else self.decode
+        return f"prefill on {self.prefill}; decode on {decode}"
+
+
+def wanted(config: Config) -> bool:
+    return any(s.name == AUTO for s in config.phases())
+
+
+def _auto_section(config: Config) -> BackendSection:
+    return next(s for s in config.phases() if s.name == AUTO)
+
+
+def candidates(config: Config, registry) -> tuple[list[str], dict[str, str]]:
+    """The backends ``auto`` may choose, and why each other was left out."""
+    sec = _auto_section(config)
+    unknown = set(sec.options) - OPTIONS
+    if unknown:
+        raise ConfigError(f"backend.options.{sorted(unknown)[0]}",
+                          f"auto takes only {', '.join(sorted(OPTIONS))}")
+    names = sec.options.get("candidates", list(DEFAULT_CANDIDATES))
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        raise ConfigError("backend.options.candidates", f"must be a non-empty list of backend names; got {names!r}")
+    chosen, left_out = [], {}
+    for name in names:
+        if name not in registry.backends:
+            if "candidates" in sec.options:
+                raise ConfigError("backend.options.candidates", f"no backend named {name!r}; installed: "
+                                                                f"{', '.join(sorted(registry.backends))}")
+            left_out[name] = "not installed"
+            continue
+        why = _why_not(registry.get(name), config, sec.device)
+        if why:
+            left_out[name] = why
+        else:
+            chosen.append(name)
+    if not chosen:
+        raise ConfigError("backend.name", "auto found no backend that runs this model here: "
+                          + "; ".join(f"{n}: {w}" for n, w in left_out.items()))
+    return chosen, left_out
+
+
+def _why_not(cls, config: Config, device: str) -> str | None:
+    try:
+        cls.check_available(device)
+    except BackendUnavailable as exc:
+        return str(exc)
+    if config.model.quantization not in cls.quantizations:
+        return f"does not run {config.model.quantization!r} weights"
+    if not cls().capabilities().shares_kv_pool:
+        return "keeps its own KV pool"
+    return None
+
+
+def resolve(config: Config, registry, recalibrate: bool = False) -> Routing:
+    """The routing for ``config`` (its ``auto`` phases): cached, else measured now."""
+    names, left_out = candidates(config, registry)
+    pcfg, dcfg = config.phases()
+    fixed_prefill = None if pcfg.name == AUTO else pcfg.name
+    fixed_decode = None if dcfg.name == AUTO else dcfg.name
+    if len(names) == 1:
+        only = names[0]
+        return Routing(fixed_prefill or only, fixed_decode or only, table={"left_out": left_out})
+    path = cache_dir() / "routing" / f"{_key(config, names)}.json"
+    if path.exists() and not recalibrate:
+        table = json.loads(path.read_text())
+    else:
+        table = calibrate(config, names)
+        table["left_out"] = left_out
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(table, indent=2))
+    return choose(table, fixed_prefill, fixed_decode)
+
+
+def _key(config: Config, names: list[str]) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    from twophase.device import cpu_signature
+
+    def ver(pkg: str) -> str:
+        try:
+            return version(pkg)
+        except PackageNotFoundError:
+            return ""
+
+    sec = _auto_section(config)
+    m = config.model
+    facts = {"v": VERSION, "model": [m.name, m.path, m.weights, m.num_layers, m.quantization, m.dtype,
+                                     m.accuracy_level, m.outlier_channels],
+             "device": sec.device, "cpu": cpu_signature(), "names": names,
+             "threads": sec.options.get("threads", torch.get_num_threads()),
+             "seqs": config.scheduler.max_num_seqs, "budget": _prefill_tokens(config),
+             "versions": [torch.__version__, ver("onnxruntime"), ver("twophase")]}
+    return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _prefill_tokens(config: Config) -> int:
+    on_cuda = _auto_section(config).device.startswith("cuda")
+    return config.scheduler.max_num_batched_tokens or (4096 if on_cuda else 512)
+
+
+def _batches(config: Config) -> list[int]:
+    top = config.scheduler.max_num_seqs
+    return [b for b in DECODE_BATCHES if b <= top] + ([top] if top not in DECODE_BATCHES and top < 64 else [])
+
+
+def _timing_config(config: Config, name: str) -> Config:
+    """``config`` on ``name`` alone, with a scheduler and pool that suit the timing rounds."""
+    sec = _auto_section(config)
+    n, batches = _prefill_tokens(config), _batches(config)
+    bs = config.cache.block_size
+    blocks = sum(batches) * -(-(CONTEXT + DECODE_STEPS + 2) // bs) + 2 * -(-(n + 2) // bs) + 8
+    options = {"threads": sec.options["threads"]} if "threads" in sec.options else {}
+    return dataclasses.replace(
+        config, backend=BackendSection(name=name, device=sec.device, options=options),
+        scheduler=SchedulerConfig(policy="prefill-first", max_num_seqs=max(batches),
+                                  max_num_batched_tokens=max(n, max(batches) + 1)),
+        cache=CacheConfig(block_size=bs, num_blocks=blocks, prefix_caching=True),
+        speculative=SpeculativeConfig())
+
+
+def calibrate(config: Config, names: list[str]) -> dict[str, Any]:
+    """Tokens/s of each backend: prefill of the token budget, decode at each batch size (the
+    median over ``ROUNDS`` rounds, interleaved)."""
+    from tqdm import tqdm
+
+    from twophase.llm import LLM
+    from twophase.phase_timing import decode_round, prefill_round
+
+    n, batches = _prefill_tokens(config), _batches(config)
+    log.info("backend auto: timing %s on this machine (once; cached)", ", ".join(names))
+    llms = {}
+    try:
+        for name in names:
+            llms[name] = LLM(_timing_config(config, name))
+        n = min(n, min(llm.max_model_len for llm in llms.values()) - 1)
+        prefill: dict[str, list[float]] = {k: [] for k in names}
+        decode: dict[str, dict[int, list[float]]] = {k: {b: [] for b in batches} for k in names}
+        with tqdm(total=ROUNDS * len(names) * (1 + len(batches)), desc="timing backends", unit="run") as bar:
+            for r in range(ROUNDS):
+                for name, llm in llms.items():
+                    prefill[name].append(prefill_round(llm, n, 0, salt=r))
+                    bar.update(1)
+                    for b in batches:
+                        decode[name][b].append(decode_round(llm, b, CONTEXT, DECODE_STEPS, salt=r))
+                        bar.update(1)
+    finally:
+        for llm in llms.values():
+            llm.close()
+    return {"version": VERSION, "prefill_tokens": n, "context": CONTEXT,
+            "prefill": {k: n / statistics.median(v) for k, v in prefill.items()},
+            "decode": {k: {str(b): b / statistics.median(t) for b, t in v.items()} for k, v in decode.items()}}
+
+
+def choose(table: dict[str, Any], prefill: str | None = None, decode: str | None = None) -> Routing:
+    """The routing a table implies (a phase already named stays where it is)."""
+    prefill = prefill or max(table["prefill"], key=table["prefill"].get)
+    if decode is not None:
+        return Routing(prefill, decode, table=table)
+    speeds: dict[str, dict[str, float]] = table["decode"]
+    batches = sorted({int(b) for v in speeds.values() for b in v})
+    winners = []
+    for b in batches:
+        at = {name: v[str(b)] for name, v in speeds.items() if str(b) in v}
+        best = max(at, key=at.get)
+        if prefill in at and at[best] < MARGIN * at[prefill]:
+            best = prefill              # not worth a second copy of the weights
+        winners.append((b, best))
+    routes: list[tuple[int, str]] = []
+    for (b, name), nxt in zip(winners, winners[1:] + [(None, None)]):
+        if nxt[1] != name:
+            routes.append((b, name))
+    last = routes.pop()[1]
+    return Routing(prefill, last, routes, table)
+
+
+def apply(config: Config, routing: Routing) -> Config:
+    """``config`` with its ``auto`` phases named: prefill and the largest batches' decode."""
+    sec = _auto_section(config)
+    options = {"threads": sec.options["threads"]} if "threads" in sec.options else {}
+    pcfg, dcfg = config.phases()
+
+    def named(phase: BackendSection, name: str) -> BackendSection:
+        if phase.name != AUTO:
+            return phase
+        return BackendSection(name=name, device=phase.device, options=dict(options))
+
+    p, d = named(pcfg, routing.prefill), named(dcfg, routing.decode)
+    backend = dataclasses.replace(config.backend, name=p.name, device=p.device, options=p.options,
+                                  prefill=None if (p.name, p.options) == (d.name, d.options) else p,
+                                  decode=None if (p.name, p.options) == (d.name, d.options) else d)
+    return dataclasses.replace(config, backend=backend)
+
+
+def table_rows(routing: Routing) -> list[tuple[str, str, list[str]]]:
+    """``(backend, prefill tok/s, decode tok/s per batch)`` rows for a table, and the header's
+    batch sizes as the first row."""
+    t = routing.table
+    if "decode" not in t:
+        return []
+    batches = sorted({int(b) for v in t["decode"].values() for b in v})
+    rows = [("backend", "prefill", [str(b) for b in batches])]
+    for name in t["prefill"]:
+        rows.append((name, f"{t['prefill'][name]:,.0f}",
+                     [f"{t['decode'][name].get(str(b), 0):,.0f}" for b in batches]))
+    return rows
