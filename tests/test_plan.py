@@ -202,3 +202,19 @@ def test_the_cuda_pool_is_the_plans_capped_by_what_is_free_now():
     assert size(busy, per_block) == (busy - later - p.total("reserve")) // per_block < p.num_blocks
     with pytest.raises(ModelError, match="no room for a KV pool on the GPU"):
         size(later + p.total("reserve"), per_block)
+
+
+def test_an_automatic_pool_stays_within_what_the_backends_can_index(monkeypatch):
+    """onnxruntime on CUDA before 1.26 gathers with 32-bit offsets: its capabilities say so, and
+    an automatic pool is sized within them (shown here on the CPU with a small limit)."""
+    import dataclasses
+
+    from twophase.backends.torch_eager import TorchBackend
+
+    real = TorchBackend.capabilities
+    per_block = 2 * 2 * 2 * 16 * 16                  # tiny: layers x K/V x heads x block x head_dim
+    monkeypatch.setattr(TorchBackend, "capabilities",
+                        lambda self: dataclasses.replace(real(self), max_pool_elements=100 * per_block + 5))
+    llm = LLM.from_config({"model": TINY})
+    assert llm.num_blocks == 100
+    assert llm.kv_cache.pool.numel() <= 100 * per_block + 5

@@ -253,7 +253,7 @@ class LLM:
                 num_blocks = self._cuda_pool_blocks(free, per_block)
             else:
                 num_blocks = planner.pool_blocks(self.config, 0, per_block, "cpu", free)
-            num_blocks = max(1, min(wanted, num_blocks))
+            num_blocks = max(1, min(wanted, num_blocks, self._pool_limit(spec, cc.block_size)))
         else:
             num_blocks = cc.num_blocks
         total = (num_blocks + spec.scratch_blocks) * per_block
@@ -268,6 +268,15 @@ class LLM:
         shared = self.prefill_backend.capabilities().shares_kv_pool
         # a backend that keeps its own pool gets a shape without memory (see bind_kv_cache)
         return KVCache(zeros(shape, spec.dtype, spec.device if shared else "meta"), cc.block_size)
+
+    def _pool_limit(self, spec, block_size: int) -> int:
+        """The most blocks every backend can index (``Capabilities.max_pool_elements``)."""
+        per_block = spec.num_layers * 2 * spec.num_kv_heads * block_size * spec.head_dim
+        limits = [b.capabilities().max_pool_elements for _, b in self.decode_routes]
+        limits += [self.prefill_backend.capabilities().max_pool_elements,
+                   self.decode_backend.capabilities().max_pool_elements]
+        known = [n // per_block - spec.scratch_blocks for n in limits if n]
+        return min(known) if known else 1 << 62
 
     def _cuda_pool_blocks(self, free: int, per_block: int) -> int:
         """The plan's pool (everything else and the reserve budgeted from the GPU's total,

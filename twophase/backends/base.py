@@ -119,6 +119,9 @@ class Capabilities:
     # this process only does the step's glue, which the engine runs on one thread: an OpenMP
     # team woken for a 49k-logit argmax keeps spinning into the runtime's next call
     own_threads: bool = False
+    # the most elements a pool it reads may have (a runtime indexing it with 32-bit offsets);
+    # core sizes an automatic pool within it
+    max_pool_elements: int | None = None
 
 
 @dataclass(frozen=True)

@@ -87,8 +87,10 @@ class OnnxRuntimeBackend(Backend):
             raise BackendUnavailable(f"device {device!r}: onnxruntime runs on cpu or cuda here")
 
     def capabilities(self) -> Capabilities:
+        cuda = getattr(self, "device", None) is not None and self.device.type == "cuda"
+        old_gather = cuda and _release(_ort().__version__) < GATHER_FIXED
         return Capabilities(devices=("cpu", "cuda"), dtypes=(torch.float32, torch.float16),
-                            own_threads=True)
+                            own_threads=True, max_pool_elements=GATHER_LIMIT if old_gather else None)
 
     def load(self, model: ModelSpec, cfg: BackendConfig) -> None:
         self.check_available(cfg.device)
@@ -240,12 +242,15 @@ class OnnxRuntimeBackend(Backend):
         return outs["logits"], outs["new_k"], outs["new_v"]
 
 
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", version)[:2])
+
+
 def check_cuda_gather(pool_shape: tuple[int, ...], version: str) -> None:
     """Refuse a pool too large for the CUDA Gather of an onnxruntime without 64-bit offsets,
     naming the largest block count that fits."""
     elements = math.prod(pool_shape)
-    release = tuple(int(x) for x in re.findall(r"\d+", version)[:2])
-    if elements <= GATHER_LIMIT or release >= GATHER_FIXED:
+    if elements <= GATHER_LIMIT or _release(version) >= GATHER_FIXED:
         return
     blocks = pool_shape[2]
     raise ConfigError("cache.num_blocks", f"a pool of {blocks} blocks holds {elements:,} elements; "
