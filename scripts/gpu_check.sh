@@ -30,7 +30,7 @@ if [ "$INSTALL_ONLY" = 1 ]; then
     exec python -c "import twophase.llm, pluggy, rich, numpy, pytest, hypothesis; print('gpu_check: installed')"
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python -m pytest -q -m gpu tests/backends -p no:cacheprovider
+python -m pytest -q -m gpu tests/backends tests/test_plan.py -p no:cacheprovider
 status=$?
 python scripts/gpu_bench.py || status=1
 exit $status

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from twophase import LLM
+from twophase import LLM, SamplingParams
 from twophase.config import load_config
 from twophase.errors import ConfigError
 from twophase.plan import check, plan, profile
@@ -218,3 +218,24 @@ def test_an_automatic_pool_stays_within_what_the_backends_can_index(monkeypatch)
     llm = LLM.from_config({"model": TINY})
     assert llm.num_blocks == 100
     assert llm.kv_cache.pool.numel() <= 100 * per_block + 5
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_plan_matches_what_the_engine_measures():
+    """llama3-1b in bf16 on the first GPU: the weights and the pool as the plan predicts them
+    (within 10%), and everything together within the card's memory_utilization."""
+    import torch
+
+    llm = LLM.from_config({"model": {"name": "llama3-1b", "weights": "random", "max_model_len": 8192},
+                           "backend": {"device": "cuda"}})
+    try:
+        check = llm.memory["check"]
+        for item in ("weights", "kv cache"):
+            got = check[item]
+            assert abs(got["measured"] - got["predicted"]) <= 0.1 * got["predicted"], (item, got)
+        free, total = torch.cuda.mem_get_info()
+        assert total - free <= 0.92 * total, f"{(total - free) / GiB:.1f} GiB of {total / GiB:.1f} in use"
+        out = llm.generate([[5] * 1000] * 8, SamplingParams(max_tokens=8, ignore_eos=True))
+        assert all(len(o.token_ids) == 8 for o in out)
+    finally:
+        llm.close()
