@@ -221,8 +221,8 @@ def tensorrt_item(config: Config, arch: LlamaArch, tokens: int, context: int, dt
     from twophase.backends.base import EngineLimits
     from twophase.exporters.trt_profiles import profile_memory
 
-    bs = config.cache.block_size
-    blocks = config.scheduler.max_num_seqs * -(-context // bs)
+    bs, cc = config.cache.block_size, config.cache
+    blocks = int(cc.num_blocks) if cc.num_blocks != "auto" else config.scheduler.max_num_seqs * -(-context // bs)
     limits = EngineLimits(config.scheduler.max_num_seqs, tokens, context)
     return Item("workspace", "TensorRT profiles", int(profile_memory(arch.to_dict(), limits, blocks, bs, dtype)),
                 "the largest profile's activations and builder workspace")
@@ -253,6 +253,8 @@ def plan(config: Config, device: DeviceProfile, context: int | None = None, user
     model = model or planned_model(config.model)
     arch, kind, cc = model.arch, device.kind, config.cache
     max_len = max_model_len_of(config, arch)
+    if cc.num_blocks != "auto" and config.model.max_model_len is None:    # the engine lowers it so
+        max_len = min(max_len, int(cc.num_blocks) * cc.block_size)
     items = weight_items(config, model, kind, routed) + runtime_items(config, model, device, max_len)
     per_token = kv_bytes_per_token(arch, kv_dtype_bytes(config, kind))
     per_block = per_token * cc.block_size
