@@ -68,6 +68,30 @@ def test_decode_after_prefill_equals_one_prefill_of_all_the_tokens():
         assert got == {token: float(lp[len(prompt) - 1 + i, token])}, f"token {i}"
 
 
+def test_a_rows_logits_do_not_depend_on_the_batch_it_is_in():
+    """Every batch size 1-70 (the kernel's tiles of 2 weight rows x 4 activation rows and their
+    tails): one-token sequences prefilled together give, bit for bit, the logits each gets alone."""
+    from twophase.core.request import Request
+
+    llm = tiny_llm(model=Q4, backend={"name": "native"}, cache={"num_blocks": 256, "block_size": 4})
+    kv = llm.engine.kv
+
+    def logits(tokens):
+        reqs = [Request(f"r{i}", [t], SamplingParams(max_tokens=1), 0.0) for i, t in enumerate(tokens)]
+        for r in reqs:
+            assert kv.allocate(r, 1)
+        try:
+            return llm.prefill_backend.prefill(prefill_batch([(r, 0, 1) for r in reqs], kv))
+        finally:
+            for r in reqs:
+                kv.free(r)
+
+    tokens = [(37 * i + 11) % 500 + 3 for i in range(70)]
+    alone = torch.cat([logits([t]) for t in tokens])
+    for rows in range(1, 71):
+        assert torch.equal(logits(tokens[:rows]), alone[:rows]), f"batch of {rows}: rows differ from alone"
+
+
 def test_batching_chunking_and_preemption_change_no_token():
     """Under a pool and budget that preempt and split prompts into chunks, every request's greedy
     tokens equal its tokens run alone."""

@@ -78,6 +78,37 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(r);
 }
 
+/* e^x, Cephes's single-precision method (range reduction by ln 2, degree-5 polynomial): within
+   2 ulp of expf over [-87, 88], eight at a time */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* y = silu(g) * u (SwiGLU) over n elements */
+static void swiglu(const float *g, const float *u, float *y, int n) {
+    const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 den = _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, gv)));
+        _mm256_storeu_ps(y + i, _mm256_div_ps(_mm256_mul_ps(gv, _mm256_loadu_ps(u + i)), den));
+    }
+    for (; i < n; i++) y[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+}
+
 static inline float dot(const float *a, const float *b, int n) {
     __m256 acc = _mm256_setzero_ps();
     int i = 0;
@@ -101,25 +132,50 @@ static qact row_of(qact a, int r, int k) {
     return out;
 }
 
+/* int8 codes of one block of 32: v * id rounded to nearest even (as lrintf), in order */
+static inline void codes_32(const float *v, float id, int8_t *q, __m256i *qsum) {
+    const __m256 s = _mm256_set1_ps(id);
+    const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v), s));
+    const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 8), s));
+    const __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 16), s));
+    const __m256i d = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 24), s));
+    *qsum = _mm256_add_epi32(_mm256_add_epi32(a, b), _mm256_add_epi32(c, d));
+    /* packs interleave 128-bit lanes: the permute puts the 32 codes back in order */
+    const __m256i ab = _mm256_packs_epi32(a, b), cd = _mm256_packs_epi32(c, d);
+    const __m256i all = _mm256_packs_epi16(ab, cd);
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(all, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+static inline int hsum8i(__m256i v) {
+    __m128i r = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    r = _mm_add_epi32(r, _mm_shuffle_epi32(r, _MM_SHUFFLE(1, 0, 3, 2)));
+    r = _mm_add_epi32(r, _mm_shuffle_epi32(r, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_cvtsi128_si32(r);
+}
+
 static void quantize_row(const float *x, int k, const int32_t *idx, int n_out, qact a) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
     for (int i = 0; i < n_out; i++) a.xo[i] = x[idx[i]];
     for (int b = 0; b < k / QK; b++) {
         float v[QK];
         memcpy(v, x + b * QK, sizeof v);
         for (int i = 0; i < n_out; i++)
             if (idx[i] / QK == b) v[idx[i] % QK] = 0.f;
-        float amax = 0.f, sum = 0.f;
-        for (int j = 0; j < QK; j++) { amax = fmaxf(amax, fabsf(v[j])); sum += v[j]; }
-        const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-        int qsum = 0;
-        for (int j = 0; j < QK; j++) {
-            const int q = (int)lrintf(v[j] * id);
-            a.q[b * QK + j] = (int8_t)q;
-            qsum += q;
+        __m256 amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+        for (int j = 0; j < QK; j += 8) {
+            const __m256 u = _mm256_loadu_ps(v + j);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, u));
+            sum = _mm256_add_ps(sum, u);
         }
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        m = _mm_max_ss(m, _mm_movehdup_ps(m));
+        const float d = _mm_cvtss_f32(m) / 127.f, id = d > 0.f ? 1.f / d : 0.f, fsum = hsum8(sum);
+        __m256i qsum;
+        codes_32(v, id, a.q + b * QK, &qsum);
         a.d[b] = d;
-        a.s[b] = sum;
-        a.e[b] = sum - d * (float)qsum;
+        a.s[b] = fsum;
+        a.e[b] = fsum - d * (float)hsum8i(qsum);
     }
 }
 
@@ -181,22 +237,79 @@ static inline void dot_4rows_q4(const proj_q4 *p, int n, qact a, int r0, float *
     for (int i = 0; i < 4; i++) out[i] = finish(p, n, &x[i], acc[i], rest[i]);
 }
 
-/* y[r][n] (+)= W[n] . x[r] for every row r; rows n of W split across threads */
+/* W[n + j] . x[r0 + i] for two weight rows and four activation rows: each weight block is
+   unpacked once for four rows and each activation block loaded once for two weight rows; the
+   minimum's and the zero point's terms of the four rows go in one vector. The same operations
+   in the same order as dot_row_q4 for every (j, i), so a row's result does not depend on the
+   tile it was computed in */
+static inline void dot_2x4_q4(const proj_q4 *p, int n, qact a, int r0, float out[2][4]) {
+    const int nb = p->k / QK;
+    const block_q4_1 *w0 = p->w + (size_t)n * nb, *w1 = w0 + nb;
+    const uint8_t *z0 = p->z + (size_t)n * nb, *z1 = z0 + nb;
+    const __m256i lo = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    qact x[4];
+    __m256 acc0[4], acc1[4];
+    __m128 rest0 = _mm_setzero_ps(), rest1 = _mm_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        x[i] = row_of(a, r0 + i, p->k);
+        acc0[i] = acc1[i] = _mm256_setzero_ps();
+    }
+    for (int b = 0; b < nb; b++) {
+        const __m128i t0 = _mm_loadu_si128((const __m128i *)w0[b].qs);
+        const __m128i t1 = _mm_loadu_si128((const __m128i *)w1[b].qs);
+        const __m256i q0 = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t0, 4), t0), lo);
+        const __m256i q1 = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t1, 4), t1), lo);
+        const float d0 = h2f(w0[b].d), d1 = h2f(w1[b].d);
+        for (int i = 0; i < 4; i++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(x[i].q + b * QK));
+            const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(q0, v), ones);
+            const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(q1, v), ones);
+            acc0[i] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * x[i].d[b]), _mm256_cvtepi32_ps(p0), acc0[i]);
+            acc1[i] = _mm256_fmadd_ps(_mm256_set1_ps(d1 * x[i].d[b]), _mm256_cvtepi32_ps(p1), acc1[i]);
+        }
+        const __m128 s4 = _mm_setr_ps(x[0].s[b], x[1].s[b], x[2].s[b], x[3].s[b]);
+        const __m128 e4 = _mm_setr_ps(x[0].e[b], x[1].e[b], x[2].e[b], x[3].e[b]);
+        rest0 = _mm_add_ps(rest0, _mm_add_ps(_mm_mul_ps(_mm_set1_ps(h2f(w0[b].m)), s4),
+                                             _mm_mul_ps(_mm_set1_ps((float)z0[b] * d0), e4)));
+        rest1 = _mm_add_ps(rest1, _mm_add_ps(_mm_mul_ps(_mm_set1_ps(h2f(w1[b].m)), s4),
+                                             _mm_mul_ps(_mm_set1_ps((float)z1[b] * d1), e4)));
+    }
+    float r0s[4], r1s[4];
+    _mm_storeu_ps(r0s, rest0);
+    _mm_storeu_ps(r1s, rest1);
+    for (int i = 0; i < 4; i++) {
+        out[0][i] = finish(p, n, &x[i], acc0[i], r0s[i]);
+        out[1][i] = finish(p, n + 1, &x[i], acc1[i], r1s[i]);
+    }
+}
+
+static inline void put(float *dst, float v, int accumulate) { *dst = (accumulate ? *dst : 0.f) + v; }
+
+/* y[r][n] (+)= W[n] . x[r] for every row r; pairs of rows of W split across threads */
 static void matmul_q4(const proj_q4 *p, int rows, qact a, float *y, int ystride, int accumulate) {
     #pragma omp for schedule(static)
-    for (int n = 0; n < p->n; n++) {
-        float out[4];
+    for (int pair = 0; pair < (p->n + 1) / 2; pair++) {
+        const int n = 2 * pair, two = n + 1 < p->n;
         int r = 0;
-        for (; r + 4 <= rows; r += 4) {
-            dot_4rows_q4(p, n, a, r, out);
-            for (int i = 0; i < 4; i++) {
-                float *dst = y + (size_t)(r + i) * ystride + n;
-                *dst = (accumulate ? *dst : 0.f) + out[i];
+        if (two) {
+            float out[2][4];
+            for (; r + 4 <= rows; r += 4) {
+                dot_2x4_q4(p, n, a, r, out);
+                for (int i = 0; i < 4; i++) {
+                    put(y + (size_t)(r + i) * ystride + n, out[0][i], accumulate);
+                    put(y + (size_t)(r + i) * ystride + n + 1, out[1][i], accumulate);
+                }
             }
         }
-        for (; r < rows; r++) {
-            float *dst = y + (size_t)r * ystride + n;
-            *dst = (accumulate ? *dst : 0.f) + dot_row_q4(p, n, row_of(a, r, p->k));
+        for (int j = 0; j <= two; j++) {
+            int rr = r;
+            float out4[4];
+            for (; rr + 4 <= rows; rr += 4) {
+                dot_4rows_q4(p, n + j, a, rr, out4);
+                for (int i = 0; i < 4; i++) put(y + (size_t)(rr + i) * ystride + n + j, out4[i], accumulate);
+            }
+            for (; rr < rows; rr++)
+                put(y + (size_t)rr * ystride + n + j, dot_row_q4(p, n + j, row_of(a, rr, p->k)), accumulate);
         }
     }
 }
@@ -344,7 +457,7 @@ void step(const model_t *m, const step_t *s) {
             for (int r = 0; r < R; r++) {
                 const float *g = wide + (size_t)r * W, *u = g + F;
                 float *y = mlp + (size_t)r * F;
-                for (int i = 0; i < F; i++) y[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+                swiglu(g, u, y, F);
                 quantize_row(y, F, dn->out_idx, dn->n_out, row_of(a, r, F));
             }
             matmul_q4(dn, R, a, x, D, 1);            /* into the residual */
