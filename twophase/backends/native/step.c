@@ -24,6 +24,17 @@
 #define QK 32
 #define OUT_MAX 64
 
+/* the integer dot of 32 unsigned codes with 32 signed ones, as eight int32 sums of four: one
+   VNNI instruction where the CPU has it, else two AVX2 ones (no saturation either way: a q4 code
+   times an int8 is at most 15 * 127, a pair of |q8| * |int8| at most 2 * 127 * 127) */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define IDOT(q, v) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (q), (v))
+#elif defined(__AVXVNNI__)
+#define IDOT(q, v) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), (q), (v))
+#else
+#define IDOT(q, v) _mm256_madd_epi16(_mm256_maddubs_epi16((q), (v)), _mm256_set1_epi16(1))
+#endif
+
 typedef struct { uint16_t d, m; uint8_t qs[16]; } block_q4_1;
 typedef struct { uint16_t d; int8_t qs[32]; } block_q8_0;
 
@@ -194,14 +205,14 @@ static inline float dot_row_q4(const proj_q4 *p, int n, qact x) {
     const int nb = p->k / QK;
     const block_q4_1 *w = p->w + (size_t)n * nb;
     const uint8_t *z = p->z + (size_t)n * nb;
-    const __m256i lo = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i lo = _mm256_set1_epi8(0x0F);
     __m256 acc = _mm256_setzero_ps();
     float rest = 0.f;
     for (int b = 0; b < nb; b++) {
         const __m128i t = _mm_loadu_si128((const __m128i *)w[b].qs);
         const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), lo);
         const __m256i v = _mm256_loadu_si256((const __m256i *)(x.q + b * QK));
-        const __m256i pairs = _mm256_madd_epi16(_mm256_maddubs_epi16(q, v), ones);
+        const __m256i pairs = IDOT(q, v);
         const float d = h2f(w[b].d);
         acc = _mm256_fmadd_ps(_mm256_set1_ps(d * x.d[b]), _mm256_cvtepi32_ps(pairs), acc);
         rest += h2f(w[b].m) * x.s[b] + (float)z[b] * d * x.e[b];
@@ -214,7 +225,7 @@ static inline void dot_4rows_q4(const proj_q4 *p, int n, qact a, int r0, float *
     const int nb = p->k / QK;
     const block_q4_1 *w = p->w + (size_t)n * nb;
     const uint8_t *z = p->z + (size_t)n * nb;
-    const __m256i lo = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i lo = _mm256_set1_epi8(0x0F);
     qact x[4];
     __m256 acc[4];
     float rest[4];
@@ -229,7 +240,7 @@ static inline void dot_4rows_q4(const proj_q4 *p, int n, qact a, int r0, float *
         const float d = h2f(w[b].d), m = h2f(w[b].m), zd = (float)z[b] * d;
         for (int i = 0; i < 4; i++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(x[i].q + b * QK));
-            const __m256i pairs = _mm256_madd_epi16(_mm256_maddubs_epi16(q, v), ones);
+            const __m256i pairs = IDOT(q, v);
             acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[i].d[b]), _mm256_cvtepi32_ps(pairs), acc[i]);
             rest[i] += m * x[i].s[b] + zd * x[i].e[b];
         }
@@ -246,7 +257,7 @@ static inline void dot_2x4_q4(const proj_q4 *p, int n, qact a, int r0, float out
     const int nb = p->k / QK;
     const block_q4_1 *w0 = p->w + (size_t)n * nb, *w1 = w0 + nb;
     const uint8_t *z0 = p->z + (size_t)n * nb, *z1 = z0 + nb;
-    const __m256i lo = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i lo = _mm256_set1_epi8(0x0F);
     qact x[4];
     __m256 acc0[4], acc1[4];
     __m128 rest0 = _mm_setzero_ps(), rest1 = _mm_setzero_ps();
@@ -262,8 +273,8 @@ static inline void dot_2x4_q4(const proj_q4 *p, int n, qact a, int r0, float out
         const float d0 = h2f(w0[b].d), d1 = h2f(w1[b].d);
         for (int i = 0; i < 4; i++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(x[i].q + b * QK));
-            const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(q0, v), ones);
-            const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(q1, v), ones);
+            const __m256i p0 = IDOT(q0, v);
+            const __m256i p1 = IDOT(q1, v);
             acc0[i] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * x[i].d[b]), _mm256_cvtepi32_ps(p0), acc0[i]);
             acc1[i] = _mm256_fmadd_ps(_mm256_set1_ps(d1 * x[i].d[b]), _mm256_cvtepi32_ps(p1), acc1[i]);
         }
@@ -316,7 +327,6 @@ static void matmul_q4(const proj_q4 *p, int rows, qact a, float *y, int ystride,
 
 static void matmul_q8(const proj_q8 *p, int rows, qact a, float *y) {
     const int nb = p->k / QK;
-    const __m256i ones = _mm256_set1_epi16(1);
     #pragma omp for schedule(static)
     for (int n = 0; n < p->n; n++) {
         const block_q8_0 *w = p->w + (size_t)n * nb;
@@ -326,8 +336,7 @@ static void matmul_q8(const proj_q8 *p, int rows, qact a, float *y) {
             for (int b = 0; b < nb; b++) {
                 const __m256i q = _mm256_loadu_si256((const __m256i *)w[b].qs);
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(x.q + b * QK));
-                const __m256i pairs = _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(v, q)), ones);
+                const __m256i pairs = IDOT(_mm256_sign_epi8(q, q), _mm256_sign_epi8(v, q));
                 acc = _mm256_fmadd_ps(_mm256_set1_ps(h2f(w[b].d) * x.d[b]), _mm256_cvtepi32_ps(pairs), acc);
             }
             y[(size_t)r * p->n + n] = hsum8(acc);
