@@ -98,3 +98,42 @@ def test_backends_command_shows_the_table_it_chose_from(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "tokens/s here" in r.stdout and "left out: native: does not run 'none' weights" in r.stdout
     assert "auto: prefill on " in r.stdout
+
+
+SMALL = {"max_num_seqs": 4, "max_num_batched_tokens": 64}
+
+
+def test_auto_times_a_model_with_a_context_of_its_own():
+    pytest.importorskip("onnxruntime")
+    cfg = load_config({"model": {**TINY, "max_model_len": 1500}, "backend": {"name": "auto"}, "scheduler": SMALL})
+    r = routing.resolve(cfg, Registry(), recalibrate=True)
+    assert set(r.table["prefill"]) == {"torch", "onnxruntime"}
+    assert LLM.from_config({"model": {**TINY, "max_model_len": 1500}, "backend": {"name": "auto"},
+                            "scheduler": SMALL}).max_model_len == 1500
+
+
+def test_a_candidate_that_refuses_the_model_is_left_out_with_its_reason(monkeypatch):
+    pytest.importorskip("onnxruntime")
+    from twophase.backends.onnxruntime import OnnxRuntimeBackend
+
+    def refuse(self, model, cfg):
+        raise ConfigError("model.dtype", "not this one")
+
+    monkeypatch.setattr(OnnxRuntimeBackend, "load", refuse)
+    cfg = load_config({"model": {**TINY, "seed": 7}, "backend": {"name": "auto"}, "scheduler": SMALL})
+    r = routing.resolve(cfg, Registry(), recalibrate=True)
+    assert (r.prefill, r.decode) == ("torch", "torch")
+    assert r.table["left_out"]["onnxruntime"] == "model.dtype: not this one"
+
+
+def test_a_torn_cache_file_is_measured_again(monkeypatch):
+    pytest.importorskip("onnxruntime")
+    cfg = load_config({"model": TINY, "backend": {"name": "auto"}, "scheduler": SMALL})
+    reg = Registry()
+    first = routing.resolve(cfg, reg)
+    names, _ = routing.candidates(cfg, reg)
+    from twophase.paths import cache_dir
+
+    (cache_dir() / "routing" / f"{routing._key(cfg, names)}.json").write_text('{"prefill": {"tor')
+    again = routing.resolve(cfg, reg)
+    assert again.describe() == first.describe() or set(again.table["prefill"]) == {"torch", "onnxruntime"}

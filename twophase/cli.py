@@ -207,7 +207,10 @@ def cmd_plan(args) -> int:
     cfg = flags.load(args)
     if device.kind == "cuda":                 # plan for the GPU whatever device the config names
         cfg = flags.on_device(cfg, "cuda")
-    p = planner.plan(cfg, device, args.context, args.users)
+    cfg, routed, note = _plan_routing(cfg, device)
+    p = planner.plan(cfg, device, args.context, args.users, routed=routed)
+    if note:
+        p.notes.insert(0, note)
     console = Console()
     console.print(render.table(p))
     for line in render.summary(p):
@@ -221,6 +224,27 @@ def cmd_plan(args) -> int:
         except ImportError:
             console.print("no plot: matplotlib is not installed (pip install 'twophase[bench]')")
     return 0 if p.fits else 1
+
+
+def _plan_routing(cfg, device):
+    """``[backend] name = "auto"`` as it was timed on this machine (if it was, and the plan is for
+    this machine), else on torch with a note saying so."""
+    from twophase import routing
+    from twophase.backends.registry import Registry
+
+    if not routing.wanted(cfg):
+        return cfg, (), None
+    here = device.source.startswith("free on this machine")
+    try:
+        r = routing.cached(cfg, Registry()) if here else None
+    except ConfigError:
+        r = None
+    if r is not None:
+        return routing.apply(cfg, r), tuple(n for _, n in r.routes), f"backend auto: {r.describe()}"
+    why = "not timed on this machine yet (twophase backends CONFIG times it)" if here else \
+        f"timed only on the machine it runs on, not for {device.name}"
+    return (routing.apply(cfg, routing.Routing("torch", "torch")), (),
+            f"backend auto is {why}: planned on torch")
 
 
 def cmd_cache(args) -> int:

@@ -119,7 +119,9 @@ class LLM:
     def _check_plan(self, device: str, used: list[int]) -> dict[str, dict[str, int]]:
         """Predicted against measured: the weights (and engines) over the backends' load and
         bind; on CUDA the KV pool too (on the CPU its pages are the OS's until written)."""
-        predicted = {"weights": self.plan.total("weights", resident=True)}
+        predicted = {"weights": self.plan.total("weights", resident=True)
+                     - sum(i.bytes for i in self.plan.items if i.name.startswith("draft model:"))
+                     + sum(i.bytes for i in self.plan.items if i.name == "TensorRT profiles")}  # at bind
         shared = self.prefill_backend.capabilities().shares_kv_pool
         kv = self.num_blocks * self.plan.kv_bytes_per_token * self.config.cache.block_size
         if not shared:              # a backend keeping its own pool allocates it at bind
@@ -285,16 +287,19 @@ class LLM:
         process's memory counts."""
         p = self.plan
         later = sum(i.bytes for i in p.items if i.kind not in ("weights", "runtime", "kv cache", "reserve"))
+        later += sum(i.bytes for i in p.items if i.name.startswith("draft model:"))  # loaded after the pool
         if not self.prefill_backend.capabilities().shares_kv_pool:
             later += p.total("kv cache")          # its runtime's own copy of the pool (IREE)
-        cap = (free - later - p.total("reserve")) // per_block
+        cap = (free - later - p.total("reserve")) // (per_block + p.draft_bytes_per_block)
         if cap < 1:
             raise ModelError(f"no room for a KV pool on the GPU: {free / GiB:.2f} GiB free after the "
                              f"weights, and the steps need {later / GiB:.2f} GiB and the reserve "
                              f"{p.total('reserve') / GiB:.2f} GiB (see twophase plan; lower "
                              f"scheduler.max_num_seqs or model.max_model_len, or raise "
                              f"cache.memory_utilization)")
-        return min(p.num_blocks, cap) if p.num_blocks else cap
+        if p.num_blocks == 0:
+            raise ModelError(f"no room for a KV pool on the GPU: {'; '.join(p.notes) or 'see twophase plan'}")
+        return min(p.num_blocks, cap)
 
     def _token_budget(self, chunked: bool) -> int:
         """Tokens one step may compute: the config's, else a default for the device."""

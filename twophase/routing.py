@@ -21,10 +21,11 @@ import json
 import logging
 import statistics
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from twophase.config import BackendSection, CacheConfig, Config, SchedulerConfig, SpeculativeConfig
-from twophase.errors import BackendUnavailable, ConfigError
+from twophase.errors import BackendUnavailable, ConfigError, TwophaseError
 from twophase.paths import cache_dir
 
 log = logging.getLogger(__name__)
@@ -98,8 +99,17 @@ def _why_not(cls, config: Config, device: str) -> str | None:
         return str(exc)
     if config.model.quantization not in cls.quantizations:
         return f"does not run {config.model.quantization!r} weights"
-    if not cls().capabilities().shares_kv_pool:
+    try:
+        caps = cls().capabilities()
+    except Exception:            # one that knows its capabilities only once loaded: timing will say
+        return None
+    if not caps.shares_kv_pool:
         return "keeps its own KV pool"
+    from twophase.models.loader import resolve_dtype
+
+    dtype = resolve_dtype(config.model.dtype, device)
+    if dtype not in caps.dtypes:
+        return f"does not run {str(dtype).removeprefix('torch.')}"
     return None
 
 
@@ -113,14 +123,37 @@ def resolve(config: Config, registry, recalibrate: bool = False) -> Routing:
         only = names[0]
         return Routing(fixed_prefill or only, fixed_decode or only, table={"left_out": left_out})
     path = cache_dir() / "routing" / f"{_key(config, names)}.json"
-    if path.exists() and not recalibrate:
-        table = json.loads(path.read_text())
-    else:
+    table = None if recalibrate else _read(path)
+    if table is None:
         table = calibrate(config, names)
-        table["left_out"] = left_out
+        table["left_out"] = {**left_out, **table.get("left_out", {})}
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(table, indent=2))
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(table, indent=2))
+        tmp.replace(path)                      # whole or not at all
+    if not table["prefill"]:
+        raise ConfigError("backend.name", "auto found no backend that runs this model here: " + "; ".join(
+            f"{n}: {w}" for n, w in table.get("left_out", {}).items()))
     return choose(table, fixed_prefill, fixed_decode)
+
+
+def cached(config: Config, registry) -> Routing | None:
+    """The routing already measured for ``config`` here, without measuring (None if none)."""
+    names, left_out = candidates(config, registry)
+    pcfg, dcfg = config.phases()
+    fixed = (None if pcfg.name == AUTO else pcfg.name, None if dcfg.name == AUTO else dcfg.name)
+    if len(names) == 1:
+        return Routing(fixed[0] or names[0], fixed[1] or names[0], table={"left_out": left_out})
+    table = _read(cache_dir() / "routing" / f"{_key(config, names)}.json")
+    return choose(table, *fixed) if table and table["prefill"] else None
+
+
+def _read(path) -> dict[str, Any] | None:
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):              # none yet, or a torn write: measure again
+        return None
+    return table if isinstance(table, dict) and table.get("version") == VERSION else None
 
 
 def _key(config: Config, names: list[str]) -> str:
@@ -137,14 +170,34 @@ def _key(config: Config, names: list[str]) -> str:
             return ""
 
     sec = _auto_section(config)
-    m = config.model
+    m, cc = config.model, config.cache
+    gpu = torch.cuda.get_device_name(torch.device(sec.device)) if sec.device.startswith("cuda") else ""
     facts = {"v": VERSION, "model": [m.name, m.path, m.weights, m.num_layers, m.quantization, m.dtype,
                                      m.accuracy_level, m.outlier_channels],
-             "device": sec.device, "cpu": cpu_signature(), "names": names,
+             "device": [sec.device, gpu], "cpu": cpu_signature(), "names": names,
              "threads": sec.options.get("threads", torch.get_num_threads()),
              "seqs": config.scheduler.max_num_seqs, "budget": _prefill_tokens(config),
-             "versions": [torch.__version__, ver("onnxruntime"), ver("twophase")]}
+             "cache": [cc.dtype, cc.block_size], "kernels": _sources(names),
+             "versions": [torch.__version__, ver("onnxruntime"), ver("onnxruntime-gpu"), ver("twophase")]}
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _sources(names: list[str]) -> str:
+    """A digest of the candidates' own source files: a kernel change times them again."""
+    import importlib
+
+    h = hashlib.sha256()
+    for name in names:
+        try:
+            mod = importlib.import_module(f"twophase.backends.{'torch_eager' if name == 'torch' else name}")
+        except ImportError:                    # a plugin: its version is in the key's versions
+            continue
+        folder = Path(mod.__file__ or "").parent if (mod.__file__ or "").endswith("__init__.py") else None
+        files = sorted(folder.glob("*.[ch]") if folder else []) + [Path(mod.__file__ or "")]
+        for f in files:
+            if f.is_file():
+                h.update(f.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def _prefill_tokens(config: Config) -> int:
@@ -165,7 +218,8 @@ def _timing_config(config: Config, name: str) -> Config:
     blocks = sum(batches) * -(-(CONTEXT + DECODE_STEPS + 2) // bs) + 2 * -(-(n + 2) // bs) + 8
     options = {"threads": sec.options["threads"]} if "threads" in sec.options else {}
     return dataclasses.replace(
-        config, backend=BackendSection(name=name, device=sec.device, options=options),
+        config, model=dataclasses.replace(config.model, max_model_len=None),   # the pool's, as it is
+        backend=BackendSection(name=name, device=sec.device, options=options),
         scheduler=SchedulerConfig(policy="prefill-first", max_num_seqs=max(batches),
                                   max_num_batched_tokens=max(n, max(batches) + 1)),
         cache=CacheConfig(block_size=bs, num_blocks=blocks, prefix_caching=True),
@@ -182,11 +236,18 @@ def calibrate(config: Config, names: list[str]) -> dict[str, Any]:
 
     n, batches = _prefill_tokens(config), _batches(config)
     log.info("backend auto: timing %s on this machine (once; cached)", ", ".join(names))
-    llms = {}
+    llms, failed = {}, {}
     try:
         for name in names:
-            llms[name] = LLM(_timing_config(config, name))
-        n = min(n, min(llm.max_model_len for llm in llms.values()) - 1)
+            try:
+                llms[name] = LLM(_timing_config(config, name))
+            except TwophaseError as exc:          # e.g. a dtype it refuses: not a candidate
+                failed[name] = str(exc)
+        if not llms:
+            return {"version": VERSION, "prefill": {}, "decode": {}, "left_out": failed}
+        shortest = min(llm.max_model_len for llm in llms.values())
+        n, context = min(n, shortest - 1), max(1, min(CONTEXT, shortest - DECODE_STEPS - 2))
+        names = list(llms)
         prefill: dict[str, list[float]] = {k: [] for k in names}
         decode: dict[str, dict[int, list[float]]] = {k: {b: [] for b in batches} for k in names}
         with tqdm(total=ROUNDS * len(names) * (1 + len(batches)), desc="timing backends", unit="run") as bar:
@@ -195,12 +256,12 @@ def calibrate(config: Config, names: list[str]) -> dict[str, Any]:
                     prefill[name].append(prefill_round(llm, n, 0, salt=r))
                     bar.update(1)
                     for b in batches:
-                        decode[name][b].append(decode_round(llm, b, CONTEXT, DECODE_STEPS, salt=r))
+                        decode[name][b].append(decode_round(llm, b, context, DECODE_STEPS, salt=r))
                         bar.update(1)
     finally:
         for llm in llms.values():
             llm.close()
-    return {"version": VERSION, "prefill_tokens": n, "context": CONTEXT,
+    return {"version": VERSION, "prefill_tokens": n, "context": context, "left_out": failed,
             "prefill": {k: n / statistics.median(v) for k, v in prefill.items()},
             "decode": {k: {str(b): b / statistics.median(t) for b, t in v.items()} for k, v in decode.items()}}
 

@@ -104,7 +104,7 @@ class DraftProposer:
         # the catch-up chunks, whose last rows give the first drafts
         out = SchedulerOutput(decodes=[s for _, _, s, n, _ in work if n == 1],
                               prefills=[(s, n) for _, _, s, n, _ in work if n > 1])
-        batches = batch.build(out, self.kv, self.executor.one_call)
+        batches = batch.build(out, self.kv, self.executor.one_call(len(out.decodes)))
         logits = self.executor.run(batches)
         last, row = {}, 0
         for shadow, n, k in batches.rows:

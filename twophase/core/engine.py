@@ -112,7 +112,7 @@ class Engine:
         veterans = any(r.num_computed_tokens > 0 for r, _ in out.scheduled)
         try:
             with self.executor.glue():
-                batches = batch.build(out, self.kv, self.executor.one_call)
+                batches = batch.build(out, self.kv, self.executor.one_call(len(out.decodes)))
                 logits = self.executor.run(batches)
                 now = self.clock()                      # the step's time: its tokens exist
                 sampled = sample_step(logits, batches.rows, self.scheduler.eos_token_ids, out.drafts)

@@ -39,12 +39,16 @@ class Executor:
         self.prefill_backend = prefill_backend
         self.decode_backend = decode_backend
         self.decode_routes = list(decode_routes)
-        self.one_call = (prefill_backend is decode_backend and not self.decode_routes
-                         and prefill_backend.capabilities().mixed_batches)
+        self.mixed = prefill_backend.capabilities().mixed_batches
         # where no backend computes with torch, torch only glues a step together: one thread,
         # since an OpenMP team woken for a 49k-logit argmax keeps spinning into the runtime's
         # next call (measured: q4 batch-1 decode 67 -> 92 tok/s)
         self.glue_threads = 1 if all(b.capabilities().own_threads for b in self.backends()) else None
+
+    def one_call(self, decodes: int) -> bool:
+        """Whether a step with ``decodes`` decodes and prefill chunks is one call: its decodes
+        go to the prefill's backend, and that backend takes mixed batches."""
+        return self.mixed and self.decoder(decodes) is self.prefill_backend
 
     def decoder(self, sequences: int) -> Backend:
         """The backend that decodes (or verifies) a batch of ``sequences``."""

@@ -19,6 +19,7 @@ loading is the pool the engine allocates. Items:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from twophase.config import BackendSection, Config
@@ -57,6 +58,7 @@ class Plan:
     context: int                        # the context the concurrency figures are for
     users: int | None
     notes: list[str] = field(default_factory=list)
+    draft_bytes_per_block: int = 0      # a draft model's pool, block for block beside the target's
 
     @property
     def kv_tokens(self) -> int:
@@ -257,7 +259,9 @@ def plan(config: Config, device: DeviceProfile, context: int | None = None, user
         max_len = min(max_len, int(cc.num_blocks) * cc.block_size)
     items = weight_items(config, model, kind, routed) + runtime_items(config, model, device, max_len)
     per_token = kv_bytes_per_token(arch, kv_dtype_bytes(config, kind))
-    per_block = per_token * cc.block_size
+    draft_items, draft_block = draft_model(config, kind)
+    items += draft_items
+    per_block = per_token * cc.block_size + draft_block
     used = sum(i.bytes for i in items)
     reserve = int((1 - cc.memory_utilization) * device.total_bytes) if kind == "cuda" else 0
     free_for_pool = max(0, device.total_bytes - used - reserve)
@@ -268,8 +272,12 @@ def plan(config: Config, device: DeviceProfile, context: int | None = None, user
     notes: list[str] = []
     if kind == "cpu":
         reserve = max(0, device.total_bytes - used - blocks * per_block)
-    items += [Item("kv cache", "KV pool", blocks * per_block, f"{blocks} blocks × {cc.block_size} tokens"),
-              Item("reserve", "left free", reserve,
+    items.append(Item("kv cache", "KV pool", blocks * (per_block - draft_block),
+                      f"{blocks} blocks × {cc.block_size} tokens"))
+    if draft_block:
+        items.append(Item("kv cache", "draft model's KV pool", blocks * draft_block,
+                          f"{blocks} blocks, as the target's"))
+    items += [Item("reserve", "left free", reserve,
                    f"1 - cache.memory_utilization ({cc.memory_utilization})" if kind == "cuda"
                    else "the system's: the CPU pool takes at most a quarter of free memory, 2 GiB")]
     over = sum(i.bytes for i in items) - device.total_bytes
@@ -286,4 +294,23 @@ def plan(config: Config, device: DeviceProfile, context: int | None = None, user
     if context and context > min(max_len, pool_tokens):
         notes.append(f"a request of {context} tokens is longer than one request may be "
                      f"({min(max_len, pool_tokens)})")
-    return Plan(model, device, items, cc.block_size, per_token, blocks, max_len, context or max_len, users, notes)
+    return Plan(model, device, items, cc.block_size, per_token, blocks, max_len, context or max_len, users, notes,
+                draft_block)
+
+
+def draft_model(config: Config, kind: str) -> tuple[list[Item], int]:
+    """``method = "draft"``: the draft's weights and the bytes of its pool per block of the
+    target's (its pool holds as many blocks unless ``[speculative.draft] num_blocks`` is set)."""
+    if config.speculative.method != "draft":
+        return [], 0
+    from twophase.draft import draft_config
+
+    cfg = draft_config(config)
+    model = planned_model(cfg.model)
+    items = [dataclasses.replace(i, name=f"draft model: {i.name}") for i in weight_items(cfg, model, kind)]
+    if cfg.cache.num_blocks != "auto":
+        per = kv_bytes_per_token(model.arch, kv_dtype_bytes(cfg, kind)) * cfg.cache.block_size
+        items.append(Item("kv cache", "draft model's KV pool", int(cfg.cache.num_blocks) * per,
+                          f"{cfg.cache.num_blocks} blocks"))
+        return items, 0
+    return items, kv_bytes_per_token(model.arch, kv_dtype_bytes(cfg, kind)) * config.cache.block_size
