@@ -26,6 +26,8 @@ import multiprocessing as mp
 import threading
 import time
 
+from twophase.device import resident_bytes as rss
+
 CONFIGS = {
     "torch fp32": {"backend": {"name": "torch"}},
     "native q4": {"model": {"quantization": "q4"}, "backend": {"name": "native"}},
@@ -34,13 +36,6 @@ CONFIGS = {
         "backend": {"prefill": {"name": "onnxruntime"}, "decode": {"name": "native"}}},
 }
 MiB = 1 << 20
-
-
-def rss() -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def resident(start: int, size: int) -> int:

@@ -48,13 +48,29 @@ def available_memory(device: str) -> int:
     if dev.type == "cuda":
         free, _ = torch.cuda.mem_get_info(dev)
         return int(free)
+    kib = _proc_kib("/proc/meminfo", "MemAvailable:")
+    return kib * 1024 if kib is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def resident_bytes() -> int:
+    """This process's resident set (its peak where ``/proc`` is not)."""
+    kib = _proc_kib("/proc/self/status", "VmRSS:")
+    if kib is not None:
+        return kib * 1024
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _proc_kib(path: str, field: str) -> int | None:
+    """A ``field: N kB`` line of a ``/proc`` file, in KiB (None where there is none)."""
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(field):
+                return int(line.split()[1])
     except OSError:
         pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return None
 
 
 @lru_cache(maxsize=1)

@@ -55,6 +55,11 @@ class Routing:
         return f"prefill on {self.prefill}; decode on {decode}"
 
 
+def _passed_on(sec: BackendSection) -> dict[str, Any]:
+    """The options of an ``auto`` section that each backend it picks takes: ``threads``."""
+    return {"threads": sec.options["threads"]} if "threads" in sec.options else {}
+
+
 def wanted(config: Config) -> bool:
     return any(s.name == AUTO for s in config.phases())
 
@@ -115,6 +120,9 @@ def _why_not(cls, config: Config, device: str) -> str | None:
 
 def resolve(config: Config, registry, recalibrate: bool = False) -> Routing:
     """The routing for ``config`` (its ``auto`` phases): cached, else measured now."""
+    from twophase.plan.model_source import planned_model
+
+    planned_model(config.model)              # a model that does not exist is its own error, first
     names, left_out = candidates(config, registry)
     pcfg, dcfg = config.phases()
     fixed_prefill = None if pcfg.name == AUTO else pcfg.name
@@ -126,11 +134,13 @@ def resolve(config: Config, registry, recalibrate: bool = False) -> Routing:
     table = None if recalibrate else _read(path)
     if table is None:
         table = calibrate(config, names)
-        table["left_out"] = {**left_out, **table.get("left_out", {})}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(table, indent=2))
-        tmp.replace(path)                      # whole or not at all
+        failed = table.get("left_out", {})
+        table["left_out"] = {**left_out, **failed}
+        if not failed:                         # a failure to load may pass: time it again next start
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(table, indent=2))
+            tmp.replace(path)                  # whole or not at all
     if not table["prefill"]:
         raise ConfigError("backend.name", "auto found no backend that runs this model here: " + "; ".join(
             f"{n}: {w}" for n, w in table.get("left_out", {}).items()))
@@ -216,7 +226,7 @@ def _timing_config(config: Config, name: str) -> Config:
     n, batches = _prefill_tokens(config), _batches(config)
     bs = config.cache.block_size
     blocks = sum(batches) * -(-(CONTEXT + DECODE_STEPS + 2) // bs) + 2 * -(-(n + 2) // bs) + 8
-    options = {"threads": sec.options["threads"]} if "threads" in sec.options else {}
+    options = _passed_on(sec)
     return dataclasses.replace(
         config, model=dataclasses.replace(config.model, max_model_len=None),   # the pool's, as it is
         backend=BackendSection(name=name, device=sec.device, options=options),
@@ -291,7 +301,7 @@ def choose(table: dict[str, Any], prefill: str | None = None, decode: str | None
 def apply(config: Config, routing: Routing) -> Config:
     """``config`` with its ``auto`` phases named: prefill and the largest batches' decode."""
     sec = _auto_section(config)
-    options = {"threads": sec.options["threads"]} if "threads" in sec.options else {}
+    options = _passed_on(sec)
     pcfg, dcfg = config.phases()
 
     def named(phase: BackendSection, name: str) -> BackendSection:

@@ -11,6 +11,7 @@ import pytest
 from helpers.models import tiny_llm
 
 from twophase import SamplingParams
+from twophase.device import resident_bytes
 from twophase.errors import RequestRejected
 
 REQUESTS = 1000
@@ -18,8 +19,7 @@ ARRIVALS_PER_STEP = 3
 
 
 def rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+    return resident_bytes() / 2**20
 
 
 def soak(admission: str, seed: int = 0) -> dict:

@@ -5,10 +5,10 @@ the plan predicted. A gap over 10% and over 256 MiB is a warning naming the item
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import torch
 
+from twophase.device import resident_bytes
 from twophase.plan.budget import MiB
 
 log = logging.getLogger("twophase.memory")
@@ -22,15 +22,7 @@ def in_use(device: str) -> int:
         torch.cuda.synchronize(dev)
         free, total = torch.cuda.mem_get_info(dev)
         return int(total - free)
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024      # the peak: better than none
+    return resident_bytes()
 
 
 def compare(predicted: dict[str, int], measured: dict[str, int]) -> dict[str, dict[str, int]]:
