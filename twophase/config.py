@@ -160,6 +160,32 @@ class SpeculativeConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """Engines on Ray (``twophase serve``): replicas behind one endpoint, or prefill and decode
+    on different workers with the prompt's K/V pulled between them (docs/cluster.md)."""
+
+    address: str | None = None             # "auto", "ray://host:port"; unset: a local cluster
+    replicas: int = 1                      # engine replicas (a Ray Serve deployment)
+    prefill_workers: int = 0               # with decode_workers: disaggregated prefill/decode
+    decode_workers: int = 0
+    prefill_backend: BackendSection | None = None   # the prefill workers' [backend]; default its own
+    decode_backend: BackendSection | None = None    # the decode workers'
+    threads: int | None = None             # CPU threads per worker (each backend and torch)
+    route_imbalance: int = 4               # queue gap past which prefix affinity yields
+    kv_lease_s: float = 30.0               # prefill side keeps a prompt's blocks this long
+    kv_load_timeout_s: float = 2.0         # decode side waits this long for them
+    kv_load_failure: Literal["fail", "recompute"] = "fail"
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill_workers > 0 or self.decode_workers > 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.replicas > 1 or self.disaggregated or self.address is not None
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     backend: BackendSection = field(default_factory=BackendSection)
@@ -170,6 +196,7 @@ class Config:
     bench: BenchConfig = field(default_factory=BenchConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     base_dir: Path = field(default=Path("."), metadata={"internal": True})
 
     def phases(self) -> tuple[BackendSection, BackendSection]:
@@ -249,8 +276,27 @@ def _check_backend_shape(data: dict[str, Any], where: str = "") -> None:
 def _check(cfg: Config) -> None:
     """Cross-field rules a type cannot express."""
     for check in (_check_limits, _check_sampling, _check_bench, _check_model, _check_server,
-                  _check_workload, _check_speculative):
+                  _check_workload, _check_speculative, _check_cluster):
         check(cfg)
+
+
+def _check_cluster(cfg: Config) -> None:
+    c = cfg.cluster
+    for key in ("replicas", "prefill_workers", "decode_workers", "threads", "route_imbalance"):
+        value = getattr(c, key)
+        if value is not None and value < (1 if key in ("replicas", "threads") else 0):
+            raise ConfigError(f"cluster.{key}", f"must be at least {1 if key in ('replicas', 'threads') else 0}, "
+                              f"got {value}")
+    if (c.prefill_workers > 0) != (c.decode_workers > 0):
+        raise ConfigError("cluster.decode_workers" if c.prefill_workers else "cluster.prefill_workers",
+                          "disaggregated serving needs both prefill_workers and decode_workers")
+    if c.disaggregated and c.replicas > 1:
+        raise ConfigError("cluster.replicas", "give either replicas or prefill_workers/decode_workers")
+    for key in ("kv_lease_s", "kv_load_timeout_s"):
+        if getattr(c, key) <= 0:
+            raise ConfigError(f"cluster.{key}", f"must be a positive number of seconds, got {getattr(c, key)}")
+    if c.address is not None and not (c.address == "auto" or c.address.startswith("ray://")):
+        raise ConfigError("cluster.address", f"must be \"auto\" or \"ray://host:port\", got {c.address!r}")
 
 
 def _check_limits(cfg: Config) -> None:

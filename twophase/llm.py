@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ from twophase.config import Config, SchedulerConfig, load_config
 from twophase.core.draft_proposer import DraftProposer
 from twophase.core.engine import Engine
 from twophase.core.kv_manager import KVManager
+from twophase.core.kv_transfer import KVConnector, layout_of
 from twophase.core.metrics import phase_report
 from twophase.core.ngram import NgramProposer
 from twophase.core.outputs import RequestOutput
@@ -331,12 +334,17 @@ class LLM:
                                      tuple(arch.eos_token_ids), budget)
         auto = sp.num_tokens == "auto"
         k = AUTO_MAX_DRAFTS if auto else sp.num_tokens
+        cl = self.config.cluster
+        pool = self.kv_cache.pool
+        connector = KVConnector(f"{socket.gethostname()}:{os.getpid()}:{id(self):x}", kv, pool,
+                                layout_of(pool), lease_s=cl.kv_lease_s,
+                                load_timeout_s=cl.kv_load_timeout_s, on_failure=cl.kv_load_failure)
         scheduler = Scheduler(kv, max_seqs, budget, sc.policy, chunked,
                               max_model_len=self.max_model_len,
                               eos_token_ids=tuple(arch.eos_token_ids), vocab_size=arch.vocab_size,
                               proposer=proposer, num_spec_tokens=k,
                               spec_control=SpecController(k) if auto else None,
-                              reserve=sc.admission == "reserve")
+                              reserve=sc.admission == "reserve", connector=connector)
         return Engine(self.prefill_backend, self.decode_backend, scheduler, self.tokenizer,
                       vocab_size=arch.vocab_size, clock=clock, decode_routes=self.decode_routes)
 

@@ -16,10 +16,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import torch
+
 from twophase.backends.base import Backend
 from twophase.core import batch
 from twophase.core.executor import Executor
 from twophase.core.kv_manager import KVManager
+from twophase.core.kv_transfer import KVConnector, KVTransferParams
 from twophase.core.metrics import StepLog, StepRecord
 from twophase.core.output_processor import OutputProcessor
 from twophase.core.outputs import Delta, RequestOutput, RequestStats
@@ -69,11 +72,30 @@ class Engine:
         return self.scheduler.max_model_len
 
     # -- requests -------------------------------------------------------------------------
+    @property
+    def connector(self) -> KVConnector | None:
+        return self.scheduler.connector
+
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival: float | None = None) -> Request:
+                    request_id: str | None = None, arrival: float | None = None,
+                    kv_transfer: KVTransferParams | None = None,
+                    first_token_ids: Sequence[int] = ()) -> Request:
         """Queue a request; raises ``RequestRejected`` if it could never be served. The returned
-        request is the engine's own: read it on the engine's thread only."""
+        request is the engine's own: read it on the engine's thread only.
+
+        Disaggregated serving: ``kv_transfer`` with ``do_remote_decode`` keeps the prompt's
+        blocks for a peer when the request finishes (its output carries ``kv_transfer_params``);
+        with ``do_remote_prefill`` the prompt's blocks are pulled from the peer, and the request
+        continues after ``first_token_ids`` (the tokens the peer sampled; its deltas and output
+        hold only the tokens sampled here)."""
         params = params or SamplingParams()
+        if kv_transfer is not None:
+            if self.connector is None:
+                raise RequestRejected("kv_transfer_params: this engine has no KV connector")
+            self.connector.check(kv_transfer)
+        if len(first_token_ids) >= params.max_tokens:
+            raise RequestRejected(f"{len(first_token_ids)} tokens already sampled leave none of "
+                                  f"max_tokens ({params.max_tokens})")
         if request_id is None:
             request_id = next(i for i in map(str, self._ids) if i not in self.requests)
         if request_id in self.requests:
@@ -86,9 +108,15 @@ class Engine:
             ids = [int(t) for t in prompt]
         text = prompt if isinstance(prompt, str) else None
         req = Request(request_id, ids, params, self.clock() if arrival is None else arrival, text)
+        req.kv_transfer = kv_transfer
+        if first_token_ids:
+            req.token_ids += [int(t) for t in first_token_ids]
+            state = kv_transfer.generator_state if kv_transfer is not None else None
+            if state is not None and req.generator is not None:
+                req.generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
         self.scheduler.add(req)
         self.requests[request_id] = req
-        self.output.add(request_id, text, ids, params)
+        self.output.add(request_id, text, ids, params, first_token_ids)
         return req
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -102,11 +130,21 @@ class Engine:
         return self.scheduler.has_work()
 
     # -- the step -------------------------------------------------------------------------
+    def expire_leases(self) -> None:
+        """Return to the pool the blocks kept for peers that never took them."""
+        if self.connector is not None:
+            self.connector.expire()
+
     def step(self) -> list[Delta]:
         start = self.clock()
         out = self.scheduler.schedule(now=start)
+        ended = [self._fail(r.request_id, why) for r, why in out.failed]
+        if self.connector is not None:
+            self.connector.load()          # pulled blocks, before any step may count them
         if out.empty:
-            return []
+            if self.connector is not None and self.connector.pulling:
+                self.connector.wait(0.002)
+            return ended
         # requests that computed a step before this one: if they fail too, the engine (not a
         # newcomer's prompt) is what breaks
         veterans = any(r.num_computed_tokens > 0 for r, _ in out.scheduled)
@@ -117,12 +155,14 @@ class Engine:
                 now = self.clock()                      # the step's time: its tokens exist
                 sampled = sample_step(logits, batches.rows, self.scheduler.eos_token_ids, out.drafts)
                 updates = self.scheduler.update_from_output(out, sampled, now)
-                deltas = self.output.process(updates, lambda rid, why: self._retire(rid, why, now))
+                deltas = ended + self.output.process(updates,
+                                                     lambda rid, why: self._retire(rid, why, now))
         except Exception as exc:
             # a failed step must not leave half-updated requests behind: end them, free blocks
             failed = [r.request_id for r, _ in out.scheduled if r.request_id in self.requests]
             for request_id in failed:
                 self.output.finish(request_id, "error", self._retire(request_id, "error"))
+            failed += [d.request_id for d in ended]        # already ended: their sinks wait too
             raise StepFailed(f"the step failed: {exc}", failed, veterans) from exc
         self.steps.add(self._record(out, start, now))
         control = self.scheduler.spec_control
@@ -131,6 +171,11 @@ class Engine:
             if out.decodes and not out.prefills:
                 control.observe(len(out.decodes), out.num_draft_tokens, now - start)
         return deltas
+
+    def _fail(self, request_id: str, why: str) -> Delta:
+        """End a request the engine could not serve (its K/V never came): an error delta."""
+        output = self.output.finish(request_id, "error", self._retire(request_id, "error"))
+        return Delta(request_id, [], "", [], "error", output, error=why)
 
     def _retire(self, request_id: str, reason: str, now: float | None = None) -> RequestStats:
         """Finish ``request_id`` in the scheduler (if it is not already) and forget it."""

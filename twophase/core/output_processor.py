@@ -7,7 +7,7 @@ keep. A stop string ends a request here, so the engine retires it in the schedul
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -49,8 +49,13 @@ class OutputProcessor:
         self._streams: dict[str, _Stream] = {}
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-            params: SamplingParams) -> None:
+            params: SamplingParams, first_token_ids: Sequence[int] = ()) -> None:
+        """``first_token_ids``: output another engine sampled and sent (disaggregated serving):
+        the text of what follows them is decoded after them, and they are not sent again."""
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
+        if detok is not None:
+            for token in first_token_ids:
+                detok.push(token)
         self._streams[request_id] = _Stream(prompt, list(prompt_token_ids), params, detok)
 
     def process(self, updates: list[SeqUpdate], retire: Retire) -> list[Delta]:

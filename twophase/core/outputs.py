@@ -34,13 +34,15 @@ class RequestStats:
     num_preemptions: int
     num_draft_tokens: int = 0          # speculative tokens verified for it
     num_accepted_tokens: int = 0       # of which the target kept
+    kv_transfer_params: dict[str, Any] | None = None   # blocks kept for a peer (prefill side)
 
     @classmethod
     def of(cls, req: Request) -> RequestStats:
         t = req.times
+        handoff = req.kv_handoff.to_dict() if req.kv_handoff is not None else None
         return cls(dataclasses.replace(t, token_times=list(t.token_times)),
                    req.num_cached_tokens, req.num_preemptions, req.num_draft_tokens,
-                   req.num_accepted_tokens)
+                   req.num_accepted_tokens, handoff)
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,7 @@ class RequestOutput:
     metrics: dict[str, Any] = field(default_factory=dict)
     error: str | None = None            # why a rejected request was rejected
     times: RequestTimes | None = None   # raw clock readings behind the metrics
+    kv_transfer_params: dict[str, Any] | None = None   # where a decode engine pulls its K/V
 
     @classmethod
     def finished(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int],
@@ -81,7 +84,7 @@ class RequestOutput:
                     "num_preemptions": stats.num_preemptions,
                     "num_draft_tokens": stats.num_draft_tokens,
                     "num_accepted_tokens": stats.num_accepted_tokens},
-                   times=t)
+                   times=t, kv_transfer_params=stats.kv_transfer_params)
 
     @classmethod
     def rejected(cls, request_id: str, prompt: str | list[int], why: str) -> RequestOutput:
@@ -100,6 +103,7 @@ class Delta:
     logprobs: list[LogProbs]                    # one per token where the request asked; else []
     finish_reason: str | None = None
     output: RequestOutput | None = None         # the whole request, on its last delta
+    error: str | None = None                    # why it ended with "error" (not its fault)
 
     @property
     def finished(self) -> bool:

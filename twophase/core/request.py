@@ -8,15 +8,20 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from twophase.core.params import SamplingParams
 
+if TYPE_CHECKING:
+    from twophase.core.kv_transfer import KVTransferParams
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    LOADING = "loading"          # its prompt's K/V are on their way from a peer (kv_transfer.py)
     FINISHED = "finished"
 
 
@@ -64,6 +69,8 @@ class Request:
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.times = RequestTimes(arrival)
+        self.kv_transfer: KVTransferParams | None = None         # K/V at, or kept for, a peer
+        self.kv_handoff: KVTransferParams | None = None         # blocks kept for a peer at finish
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from twophase.core.admission import Admission
 from twophase.core.kv_manager import KVManager
+from twophase.core.kv_transfer import KVConnector
 from twophase.core.outputs import SampledTokens, SeqUpdate
 from twophase.core.request import Request, Status
 from twophase.core.seams import Proposal, Proposer
@@ -37,6 +38,7 @@ class SchedulerOutput:
     drafts: dict[str, Proposal] = field(default_factory=dict)       # decodes verified this step
     propose_s: float = 0.0                                           # time spent drafting them
     accepted: dict[str, int] = field(default_factory=dict)          # drafts kept (after the step)
+    failed: list[tuple[Request, str]] = field(default_factory=list)  # K/V pulls that failed
 
     @property
     def empty(self) -> bool:
@@ -67,7 +69,7 @@ class Scheduler:
                  max_model_len: int, eos_token_ids: tuple[int, ...] = (),
                  vocab_size: int | None = None, proposer: Proposer | None = None,
                  num_spec_tokens: int = 0, spec_control: SpecController | None = None,
-                 reserve: bool = True):
+                 reserve: bool = True, connector: KVConnector | None = None):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
@@ -79,8 +81,10 @@ class Scheduler:
         self.spec_control = spec_control if proposer else None    # "auto": drafts per decode
         self.admission = Admission(kv, max_model_len, max_num_batched_tokens, chunked_prefill,
                                    vocab_size, reserve)
+        self.connector = connector                # K/V from and for other engines
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.loading: list[Request] = []           # admitted, their K/V on the way from a peer
         self.num_preemptions = 0
         self._left = max_num_batched_tokens
 
@@ -90,12 +94,14 @@ class Scheduler:
         self.waiting.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def schedule(self, now: float | None = None) -> SchedulerOutput:
         """Who runs next and how many tokens each; ``now`` stamps first-scheduled times."""
         out = SchedulerOutput()
         self._left = self.budget                 # tokens still unscheduled this step
+        if self.loading:
+            self._take_pulled(out)
         if self.policy == "decode-first":
             self._schedule_decodes(out)
             self._schedule_prefills(out)
@@ -202,10 +208,19 @@ class Scheduler:
             if self._allocate_or_preempt(req, n, out):
                 out.prefills.append((req, n))
                 self._left -= n
-        if out.preempted:      # the pool is short: admit nothing new this step
-            return
-        while self.waiting and self._left > 0 and len(self.running) < self.max_num_seqs:
+        if not out.preempted:      # else the pool is short: admit nothing new this step
+            self._admit(out)
+
+    def _admit(self, out: SchedulerOutput) -> None:
+        """Waiting requests start, in order, while the budget, the pool and admission allow."""
+        while (self.waiting and self._left > 0
+               and len(self.running) + len(self.loading) < self.max_num_seqs):
             req = self.waiting[0]
+            external = self.connector.external_tokens(req) if self.connector else 0
+            if external:
+                if not self._start_pull(req, external):
+                    return
+                continue
             computed = self.kv.computed_blocks(req) if self.chunked_prefill else []
             cached = len(computed) * self.kv.block_size
             pending = req.num_tokens - cached
@@ -225,6 +240,40 @@ class Scheduler:
             self.running.append(req)
             out.prefills.append((req, n))
             self._left -= n
+
+    def _start_pull(self, req: Request, external: int) -> bool:
+        """Admit ``req`` with blocks for the ``external`` tokens a peer computed, and pull them;
+        it computes nothing until they arrive."""
+        assert self.connector is not None
+        if not self.admission.may_start(self.kv.blocks_needed(req, external), self.running):
+            return False
+        if not self.kv.allocate(req, external):
+            return False
+        self.waiting.popleft()
+        req.status = Status.LOADING
+        self.loading.append(req)
+        self.connector.start_pull(req, external)
+        return True
+
+    def _take_pulled(self, out: SchedulerOutput) -> None:
+        """Requests whose K/V arrived run from this step on (the connector writes the blocks
+        before it computes); a failed pull recomputes the prompt here or ends the request."""
+        assert self.connector is not None
+        done = self.connector.pulled()
+        for req, n in done.ready:
+            self.loading.remove(req)
+            req.kv_transfer = None
+            req.num_computed_tokens = n
+            req.status = Status.RUNNING
+            self.running.append(req)
+        for req, why in done.failed:
+            req.kv_transfer = None
+            if self.connector.on_failure == "recompute":
+                self.loading.remove(req)
+                req.status = Status.RUNNING
+                self.running.append(req)
+            else:
+                out.failed.append((req, why))          # the engine ends it ("error")
 
     def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         """Blocks for ``n`` more tokens of ``req``, preempting the newest running requests
@@ -276,9 +325,15 @@ class Scheduler:
         if self.proposer is not None:
             self.proposer.release(req)
         if req.status is Status.RUNNING:
+            if self.connector is not None:
+                req.kv_handoff = self.connector.request_finished(req)
             self.running.remove(req)
         elif req.status is Status.WAITING:
             self.waiting.remove(req)
+        elif req.status is Status.LOADING:
+            self.loading.remove(req)
+            assert self.connector is not None
+            self.connector.cancel(req)
         self.kv.free(req)
         req.status = Status.FINISHED
         if now is not None:

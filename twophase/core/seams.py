@@ -8,12 +8,12 @@
   through the stop rules, counts as computed only what was kept, and ``KVManager.truncate``
   returns the blocks wholly past that length to the pool (rejected slots in a kept block are
   overwritten later; only committed tokens are ever hashed for the prefix cache).
-- ``KVConnector`` (K/V computed by another process): a scheduler half, asked at admission how
-  many of a request's tokens a peer already holds and, when a request finishes, whether its
-  blocks are kept for a peer under a lease; and a worker half, called by the ``Executor`` to load
-  blocks into the pool before a step and save them after. The layout it moves is
-  ``KVLayout``, checked on both sides at start-up. Phases routed to two backends in one process
-  are its zero-copy case: the pool is shared, nothing moves.
+- ``KVConnector`` (K/V computed by another engine; ``core/kv_transfer.py``): a scheduler half,
+  asked at admission how many of a request's tokens a peer holds and, when a request finishes,
+  whether its blocks are kept for a peer under a lease; and a worker half that writes pulled
+  blocks into the pool before the step that counts them. The layout it moves is ``KVLayout``,
+  checked on both sides at start-up. Phases routed to two backends in one process are its
+  zero-copy case: the pool is shared, nothing moves.
 - Admission: ``core/admission.py`` (a watermark of free blocks kept for running sequences).
 """
 
@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from twophase.core.batch import StepBatches
     from twophase.core.request import Request
 
 
@@ -59,23 +58,3 @@ class KVLayout:
     head_dim: int
     block_size: int
     dtype: str
-
-
-class KVConnectorScheduler(Protocol):
-    def num_external_tokens(self, req: Request, num_computed_tokens: int) -> int:
-        """Tokens of ``req`` past ``num_computed_tokens`` that a peer computed and can send."""
-        ...
-
-    def request_finished(self, req: Request, block_ids: list[int]) -> bool:
-        """True to keep ``block_ids`` for a peer (freed on its acknowledgement or the lease)."""
-        ...
-
-
-class KVConnectorWorker(Protocol):
-    def load(self, batches: StepBatches) -> None:
-        """Write the blocks peers sent into the pool before the step computes."""
-        ...
-
-    def save(self, batches: StepBatches) -> None:
-        """Offer the blocks this step completed to peers."""
-        ...

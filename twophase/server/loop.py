@@ -22,11 +22,12 @@ import logging
 import math
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from twophase.core.engine import check_text
+from twophase.core.kv_transfer import KVTransferParams
 from twophase.core.outputs import RequestOutput
 from twophase.core.params import SamplingParams
 from twophase.errors import RequestRejected, StepFailed, TwophaseError
@@ -160,7 +161,8 @@ class EngineLoop:
         self.engine.scheduler.admission.check(ids, params)       # reads constants only
         return ids
 
-    def submit(self, prompt: str | list[int], params: SamplingParams) -> Handle:
+    def submit(self, prompt: str | list[int], params: SamplingParams,
+               kv_transfer: KVTransferParams | None = None, first_token_ids: Sequence[int] = ()) -> Handle:
         """Queue a request; its deltas, then a ``Finished``, arrive through the handle. Raises
         ``Overloaded`` past the queue limit, ``EngineError`` once the engine has stopped; a
         prompt that can never be served arrives as a ``RequestRejected`` from the handle."""
@@ -181,7 +183,8 @@ class EngineLoop:
             except RuntimeError:            # the client's event loop is gone
                 pass
 
-        self._commands.put(("add", handle.request_id, prompt, params, sink))
+        self._commands.put(("add", handle.request_id, prompt, params, sink, kv_transfer,
+                            tuple(first_token_ids)))
         return handle
 
     def fail_all(self, message: str) -> None:
@@ -201,6 +204,7 @@ class EngineLoop:
                     pass
                 if self.engine.has_unfinished():
                     self._step()
+                self.engine.expire_leases()
                 self._safely(self.on_change)
         except BaseException as exc:        # the loop itself broke: nothing may hang on it
             with self._lock:
@@ -223,9 +227,10 @@ class EngineLoop:
 
     def _handle(self, cmd: tuple) -> None:
         if cmd[0] == "add":
-            _, request_id, prompt, params, sink = cmd
+            _, request_id, prompt, params, sink, kv_transfer, first = cmd
             try:
-                self.engine.add_request(prompt, params, request_id=request_id)
+                self.engine.add_request(prompt, params, request_id=request_id,
+                                        kv_transfer=kv_transfer, first_token_ids=first)
             except RequestRejected as exc:
                 self._release_slot()
                 sink(exc)
@@ -264,6 +269,9 @@ class EngineLoop:
         for d in deltas:
             sink = self._sinks.get(d.request_id)
             if sink is None:
+                continue
+            if d.error is not None:          # ended by the engine (its K/V never came)
+                self._error(d.request_id, d.error)
                 continue
             sink(d)
             if d.output is not None:

@@ -1,0 +1,290 @@
+"""KV blocks that move between engines: the KV connector, a scheduler half and a worker half.
+
+Disaggregated serving runs a prompt on a prefill engine and its decode on another, and the
+decode side pulls the prompt's K/V (as vLLM's NIXL connector does):
+
+- Prefill side: a request sent with ``do_remote_decode`` runs its prompt and samples its first
+  token as usual. When it finishes, ``KVConnector.request_finished`` keeps the blocks holding the
+  prompt's full blocks under a lease and describes them in ``KVTransferParams`` (vLLM's
+  ``kv_transfer_params`` shape, plus the token count and the layout). The blocks return to the
+  pool when the peer acknowledges (``release``) or the lease runs out (``expire``).
+- Decode side: a request sent with ``do_remote_prefill`` (and the first token it continues from)
+  is admitted against this pool; the scheduler allocates its blocks and ``start_pull`` asks the
+  ``KVTransport`` for the peer's blocks. Once they arrive (``pulled``), the scheduler counts them
+  computed and schedules the rest (the partial last block and the first token) in that step, and
+  the worker half (``load``) writes them into the pool before the step computes; the peer is then
+  acknowledged. A pull that fails or takes longer than ``load_timeout_s`` ends the request with an
+  error or recomputes its prompt here (``on_failure = "fail" | "recompute"``).
+
+Phases routed to two backends in one process are the zero-copy case: both backends bind the one
+pool, so an engine without a connector has nothing to move.
+
+Transports: the object store of Ray on the CPU (``twophase/cluster``); on GPUs the same pull would
+go over NCCL or NIXL through Ray's tensor transport (not built: no GPU here).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+import torch
+
+from twophase.core.seams import KVLayout
+from twophase.errors import RequestRejected
+
+if TYPE_CHECKING:
+    from twophase.core.kv_manager import KVManager
+    from twophase.core.request import Request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KVTransferParams:
+    """What a request tells an engine about K/V held elsewhere (vLLM's ``kv_transfer_params``)."""
+
+    do_remote_decode: bool = False              # prefill side: keep the blocks for a peer
+    do_remote_prefill: bool = False             # decode side: the blocks are at a peer
+    remote_engine_id: str | None = None
+    remote_request_id: str | None = None        # the lease to pull from and acknowledge
+    remote_block_ids: tuple[int, ...] = ()
+    num_tokens: int = 0                         # tokens whose K/V the blocks hold
+    layout: KVLayout | None = None
+    lease_s: float = 0.0                        # how long the peer keeps them
+    generator_state: bytes | None = None        # a seeded request's generator after the first token
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["remote_block_ids"] = list(self.remote_block_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> KVTransferParams:
+        """Checked: a malformed description is the request's fault (``RequestRejected``)."""
+        known = set(cls.__dataclass_fields__)
+        if not isinstance(d, dict) or set(d) - known:
+            raise RequestRejected(f"kv_transfer_params: unknown keys {sorted(set(d) - known)}"
+                                  if isinstance(d, dict) else "kv_transfer_params must be an object")
+        d = dict(d)
+        layout = d.get("layout")
+        try:
+            if isinstance(layout, dict):
+                d["layout"] = KVLayout(**layout)
+            d["remote_block_ids"] = tuple(int(b) for b in d.get("remote_block_ids", ()))
+            params = cls(**d)
+        except (TypeError, ValueError) as exc:
+            raise RequestRejected(f"kv_transfer_params: {exc}") from None
+        if params.num_tokens < 0 or any(b < 0 for b in params.remote_block_ids):
+            raise RequestRejected("kv_transfer_params: negative token count or block id")
+        return params
+
+
+class KVTransport(Protocol):
+    """Moves a peer's leased blocks here. ``fetch`` starts a pull and returns a ticket; ``poll``
+    returns the blocks ``[layers, 2, n, kv_heads, block_size, head_dim]`` once they arrived
+    (``None`` before) and raises if the pull failed; ``ack`` tells the peer it may free them."""
+
+    def fetch(self, params: KVTransferParams) -> Any: ...
+
+    def poll(self, ticket: Any) -> torch.Tensor | None: ...
+
+    def ack(self, params: KVTransferParams) -> None: ...
+
+
+@dataclass
+class _Lease:
+    blocks: list[int]
+    expires: float
+
+
+@dataclass
+class _Pull:
+    req: Request
+    block_ids: list[int]                       # where the blocks go in this pool
+    params: KVTransferParams
+    ticket: Any
+    started: float
+    blocks: torch.Tensor | None = None         # arrived, not yet written
+
+
+@dataclass
+class PullResults:
+    """What ``pulled`` found: requests whose blocks arrived, and those whose pull failed."""
+
+    ready: list[tuple[Request, int]] = field(default_factory=list)    # (request, tokens pulled)
+    failed: list[tuple[Request, str]] = field(default_factory=list)   # (request, why)
+
+
+class KVConnector:
+    def __init__(self, engine_id: str, kv: KVManager, pool: torch.Tensor, layout: KVLayout,
+                 transport: KVTransport | None = None, lease_s: float = 30.0,
+                 load_timeout_s: float = 2.0,
+                 on_failure: Literal["fail", "recompute"] = "fail",
+                 clock: Callable[[], float] = time.monotonic):
+        self.engine_id, self.kv, self.pool, self.layout = engine_id, kv, pool, layout
+        self.transport = transport
+        self.lease_s, self.load_timeout_s, self.on_failure = lease_s, load_timeout_s, on_failure
+        self.clock = clock
+        self._leases: dict[str, _Lease] = {}
+        self._lock = threading.Lock()          # reads of leased blocks come from other threads
+        self._pulls: dict[str, _Pull] = {}
+        self._arrived: list[_Pull] = []        # counted computed this step: written by ``load``
+
+    # -- scheduler half: prefill side --------------------------------------------------------
+    def request_finished(self, req: Request) -> KVTransferParams | None:
+        """Keep ``req``'s full prompt blocks for a peer if it asked (its blocks are freed by the
+        scheduler right after: the lease holds its own reference)."""
+        t = req.kv_transfer
+        if t is None or not t.do_remote_decode or req.finish_reason != "length":
+            return None
+        full = min(req.num_prompt_tokens - 1, req.num_computed_tokens) // self.kv.block_size
+        blocks = self.kv.block_table(req)[:full]
+        self.kv.pool.touch(blocks)
+        with self._lock:
+            self._leases[req.request_id] = _Lease(blocks, self.clock() + self.lease_s)
+        state = req.generator.get_state().numpy().tobytes() if req.generator is not None else None
+        return KVTransferParams(do_remote_prefill=True, remote_engine_id=self.engine_id,
+                                remote_request_id=req.request_id, remote_block_ids=tuple(blocks),
+                                num_tokens=full * self.kv.block_size, layout=self.layout,
+                                lease_s=self.lease_s, generator_state=state)
+
+    def read(self, lease_id: str) -> torch.Tensor:
+        """A copy of a lease's blocks (any thread): ``KeyError`` if it is gone."""
+        with self._lock:
+            lease = self._leases[lease_id]
+            return self.pool[:, :, lease.blocks].clone()
+
+    def release(self, lease_id: str) -> bool:
+        """The peer has the blocks (or gave up): return them to the pool. False if unknown."""
+        with self._lock:
+            lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            return False
+        self.kv.pool.release(lease.blocks[::-1])
+        return True
+
+    def expire(self) -> int:
+        """Release every lease past its time; how many."""
+        now = self.clock()
+        with self._lock:
+            gone = [k for k, lease in self._leases.items() if lease.expires <= now]
+        for k in gone:
+            log.warning("KV lease %s expired before the peer took its blocks", k)
+            self.release(k)
+        return len(gone)
+
+    @property
+    def num_leased_blocks(self) -> int:
+        with self._lock:
+            return sum(len(lease.blocks) for lease in self._leases.values())
+
+    # -- scheduler half: decode side ---------------------------------------------------------
+    def check(self, t: KVTransferParams) -> None:
+        """Refuse, when it is added, a request this engine could not pull for."""
+        if t.do_remote_prefill and self.transport is None:
+            raise RequestRejected("kv_transfer_params: this engine has no KV transport to pull from")
+        if t.do_remote_prefill and t.layout != self.layout:
+            raise RequestRejected(f"kv_transfer_params: the peer's KV layout {t.layout} is not "
+                                  f"this engine's {self.layout}")
+
+    def external_tokens(self, req: Request) -> int:
+        """Tokens of ``req`` a peer holds: its full blocks, never the last token (whose logits
+        must be computed here)."""
+        t = req.kv_transfer
+        if t is None or not t.do_remote_prefill or self.transport is None:
+            return 0
+        bs = self.kv.block_size
+        n = min(t.num_tokens, len(t.remote_block_ids) * bs, (req.num_tokens - 1) // bs * bs)
+        return n
+
+    def start_pull(self, req: Request, n_tokens: int) -> None:
+        """Ask the peer for ``req``'s first ``n_tokens`` (blocks already allocated here)."""
+        assert self.transport is not None and req.kv_transfer is not None
+        t = req.kv_transfer
+        nb = n_tokens // self.kv.block_size
+        want = KVTransferParams(**{**t.__dict__, "remote_block_ids": t.remote_block_ids[:nb],
+                                   "num_tokens": n_tokens})
+        try:
+            ticket = self.transport.fetch(want)
+        except Exception as exc:                # a dead peer may fail at once
+            ticket = exc
+        self._pulls[req.request_id] = _Pull(req, self.kv.block_table(req)[:nb], want, ticket,
+                                            self.clock())
+
+    @property
+    def pulling(self) -> bool:
+        return bool(self._pulls)
+
+    def pulled(self) -> PullResults:
+        """Pulls that completed or failed since the last call."""
+        out = PullResults()
+        now = self.clock()
+        for rid, p in list(self._pulls.items()):
+            why = None
+            try:
+                if isinstance(p.ticket, Exception):
+                    raise p.ticket
+                blocks = self.transport.poll(p.ticket)     # type: ignore[union-attr]
+                if blocks is None and now - p.started > self.load_timeout_s:
+                    why = f"the KV blocks did not arrive within {self.load_timeout_s:g} s"
+                elif blocks is not None:
+                    why = self._check(blocks, len(p.block_ids))
+                    if why is None:
+                        p.blocks = blocks
+            except Exception as exc:
+                why = f"pulling the KV blocks from {p.params.remote_engine_id} failed: {exc}"
+            if why is None and p.blocks is None:
+                continue
+            del self._pulls[rid]
+            self._ack(p.params)
+            if why is not None:
+                log.warning("request %s: %s", rid, why)
+                out.failed.append((p.req, why))
+            else:
+                self._arrived.append(p)
+                out.ready.append((p.req, p.params.num_tokens))
+        return out
+
+    def cancel(self, req: Request) -> None:
+        """``req`` ended (aborted, failed) while its pull was open: tell the peer."""
+        p = self._pulls.pop(req.request_id, None)
+        if p is not None:
+            self._ack(p.params)
+        self._arrived = [a for a in self._arrived if a.req is not req]
+
+    def wait(self, seconds: float) -> None:
+        """Nothing to compute but pulls in flight: let them progress instead of spinning."""
+        time.sleep(seconds)
+
+    def _check(self, blocks: torch.Tensor, n: int) -> str | None:
+        want = (self.layout.num_layers, 2, n, self.layout.num_kv_heads, self.layout.block_size,
+                self.layout.head_dim)
+        if tuple(blocks.shape) != want:
+            return f"the peer sent K/V of shape {tuple(blocks.shape)}, expected {want}"
+        return None
+
+    def _ack(self, params: KVTransferParams) -> None:
+        try:
+            self.transport.ack(params)      # type: ignore[union-attr]
+        except Exception as exc:             # the peer is gone: its lease ends it anyway
+            log.warning("acknowledging %s to %s failed: %s", params.remote_request_id,
+                        params.remote_engine_id, exc)
+
+    # -- worker half -------------------------------------------------------------------------
+    def load(self) -> None:
+        """Write the blocks that arrived into the pool, before the step that counts them."""
+        for p in self._arrived:
+            assert p.blocks is not None
+            self.pool[:, :, p.block_ids] = p.blocks.to(self.pool.device, self.pool.dtype)
+        self._arrived = []
+
+
+def layout_of(pool: torch.Tensor) -> KVLayout:
+    """The layout of a pool ``[layers, 2, num_blocks, kv_heads, block_size, head_dim]``."""
+    layers, _, _, heads, block_size, head_dim = pool.shape
+    return KVLayout(layers, heads, head_dim, block_size, str(pool.dtype).removeprefix("torch."))
