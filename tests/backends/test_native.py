@@ -171,3 +171,120 @@ def test_speculation_verified_on_native_changes_no_token():
     got = spec.generate(prompts, p)
     assert spec.report(got)["speculative"]["accepted_tokens"] > 0
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+# -- the kernels' tiles against the scalar reference in step.c ------------------------------------
+
+# (n, k, outliers): a short group alone (k = 32, 96), whole groups (256), both (288, 576, 1504),
+# and outlier counts below, at and past a vector of 8
+SHAPES = [(5, 32, 0), (7, 96, 3), (9, 256, 8), (13, 288, 13), (6, 576, 8), (3, 1504, 9)]
+
+
+def _q4_weight(rng, n, k, n_out):
+    import numpy as np
+
+    from twophase.backends.native.weights import Q4_1
+
+    nb = k // 32
+    blocks = np.empty((n, nb), Q4_1)
+    blocks["d"] = rng.uniform(0.001, 0.02, (n, nb)).astype(np.float16)
+    blocks["m"] = -blocks["d"].astype(np.float32) * rng.uniform(4, 11, (n, nb))
+    blocks["qs"] = rng.integers(0, 256, (n, nb, 16), dtype=np.uint8)
+    zeros = rng.integers(0, 16, (n, nb), dtype=np.uint8)
+    idx = rng.choice(k, n_out, replace=False).astype(np.int32)
+    cols = rng.normal(0, 0.05, (n, n_out)).astype(np.float32)
+    codes = np.concatenate([blocks["qs"] & 15, blocks["qs"] >> 4], axis=2).astype(np.float32)
+    dense = (blocks["d"].astype(np.float32)[..., None] * codes
+             + blocks["m"].astype(np.float32)[..., None]).reshape(n, k)
+    dense[:, idx] = cols          # the outlier channels are multiplied by their float columns
+    return blocks, zeros, idx, cols, dense
+
+
+def _q8_weight(rng, n, k):
+    import numpy as np
+
+    from twophase.backends.native.weights import Q8_0
+
+    blocks = np.empty((n, k // 32), Q8_0)
+    blocks["d"] = rng.uniform(0.001, 0.02, blocks.shape).astype(np.float16)
+    blocks["qs"] = rng.integers(-128, 128, (n, k // 32, 32), dtype=np.int8)
+    dense = (blocks["d"].astype(np.float32)[..., None] * blocks["qs"].astype(np.float32)).reshape(n, k)
+    return blocks, dense
+
+
+def _run(lib, proj, head, x, n):
+    """(tiles, reference) outputs of ``check_matmul`` for the rows of ``x``."""
+    import ctypes
+
+    import numpy as np
+
+    rows, k = x.shape
+    fast, ref = np.full((rows, n), np.nan, np.float32), np.full((rows, n), np.nan, np.float32)
+    scratch = np.empty(lib.check_scratch_floats(rows, k), np.float32)
+    lib.check_matmul(ctypes.addressof(proj), int(head), rows, x.ctypes.data, fast.ctypes.data,
+                     ref.ctypes.data, scratch.ctypes.data, 2)
+    return fast, ref
+
+
+def _activations(rng, rows, k, outliers=()):
+    """Rows with large channels: the outlier channels, and two that set their block's step."""
+    import numpy as np
+
+    x = rng.normal(0, 1, (rows, k)).astype(np.float32)
+    x[:, list(outliers)] *= 30
+    x[:, rng.choice(k, 2, replace=False)] *= 8
+    return x
+
+
+@pytest.mark.parametrize("flags", [(), ("-mno-avx512vnni", "-mno-avxvnni")], ids=["native", "avx2"])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{n}x{k}" for n, k, _ in SHAPES])
+def test_q4_tiles_equal_the_scalar_reference_in_every_batch(flags, shape):
+    """Every tile shape (1-4 weight rows by 1-4 activation rows) and every batch size 1-70 gives,
+    bit for bit, the scalar reference's result for each row, and the reference is the
+    dequantised matmul up to the int8 rounding of the activations; on the AVX2 path too."""
+    import numpy as np
+
+    from twophase.backends.native import kernel
+    from twophase.backends.native.weights import q4_rows
+
+    lib = kernel.load(flags)
+    n, k, n_out = shape
+    rng = np.random.default_rng(n * k + n_out)
+    blocks, zeros, idx, cols, dense = _q4_weight(rng, n, k, n_out)
+    rows = q4_rows(blocks, zeros)
+    assert rows.shape == (n, 21 * (k // 32))
+    proj = kernel.ProjQ4(n, k, n_out, rows.ctypes.data, idx.ctypes.data, cols.ctypes.data)
+    x = _activations(rng, 70, k, idx)
+    _, want = _run(lib, proj, False, x, n)
+    exact = x.astype(np.float64) @ dense.T.astype(np.float64)
+    err = np.linalg.norm(want - exact) / np.linalg.norm(exact)
+    assert err < 3e-2, f"reference differs from the dequantised matmul by {err:.2e}"
+    for batch in range(1, 71):
+        got, ref = _run(lib, proj, False, x[:batch], n)
+        assert np.array_equal(ref, want[:batch])
+        assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)), f"batch {batch}"
+
+
+@pytest.mark.parametrize("flags", [(), ("-mno-avx512vnni", "-mno-avxvnni")], ids=["native", "avx2"])
+def test_q8_head_tiles_equal_the_scalar_reference_in_every_batch(flags):
+    import numpy as np
+
+    from twophase.backends.native import kernel
+    from twophase.backends.native.weights import q8_rows
+
+    lib = kernel.load(flags)
+    rng = np.random.default_rng(8)
+    for n, k in [(5, 32), (7, 96), (6, 256), (11, 576)]:
+        blocks, dense = _q8_weight(rng, n, k)
+        rows = q8_rows(blocks)
+        assert rows.shape == (n, 34 * (k // 32))
+        proj = kernel.ProjQ8(n, k, rows.ctypes.data)
+        x = _activations(rng, 70, k)
+        _, want = _run(lib, proj, True, x, n)
+        exact = x.astype(np.float64) @ dense.T.astype(np.float64)
+        err = np.linalg.norm(want - exact) / np.linalg.norm(exact)
+        assert err < 3e-2, f"{n}x{k}: reference differs from the dequantised matmul by {err:.2e}"
+        for batch in range(1, 71):
+            got, ref = _run(lib, proj, True, x[:batch], n)
+            assert np.array_equal(ref, want[:batch])
+            assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)), f"{n}x{k}, batch {batch}"

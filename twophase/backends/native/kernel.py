@@ -24,8 +24,8 @@ CPU_FLAGS = ("avx2", "fma", "f16c")
 
 
 class ProjQ4(ctypes.Structure):
-    _fields_ = [("n", c_int), ("k", c_int), ("n_out", c_int), ("w", c_void_p), ("z", c_void_p),
-                ("out_idx", c_void_p), ("out_w", c_void_p)]
+    _fields_ = [("n", c_int), ("k", c_int), ("n_out", c_int), ("w", c_void_p), ("out_idx", c_void_p),
+                ("out_w", c_void_p)]
 
 
 class ProjQ8(ctypes.Structure):
@@ -69,22 +69,23 @@ def check_machine() -> None:
                                  "no C compiler (cc or gcc; or set CC)")
 
 
-def load() -> ctypes.CDLL:
-    """The compiled kernels, built on first use."""
+def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The compiled kernels, built on first use (``extra_flags``: for tests, e.g. the AVX2
+    path on a CPU with VNNI)."""
 
     check_machine()
     source = files("twophase.backends.native").joinpath("step.c").read_bytes()
     cc = compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     # -march=native: the build is this CPU's; a cache shared with another CPU must not reuse it
-    key = hashlib.sha256(source + " ".join([cc, version, *FLAGS, cpu_signature()]).encode()).hexdigest()[:12]
+    key = hashlib.sha256(source + " ".join([cc, version, *FLAGS, *extra_flags, cpu_signature()]).encode()).hexdigest()[:12]
     lib = cache_dir() / "native" / f"step-{key}.so"
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)
         src = lib.with_name(f"{lib.stem}.{os.getpid()}.c")
         src.write_bytes(source)
         tmp = lib.with_name(lib.name + f".{os.getpid()}.tmp")
-        done = subprocess.run([cc, *FLAGS, str(src), "-o", str(tmp)], capture_output=True, text=True)
+        done = subprocess.run([cc, *FLAGS, *extra_flags, str(src), "-o", str(tmp)], capture_output=True, text=True)
         if done.returncode != 0:
             raise BackendUnavailable(f"compiling the native kernels with {cc} failed:\n{done.stderr[-2000:]}")
         tmp.replace(lib)
@@ -94,4 +95,8 @@ def load() -> ctypes.CDLL:
     so.step.restype = None
     so.step_scratch_floats.argtypes = [POINTER(Model), c_int, c_int, c_int]
     so.step_scratch_floats.restype = c_long
+    so.check_scratch_floats.argtypes = [c_int, c_int]
+    so.check_scratch_floats.restype = c_long
+    so.check_matmul.argtypes = [c_void_p, c_int, c_int, c_void_p, c_void_p, c_void_p, c_void_p, c_int]
+    so.check_matmul.restype = None
     return so

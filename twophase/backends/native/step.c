@@ -1,15 +1,23 @@
 /* One forward step of a Llama model on block-quantised weights, for the CPU: every op of every
  * layer inside one OpenMP parallel region, so an op costs a barrier, not a dispatch.
  *
- * Weights are GGUF's blocks as they are: Q4_1 projections (fp16 d and m, 4-bit codes q,
- * w = d*q + m, elements j and j + 16 in one byte) and a Q8_0 head. Activations are rounded to
- * int8 per block of 32 before they meet the codes (as llama.cpp's Q8_1 and ONNX Runtime's
- * accuracy level 4 do), with the two exact rewrites of the ONNX path (twophase/exporters/q4.py):
+ * Weights are GGUF's blocks, their bytes regrouped once when packed (twophase/backends/native/
+ * weights.py) into the order the kernels stream: Q4_1 projections (fp16 d and m, 4-bit codes q,
+ * w = d*q + m) and a Q8_0 head. Activations are rounded to int8 per block of 32 before they meet
+ * the codes (as llama.cpp's Q8_1 and ONNX Runtime's accuracy level 4 do), with the two exact
+ * rewrites of the ONNX path (twophase/exporters/q4.py):
  *  - centred zero points: w = d*(q - z) + (m + z*d) with z near -m/d, so the int8 rounding error
  *    meets weights near their true values; the integer dot is the same, and the correction is
  *    z*d times the block's rounding error, e = sum(x) - dx*sum(xq), known per activation block;
  *  - outlier channels: a few input channels are zeroed before the rounding and multiplied in
  *    float32 by their own weights.
+ *
+ * The kernels work on groups of 8 blocks, one block per 32-bit lane: the codes are laid out so
+ * that lane j of the group's k-th vector holds elements 4k..4k+3 of block j, for weights and
+ * activations alike. Eight int8 dots (VNNI vpdpbusd) then leave each block's exact integer dot
+ * in its own lane, with no horizontal sum; the group's eight scales are one fp16 vector, and the
+ * float work (the scale products, the minimum's and zero point's terms) is a few vector ops a
+ * group. A row's last nb % 8 blocks are a short group, its lanes masked.
  *
  * Rows of a step are tokens: decodes (one per sequence) or the tokens of prefill chunks. Every
  * row writes its K/V into the pool at its slot before any row attends, so a chunk's tokens see
@@ -23,31 +31,55 @@
 
 #define QK 32
 #define OUT_MAX 64
+#define GB 8                    /* blocks in a group, one 32-bit lane each */
+#define INLINE static inline __attribute__((always_inline))
 
-/* the integer dot of 32 unsigned codes with 32 signed ones, as eight int32 sums of four: one
-   VNNI instruction where the CPU has it, else two AVX2 ones (no saturation either way: a q4 code
-   times an int8 is at most 15 * 127, a pair of |q8| * |int8| at most 2 * 127 * 127) */
+/* acc + the integer dots of unsigned codes with signed ones, four bytes a lane: one VNNI
+   instruction where the CPU has it, else AVX2's (no saturation for 4-bit codes: a pair of
+   products is at most 2 * 15 * 127) */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define IDOT(q, v) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (q), (v))
+#define DPBUSD(acc, q, v) _mm256_dpbusd_epi32((acc), (q), (v))
 #elif defined(__AVXVNNI__)
-#define IDOT(q, v) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), (q), (v))
+#define DPBUSD(acc, q, v) _mm256_dpbusd_avx_epi32((acc), (q), (v))
 #else
-#define IDOT(q, v) _mm256_madd_epi16(_mm256_maddubs_epi16((q), (v)), _mm256_set1_epi16(1))
+#define DPBUSD(acc, q, v) _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((q), (v)), _mm256_set1_epi16(1)))
 #endif
 
-typedef struct { uint16_t d, m; uint8_t qs[16]; } block_q4_1;
-typedef struct { uint16_t d; int8_t qs[32]; } block_q8_0;
+/* The head's 8-bit codes are stored offset by 128 (u = q + 128, unsigned): with VNNI the dot
+   of u with the activations less 128 times their sum is the signed dot. AVX2's maddubs would
+   saturate on 255 * 127 pairs, so without VNNI the codes go back to signed and take the sign
+   trick (|q| against v with q's sign; at most 2 * 128 * 127). The integers are the same. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
+#define HDOT(acc, u, v) DPBUSD(acc, u, v)
+#define HFIX(acc, sum) _mm256_sub_epi32((acc), _mm256_slli_epi32((sum), 7))
+#else
+static inline __m256i hdot_avx2(__m256i acc, __m256i u, __m256i v) {
+    const __m256i q = _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(v, q)),
+                                                   _mm256_set1_epi16(1)));
+}
+#define HDOT(acc, u, v) hdot_avx2((acc), (u), (v))
+#define HFIX(acc, sum) (acc)
+#endif
 
+/* A projection's rows, each nb = k/32 blocks as 21*nb bytes:
+     d[nb] fp16 | m[nb] fp16 | z[nb] zero points | codes, 16*nb bytes
+   The codes go by groups of 8 blocks, 128 bytes: four 32-byte vectors P0..P3, lane j of Pk the
+   bytes 4k..4k+3 of block j's GGUF qs (low nibbles elements 4k.., high ones 16+4k..). The last
+   t = nb % 8 blocks are the same four vectors cut to t lanes (4*t bytes each). A group's loads
+   of d, m and z read 8 lanes from the group's first block: past a short group they read the next
+   field of the row (masked out), never past the row. */
 typedef struct {
     int n, k, n_out;
-    const block_q4_1 *w;    /* [n][k/32] */
-    const uint8_t *z;       /* [n][k/32] zero points */
+    const uint8_t *w;       /* [n][21 * k/32] */
     const int32_t *out_idx; /* [n_out] outlier input channels */
     const float *out_w;     /* [n][n_out] their weights */
 } proj_q4;
 
-typedef struct { int n, k; const block_q8_0 *w; } proj_q8;
-
+/* The head's rows, 34*nb bytes: d[nb] fp16 | codes + 128, 32*nb bytes, by groups of 8 blocks as
+   eight 32-byte vectors (lane j of the k-th: block j's bytes 4k..4k+3), the last t blocks cut
+   to t lanes. */
+typedef struct { int n, k; const uint8_t *w; } proj_q8;
 typedef struct {
     int layers, dim, heads, kv_heads, head_dim, ffn, vocab;
     float eps;
@@ -76,9 +108,13 @@ typedef struct {
     int threads;              /* named here: the OpenMP runtime may be torch's, set to 1 for glue */
 } step_t;
 
-/* a row's activations, rounded: int8 codes, and per block the step, the float sum and the
-   rounding error of the sum; the outlier channels' float values */
-typedef struct { int8_t *q; float *d, *s, *e, *xo; } qact;
+
+/* a row's activations, rounded: int8 codes in the groups' lane order (a short group padded with
+   zeros to 8 lanes), and per block (padded to a multiple of 8, zeros) the step, the float sum,
+   the rounding error of the sum and the sum of the codes; the outlier channels' float values */
+typedef struct { int8_t *q; float *d, *s, *e; int32_t *u; float *xo; } qact;
+
+static inline int groups_of(int k) { return (k / QK + GB - 1) / GB; }
 
 static inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
 
@@ -137,9 +173,9 @@ static inline void axpy(float *y, float p, const float *x, int n) {
 }
 
 static qact row_of(qact a, int r, int k) {
-    const int nb = k / QK;
-    qact out = { a.q + (size_t)r * k, a.d + (size_t)r * nb, a.s + (size_t)r * nb,
-                 a.e + (size_t)r * nb, a.xo + (size_t)r * OUT_MAX };
+    const size_t nbp = (size_t)groups_of(k) * GB;
+    qact out = { a.q + (size_t)r * nbp * QK, a.d + (size_t)r * nbp, a.s + (size_t)r * nbp,
+                 a.e + (size_t)r * nbp, a.u + (size_t)r * nbp, a.xo + (size_t)r * OUT_MAX };
     return out;
 }
 
@@ -166,8 +202,11 @@ static inline int hsum8i(__m256i v) {
 
 static void quantize_row(const float *x, int k, const int32_t *idx, int n_out, qact a) {
     const __m256 sign = _mm256_set1_ps(-0.f);
+    const int nb = k / QK, nbp = groups_of(k) * GB;
     for (int i = 0; i < n_out; i++) a.xo[i] = x[idx[i]];
-    for (int b = 0; b < k / QK; b++) {
+    if (nb < nbp) memset(a.q + (size_t)(nb / GB) * GB * QK, 0, GB * QK);    /* the short group's empty lanes */
+    for (int b = nb; b < nbp; b++) { a.d[b] = a.s[b] = a.e[b] = 0.f; a.u[b] = 0; }
+    for (int b = 0; b < nb; b++) {
         float v[QK];
         memcpy(v, x + b * QK, sizeof v);
         for (int i = 0; i < n_out; i++)
@@ -183,10 +222,15 @@ static void quantize_row(const float *x, int k, const int32_t *idx, int n_out, q
         m = _mm_max_ss(m, _mm_movehdup_ps(m));
         const float d = _mm_cvtss_f32(m) / 127.f, id = d > 0.f ? 1.f / d : 0.f, fsum = hsum8(sum);
         __m256i qsum;
-        codes_32(v, id, a.q + b * QK, &qsum);
+        int8_t codes[QK];
+        codes_32(v, id, codes, &qsum);
+        int8_t *lane = a.q + (size_t)(b / GB) * GB * QK + (b % GB) * 4;   /* block b's lane */
+        for (int i = 0; i < 8; i++) memcpy(lane + 32 * i, codes + 4 * i, 4);
+        const int isum = hsum8i(qsum);
         a.d[b] = d;
         a.s[b] = fsum;
-        a.e[b] = fsum - d * (float)hsum8i(qsum);
+        a.e[b] = fsum - d * (float)isum;
+        a.u[b] = isum;
     }
 }
 
@@ -200,154 +244,336 @@ static inline float finish(const proj_q4 *p, int n, const qact *x, __m256 acc, f
     return hsum8(acc) + rest;
 }
 
-/* W[n] . x[r]: one weight row against one activation row (decode at batch 1: keep it lean) */
-static inline float dot_row_q4(const proj_q4 *p, int n, qact x) {
-    const int nb = p->k / QK;
-    const block_q4_1 *w = p->w + (size_t)n * nb;
-    const uint8_t *z = p->z + (size_t)n * nb;
-    const __m256i lo = _mm256_set1_epi8(0x0F);
-    __m256 acc = _mm256_setzero_ps();
-    float rest = 0.f;
-    for (int b = 0; b < nb; b++) {
-        const __m128i t = _mm_loadu_si128((const __m128i *)w[b].qs);
-        const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), lo);
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(x.q + b * QK));
-        const __m256i pairs = IDOT(q, v);
-        const float d = h2f(w[b].d);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d * x.d[b]), _mm256_cvtepi32_ps(pairs), acc);
-        rest += h2f(w[b].m) * x.s[b] + (float)z[b] * d * x.e[b];
-    }
-    return finish(p, n, &x, acc, rest);
-}
-
-/* W[n] . x[r0 + i] for four rows at once: each weight block is unpacked once for all four */
-static inline void dot_4rows_q4(const proj_q4 *p, int n, qact a, int r0, float *out) {
-    const int nb = p->k / QK;
-    const block_q4_1 *w = p->w + (size_t)n * nb;
-    const uint8_t *z = p->z + (size_t)n * nb;
-    const __m256i lo = _mm256_set1_epi8(0x0F);
-    qact x[4];
-    __m256 acc[4];
-    float rest[4];
-    for (int i = 0; i < 4; i++) {
-        x[i] = row_of(a, r0 + i, p->k);
-        acc[i] = _mm256_setzero_ps();
-        rest[i] = 0.f;
-    }
-    for (int b = 0; b < nb; b++) {
-        const __m128i t = _mm_loadu_si128((const __m128i *)w[b].qs);
-        const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), lo);
-        const float d = h2f(w[b].d), m = h2f(w[b].m), zd = (float)z[b] * d;
-        for (int i = 0; i < 4; i++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(x[i].q + b * QK));
-            const __m256i pairs = IDOT(q, v);
-            acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[i].d[b]), _mm256_cvtepi32_ps(pairs), acc[i]);
-            rest[i] += m * x[i].s[b] + zd * x[i].e[b];
-        }
-    }
-    for (int i = 0; i < 4; i++) out[i] = finish(p, n, &x[i], acc[i], rest[i]);
-}
-
-/* W[n + j] . x[r0 + i] for two weight rows and four activation rows: each weight block is
-   unpacked once for four rows and each activation block loaded once for two weight rows; the
-   minimum's and the zero point's terms of the four rows go in one vector. The same operations
-   in the same order as dot_row_q4 for every (j, i), so a row's result does not depend on the
-   tile it was computed in */
-static inline void dot_2x4_q4(const proj_q4 *p, int n, qact a, int r0, float out[2][4]) {
-    const int nb = p->k / QK;
-    const block_q4_1 *w0 = p->w + (size_t)n * nb, *w1 = w0 + nb;
-    const uint8_t *z0 = p->z + (size_t)n * nb, *z1 = z0 + nb;
-    const __m256i lo = _mm256_set1_epi8(0x0F);
-    qact x[4];
-    __m256 acc0[4], acc1[4];
-    __m128 rest0 = _mm_setzero_ps(), rest1 = _mm_setzero_ps();
-    for (int i = 0; i < 4; i++) {
-        x[i] = row_of(a, r0 + i, p->k);
-        acc0[i] = acc1[i] = _mm256_setzero_ps();
-    }
-    for (int b = 0; b < nb; b++) {
-        const __m128i t0 = _mm_loadu_si128((const __m128i *)w0[b].qs);
-        const __m128i t1 = _mm_loadu_si128((const __m128i *)w1[b].qs);
-        const __m256i q0 = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t0, 4), t0), lo);
-        const __m256i q1 = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t1, 4), t1), lo);
-        const float d0 = h2f(w0[b].d), d1 = h2f(w1[b].d);
-        for (int i = 0; i < 4; i++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(x[i].q + b * QK));
-            const __m256i p0 = IDOT(q0, v);
-            const __m256i p1 = IDOT(q1, v);
-            acc0[i] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * x[i].d[b]), _mm256_cvtepi32_ps(p0), acc0[i]);
-            acc1[i] = _mm256_fmadd_ps(_mm256_set1_ps(d1 * x[i].d[b]), _mm256_cvtepi32_ps(p1), acc1[i]);
-        }
-        const __m128 s4 = _mm_setr_ps(x[0].s[b], x[1].s[b], x[2].s[b], x[3].s[b]);
-        const __m128 e4 = _mm_setr_ps(x[0].e[b], x[1].e[b], x[2].e[b], x[3].e[b]);
-        rest0 = _mm_add_ps(rest0, _mm_add_ps(_mm_mul_ps(_mm_set1_ps(h2f(w0[b].m)), s4),
-                                             _mm_mul_ps(_mm_set1_ps((float)z0[b] * d0), e4)));
-        rest1 = _mm_add_ps(rest1, _mm_add_ps(_mm_mul_ps(_mm_set1_ps(h2f(w1[b].m)), s4),
-                                             _mm_mul_ps(_mm_set1_ps((float)z1[b] * d1), e4)));
-    }
-    float r0s[4], r1s[4];
-    _mm_storeu_ps(r0s, rest0);
-    _mm_storeu_ps(r1s, rest1);
-    for (int i = 0; i < 4; i++) {
-        out[0][i] = finish(p, n, &x[i], acc0[i], r0s[i]);
-        out[1][i] = finish(p, n + 1, &x[i], acc1[i], r1s[i]);
-    }
-}
-
 static inline void put(float *dst, float v, int accumulate) { *dst = (accumulate ? *dst : 0.f) + v; }
 
-/* y[r][n] (+)= W[n] . x[r] for every row r; pairs of rows of W split across threads.
-   Where the time goes (perf, a 512-token prefill of the default model): half of the step in
-   dot_2x4_q4, and there more in the scalar work around each block's integer dot (fp16 scales,
-   their products and broadcasts, the minimum's terms) than in the dot itself; the way on is a
-   layout with a group of blocks' scales contiguous, each block's lanes reduced, and the scales
-   applied as one vector per group */
+typedef struct { const uint8_t *d, *m, *z, *c; } q4row;
+
+INLINE q4row q4_row(const proj_q4 *p, int n) {
+    const size_t nb = p->k / QK;
+    const uint8_t *w = p->w + (size_t)n * 21 * nb;
+    const q4row r = { w, w + 2 * nb, w + 4 * nb, w + 5 * nb };
+    return r;
+}
+
+INLINE __m256i lanes_below(int t) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(t), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* group g of the weight rows w[0..M) against the activation rows x[0..N), into acc[i][j]'s lanes
+   (lane l: block 8g + l). t: 0 for a whole group, else the blocks of the short last one. Per
+   (i, j) the same operations whatever M and N, so a row's result does not depend on its tile:
+   the eight blocks' exact integer dots, then acc += idot * (dw * dx), += m * s, += z*dw * e */
+INLINE void group_q4(const q4row *w, const int M, const qact *x, const int N, const int g, const int t,
+                     __m256 acc[4][4]) {
+    const __m256i lo = _mm256_set1_epi8(0x0F);
+    const __m256i keep = t ? lanes_below(t) : _mm256_set1_epi32(-1);
+    __m256 dv[4], mv[4], zd[4];
+    __m256i iacc[4][4];
+    #pragma GCC unroll 4
+    for (int i = 0; i < M; i++) {
+        dv[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w[i].d + 16 * g)));
+        mv[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w[i].m + 16 * g)));
+        const __m128i z8 = _mm_loadl_epi64((const __m128i *)(w[i].z + 8 * g));
+        zd[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(z8)), dv[i]);
+        if (t) {
+            const __m256 kf = _mm256_castsi256_ps(keep);
+            dv[i] = _mm256_and_ps(dv[i], kf);
+            mv[i] = _mm256_and_ps(mv[i], kf);
+            zd[i] = _mm256_and_ps(zd[i], kf);
+        }
+        #pragma GCC unroll 4
+        for (int j = 0; j < N; j++) iacc[i][j] = _mm256_setzero_si256();
+    }
+    #pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) {
+        __m256i ql[4], qh[4];
+        #pragma GCC unroll 4
+        for (int i = 0; i < M; i++) {
+            const uint8_t *c = w[i].c + 128 * g;
+            const __m256i P = t ? _mm256_maskload_epi32((const int *)(c + 4 * t * k), keep)
+                                : _mm256_loadu_si256((const __m256i *)(c + 32 * k));
+            ql[i] = _mm256_and_si256(P, lo);
+            qh[i] = _mm256_and_si256(_mm256_srli_epi16(P, 4), lo);
+        }
+        #pragma GCC unroll 4
+        for (int j = 0; j < N; j++) {
+            const int8_t *v = x[j].q + 256 * g;
+            const __m256i vl = _mm256_loadu_si256((const __m256i *)(v + 32 * k));
+            const __m256i vh = _mm256_loadu_si256((const __m256i *)(v + 32 * (k + 4)));
+            #pragma GCC unroll 4
+            for (int i = 0; i < M; i++) {
+                iacc[i][j] = DPBUSD(iacc[i][j], ql[i], vl);
+                iacc[i][j] = DPBUSD(iacc[i][j], qh[i], vh);
+            }
+        }
+    }
+    #pragma GCC unroll 4
+    for (int j = 0; j < N; j++) {
+        const __m256 dx = _mm256_loadu_ps(x[j].d + 8 * g), s = _mm256_loadu_ps(x[j].s + 8 * g);
+        const __m256 e = _mm256_loadu_ps(x[j].e + 8 * g);
+        #pragma GCC unroll 4
+        for (int i = 0; i < M; i++) {
+            __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[i][j]), _mm256_mul_ps(dv[i], dx), acc[i][j]);
+            a = _mm256_fmadd_ps(mv[i], s, a);
+            acc[i][j] = _mm256_fmadd_ps(zd[i], e, a);
+        }
+    }
+}
+
+/* y[r0 + j][n0 + i] (+)= W[n0 + i] . x[r0 + j], i < M, j < N */
+INLINE void tile_q4(const proj_q4 *p, int n0, const int M, qact a, int r0, const int N, float *y,
+                    int ystride, int accumulate) {
+    const int nb = p->k / QK, G = nb / GB, t = nb % GB;
+    q4row w[4];
+    qact x[4];
+    __m256 acc[4][4];
+    #pragma GCC unroll 4
+    for (int i = 0; i < M; i++) {
+        w[i] = q4_row(p, n0 + i);
+        #pragma GCC unroll 4
+        for (int j = 0; j < N; j++) acc[i][j] = _mm256_setzero_ps();
+    }
+    #pragma GCC unroll 4
+    for (int j = 0; j < N; j++) x[j] = row_of(a, r0 + j, p->k);
+    for (int g = 0; g < G; g++) group_q4(w, M, x, N, g, 0, acc);
+    if (t) group_q4(w, M, x, N, G, t, acc);
+    #pragma GCC unroll 4
+    for (int i = 0; i < M; i++)
+        #pragma GCC unroll 4
+        for (int j = 0; j < N; j++)
+            put(y + (size_t)(r0 + j) * ystride + n0 + i, finish(p, n0 + i, &x[j], acc[i][j], 0.f), accumulate);
+}
+
+typedef struct { const uint8_t *d, *c; } q8row;
+
+INLINE q8row q8_row(const proj_q8 *p, int n) {
+    const size_t nb = p->k / QK;
+    const uint8_t *w = p->w + (size_t)n * 34 * nb;
+    const q8row r = { w, w + 2 * nb };
+    return r;
+}
+
+/* the head's group_q4: acc += idot * (dw * dx) */
+INLINE void group_q8(const q8row *w, const int M, const qact *x, const int N, const int g, const int t,
+                     __m256 acc[4][4]) {
+    const __m256i keep = t ? lanes_below(t) : _mm256_set1_epi32(-1);
+    __m256 dv[4];
+    __m256i iacc[4][4];
+    #pragma GCC unroll 4
+    for (int i = 0; i < M; i++) {
+        dv[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w[i].d + 16 * g)));
+        if (t) dv[i] = _mm256_and_ps(dv[i], _mm256_castsi256_ps(keep));
+        #pragma GCC unroll 4
+        for (int j = 0; j < N; j++) iacc[i][j] = _mm256_setzero_si256();
+    }
+    #pragma GCC unroll 8
+    for (int k = 0; k < 8; k++) {
+        __m256i q[4];
+        #pragma GCC unroll 4
+        for (int i = 0; i < M; i++) {
+            const uint8_t *c = w[i].c + 256 * g;
+            q[i] = t ? _mm256_maskload_epi32((const int *)(c + 4 * t * k), keep)
+                     : _mm256_loadu_si256((const __m256i *)(c + 32 * k));
+        }
+        #pragma GCC unroll 4
+        for (int j = 0; j < N; j++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(x[j].q + 256 * g + 32 * k));
+            #pragma GCC unroll 4
+            for (int i = 0; i < M; i++) iacc[i][j] = HDOT(iacc[i][j], q[i], v);
+        }
+    }
+    #pragma GCC unroll 4
+    for (int j = 0; j < N; j++) {
+        const __m256 dx = _mm256_loadu_ps(x[j].d + 8 * g);
+        const __m256i sum = _mm256_loadu_si256((const __m256i *)(x[j].u + 8 * g));
+        (void)sum;
+        #pragma GCC unroll 4
+        for (int i = 0; i < M; i++)
+            acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(HFIX(iacc[i][j], sum)), _mm256_mul_ps(dv[i], dx), acc[i][j]);
+    }
+}
+
+INLINE void tile_q8(const proj_q8 *p, int n0, const int M, qact a, int r0, const int N, float *y) {
+    const int nb = p->k / QK, G = nb / GB, t = nb % GB;
+    q8row w[4];
+    qact x[4];
+    __m256 acc[4][4];
+    #pragma GCC unroll 4
+    for (int i = 0; i < M; i++) {
+        w[i] = q8_row(p, n0 + i);
+        #pragma GCC unroll 4
+        for (int j = 0; j < N; j++) acc[i][j] = _mm256_setzero_ps();
+    }
+    #pragma GCC unroll 4
+    for (int j = 0; j < N; j++) x[j] = row_of(a, r0 + j, p->k);
+    for (int g = 0; g < G; g++) group_q8(w, M, x, N, g, 0, acc);
+    if (t) group_q8(w, M, x, N, G, t, acc);
+    #pragma GCC unroll 4
+    for (int i = 0; i < M; i++)
+        #pragma GCC unroll 4
+        for (int j = 0; j < N; j++) y[(size_t)(r0 + j) * p->n + n0 + i] = hsum8(acc[i][j]);
+}
+
+/* each tile shape its own function, the loops above unrolled for it */
+typedef void (*tile_q4_fn)(const proj_q4 *, int, qact, int, float *, int, int);
+typedef void (*tile_q8_fn)(const proj_q8 *, int, qact, int, float *);
+#define TILES(M)                                                                                  \
+    static void tile_q4_##M##_1(const proj_q4 *p, int n, qact a, int r, float *y, int ys, int ac) { tile_q4(p, n, M, a, r, 1, y, ys, ac); } \
+    static void tile_q4_##M##_2(const proj_q4 *p, int n, qact a, int r, float *y, int ys, int ac) { tile_q4(p, n, M, a, r, 2, y, ys, ac); } \
+    static void tile_q4_##M##_3(const proj_q4 *p, int n, qact a, int r, float *y, int ys, int ac) { tile_q4(p, n, M, a, r, 3, y, ys, ac); } \
+    static void tile_q4_##M##_4(const proj_q4 *p, int n, qact a, int r, float *y, int ys, int ac) { tile_q4(p, n, M, a, r, 4, y, ys, ac); } \
+    static void tile_q8_##M##_1(const proj_q8 *p, int n, qact a, int r, float *y) { tile_q8(p, n, M, a, r, 1, y); } \
+    static void tile_q8_##M##_2(const proj_q8 *p, int n, qact a, int r, float *y) { tile_q8(p, n, M, a, r, 2, y); } \
+    static void tile_q8_##M##_3(const proj_q8 *p, int n, qact a, int r, float *y) { tile_q8(p, n, M, a, r, 3, y); } \
+    static void tile_q8_##M##_4(const proj_q8 *p, int n, qact a, int r, float *y) { tile_q8(p, n, M, a, r, 4, y); }
+TILES(1)
+TILES(2)
+TILES(3)
+TILES(4)
+static const tile_q4_fn TILE_Q4[4][4] = {
+    {tile_q4_1_1, tile_q4_1_2, tile_q4_1_3, tile_q4_1_4}, {tile_q4_2_1, tile_q4_2_2, tile_q4_2_3, tile_q4_2_4},
+    {tile_q4_3_1, tile_q4_3_2, tile_q4_3_3, tile_q4_3_4}, {tile_q4_4_1, tile_q4_4_2, tile_q4_4_3, tile_q4_4_4}};
+static const tile_q8_fn TILE_Q8[4][4] = {
+    {tile_q8_1_1, tile_q8_1_2, tile_q8_1_3, tile_q8_1_4}, {tile_q8_2_1, tile_q8_2_2, tile_q8_2_3, tile_q8_2_4},
+    {tile_q8_3_1, tile_q8_3_2, tile_q8_3_3, tile_q8_3_4}, {tile_q8_4_1, tile_q8_4_2, tile_q8_4_3, tile_q8_4_4}};
+
+/* weight rows a tile takes: 4 while few activation rows share each weight load, else 2 (two
+   rows of weights by four of activations keep their accumulators in registers) */
+static inline int tile_rows(int rows) { return rows < 4 ? 4 : 2; }
+
+/* y[r][n] (+)= W[n] . x[r] for every row r: tiles of weight rows split across threads, each
+   meeting the activation rows four at a time */
 static void matmul_q4(const proj_q4 *p, int rows, qact a, float *y, int ystride, int accumulate) {
+    const int MT = tile_rows(rows), tiles = (p->n + MT - 1) / MT;
     #pragma omp for schedule(static)
-    for (int pair = 0; pair < (p->n + 1) / 2; pair++) {
-        const int n = 2 * pair, two = n + 1 < p->n;
-        int r = 0;
-        if (two) {
-            float out[2][4];
-            for (; r + 4 <= rows; r += 4) {
-                dot_2x4_q4(p, n, a, r, out);
-                for (int i = 0; i < 4; i++) {
-                    put(y + (size_t)(r + i) * ystride + n, out[0][i], accumulate);
-                    put(y + (size_t)(r + i) * ystride + n + 1, out[1][i], accumulate);
-                }
-            }
-        }
-        for (int j = 0; j <= two; j++) {
-            int rr = r;
-            float out4[4];
-            for (; rr + 4 <= rows; rr += 4) {
-                dot_4rows_q4(p, n + j, a, rr, out4);
-                for (int i = 0; i < 4; i++) put(y + (size_t)(rr + i) * ystride + n + j, out4[i], accumulate);
-            }
-            for (; rr < rows; rr++)
-                put(y + (size_t)rr * ystride + n + j, dot_row_q4(p, n + j, row_of(a, rr, p->k)), accumulate);
-        }
+    for (int i = 0; i < tiles; i++) {
+        const int n0 = i * MT, m = p->n - n0 < MT ? p->n - n0 : MT;
+        for (int r = 0; r < rows; r += 4)
+            TILE_Q4[m - 1][(rows - r < 4 ? rows - r : 4) - 1](p, n0, a, r, y, ystride, accumulate);
     }
 }
 
 static void matmul_q8(const proj_q8 *p, int rows, qact a, float *y) {
-    const int nb = p->k / QK;
+    const int MT = tile_rows(rows), tiles = (p->n + MT - 1) / MT;
     #pragma omp for schedule(static)
-    for (int n = 0; n < p->n; n++) {
-        const block_q8_0 *w = p->w + (size_t)n * nb;
-        for (int r = 0; r < rows; r++) {
-            const qact x = row_of(a, r, p->k);
-            __m256 acc = _mm256_setzero_ps();
-            for (int b = 0; b < nb; b++) {
-                const __m256i q = _mm256_loadu_si256((const __m256i *)w[b].qs);
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(x.q + b * QK));
-                const __m256i pairs = IDOT(_mm256_sign_epi8(q, q), _mm256_sign_epi8(v, q));
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(h2f(w[b].d) * x.d[b]), _mm256_cvtepi32_ps(pairs), acc);
-            }
-            y[(size_t)r * p->n + n] = hsum8(acc);
-        }
+    for (int i = 0; i < tiles; i++) {
+        const int n0 = i * MT, m = p->n - n0 < MT ? p->n - n0 : MT;
+        for (int r = 0; r < rows; r += 4)
+            TILE_Q8[m - 1][(rows - r < 4 ? rows - r : 4) - 1](p, n0, a, r, y);
     }
 }
+
+/* ---- the scalar reference: the same arithmetic one lane and one element at a time, from the
+   layout's definition (tests check the tiles against it bit for bit) ---- */
+
+static float f16_at(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return _cvtsh_ss(h); }
+
+/* byte e4 (0..15) of block b's 16 code bytes in a row of nb blocks, or its 4-byte word w of
+   `words` (4 for q4, 8 for q8) */
+static uint8_t code_byte(const uint8_t *c, int nb, int b, int word, int byte, int words) {
+    const int g = b / GB, j = b % GB, G = nb / GB, t = nb % GB, gbytes = words * 4 * GB;
+    return g < G ? c[(size_t)g * gbytes + 32 * word + 4 * j + byte]
+                 : c[(size_t)G * gbytes + 4 * t * word + 4 * j + byte];
+}
+
+static int act_code(const qact *x, int b, int e) {
+    return x->q[(size_t)(b / GB) * GB * QK + 32 * (e / 4) + 4 * (b % GB) + e % 4];
+}
+
+static float hsum8_ref(const float *v) {
+    const float t0 = v[0] + v[4], t1 = v[1] + v[5], t2 = v[2] + v[6], t3 = v[3] + v[7];
+    return (t0 + t2) + (t1 + t3);
+}
+
+static float ref_q4(const proj_q4 *p, int n, const qact *x) {
+    const int nb = p->k / QK;
+    const q4row w = q4_row(p, n);
+    float acc[GB] = {0};
+    for (int b = 0; b < groups_of(p->k) * GB; b++) {
+        float d = 0.f, m = 0.f, zd = 0.f;
+        int isum = 0;
+        if (b < nb) {
+            d = f16_at(w.d + 2 * b);
+            m = f16_at(w.m + 2 * b);
+            zd = (float)w.z[b] * d;
+            for (int e = 0; e < QK; e++) {
+                const uint8_t byte = code_byte(w.c, nb, b, (e % 16) / 4, e % 4, 4);
+                isum += (e < 16 ? byte & 15 : byte >> 4) * act_code(x, b, e);
+            }
+        }
+        float *l = acc + b % GB;
+        *l = fmaf((float)isum, d * x->d[b], *l);
+        *l = fmaf(m, x->s[b], *l);
+        *l = fmaf(zd, x->e[b], *l);
+    }
+    const float *ow = p->out_w + (size_t)n * p->n_out;
+    int j = 0;
+    for (; j + 8 <= p->n_out; j += 8)
+        for (int l = 0; l < 8; l++) acc[l] = fmaf(ow[j + l], x->xo[j + l], acc[l]);
+    float rest = 0.f;
+    for (; j < p->n_out; j++) rest += ow[j] * x->xo[j];
+    return hsum8_ref(acc) + rest;
+}
+
+static float ref_q8(const proj_q8 *p, int n, const qact *x) {
+    const int nb = p->k / QK;
+    const q8row w = q8_row(p, n);
+    float acc[GB] = {0};
+    for (int b = 0; b < groups_of(p->k) * GB; b++) {
+        float d = 0.f;
+        int isum = 0;
+        if (b < nb) {
+            d = f16_at(w.d + 2 * b);
+            for (int e = 0; e < QK; e++)
+                isum += ((int)code_byte(w.c, nb, b, e / 4, e % 4, 8) - 128) * act_code(x, b, e);
+        }
+        acc[b % GB] = fmaf((float)isum, d * x->d[b], acc[b % GB]);
+    }
+    return hsum8_ref(acc);
+}
+
+/* the activations' part of the scratch: rows of width up to k */
+static float *act_layout(float *at, int rows, int k, qact *a) {
+    const size_t nbp = (size_t)groups_of(k) * GB;
+    a->q = (int8_t *)at;
+    a->d = at + (size_t)rows * nbp * QK / 4;
+    a->s = a->d + (size_t)rows * nbp;
+    a->e = a->s + (size_t)rows * nbp;
+    a->u = (int32_t *)(a->e + (size_t)rows * nbp);
+    a->xo = (float *)(a->u + (size_t)rows * nbp);
+    return a->xo + (size_t)rows * OUT_MAX;
+}
+
+static long act_floats(int rows, int k) {
+    return (long)rows * ((long)groups_of(k) * GB * (QK / 4 + 4) + OUT_MAX);
+}
+
+/* For tests: y = W x for `rows` rows of x ([rows][k] float32), through the tiles (on `threads`
+   threads) into fast and through the scalar reference into ref ([rows][n] each); scratch:
+   act_floats(rows, k) floats. head: p is a proj_q8, else a proj_q4. */
+long check_scratch_floats(int rows, int k) { return act_floats(rows, k); }
+
+void check_matmul(const void *p, int head, int rows, const float *x, float *fast, float *ref,
+                  float *scratch, int threads) {
+    const proj_q4 *p4 = p;
+    const proj_q8 *p8 = p;
+    const int k = head ? p8->k : p4->k, n = head ? p8->n : p4->n;
+    qact a;
+    act_layout(scratch, rows, k, &a);
+    for (int r = 0; r < rows; r++)
+        quantize_row(x + (size_t)r * k, k, head ? NULL : p4->out_idx, head ? 0 : p4->n_out, row_of(a, r, k));
+    #pragma omp parallel num_threads(threads)
+    {
+        if (head) matmul_q8(p8, rows, a, fast);
+        else matmul_q4(p4, rows, a, fast, n, 0);
+    }
+    for (int r = 0; r < rows; r++) {
+        const qact x1 = row_of(a, r, k);
+        for (int i = 0; i < n; i++)
+            ref[(size_t)r * n + i] = head ? ref_q8(p8, i, &x1) : ref_q4(p4, i, &x1);
+    }
+}
+
 
 static void rmsnorm(const float *x, const float *g, float *out, int dim, float eps) {
     const float inv = 1.f / sqrtf(dot(x, x, dim) / dim + eps);
@@ -414,9 +640,9 @@ static int act_width(const model_t *m) { return m->dim > m->ffn ? m->dim : m->ff
 
 /* floats of scratch a step of `rows` tokens attending to at most `max_ctx` needs */
 long step_scratch_floats(const model_t *m, int rows, int max_ctx, int threads) {
-    const long D = m->dim, F = m->ffn, A = act_width(m);
+    const long D = m->dim, F = m->ffn;
     return rows * (3 * D + widest(m) + F)              /* x, h, attn, wide, mlp */
-         + rows * (A / 4 + 1 + 3 * (A / QK) + OUT_MAX)  /* int8 codes; d, s, e; outliers */
+         + act_floats(rows, act_width(m))              /* int8 codes; d, s, e, sums; outliers */
          + (long)threads * max_ctx;                     /* scores */
 }
 
@@ -425,14 +651,8 @@ void step(const model_t *m, const step_t *s) {
     const int F = m->ffn, G = H / KVH, W = widest(m), A = act_width(m);
     float *x = s->scratch, *h = x + (size_t)R * D, *attn = h + (size_t)R * D;
     float *wide = attn + (size_t)R * D, *mlp = wide + (size_t)R * W;
-    float *rest = mlp + (size_t)R * F;
     qact a;
-    a.q = (int8_t *)rest;
-    a.d = rest + (size_t)R * (A / 4 + 1);
-    a.s = a.d + (size_t)R * (A / QK);
-    a.e = a.s + (size_t)R * (A / QK);
-    a.xo = a.e + (size_t)R * (A / QK);
-    float *per_thread = a.xo + (size_t)R * OUT_MAX;
+    float *per_thread = act_layout(mlp + (size_t)R * F, R, A, &a);
 
     #pragma omp parallel num_threads(s->threads)
     {

@@ -1,7 +1,9 @@
-"""The model in the layout ``step.c`` reads: Q4_1 blocks (fp16 ``d`` and ``m``, elements ``j``
-and ``j + 16`` in one byte, as GGUF stores them), a zero point per block, the outlier channels'
-float32 weights, the head in Q8_0 blocks; norms, embedding and RoPE frequencies in float32.
-The arrays live here; the C structs hold pointers into them.
+"""The model in the layout ``step.c`` reads: each projection row its Q4_1 blocks' fp16 ``d`` and
+``m``, a zero point per block and the 4-bit codes (21 bytes a block), the codes regrouped by
+groups of 8 blocks so that one 32-bit lane holds one block (``q4_rows``); the outlier channels'
+float32 weights; the head's Q8_0 blocks regrouped likewise (``q8_rows``, 34 bytes a block);
+norms, embedding and RoPE frequencies in float32. The arrays live here; the C structs hold
+pointers into them.
 
 The GGUF's own blocks are taken exactly. Weights quantised here (HF folders, random weights)
 have float32 ``d`` and ``m``, which the fp16 fields round (by at most 2^-11 of each): for them
@@ -43,6 +45,37 @@ def q4_blocks(qw: QWeight) -> tuple[np.ndarray, np.ndarray]:
     return out, np.ascontiguousarray(qw.centered().zeros(), dtype=np.uint8)
 
 
+def lanes(words: np.ndarray) -> np.ndarray:
+    """``[n, nb, W, 4]`` bytes (W 4-byte words a block) in the kernels' group order: per group of
+    8 blocks, W vectors of 8 lanes, lane j of vector k block j's word k; the last ``nb % 8``
+    blocks the same vectors cut to their lanes. ``[n, nb * W * 4]``."""
+    n, nb, W, _ = words.shape
+    G, t = divmod(nb, 8)
+    full = words[:, :8 * G].reshape(n, G, 8, W, 4).transpose(0, 1, 3, 2, 4).reshape(n, G * 32 * W)
+    tail = words[:, 8 * G:].transpose(0, 2, 1, 3).reshape(n, t * 4 * W)
+    return np.concatenate([full, tail], axis=1)
+
+
+def q4_rows(blocks: np.ndarray, zeros: np.ndarray) -> np.ndarray:
+    """Rows of 21 bytes a block, as ``step.c`` streams them: ``d[nb]`` fp16, ``m[nb]`` fp16,
+    ``z[nb]``, then the GGUF's code bytes ``qs`` (low nibbles elements 0-15, high 16-31) by
+    ``lanes``. The same bytes as the blocks and zero points, in another order."""
+    n, nb = blocks.shape
+    d = np.ascontiguousarray(blocks["d"]).view(np.uint8).reshape(n, 2 * nb)
+    m = np.ascontiguousarray(blocks["m"]).view(np.uint8).reshape(n, 2 * nb)
+    codes = lanes(np.ascontiguousarray(blocks["qs"]).reshape(n, nb, 4, 4))
+    return np.concatenate([d, m, zeros.reshape(n, nb).astype(np.uint8), codes], axis=1)
+
+
+def q8_rows(blocks: np.ndarray) -> np.ndarray:
+    """The head's rows, 34 bytes a block: ``d[nb]`` fp16, then the codes + 128 (unsigned) by
+    ``lanes``."""
+    n, nb = blocks.shape
+    d = np.ascontiguousarray(blocks["d"]).view(np.uint8).reshape(n, 2 * nb)
+    u = (blocks["qs"].astype(np.int16) + 128).astype(np.uint8).reshape(n, nb, 8, 4)
+    return np.concatenate([d, lanes(u)], axis=1)
+
+
 def q8_blocks(qw: QWeight) -> np.ndarray:
     n, k = qw.shape
     out = np.empty((n, k // BLOCK), Q8_0)
@@ -51,7 +84,7 @@ def q8_blocks(qw: QWeight) -> np.ndarray:
     return out
 
 
-FORMAT = "twophase-native/1"
+FORMAT = "twophase-native/2"     # 2: rows in the kernels' lane order
 
 
 def manifest(spec: ModelSpec) -> dict:
@@ -77,7 +110,7 @@ def pack(spec: ModelSpec, folder: Path) -> None:
            "attn_norm": np.stack([sd[f"layers.{i}.attn_norm.weight"] for i in range(L)]),
            "mlp_norm": np.stack([sd[f"layers.{i}.mlp_norm.weight"] for i in range(L)])}
     for name in PROJECTIONS:
-        parts = {"blocks": [], "zeros": [], "idx": [], "cols": []}
+        parts = {"rows": [], "idx": [], "cols": []}
         for i in range(L):
             key = f"layers.{i}.{name}.weight"
             qw = qweights[key]
@@ -85,15 +118,14 @@ def pack(spec: ModelSpec, folder: Path) -> None:
                 raise ValueError(f"{key}: the native backend runs Q4_1-style weights")
             blocks, zeros = q4_blocks(qw)
             idx = outliers.get(key, np.zeros(0, np.int64)).astype(np.int32)
-            parts["blocks"].append(blocks)
-            parts["zeros"].append(zeros)
+            parts["rows"].append(q4_rows(blocks, zeros))
             parts["idx"].append(idx)
             parts["cols"].append(qw.dequantize()[:, idx].astype(np.float32))
         out.update({f"{name}.{k}": np.stack(v) for k, v in parts.items()})
     head = qweights["lm_head.weight"]
     if head.bits != 8:
         raise ValueError("the native backend runs an 8-bit head")
-    out["head"] = q8_blocks(head)
+    out["head"] = q8_rows(q8_blocks(head))
     for name, a in out.items():
         np.save(folder / f"{name}.npy", np.ascontiguousarray(a))
 
@@ -132,18 +164,18 @@ class NativeWeights:
 
         tables = {}
         for name in PROJECTIONS:
-            blocks = a[f"{name}.blocks"]
-            n, nb, n_out = blocks.shape[1], blocks.shape[2], a[f"{name}.idx"].shape[1]
-            arr = (ProjQ4 * L)(*(ProjQ4(n, nb * BLOCK, n_out, ptr(f"{name}.blocks", i), ptr(f"{name}.zeros", i),
-                                        ptr(f"{name}.idx", i), ptr(f"{name}.cols", i)) for i in range(L)))
+            rows = a[f"{name}.rows"]
+            n, nb, n_out = rows.shape[1], rows.shape[2] // 21, a[f"{name}.idx"].shape[1]
+            arr = (ProjQ4 * L)(*(ProjQ4(n, nb * BLOCK, n_out, ptr(f"{name}.rows", i), ptr(f"{name}.idx", i),
+                                        ptr(f"{name}.cols", i)) for i in range(L)))
             tables[name] = arr
         head = a["head"]
         if head.shape[0] != arch.vocab_size or a["embed"].shape != (arch.vocab_size, arch.hidden_size) \
-                or head.shape[1] * BLOCK != arch.hidden_size:
+                or head.shape[1] * BLOCK != 34 * arch.hidden_size:
             raise ValueError(f"packed weights in {folder} do not match the model's shapes")
         model = Model(L, arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
                       arch.intermediate_size, arch.vocab_size, arch.rms_norm_eps,
                       ptr("embed"), ptr("attn_norm"), ptr("mlp_norm"), ptr("final_norm"), ptr("inv_freq"),
                       *(ctypes.cast(tables[n], ctypes.POINTER(ProjQ4)) for n in PROJECTIONS),
-                      ProjQ8(head.shape[0], head.shape[1] * BLOCK, ptr("head")))
+                      ProjQ8(head.shape[0], arch.hidden_size, ptr("head")))
         return cls(model, a, list(tables.values()))
