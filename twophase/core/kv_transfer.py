@@ -288,3 +288,27 @@ def layout_of(pool: torch.Tensor) -> KVLayout:
     """The layout of a pool ``[layers, 2, num_blocks, kv_heads, block_size, head_dim]``."""
     layers, _, _, heads, block_size, head_dim = pool.shape
     return KVLayout(layers, heads, head_dim, block_size, str(pool.dtype).removeprefix("torch."))
+
+
+class LocalTransport:
+    """Peers in this process (tests, and a split without Ray): a pull is a copy between pools.
+    ``fail`` (a message) makes every pull fail, as a dead peer's would."""
+
+    def __init__(self, peers: dict[str, KVConnector] | None = None):
+        self.peers = dict(peers or {})
+        self.fail: str | None = None
+        self.hold = False                    # pulls never arrive (a stalled peer)
+
+    def fetch(self, params: KVTransferParams) -> Any:
+        if self.fail is not None:
+            raise ConnectionError(self.fail)
+        peer = self.peers[str(params.remote_engine_id)]
+        return peer.read(str(params.remote_request_id))
+
+    def poll(self, ticket: Any) -> torch.Tensor | None:
+        return None if self.hold else ticket
+
+    def ack(self, params: KVTransferParams) -> None:
+        peer = self.peers.get(str(params.remote_engine_id))
+        if peer is not None:
+            peer.release(str(params.remote_request_id))
