@@ -60,6 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, help="default: server.port (8000)")
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: "
                                          "server.api_key or $TWOPHASE_API_KEY)")
+    ray = serve.add_argument_group("on Ray (pip install 'twophase[cluster]'; docs/cluster.md)")
+    ray.add_argument("--replicas", type=int, help="engine replicas behind the endpoint (cluster.replicas)")
+    ray.add_argument("--prefill-workers", type=int, help="disaggregated: prefill workers "
+                                                         "(cluster.prefill_workers)")
+    ray.add_argument("--decode-workers", type=int, help="disaggregated: decode workers "
+                                                        "(cluster.decode_workers)")
     cal = sub.add_parser("calibrate", help="measure (and cache) this device's matmul peak and "
                                            "memory bandwidth, the roofline's ceilings")
     cal.add_argument("--device", default="cpu")

@@ -59,6 +59,9 @@ def overrides(args: argparse.Namespace, data: dict[str, Any]) -> dict[str, Any]:
         o["backend"] = {**o.get("backend", {}), **({k: threads for k in phases} or threads)}
     if args.max_tokens is not None:
         o["sampling"] = {"max_tokens": args.max_tokens}
+    for flag in ("replicas", "prefill_workers", "decode_workers"):
+        if getattr(args, flag, None) is not None:
+            o.setdefault("cluster", {})[flag] = getattr(args, flag)
     if getattr(args, "prompt", None):
         o["workload"] = {"prompts": args.prompt, "jsonl": None, "synthetic": None}
     return o

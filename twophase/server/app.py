@@ -2,7 +2,8 @@
 ``/v1/chat/completions`` (both streaming as server-sent events), ``/v1/models``, ``/health``,
 ``/metrics`` (Prometheus). One module per endpoint; this one assembles them.
 
-Every request goes through ``EngineLoop``, so concurrent clients batch together. Bad input gets
+Every request goes through a ``Loop`` (one engine's ``EngineLoop``, or ``ClusterLoop`` over
+engines on Ray), so concurrent clients batch together. Bad input gets
 an OpenAI error object with status 400; past the queue limit a request gets 503; nothing a
 client sends can crash the engine.
 """
@@ -19,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from twophase.server import chat, completions, info
 from twophase.server import protocol as P
-from twophase.server.loop import EngineLoop
+from twophase.server.loop import EngineLoop, Loop
 from twophase.server.metrics import ServerMetrics
 from twophase.server.middleware import Gate
 from twophase.server.state import ServerState
@@ -28,8 +29,9 @@ from twophase.server.state import ServerState
 def create_app(llm, model_name: str, api_key: str | None = None, max_queue: int = 256,
                default_max_tokens: int = 256, max_body_bytes: int = 4 << 20,
                on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
-    """The app over ``llm``. ``on_fatal`` is called (on the engine's thread) if the engine
-    stops for good; ``twophase serve`` then shuts the server down and exits non-zero."""
+    """The app over ``llm``, in this process. ``on_fatal`` is called (on the engine's thread)
+    if the engine stops for good; ``twophase serve`` then shuts the server down and exits
+    non-zero."""
     metrics = ServerMetrics()
     metrics.kv_total.set(llm.engine.kv.pool.num_blocks)
     metrics.loaded(llm.memory)
@@ -37,6 +39,15 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_queue: int 
     loop = EngineLoop(llm, max_queue, on_step=metrics.step, on_finish=metrics.finished,
                       on_change=lambda: metrics.refresh(engine.scheduler, engine.kv),
                       on_fatal=on_fatal)
+    return build_app(loop, llm.tokenizer, metrics, model_name, api_key, default_max_tokens,
+                     max_body_bytes)
+
+
+def build_app(loop: Loop, tokenizer, metrics: ServerMetrics, model_name: str,
+              api_key: str | None = None, default_max_tokens: int = 256,
+              max_body_bytes: int = 4 << 20) -> FastAPI:
+    """The HTTP layer over any ``Loop``: one engine here (``EngineLoop``) or engines on Ray
+    (``twophase.cluster.frontend.ClusterLoop``)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -44,8 +55,8 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_queue: int 
         loop.close()
 
     app = FastAPI(title="twophase", lifespan=lifespan)
-    app.state.server = ServerState(llm, loop, metrics, model_name, default_max_tokens)
-    app.state.loop, app.state.metrics, app.state.llm = loop, metrics, llm
+    app.state.server = ServerState(tokenizer, loop, metrics, model_name, default_max_tokens)
+    app.state.loop, app.state.metrics = loop, metrics
     _add_error_handlers(app)
     routes = [r for module in (info, completions, chat) for r in module.router.routes]
     app.add_middleware(Gate, api_key=api_key, metrics=metrics, routes=routes,

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from twophase.server import protocol as P
 from twophase.server.state import state_of
@@ -24,7 +26,9 @@ async def health(request: Request):
 
 @router.get("/metrics")
 async def prometheus(request: Request):
-    return Response(generate_latest(state_of(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    metrics = state_of(request).metrics
+    body = await asyncio.to_thread(metrics.exposition)      # replicas' figures come over Ray
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
 def _model(name: str) -> dict:

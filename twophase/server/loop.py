@@ -24,7 +24,7 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from twophase.core.engine import check_text
 from twophase.core.kv_transfer import KVTransferParams
@@ -50,8 +50,8 @@ class EngineStopped(EngineError):
 class Handle:
     """One request's stream on the asyncio side."""
 
-    def __init__(self, owner: EngineLoop, request_id: str):
-        self.owner, self.request_id = owner, request_id
+    def __init__(self, request_id: str, on_abort: Callable[[], None]):
+        self.request_id, self.on_abort = request_id, on_abort
         self.items: asyncio.Queue = asyncio.Queue()
         self.done = False
         self._first: Any = None
@@ -79,7 +79,7 @@ class Handle:
         """Stop the request now and free its KV blocks (the client went away)."""
         if not self.done:
             self.done = True
-            self.owner._commands.put(("abort", self.request_id))
+            self.on_abort()
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,31 @@ class Finished:
     @property
     def reason(self) -> str | None:
         return self.output.finish_reason
+
+
+class Loop(Protocol):
+    """What the HTTP layer needs of the engines behind it (``EngineLoop``: one, here;
+    ``twophase.cluster.frontend.ClusterLoop``: several, on Ray)."""
+
+    fatal: BaseException | None
+
+    @property
+    def in_flight(self) -> int: ...
+
+    @property
+    def alive(self) -> bool: ...
+
+    async def prepare(self, prompt: str | list[int], params: SamplingParams) -> list[int]: ...
+
+    def submit(self, prompt: str | list[int], params: SamplingParams) -> Handle: ...
+
+    def call(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` on the engine's thread between steps (what must not race a step)."""
+        self._commands.put(("call", fn))
+
+    def fail_all(self, message: str) -> None: ...
+
+    def close(self, timeout: float = 10.0) -> bool: ...
 
 
 class EngineLoop:
@@ -175,7 +200,8 @@ class EngineLoop:
                 raise Overloaded(f"{self._in_flight} requests in flight (server.max_queue = "
                                  f"{self.max_queue}); retry later")
             self._in_flight += 1
-        handle = Handle(self, f"req-{next(self._ids)}")
+        request_id = f"req-{next(self._ids)}"
+        handle = Handle(request_id, lambda: self._commands.put(("abort", request_id)))
 
         def sink(item: Any) -> None:
             try:
@@ -186,6 +212,10 @@ class EngineLoop:
         self._commands.put(("add", handle.request_id, prompt, params, sink, kv_transfer,
                             tuple(first_token_ids)))
         return handle
+
+    def call(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` on the engine's thread between steps (what must not race a step)."""
+        self._commands.put(("call", fn))
 
     def fail_all(self, message: str) -> None:
         """End every open request with an error (shutdown past its deadline)."""
@@ -245,6 +275,8 @@ class EngineLoop:
             self._end(cmd[1])
         elif cmd[0] == "fail_all":
             self._fail_open(cmd[1])
+        elif cmd[0] == "call":
+            self._safely(cmd[1])
 
     def _step(self) -> None:
         try:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 MEMORY = {"kv_cache_bytes": "bytes of the KV pool", "kv_tokens": "tokens the KV pool holds",
           "max_concurrency": "sequences of max_model_len tokens the KV pool holds at once",
@@ -16,7 +18,9 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 class ServerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, extra: Callable[[], str] | None = None) -> None:
+        """``extra``: more exposition text for ``/metrics`` (the replicas' engines, labelled)."""
+        self.extra = extra
         r = self.registry = CollectorRegistry()
         self.requests = Counter("twophase_requests", "HTTP requests by route and status",
                                 ["route", "status"], registry=r)
@@ -46,6 +50,11 @@ class ServerMetrics:
         self.kv_used = Gauge("twophase_kv_blocks_used", "KV blocks held by requests", registry=r)
         self.kv_total = Gauge("twophase_kv_blocks_total", "KV blocks in the pool", registry=r)
         self.memory = {key: Gauge(f"twophase_{key}", what, registry=r) for key, what in MEMORY.items()}
+
+    def exposition(self) -> bytes:
+        """What ``/metrics`` answers."""
+        text = generate_latest(self.registry)
+        return text + self.extra().encode() if self.extra is not None else text
 
     def loaded(self, memory: dict[str, int]) -> None:
         """What the memory is for, as the start-up log line says it (``LLM.memory``)."""

@@ -56,9 +56,6 @@ def serve(cfg: Config, host: str, port: int, api_key: str | None) -> int:
     check_installed()
     import uvicorn
 
-    from twophase.llm import LLM
-    from twophase.server.app import create_app
-
     sv = cfg.server
     if not api_key and not is_loopback(host):
         log.warning("serving on %s without an API key: anyone who can reach this address can use "
@@ -72,12 +69,9 @@ def serve(cfg: Config, host: str, port: int, api_key: str | None) -> int:
         if server is not None:
             server.should_exit = True
 
-    llm = LLM(cfg)
+    app, name, close = (_cluster_app if cfg.cluster.enabled else _local_app)(cfg, api_key, on_fatal)
     stopped = True
     try:
-        name = sv.model_name or llm.model.model_id
-        app = create_app(llm, name, api_key, sv.max_queue, sv.default_max_tokens, sv.max_body_bytes,
-                         on_fatal=on_fatal)
         config = uvicorn.Config(app, log_level="warning",
                                 timeout_graceful_shutdown=int(sv.shutdown_timeout_s) + 5)
         server = _server(config, app.state.loop, sv.shutdown_timeout_s)
@@ -90,13 +84,55 @@ def serve(cfg: Config, host: str, port: int, api_key: str | None) -> int:
         finally:
             stopped = app.state.loop.close()       # also where uvicorn skipped its lifespan
     finally:
+        close(stopped)
+    if fatal:
+        raise TwophaseError(f"the engine stopped: {fatal[0]}")
+    return 0
+
+
+def _local_app(cfg: Config, api_key: str | None, on_fatal):
+    """One engine in this process: the app, the served name, and how to close it."""
+    from twophase.llm import LLM
+    from twophase.server.app import create_app
+
+    sv = cfg.server
+    llm = LLM(cfg)
+    try:
+        name = sv.model_name or llm.model.model_id
+        app = create_app(llm, name, api_key, sv.max_queue, sv.default_max_tokens, sv.max_body_bytes,
+                         on_fatal=on_fatal)
+    except BaseException:
+        llm.close()
+        raise
+
+    def close(stopped: bool) -> None:
         if stopped:                                 # never close backends under a running step
             llm.close()
         else:
             log.warning("the engine is still in a step; its backends are left to the process exit")
-    if fatal:
-        raise TwophaseError(f"the engine stopped: {fatal[0]}")
-    return 0
+
+    return app, name, close
+
+
+def _cluster_app(cfg: Config, api_key: str | None, on_fatal):
+    """Engines on Ray (``[cluster]``) behind the same app."""
+    from twophase.cluster import launch
+    from twophase.cluster.frontend import ClusterLoop
+    from twophase.server.app import build_app
+    from twophase.server.metrics import ServerMetrics
+
+    sv = cfg.server
+    cluster = launch.start(cfg)
+    try:
+        info = cluster.info
+        name = sv.model_name or info["model_id"]
+        loop = ClusterLoop(cluster, cluster.tokenizer(), info["max_model_len"], sv.max_queue)
+        app = build_app(loop, loop.tokenizer, ServerMetrics(extra=cluster.metrics_text), name,
+                        api_key, sv.default_max_tokens, sv.max_body_bytes)
+    except BaseException:
+        cluster.shutdown()
+        raise
+    return app, name, lambda stopped: cluster.shutdown()
 
 
 def _server(config, loop, deadline_s: float):

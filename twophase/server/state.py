@@ -8,22 +8,18 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 
 if TYPE_CHECKING:
-    from twophase.llm import LLM
-    from twophase.server.loop import EngineLoop
+    from twophase.models.tokenizer import Tokenizer
+    from twophase.server.loop import Loop
     from twophase.server.metrics import ServerMetrics
 
 
 @dataclass
 class ServerState:
-    llm: LLM
-    loop: EngineLoop
+    tokenizer: Tokenizer | None
+    loop: Loop
     metrics: ServerMetrics
     model_name: str
     default_max_tokens: int
-
-    @property
-    def tokenizer(self):
-        return self.llm.tokenizer
 
 
 def state_of(request: Request) -> ServerState:

@@ -1,0 +1,210 @@
+"""``ClusterLoop``: what the HTTP layer talks to when the engines run on Ray. It keeps the
+interface of ``EngineLoop`` (``twophase.server.loop.Loop``), so ``twophase.server.app`` serves a
+cluster with the same routes, streaming, errors and limits as one engine.
+
+Replicas: each request goes to the Serve deployment, whose router picks the replica.
+Disaggregated: the request runs on a prefill worker with ``max_tokens = 1`` and
+``do_remote_decode`` (the first token streams to the client at once); then on a decode worker
+with the ``kv_transfer_params`` the prefill worker returned, which pulls the prompt's blocks and
+decodes the rest. A client that goes away aborts the request on whichever worker has it and
+releases the prefill worker's lease; a worker that dies ends its requests with an error."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import math
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+from twophase.cluster.host import Failure, Job
+from twophase.core.engine import check_text
+from twophase.core.kv_transfer import KVTransferParams
+from twophase.core.outputs import Delta, RequestOutput
+from twophase.core.params import SamplingParams
+from twophase.errors import RequestRejected
+from twophase.server.loop import EngineError, EngineStopped, Finished, Handle, Overloaded
+
+if TYPE_CHECKING:
+    from twophase.cluster.launch import Cluster
+    from twophase.models.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+FAILURES = {"rejected": RequestRejected, "overloaded": Overloaded, "stopped": EngineStopped,
+            "engine": EngineError}
+
+
+class ClusterLoop:
+    def __init__(self, cluster: Cluster, tokenizer: Tokenizer | None, max_model_len: int,
+                 max_queue: int):
+        self.cluster, self.tokenizer = cluster, tokenizer
+        self.max_model_len, self.max_queue = max_model_len, max_queue
+        self.fatal: BaseException | None = None
+        self._closed = False
+        self._in_flight = 0
+        self._ids = itertools.count()
+        self._prefix = uuid.uuid4().hex[:8]
+        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed
+
+    def close(self, timeout: float = 10.0) -> bool:
+        self._closed = True
+        for t in list(self._tasks):
+            t.cancel()
+        return True
+
+    def fail_all(self, message: str) -> None:
+        for t in list(self._tasks):
+            t.cancel(message)
+
+    async def prepare(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        return await asyncio.to_thread(self._prepare, prompt, params)
+
+    def _prepare(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """Token ids, and the limit every worker shares; the rest is the worker's to check."""
+        limit = self.max_model_len - params.max_tokens
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestRejected("this model has no tokenizer: give the prompt as token ids")
+            fewest = math.ceil(len(prompt) / self.tokenizer.max_token_chars)
+            if fewest > limit:
+                raise RequestRejected(f"the prompt ({len(prompt)} characters, so at least {fewest} "
+                                      f"tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                                      f"model's context of {self.max_model_len} tokens")
+            prompt = self.tokenizer.encode(check_text(prompt))
+        if len(prompt) > limit:
+            raise RequestRejected(f"the prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) "
+                                  f"exceeds the model's context of {self.max_model_len} tokens "
+                                  f"(model.max_model_len)")
+        return list(prompt)
+
+    def submit(self, prompt: str | list[int], params: SamplingParams) -> Handle:
+        if self._closed:
+            raise EngineStopped("the server is shutting down")
+        if self._in_flight >= self.max_queue:
+            raise Overloaded(f"{self._in_flight} requests in flight (server.max_queue = "
+                             f"{self.max_queue}); retry later")
+        assert not isinstance(prompt, str), "prepare() first"
+        job = Job(f"{self._prefix}-{next(self._ids)}", list(prompt), params)
+        task: asyncio.Task | None = None
+        handle = Handle(job.request_id, lambda: task.cancel() if task is not None else None)
+        self._in_flight += 1
+        task = asyncio.get_running_loop().create_task(self._drive(job, handle))
+        self._tasks.add(task)
+        return handle
+
+    async def _drive(self, job: Job, handle: Handle) -> None:
+        put = handle.items.put_nowait
+        try:
+            if self.cluster.disaggregated:
+                await self._disaggregated(job, put)
+            else:
+                await self._replica(job, put)
+        except asyncio.CancelledError:
+            put(EngineStopped("the server is shutting down"))      # read only at shutdown
+        except Exception as exc:
+            log.exception("request %s failed", job.request_id)
+            put(EngineError(f"the request failed: {exc}"))
+        finally:
+            self._in_flight -= 1
+            self._tasks.discard(asyncio.current_task())  # type: ignore[arg-type]
+
+    async def _replica(self, job: Job, put) -> None:
+        stream = self.cluster.handle.options(stream=True).generate.remote(job)
+        try:
+            async for item in stream:
+                if not _emit(item, put):
+                    return
+        except asyncio.CancelledError:
+            stream.cancel()
+            raise
+        except ray.exceptions.RayError as exc:
+            put(EngineError(f"the replica serving this request failed: {_reason(exc)}"))
+
+    async def _disaggregated(self, job: Job, put) -> None:
+        prefill = self.cluster.pick("prefill")
+        first_params = dataclasses.replace(job.params, max_tokens=1, min_tokens=0)
+        first = await self._one(prefill, dataclasses.replace(
+            job, params=first_params, kv_transfer=KVTransferParams(do_remote_decode=True)), put, "prefill")
+        if first is None:
+            return
+        out = first.output
+        assert out is not None
+        kv = out.kv_transfer_params
+        if out.finish_reason != "length" or job.params.max_tokens == 1 or not kv:
+            if kv:
+                prefill.release_kv.remote(kv["remote_request_id"])
+            put(first)
+            put(Finished(out))
+            return
+        put(dataclasses.replace(first, finish_reason=None, output=None))
+        decode = self.cluster.pick("decode")
+        rest = dataclasses.replace(job, kv_transfer=KVTransferParams.from_dict(kv),
+                                   first_token_ids=tuple(first.token_ids))
+        try:
+            await self._one(decode, rest, put, "decode", lambda d: _joined(out, d))
+        finally:          # acknowledged by the decode side already, unless it failed or died
+            prefill.release_kv.remote(kv["remote_request_id"])
+
+    async def _one(self, worker: Any, job: Job, put, role: str, finish=None) -> Delta | None:
+        """Stream ``job`` on ``worker``: its deltas go to the client (only the last one's output
+        goes through ``finish``, which returns the output to send); returns the last delta, or
+        None if the request ended without output (an error was put)."""
+        self.cluster.busy[worker] += 1
+        try:
+            last = None
+            async for ref in worker.generate.options(num_returns="streaming").remote(job):
+                item = await ref
+                if isinstance(item, Failure):
+                    put(FAILURES.get(item.kind, EngineError)(item.message))
+                    return None
+                last = item
+                if finish is None:
+                    continue                      # the prefill's one delta: the caller decides
+                if item.output is not None:
+                    item = dataclasses.replace(item, output=finish(item.output))
+                _emit(item, put)
+            return last
+        except asyncio.CancelledError:
+            worker.abort.remote(job.request_id)
+            raise
+        except ray.exceptions.RayError as exc:
+            put(EngineError(f"the {role} worker failed: {_reason(exc)}"))
+            return None
+        finally:
+            self.cluster.busy[worker] -= 1
+
+
+def _emit(item: Any, put) -> bool:
+    """Hand one worker item to the client's handle; False once the request has ended."""
+    if isinstance(item, Failure):
+        put(FAILURES.get(item.kind, EngineError)(item.message))
+        return False
+    put(item)
+    if item.output is not None:
+        put(Finished(item.output))
+        return False
+    return True
+
+
+def _joined(first: RequestOutput, rest: RequestOutput) -> RequestOutput:
+    """The whole request: the prefill worker's first token, then the decode worker's."""
+    return dataclasses.replace(rest, prompt=first.prompt, token_ids=first.token_ids + rest.token_ids,
+                               text=first.text + rest.text, logprobs=first.logprobs + rest.logprobs,
+                               kv_transfer_params=None)
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

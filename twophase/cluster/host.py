@@ -1,0 +1,147 @@
+"""One engine in a Ray worker: an ``LLM`` and its ``EngineLoop``, as a replica of the Serve
+deployment or as a prefill or decode worker. Everything it sends back is a value: ``Delta``s,
+and a ``Failure`` in place of an exception (an exception would reach the caller wrapped in
+Ray's error types)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from twophase.cluster.board import POST_EVERY_S
+from twophase.config import Config
+from twophase.core.kv_transfer import KVTransferParams
+from twophase.core.params import SamplingParams
+from twophase.errors import RequestRejected
+from twophase.server.loop import EngineLoop, EngineStopped, Finished, Handle, Overloaded
+from twophase.server.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a request ended without its output: ``kind`` is "rejected" (its own fault),
+    "overloaded", "stopped" or "engine"."""
+
+    kind: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Job:
+    """One request for a worker."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    kv_transfer: KVTransferParams | None = None
+    first_token_ids: tuple[int, ...] = ()
+
+
+class EngineHost:
+    def __init__(self, config: Config, name: str, threads: int | None = None,
+                 transport: Any = None, board: Any = None):
+        if threads:
+            torch.set_num_threads(threads)
+        from twophase.llm import LLM
+
+        self.name = name
+        self.llm = LLM(config)
+        engine = self.llm.engine
+        engine.connector.engine_id = name
+        engine.connector.transport = transport
+        m = self.metrics = ServerMetrics()
+        m.kv_total.set(engine.kv.pool.num_blocks)
+        m.loaded(self.llm.memory)
+        self.loop = EngineLoop(self.llm, config.server.max_queue, on_step=m.step, on_finish=m.finished,
+                               on_change=lambda: m.refresh(engine.scheduler, engine.kv))
+        self._handles: dict[str, tuple[Handle, asyncio.AbstractEventLoop]] = {}   # by caller's id
+        if board is not None:
+            threading.Thread(target=self._post_metrics, args=(board,), daemon=True,
+                             name="twophase-metrics").start()
+
+    def describe(self) -> dict[str, Any]:
+        """What the frontend checks and routes by."""
+        c = self.llm.engine.connector
+        return {"name": self.name, "layout": c.layout, "max_model_len": self.llm.max_model_len,
+                "block_size": self.llm.config.cache.block_size, "model_id": self.llm.model.model_id}
+
+    async def generate(self, job: Job) -> AsyncIterator[Any]:
+        """The request's ``Delta``s (the last carries its output), or one ``Failure``."""
+        try:
+            handle = self.loop.submit(job.prompt_token_ids, job.params, job.kv_transfer,
+                                      job.first_token_ids)
+        except Overloaded as exc:
+            yield Failure("overloaded", str(exc))
+            return
+        except EngineStopped as exc:
+            yield Failure("stopped", str(exc))
+            return
+        self._handles[job.request_id] = (handle, asyncio.get_running_loop())
+        try:
+            while True:
+                try:
+                    item = await handle.next()
+                except RequestRejected as exc:
+                    yield Failure("rejected", str(exc))
+                    return
+                except EngineStopped as exc:
+                    yield Failure("stopped", str(exc))
+                    return
+                except Exception as exc:
+                    yield Failure("engine", str(exc))
+                    return
+                if isinstance(item, Finished):
+                    return
+                yield item
+        finally:                    # also when the caller cancels (its client went away)
+            handle.abort()
+            self._handles.pop(job.request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request by the caller's id (the caller's own cancel may not reach us)."""
+        entry = self._handles.get(request_id)
+        if entry is not None:
+            handle, loop = entry
+            handle.abort()
+            loop.call_soon_threadsafe(handle.items.put_nowait, EngineStopped("aborted"))
+
+    def read_kv(self, lease_id: str):
+        """A leased prompt's blocks (numpy: the object store holds it without a copy)."""
+        return self.llm.engine.connector.read(lease_id).numpy()
+
+    def release_kv(self, lease_id: str) -> None:
+        connector = self.llm.engine.connector
+        self.loop.call(lambda: connector.release(lease_id))
+
+    def kv_state(self) -> dict[str, int]:
+        """Blocks held by requests and by leases (tests check both return to zero)."""
+        e = self.llm.engine
+        return {"used_blocks": e.kv.num_used_blocks, "leased_blocks": e.connector.num_leased_blocks,
+                "in_flight": self.loop.in_flight}
+
+    def metrics_text(self) -> str:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.metrics.registry).decode()
+
+    def _post_metrics(self, board: Any) -> None:
+        """Post this worker's figures to the board while it runs (``board.py``)."""
+        while self.loop.alive:
+            try:
+                board.post.remote(self.name, self.metrics_text())
+            except Exception:
+                log.exception("posting metrics failed")
+            time.sleep(POST_EVERY_S)
+
+    def close(self) -> None:
+        if self.loop.close():
+            self.llm.close()

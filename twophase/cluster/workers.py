@@ -1,0 +1,62 @@
+"""The Ray shells around ``EngineHost``: a Serve deployment for replicas (Serve routes to them,
+checks their health and replaces one that dies) and a plain actor for prefill and decode
+workers (addressed by name: a decode worker pulls K/V from the prefill worker that holds it)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import ray
+from ray import serve
+
+from twophase.cluster.board import BOARD
+from twophase.cluster.host import EngineHost, Job
+from twophase.cluster.transport import RayTransport
+from twophase.config import Config
+
+
+class _Shell:
+    host: EngineHost
+
+    async def generate(self, job: Job) -> AsyncIterator[Any]:
+        async for item in self.host.generate(job):
+            yield item
+
+    def describe(self) -> dict[str, Any]:
+        return self.host.describe()
+
+    def abort(self, request_id: str) -> None:
+        self.host.abort(request_id)
+
+    def kv_state(self) -> dict[str, int]:
+        return self.host.kv_state()
+
+
+@serve.deployment(name="twophase-engine", health_check_period_s=1.0, health_check_timeout_s=30.0,
+                  graceful_shutdown_timeout_s=5.0)
+class EngineReplica(_Shell):
+    def __init__(self, config: Config, threads: int | None, namespace: str):
+        replica = serve.get_replica_context().replica_id.unique_id
+        self.host = EngineHost(config, f"replica-{replica}", threads,
+                               board=ray.get_actor(BOARD, namespace=namespace))
+
+    def check_health(self) -> None:
+        """Serve replaces a replica whose engine has stopped."""
+        if not self.host.loop.alive:
+            raise RuntimeError(f"the engine has stopped: {self.host.loop.fatal}")
+
+
+class EngineWorker(_Shell):
+    """A prefill worker (keeps prompts' blocks for decode workers) or a decode worker (pulls
+    them: it has a transport)."""
+
+    def __init__(self, config: Config, name: str, threads: int | None, namespace: str, pulls: bool):
+        self.host = EngineHost(config, name, threads, RayTransport(namespace) if pulls else None,
+                               board=ray.get_actor(BOARD, namespace=namespace))
+
+    def read_kv(self, lease_id: str):
+        return self.host.read_kv(lease_id)
+
+    def release_kv(self, lease_id: str) -> None:
+        self.host.release_kv(lease_id)
