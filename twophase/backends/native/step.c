@@ -454,17 +454,27 @@ static inline void prefetch(const uint8_t *from, size_t n, const uint8_t *end) {
    prefetcher alone left the loads waiting (one thread: 126 -> 194 tokens/s at batch 1) */
 #define PREFETCH_BYTES 4096
 
+/* activation rows a pass over the weights takes: a long prefill's rows (their codes and scales)
+   would not stay in a core's L2 over the whole pass */
+#ifndef ROW_CHUNK
+#define ROW_CHUNK 64
+#endif
+
 static void matmul_q4(const proj_q4 *p, int rows, qact a, float *y, int ystride, int accumulate) {
     const int MT = tile_rows(rows), tiles = (p->n + MT - 1) / MT;
     const size_t row = (size_t)21 * (p->k / QK);
     const uint8_t *end = p->w + row * p->n;
-    #pragma omp for schedule(static)
-    for (int i = 0; i < tiles; i++) {
-        const int n0 = i * MT, m = p->n - n0 < MT ? p->n - n0 : MT;
-        prefetch(p->w + n0 * row + PREFETCH_BYTES, MT * row, end);
-        for (int r = 0; r < rows; r += 4)
-            TILE_Q4[m - 1][(rows - r < 4 ? rows - r : 4) - 1](p, n0, a, r, y, ystride, accumulate);
+    for (int r0 = 0; r0 < rows; r0 += ROW_CHUNK) {
+        const int r1 = rows - r0 < ROW_CHUNK ? rows : r0 + ROW_CHUNK;
+        #pragma omp for schedule(static) nowait
+        for (int i = 0; i < tiles; i++) {
+            const int n0 = i * MT, m = p->n - n0 < MT ? p->n - n0 : MT;
+            prefetch(p->w + n0 * row + PREFETCH_BYTES, MT * row, end);
+            for (int r = r0; r < r1; r += 4)
+                TILE_Q4[m - 1][(r1 - r < 4 ? r1 - r : 4) - 1](p, n0, a, r, y, ystride, accumulate);
+        }
     }
+    #pragma omp barrier
 }
 
 static void matmul_q8(const proj_q8 *p, int rows, qact a, float *y) {
@@ -798,3 +808,20 @@ void step(const model_t *m, const step_t *s) {
     }
 }
 
+
+/* for benchmarks: seconds of the fastest of `reps` matmuls of `rows` rows through the tiles */
+double bench_matmul(const proj_q4 *p, int rows, const float *x, float *y, float *scratch, int threads, int reps) {
+    qact a;
+    act_layout(scratch, rows, p->k, &a);
+    for (int r = 0; r < rows; r++)
+        quantize_row(x + (size_t)r * p->k, p->k, p->out_idx, p->n_out, row_of(a, r, p->k));
+    double best = 1e30;
+    for (int i = 0; i < reps; i++) {
+        const double t = omp_get_wtime();
+        #pragma omp parallel num_threads(threads)
+        matmul_q4(p, rows, a, y, p->n, 0);
+        const double dt = omp_get_wtime() - t;
+        if (dt < best) best = dt;
+    }
+    return best;
+}
