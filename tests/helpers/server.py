@@ -23,7 +23,13 @@ def free_port() -> int:
 
 @contextmanager
 def serving(llm: LLM, **kwargs):
-    app = create_app(llm, MODEL, **kwargs)
+    with serving_app(create_app(llm, MODEL, **kwargs)) as (url, app):
+        yield url, app
+
+
+@contextmanager
+def serving_app(app):
+    """Any app (``build_app`` over engines on Ray too) on a free port."""
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -63,6 +63,7 @@ class EngineHost:
         m.loaded(self.llm.memory)
         self.loop = EngineLoop(self.llm, config.server.max_queue, on_step=m.step, on_finish=m.finished,
                                on_change=lambda: m.refresh(engine.scheduler, engine.kv))
+        self.read_delay_s = 0.0
         self._handles: dict[str, tuple[Handle, asyncio.AbstractEventLoop]] = {}   # by caller's id
         if board is not None:
             threading.Thread(target=self._post_metrics, args=(board,), daemon=True,
@@ -114,9 +115,15 @@ class EngineHost:
             handle.abort()
             loop.call_soon_threadsafe(handle.items.put_nowait, EngineStopped("aborted"))
 
-    def read_kv(self, lease_id: str):
+    async def read_kv(self, lease_id: str):
         """A leased prompt's blocks (numpy: the object store holds it without a copy)."""
+        if self.read_delay_s:
+            await asyncio.sleep(self.read_delay_s)
         return self.llm.engine.connector.read(lease_id).numpy()
+
+    def delay_reads(self, seconds: float) -> None:
+        """Fault injection: hold every ``read_kv`` this long (a slow or stalled peer)."""
+        self.read_delay_s = seconds
 
     def release_kv(self, lease_id: str) -> None:
         connector = self.llm.engine.connector
@@ -127,6 +134,10 @@ class EngineHost:
         e = self.llm.engine
         return {"used_blocks": e.kv.num_used_blocks, "leased_blocks": e.connector.num_leased_blocks,
                 "in_flight": self.loop.in_flight}
+
+    def kv_transfers(self) -> list[tuple[int, int, float]]:
+        """(tokens, bytes, seconds) of this worker's recent pulls."""
+        return list(self.llm.engine.connector.transfers)
 
     def metrics_text(self) -> str:
         from prometheus_client import generate_latest

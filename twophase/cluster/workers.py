@@ -37,9 +37,13 @@ class _Shell:
                   graceful_shutdown_timeout_s=5.0)
 class EngineReplica(_Shell):
     def __init__(self, config: Config, threads: int | None, namespace: str):
-        replica = serve.get_replica_context().replica_id.unique_id
-        self.host = EngineHost(config, f"replica-{replica}", threads,
+        replica = serve.get_replica_context().replica_id
+        self.host = EngineHost(config, f"replica-{replica.unique_id}", threads,
                                board=ray.get_actor(BOARD, namespace=namespace))
+        self.actor_name = replica.to_full_id_str()
+
+    def describe(self) -> dict[str, Any]:
+        return {**self.host.describe(), "actor": self.actor_name}
 
     def check_health(self) -> None:
         """Serve replaces a replica whose engine has stopped."""
@@ -55,8 +59,14 @@ class EngineWorker(_Shell):
         self.host = EngineHost(config, name, threads, RayTransport(namespace) if pulls else None,
                                board=ray.get_actor(BOARD, namespace=namespace))
 
-    def read_kv(self, lease_id: str):
-        return self.host.read_kv(lease_id)
+    async def read_kv(self, lease_id: str):
+        return await self.host.read_kv(lease_id)
+
+    def delay_reads(self, seconds: float) -> None:
+        self.host.delay_reads(seconds)
+
+    def kv_transfers(self) -> list[tuple[int, int, float]]:
+        return self.host.kv_transfers()
 
     def release_kv(self, lease_id: str) -> None:
         self.host.release_kv(lease_id)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -134,6 +135,8 @@ class KVConnector:
         self._lock = threading.Lock()          # reads of leased blocks come from other threads
         self._pulls: dict[str, _Pull] = {}
         self._arrived: list[_Pull] = []        # counted computed this step: written by ``load``
+        # (tokens, bytes, seconds) of recent pulls: what the transfer costs (benchmarks)
+        self.transfers: deque[tuple[int, int, float]] = deque(maxlen=1000)
 
     # -- scheduler half: prefill side --------------------------------------------------------
     def request_finished(self, req: Request) -> KVTransferParams | None:
@@ -246,6 +249,9 @@ class KVConnector:
                 log.warning("request %s: %s", rid, why)
                 out.failed.append((p.req, why))
             else:
+                assert p.blocks is not None
+                self.transfers.append((p.params.num_tokens, p.blocks.numel() * p.blocks.element_size(),
+                                       now - p.started))
                 self._arrived.append(p)
                 out.ready.append((p.req, p.params.num_tokens))
         return out

@@ -48,6 +48,11 @@ class ServerMetrics:
         self.waiting = Gauge("twophase_requests_waiting", "requests queued in the scheduler",
                              registry=r)
         self.kv_used = Gauge("twophase_kv_blocks_used", "KV blocks held by requests", registry=r)
+        self.finished_requests = Counter("twophase_requests_finished",
+                                         "requests the engine finished (any reason)", registry=r)
+        self.prefix_hit_rate = Gauge("twophase_prefix_cache_hit_rate",
+                                     "prompt tokens found in the prefix cache, as a fraction",
+                                     registry=r)
         self.kv_total = Gauge("twophase_kv_blocks_total", "KV blocks in the pool", registry=r)
         self.memory = {key: Gauge(f"twophase_{key}", what, registry=r) for key, what in MEMORY.items()}
 
@@ -77,10 +82,14 @@ class ServerMetrics:
         self.running.set(len(scheduler.running))
         self.waiting.set(len(scheduler.waiting))
         self.kv_used.set(kv.num_used_blocks)
+        self.prefix_hit_rate.set(kv.hit_rate)
 
     def finished(self, output) -> None:
         """A request's latencies, from its ``RequestOutput``."""
+        self.finished_requests.inc()
         t = output.times
+        if t is None:
+            return
         if t.ttft is not None:
             self.ttft.observe(t.ttft)
         if t.tpot is not None:
