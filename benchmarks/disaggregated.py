@@ -81,10 +81,9 @@ def transfer_cost(cluster, loop, tokenizer) -> tuple[float, float, float]:
     """(ms, MB, prefill ms) for a 1,000-token prompt through the disaggregated path, alone."""
     import ray
 
-    ids = prompts(tokenizer, 1, seed=99)[0][:1000]
     ttfts = []
-    for _ in range(3):
-        arrival, times = asyncio.run(one(loop, ids, SamplingParams(max_tokens=2, ignore_eos=True), 0))
+    for ids in prompts(tokenizer, 3, seed=99):            # distinct: no prefix-cache hits
+        arrival, times = asyncio.run(one(loop, ids[:1000], SamplingParams(max_tokens=2, ignore_eos=True), 0))
         ttfts.append(times[0] - arrival)
     [decode] = cluster.workers["decode"]
     pulls = [p for p in ray.get(decode.kv_transfers.remote()) if p[0] >= 992][-3:]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import signal
 import socket
 import threading
 
@@ -123,6 +124,7 @@ def _cluster_app(cfg: Config, api_key: str | None, on_fatal):
 
     sv = cfg.server
     cluster = launch.start(cfg)
+    signal.signal(signal.SIGINT, signal.default_int_handler)   # Ray's own would print a traceback
     try:
         info = cluster.info
         name = sv.model_name or info["model_id"]
