@@ -204,7 +204,6 @@ static void quantize_row(const float *x, int k, const int32_t *idx, int n_out, q
     const __m256 sign = _mm256_set1_ps(-0.f);
     const int nb = k / QK, nbp = groups_of(k) * GB;
     for (int i = 0; i < n_out; i++) a.xo[i] = x[idx[i]];
-    if (nb < nbp) memset(a.q + (size_t)(nb / GB) * GB * QK, 0, GB * QK);    /* the short group's empty lanes */
     for (int b = nb; b < nbp; b++) { a.d[b] = a.s[b] = a.e[b] = 0.f; a.u[b] = 0; }
     for (int b = 0; b < nb; b++) {
         float v[QK];
@@ -222,10 +221,14 @@ static void quantize_row(const float *x, int k, const int32_t *idx, int n_out, q
         m = _mm_max_ss(m, _mm_movehdup_ps(m));
         const float d = _mm_cvtss_f32(m) / 127.f, id = d > 0.f ? 1.f / d : 0.f, fsum = hsum8(sum);
         __m256i qsum;
-        int8_t codes[QK];
-        codes_32(v, id, codes, &qsum);
-        int8_t *lane = a.q + (size_t)(b / GB) * GB * QK + (b % GB) * 4;   /* block b's lane */
-        for (int i = 0; i < 8; i++) memcpy(lane + 32 * i, codes + 4 * i, 4);
+        int8_t *group = a.q + (size_t)(b / GB) * GB * QK;
+        if (b >= nb / GB * GB) {
+            codes_32(v, id, group + (b % GB) * QK, &qsum);      /* the short group: in order */
+        } else {
+            int8_t codes[QK];
+            codes_32(v, id, codes, &qsum);
+            for (int i = 0; i < 8; i++) memcpy(group + (b % GB) * 4 + 32 * i, codes + 4 * i, 4);   /* lane b % 8 */
+        }
         const int isum = hsum8i(qsum);
         a.d[b] = d;
         a.s[b] = fsum;
@@ -234,17 +237,34 @@ static void quantize_row(const float *x, int k, const int32_t *idx, int n_out, q
     }
 }
 
-/* the outlier channels' float term, added to a row's accumulators */
-static inline float finish(const proj_q4 *p, int n, const qact *x, __m256 acc, float rest) {
+/* the outlier channels' float term: whole vectors of 8 into the lanes of acc, the rest into *rest */
+static inline __m256 outliers(const proj_q4 *p, int n, const qact *x, __m256 acc, float *rest) {
     const float *ow = p->out_w + (size_t)n * p->n_out;
     int j = 0;
     for (; j + 8 <= p->n_out; j += 8)
         acc = _mm256_fmadd_ps(_mm256_loadu_ps(ow + j), _mm256_loadu_ps(x->xo + j), acc);
-    for (; j < p->n_out; j++) rest += ow[j] * x->xo[j];
-    return hsum8(acc) + rest;
+    float r = 0.f;
+    for (; j < p->n_out; j++) r += ow[j] * x->xo[j];
+    *rest = r;
+    return acc;
 }
 
-static inline void put(float *dst, float v, int accumulate) { *dst = (accumulate ? *dst : 0.f) + v; }
+/* the sums of four vectors' lanes, ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)) each */
+static inline __m128 hsum4x8(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* dst[0..m) (+)= v's first m lanes */
+INLINE void put_m(float *dst, __m128 v, const int m, int accumulate) {
+    if (m == 4) {
+        _mm_storeu_ps(dst, accumulate ? _mm_add_ps(_mm_loadu_ps(dst), v) : v);
+    } else {
+        float t[4];
+        _mm_storeu_ps(t, v);
+        for (int i = 0; i < m; i++) dst[i] = accumulate ? dst[i] + t[i] : t[i];
+    }
+}
 
 typedef struct { const uint8_t *d, *m, *z, *c; } q4row;
 
@@ -260,13 +280,11 @@ INLINE __m256i lanes_below(int t) {
 }
 
 /* group g of the weight rows w[0..M) against the activation rows x[0..N), into acc[i][j]'s lanes
-   (lane l: block 8g + l). t: 0 for a whole group, else the blocks of the short last one. Per
-   (i, j) the same operations whatever M and N, so a row's result does not depend on its tile:
-   the eight blocks' exact integer dots, then acc += idot * (dw * dx), += m * s, += z*dw * e */
-INLINE void group_q4(const q4row *w, const int M, const qact *x, const int N, const int g, const int t,
-                     __m256 acc[4][4]) {
+   (lane l: block 8g + l). Per (i, j) the same operations whatever M and N, so a row's result
+   does not depend on its tile: the eight blocks' exact integer dots, then acc += idot * (dw * dx),
+   += m * s, += z*dw * e */
+INLINE void group_q4(const q4row *w, const int M, const qact *x, const int N, const int g, __m256 acc[4][4]) {
     const __m256i lo = _mm256_set1_epi8(0x0F);
-    const __m256i keep = t ? lanes_below(t) : _mm256_set1_epi32(-1);
     __m256 dv[4], mv[4], zd[4];
     __m256i iacc[4][4];
     #pragma GCC unroll 4
@@ -275,12 +293,6 @@ INLINE void group_q4(const q4row *w, const int M, const qact *x, const int N, co
         mv[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w[i].m + 16 * g)));
         const __m128i z8 = _mm_loadl_epi64((const __m128i *)(w[i].z + 8 * g));
         zd[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(z8)), dv[i]);
-        if (t) {
-            const __m256 kf = _mm256_castsi256_ps(keep);
-            dv[i] = _mm256_and_ps(dv[i], kf);
-            mv[i] = _mm256_and_ps(mv[i], kf);
-            zd[i] = _mm256_and_ps(zd[i], kf);
-        }
         #pragma GCC unroll 4
         for (int j = 0; j < N; j++) iacc[i][j] = _mm256_setzero_si256();
     }
@@ -289,9 +301,7 @@ INLINE void group_q4(const q4row *w, const int M, const qact *x, const int N, co
         __m256i ql[4], qh[4];
         #pragma GCC unroll 4
         for (int i = 0; i < M; i++) {
-            const uint8_t *c = w[i].c + 128 * g;
-            const __m256i P = t ? _mm256_maskload_epi32((const int *)(c + 4 * t * k), keep)
-                                : _mm256_loadu_si256((const __m256i *)(c + 32 * k));
+            const __m256i P = _mm256_loadu_si256((const __m256i *)(w[i].c + 128 * g + 32 * k));
             ql[i] = _mm256_and_si256(P, lo);
             qh[i] = _mm256_and_si256(_mm256_srli_epi16(P, 4), lo);
         }
@@ -320,6 +330,50 @@ INLINE void group_q4(const q4row *w, const int M, const qact *x, const int N, co
     }
 }
 
+/* the row's last t = nb % 8 blocks (G: their group), each in its GGUF order (16 code bytes,
+   low nibbles elements 0-15, high 16-31; the activations' 32 codes in order): a block's integer
+   dot is left as eight lanes of partial sums, scaled by its (dw * dx) and added into acc[i][j]'s
+   lanes; then the minimum's and zero point's terms of the t blocks, their lanes masked */
+INLINE void tail_q4(const q4row *w, const int M, const qact *x, const int N, const int G, const int t,
+                    __m256 acc[4][4]) {
+    const __m256i lo = _mm256_set1_epi8(0x0F);
+    const __m256 keep = _mm256_castsi256_ps(lanes_below(t));
+    __m256 mv[4], zd[4];
+    float dw[4][GB];
+    #pragma GCC unroll 4
+    for (int i = 0; i < M; i++) {
+        const __m256 dv = _mm256_and_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w[i].d + 16 * G))), keep);
+        _mm256_storeu_ps(dw[i], dv);
+        mv[i] = _mm256_and_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w[i].m + 16 * G))), keep);
+        const __m128i z8 = _mm_loadl_epi64((const __m128i *)(w[i].z + 8 * G));
+        zd[i] = _mm256_and_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(z8)), dv), keep);
+    }
+    for (int b = 0; b < t; b++) {
+        __m256i q[4];
+        #pragma GCC unroll 4
+        for (int i = 0; i < M; i++) {
+            const __m128i c = _mm_loadu_si128((const __m128i *)(w[i].c + 128 * G + 16 * b));
+            q[i] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(c, 4), c), lo);
+        }
+        #pragma GCC unroll 4
+        for (int j = 0; j < N; j++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(x[j].q + 256 * G + 32 * b));
+            const __m256 dx = _mm256_broadcast_ss(x[j].d + 8 * G + b);
+            #pragma GCC unroll 4
+            for (int i = 0; i < M; i++) {
+                const __m256 sc = _mm256_mul_ps(_mm256_broadcast_ss(dw[i] + b), dx);
+                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DPBUSD(_mm256_setzero_si256(), q[i], v)), sc, acc[i][j]);
+            }
+        }
+    }
+    #pragma GCC unroll 4
+    for (int j = 0; j < N; j++) {
+        const __m256 s = _mm256_loadu_ps(x[j].s + 8 * G), e = _mm256_loadu_ps(x[j].e + 8 * G);
+        #pragma GCC unroll 4
+        for (int i = 0; i < M; i++) acc[i][j] = _mm256_fmadd_ps(zd[i], e, _mm256_fmadd_ps(mv[i], s, acc[i][j]));
+    }
+}
+
 /* y[r0 + j][n0 + i] (+)= W[n0 + i] . x[r0 + j], i < M, j < N */
 INLINE void tile_q4(const proj_q4 *p, int n0, const int M, qact a, int r0, const int N, float *y,
                     int ystride, int accumulate) {
@@ -335,13 +389,17 @@ INLINE void tile_q4(const proj_q4 *p, int n0, const int M, qact a, int r0, const
     }
     #pragma GCC unroll 4
     for (int j = 0; j < N; j++) x[j] = row_of(a, r0 + j, p->k);
-    for (int g = 0; g < G; g++) group_q4(w, M, x, N, g, 0, acc);
-    if (t) group_q4(w, M, x, N, G, t, acc);
+    for (int g = 0; g < G; g++) group_q4(w, M, x, N, g, acc);
+    if (t) tail_q4(w, M, x, N, G, t, acc);
     #pragma GCC unroll 4
-    for (int i = 0; i < M; i++)
+    for (int j = 0; j < N; j++) {
+        __m256 v[4];
+        float rest[4] = {0.f, 0.f, 0.f, 0.f};
         #pragma GCC unroll 4
-        for (int j = 0; j < N; j++)
-            put(y + (size_t)(r0 + j) * ystride + n0 + i, finish(p, n0 + i, &x[j], acc[i][j], 0.f), accumulate);
+        for (int i = 0; i < 4; i++) v[i] = i < M ? outliers(p, n0 + i, &x[j], acc[i][j], rest + i) : _mm256_setzero_ps();
+        put_m(y + (size_t)(r0 + j) * ystride + n0, _mm_add_ps(hsum4x8(v[0], v[1], v[2], v[3]), _mm_loadu_ps(rest)), M,
+              accumulate);
+    }
 }
 
 typedef struct { const uint8_t *d, *c; } q8row;
@@ -354,15 +412,12 @@ INLINE q8row q8_row(const proj_q8 *p, int n) {
 }
 
 /* the head's group_q4: acc += idot * (dw * dx) */
-INLINE void group_q8(const q8row *w, const int M, const qact *x, const int N, const int g, const int t,
-                     __m256 acc[4][4]) {
-    const __m256i keep = t ? lanes_below(t) : _mm256_set1_epi32(-1);
+INLINE void group_q8(const q8row *w, const int M, const qact *x, const int N, const int g, __m256 acc[4][4]) {
     __m256 dv[4];
     __m256i iacc[4][4];
     #pragma GCC unroll 4
     for (int i = 0; i < M; i++) {
         dv[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w[i].d + 16 * g)));
-        if (t) dv[i] = _mm256_and_ps(dv[i], _mm256_castsi256_ps(keep));
         #pragma GCC unroll 4
         for (int j = 0; j < N; j++) iacc[i][j] = _mm256_setzero_si256();
     }
@@ -370,11 +425,7 @@ INLINE void group_q8(const q8row *w, const int M, const qact *x, const int N, co
     for (int k = 0; k < 8; k++) {
         __m256i q[4];
         #pragma GCC unroll 4
-        for (int i = 0; i < M; i++) {
-            const uint8_t *c = w[i].c + 256 * g;
-            q[i] = t ? _mm256_maskload_epi32((const int *)(c + 4 * t * k), keep)
-                     : _mm256_loadu_si256((const __m256i *)(c + 32 * k));
-        }
+        for (int i = 0; i < M; i++) q[i] = _mm256_loadu_si256((const __m256i *)(w[i].c + 256 * g + 32 * k));
         #pragma GCC unroll 4
         for (int j = 0; j < N; j++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(x[j].q + 256 * g + 32 * k));
@@ -393,6 +444,35 @@ INLINE void group_q8(const q8row *w, const int M, const qact *x, const int N, co
     }
 }
 
+/* the head's tail_q4: the last t blocks' codes signed, in order, each block's dot as eight lanes
+   of partial sums (the sign trick: |q| against v with q's sign) scaled by its (dw * dx) */
+INLINE void tail_q8(const q8row *w, const int M, const qact *x, const int N, const int G, const int t,
+                    __m256 acc[4][4]) {
+    float dw[4][GB];
+    #pragma GCC unroll 4
+    for (int i = 0; i < M; i++)
+        _mm256_storeu_ps(dw[i], _mm256_and_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w[i].d + 16 * G))),
+                                              _mm256_castsi256_ps(lanes_below(t))));
+    for (int b = 0; b < t; b++) {
+        __m256i q[4], aq[4];
+        #pragma GCC unroll 4
+        for (int i = 0; i < M; i++) {
+            q[i] = _mm256_loadu_si256((const __m256i *)(w[i].c + 256 * G + 32 * b));
+            aq[i] = _mm256_sign_epi8(q[i], q[i]);
+        }
+        #pragma GCC unroll 4
+        for (int j = 0; j < N; j++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(x[j].q + 256 * G + 32 * b));
+            const __m256 dx = _mm256_broadcast_ss(x[j].d + 8 * G + b);
+            #pragma GCC unroll 4
+            for (int i = 0; i < M; i++) {
+                const __m256i p = DPBUSD(_mm256_setzero_si256(), aq[i], _mm256_sign_epi8(v, q[i]));
+                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(_mm256_broadcast_ss(dw[i] + b), dx), acc[i][j]);
+            }
+        }
+    }
+}
+
 INLINE void tile_q8(const proj_q8 *p, int n0, const int M, qact a, int r0, const int N, float *y) {
     const int nb = p->k / QK, G = nb / GB, t = nb % GB;
     q8row w[4];
@@ -406,12 +486,15 @@ INLINE void tile_q8(const proj_q8 *p, int n0, const int M, qact a, int r0, const
     }
     #pragma GCC unroll 4
     for (int j = 0; j < N; j++) x[j] = row_of(a, r0 + j, p->k);
-    for (int g = 0; g < G; g++) group_q8(w, M, x, N, g, 0, acc);
-    if (t) group_q8(w, M, x, N, G, t, acc);
+    for (int g = 0; g < G; g++) group_q8(w, M, x, N, g, acc);
+    if (t) tail_q8(w, M, x, N, G, t, acc);
     #pragma GCC unroll 4
-    for (int i = 0; i < M; i++)
+    for (int j = 0; j < N; j++) {
+        __m256 v[4];
         #pragma GCC unroll 4
-        for (int j = 0; j < N; j++) y[(size_t)(r0 + j) * p->n + n0 + i] = hsum8(acc[i][j]);
+        for (int i = 0; i < 4; i++) v[i] = i < M ? acc[i][j] : _mm256_setzero_ps();
+        put_m(y + (size_t)(r0 + j) * p->n + n0, hsum4x8(v[0], v[1], v[2], v[3]), M, 0);
+    }
 }
 
 /* each tile shape its own function, the loops above unrolled for it */
@@ -495,43 +578,59 @@ static void matmul_q8(const proj_q8 *p, int rows, qact a, float *y) {
 
 static float f16_at(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return _cvtsh_ss(h); }
 
-/* byte e4 (0..15) of block b's 16 code bytes in a row of nb blocks, or its 4-byte word w of
-   `words` (4 for q4, 8 for q8) */
-static uint8_t code_byte(const uint8_t *c, int nb, int b, int word, int byte, int words) {
-    const int g = b / GB, j = b % GB, G = nb / GB, t = nb % GB, gbytes = words * 4 * GB;
-    return g < G ? c[(size_t)g * gbytes + 32 * word + 4 * j + byte]
-                 : c[(size_t)G * gbytes + 4 * t * word + 4 * j + byte];
+/* in a row of nb blocks: element e's code of block b (q4: 4-bit; q8: stored byte) and the
+   activation's; whole groups by lanes (vector e/4 of the group, lane b % 8), the short last
+   group's blocks in order */
+static int short_block(int nb, int b) { return b >= nb / GB * GB; }
+
+static int q4_code(const uint8_t *c, int nb, int b, int e) {
+    const size_t g = b / GB, j = b % GB;
+    const int byte = e % 16;
+    const uint8_t v = short_block(nb, b) ? c[g * 128 + 16 * j + byte] : c[g * 128 + 32 * (byte / 4) + 4 * j + byte % 4];
+    return e < 16 ? v & 15 : v >> 4;
 }
 
-static int act_code(const qact *x, int b, int e) {
-    return x->q[(size_t)(b / GB) * GB * QK + 32 * (e / 4) + 4 * (b % GB) + e % 4];
+static int q8_code(const uint8_t *c, int nb, int b, int e) {
+    const size_t g = b / GB, j = b % GB;
+    return short_block(nb, b) ? (int8_t)c[g * 256 + 32 * j + e] : (int)c[g * 256 + 32 * (e / 4) + 4 * j + e % 4] - 128;
 }
 
-static float hsum8_ref(const float *v) {
-    const float t0 = v[0] + v[4], t1 = v[1] + v[5], t2 = v[2] + v[6], t3 = v[3] + v[7];
-    return (t0 + t2) + (t1 + t3);
+static int act_code(const qact *x, int nb, int b, int e) {
+    const size_t g = b / GB, j = b % GB;
+    return short_block(nb, b) ? x->q[g * 256 + 32 * j + e] : x->q[g * 256 + 32 * (e / 4) + 4 * j + e % 4];
+}
+
+static float hsum8_ref(const float *v) { return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7])); }
+
+/* the integer dot of block b, whole or as eight lanes of four elements' partial sums */
+static int block_dot(const uint8_t *c, int q8, int nb, int b, const qact *x, int lane) {
+    int sum = 0;
+    for (int e = lane < 0 ? 0 : 4 * lane; e < (lane < 0 ? QK : 4 * lane + 4); e++)
+        sum += (q8 ? q8_code(c, nb, b, e) : q4_code(c, nb, b, e)) * act_code(x, nb, b, e);
+    return sum;
 }
 
 static float ref_q4(const proj_q4 *p, int n, const qact *x) {
-    const int nb = p->k / QK;
+    const int nb = p->k / QK, G = nb / GB;
     const q4row w = q4_row(p, n);
     float acc[GB] = {0};
-    for (int b = 0; b < groups_of(p->k) * GB; b++) {
-        float d = 0.f, m = 0.f, zd = 0.f;
-        int isum = 0;
-        if (b < nb) {
-            d = f16_at(w.d + 2 * b);
-            m = f16_at(w.m + 2 * b);
-            zd = (float)w.z[b] * d;
-            for (int e = 0; e < QK; e++) {
-                const uint8_t byte = code_byte(w.c, nb, b, (e % 16) / 4, e % 4, 4);
-                isum += (e < 16 ? byte & 15 : byte >> 4) * act_code(x, b, e);
+    for (int g = 0; g < groups_of(p->k); g++) {
+        if (g == G)                                     /* the short group's blocks, lane by lane */
+            for (int b = 8 * G; b < nb; b++)
+                for (int l = 0; l < GB; l++)
+                    acc[l] = fmaf((float)block_dot(w.c, 0, nb, b, x, l), f16_at(w.d + 2 * b) * x->d[b], acc[l]);
+        for (int l = 0; l < GB; l++) {
+            const int b = 8 * g + l;
+            float d = 0.f, m = 0.f, zd = 0.f;
+            if (b < nb) {
+                d = f16_at(w.d + 2 * b);
+                m = f16_at(w.m + 2 * b);
+                zd = (float)w.z[b] * d;
             }
+            if (g < G) acc[l] = fmaf((float)block_dot(w.c, 0, nb, b, x, -1), d * x->d[b], acc[l]);
+            acc[l] = fmaf(m, x->s[b], acc[l]);
+            acc[l] = fmaf(zd, x->e[b], acc[l]);
         }
-        float *l = acc + b % GB;
-        *l = fmaf((float)isum, d * x->d[b], *l);
-        *l = fmaf(m, x->s[b], *l);
-        *l = fmaf(zd, x->e[b], *l);
     }
     const float *ow = p->out_w + (size_t)n * p->n_out;
     int j = 0;
@@ -543,18 +642,13 @@ static float ref_q4(const proj_q4 *p, int n, const qact *x) {
 }
 
 static float ref_q8(const proj_q8 *p, int n, const qact *x) {
-    const int nb = p->k / QK;
+    const int nb = p->k / QK, G = nb / GB;
     const q8row w = q8_row(p, n);
     float acc[GB] = {0};
-    for (int b = 0; b < groups_of(p->k) * GB; b++) {
-        float d = 0.f;
-        int isum = 0;
-        if (b < nb) {
-            d = f16_at(w.d + 2 * b);
-            for (int e = 0; e < QK; e++)
-                isum += ((int)code_byte(w.c, nb, b, e / 4, e % 4, 8) - 128) * act_code(x, b, e);
-        }
-        acc[b % GB] = fmaf((float)isum, d * x->d[b], acc[b % GB]);
+    for (int b = 0; b < nb; b++) {
+        const float sc = f16_at(w.d + 2 * b) * x->d[b];
+        if (b < 8 * G) acc[b % GB] = fmaf((float)block_dot(w.c, 1, nb, b, x, -1), sc, acc[b % GB]);
+        else for (int l = 0; l < GB; l++) acc[l] = fmaf((float)block_dot(w.c, 1, nb, b, x, l), sc, acc[l]);
     }
     return hsum8_ref(acc);
 }

@@ -46,14 +46,13 @@ def q4_blocks(qw: QWeight) -> tuple[np.ndarray, np.ndarray]:
 
 
 def lanes(words: np.ndarray) -> np.ndarray:
-    """``[n, nb, W, 4]`` bytes (W 4-byte words a block) in the kernels' group order: per group of
-    8 blocks, W vectors of 8 lanes, lane j of vector k block j's word k; the last ``nb % 8``
-    blocks the same vectors cut to their lanes. ``[n, nb * W * 4]``."""
+    """``[n, nb, W, 4]`` bytes (W 4-byte words a block) in the kernels' group order: per whole
+    group of 8 blocks, W vectors of 8 lanes, lane j of vector k block j's word k; the last
+    ``nb % 8`` blocks after them as they are. ``[n, nb * W * 4]``."""
     n, nb, W, _ = words.shape
-    G, t = divmod(nb, 8)
+    G = nb // 8
     full = words[:, :8 * G].reshape(n, G, 8, W, 4).transpose(0, 1, 3, 2, 4).reshape(n, G * 32 * W)
-    tail = words[:, 8 * G:].transpose(0, 2, 1, 3).reshape(n, t * 4 * W)
-    return np.concatenate([full, tail], axis=1)
+    return np.concatenate([full, words[:, 8 * G:].reshape(n, -1)], axis=1)
 
 
 def q4_rows(blocks: np.ndarray, zeros: np.ndarray) -> np.ndarray:
@@ -68,12 +67,15 @@ def q4_rows(blocks: np.ndarray, zeros: np.ndarray) -> np.ndarray:
 
 
 def q8_rows(blocks: np.ndarray) -> np.ndarray:
-    """The head's rows, 34 bytes a block: ``d[nb]`` fp16, then the codes + 128 (unsigned) by
-    ``lanes``."""
+    """The head's rows, 34 bytes a block: ``d[nb]`` fp16, then the codes by ``lanes``: + 128
+    (unsigned) in the whole groups, as they are (signed) in the last ``nb % 8`` blocks."""
     n, nb = blocks.shape
     d = np.ascontiguousarray(blocks["d"]).view(np.uint8).reshape(n, 2 * nb)
-    u = (blocks["qs"].astype(np.int16) + 128).astype(np.uint8).reshape(n, nb, 8, 4)
-    return np.concatenate([d, lanes(u)], axis=1)
+    qs = np.ascontiguousarray(blocks["qs"]).view(np.uint8).reshape(n, nb, 32)
+    whole = nb // 8 * 8
+    u = qs.copy()
+    u[:, :whole] ^= 0x80                    # q + 128 as an unsigned byte
+    return np.concatenate([d, lanes(u.reshape(n, nb, 8, 4))], axis=1)
 
 
 def q8_blocks(qw: QWeight) -> np.ndarray:
@@ -84,7 +86,7 @@ def q8_blocks(qw: QWeight) -> np.ndarray:
     return out
 
 
-FORMAT = "twophase-native/2"     # 2: rows in the kernels' lane order
+FORMAT = "twophase-native/3"     # 3: rows in the kernels' lane order, short groups in order
 
 
 def manifest(spec: ModelSpec) -> dict:
