@@ -1,0 +1,40 @@
+"""What is checked before a cluster serves anything, and the router's memory of prefixes."""
+
+from __future__ import annotations
+
+import pytest
+
+from twophase.cluster.board import labelled
+from twophase.cluster.launch import check_layouts
+from twophase.cluster.router import PrefixMap, prefix_keys
+from twophase.core.seams import KVLayout
+from twophase.errors import ConfigError
+
+
+def test_workers_with_different_kv_layouts_are_refused_by_name():
+    a = KVLayout(30, 3, 64, 16, "float32")
+    check_layouts({"prefill-0": {"layout": a}, "decode-0": {"layout": a}})
+    with pytest.raises(ConfigError, match=r"prefill-0 and decode-0 differ \(block_size 16 vs 32, dtype"):
+        check_layouts({"prefill-0": {"layout": a},
+                       "decode-0": {"layout": KVLayout(30, 3, 64, 32, "bfloat16")}})
+
+
+def test_prefix_keys_cover_whole_blocks_and_the_deepest_known_prefix_wins():
+    ids = list(range(100))
+    assert len(prefix_keys(ids, 16, 8)) == 6                 # 99 tokens before the last: 6 blocks
+    assert prefix_keys(ids[:16], 16, 8) == []                # the last token never counts
+    m = PrefixMap()
+    m.record(prefix_keys(ids[:40], 16, 8), "r1")             # 2 blocks went to r1
+    m.record(prefix_keys(ids, 16, 8), "r2")                  # all 6 to r2 (the first 2 now too)
+    other = ids[:33] + [999] * 40
+    assert m.best(prefix_keys(other, 16, 8), {"r1", "r2"}) == "r2"
+    assert m.best(prefix_keys(other, 16, 8), {"r1"}) is None   # r2 gone: nobody holds it
+    m.forget("r2")
+    assert m.best(prefix_keys(ids, 16, 8), {"r1", "r2"}) is None
+
+
+def test_the_workers_metrics_are_labelled_by_worker():
+    text = labelled({"w0": "# HELP x_total a\n# TYPE x_total counter\nx_total 3.0\n",
+                     "w1": "# HELP x_total a\n# TYPE x_total counter\nx_total{k=\"v\"} 4.0\n"})
+    assert 'x_total{replica="w0"} 3.0' in text and 'x_total{k="v",replica="w1"} 4.0' in text
+    assert text.count("# TYPE x counter") == 1           # one family, as Prometheus names it
