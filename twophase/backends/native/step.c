@@ -543,7 +543,23 @@ static inline void prefetch(const uint8_t *from, size_t n, const uint8_t *end) {
 #define ROW_CHUNK 64
 #endif
 
-static void matmul_q4(const proj_q4 *p, int rows, qact a, float *y, int ystride, int accumulate) {
+/* the first bytes of this thread's share of the next projection's rows (n rows of `row` bytes,
+   tiles of MT rows split as schedule(static) splits them), asked for while it waits for the
+   other threads: its stream starts warm */
+typedef struct { const uint8_t *w; int n; size_t row; } next_t;
+
+static void warm(next_t next, int MT) {
+    if (!next.w) return;
+    const int tiles = (next.n + MT - 1) / MT, nt = omp_get_num_threads(), id = omp_get_thread_num();
+    const int q = tiles / nt, rem = tiles % nt, first = id < rem ? (q + 1) * id : q * id + rem;
+    const uint8_t *end = next.w + next.row * next.n;
+    prefetch(next.w + (size_t)first * MT * next.row, PREFETCH_BYTES, end);
+}
+
+static next_t next_q4(const proj_q4 *p) { const next_t n = { p->w, p->n, (size_t)21 * (p->k / QK) }; return n; }
+static next_t next_q8(const proj_q8 *p) { const next_t n = { p->w, p->n, (size_t)34 * (p->k / QK) }; return n; }
+
+static void matmul_q4(const proj_q4 *p, int rows, qact a, float *y, int ystride, int accumulate, next_t next) {
     const int MT = tile_rows(rows), tiles = (p->n + MT - 1) / MT;
     const size_t row = (size_t)21 * (p->k / QK);
     const uint8_t *end = p->w + row * p->n;
@@ -557,6 +573,7 @@ static void matmul_q4(const proj_q4 *p, int rows, qact a, float *y, int ystride,
                 TILE_Q4[m - 1][(r1 - r < 4 ? r1 - r : 4) - 1](p, n0, a, r, y, ystride, accumulate);
         }
     }
+    warm(next, MT);
     #pragma omp barrier
 }
 
@@ -686,7 +703,7 @@ void check_matmul(const void *p, int head, int rows, const float *x, float *fast
     #pragma omp parallel num_threads(threads)
     {
         if (head) matmul_q8(p8, rows, a, fast);
-        else matmul_q4(p4, rows, a, fast, n, 0);
+        else matmul_q4(p4, rows, a, fast, n, 0, (next_t){0});
     }
     for (int r = 0; r < rows; r++) {
         const qact x1 = row_of(a, r, k);
@@ -861,7 +878,7 @@ void step(const model_t *m, const step_t *s) {
         for (int l = 0; l < m->layers; l++) {
             const proj_q4 *qkv = m->qkv + l, *o = m->o + l, *gu = m->gate_up + l, *dn = m->down + l;
             norm_rows(m, x, m->attn_norm + (size_t)l * D, h, R, qkv, a);
-            matmul_q4(qkv, R, a, wide, W, 0);
+            matmul_q4(qkv, R, a, wide, W, 0, next_q4(o));
             #pragma omp for
             for (int r = 0; r < R; r++) {          /* RoPE, then the token's K/V into the pool */
                 float *v = wide + (size_t)r * W;
@@ -881,9 +898,9 @@ void step(const model_t *m, const step_t *s) {
             #pragma omp for
             for (int r = 0; r < R; r++)
                 quantize_row(attn + (size_t)r * D, D, o->out_idx, o->n_out, row_of(a, r, D));
-            matmul_q4(o, R, a, x, D, 1);             /* into the residual */
+            matmul_q4(o, R, a, x, D, 1, next_q4(gu));    /* into the residual */
             norm_rows(m, x, m->mlp_norm + (size_t)l * D, h, R, gu, a);
-            matmul_q4(gu, R, a, wide, W, 0);
+            matmul_q4(gu, R, a, wide, W, 0, next_q4(dn));
             #pragma omp for
             for (int r = 0; r < R; r++) {
                 const float *g = wide + (size_t)r * W, *u = g + F;
@@ -891,7 +908,7 @@ void step(const model_t *m, const step_t *s) {
                 swiglu(g, u, y, F);
                 quantize_row(y, F, dn->out_idx, dn->n_out, row_of(a, r, F));
             }
-            matmul_q4(dn, R, a, x, D, 1);            /* into the residual */
+            matmul_q4(dn, R, a, x, D, 1, l + 1 < m->layers ? next_q4(m->qkv + l + 1) : next_q8(&m->head));
         }
         #pragma omp for
         for (int i = 0; i < s->n_logits; i++) {
@@ -913,7 +930,7 @@ double bench_matmul(const proj_q4 *p, int rows, const float *x, float *y, float 
     for (int i = 0; i < reps; i++) {
         const double t = omp_get_wtime();
         #pragma omp parallel num_threads(threads)
-        matmul_q4(p, rows, a, y, p->n, 0);
+        matmul_q4(p, rows, a, y, p->n, 0, (next_t){0});
         const double dt = omp_get_wtime() - t;
         if (dt < best) best = dt;
     }
