@@ -78,7 +78,8 @@ def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     cc = compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     # -march=native: the build is this CPU's; a cache shared with another CPU must not reuse it
-    key = hashlib.sha256(source + " ".join([cc, version, *FLAGS, *extra_flags, cpu_signature()]).encode()).hexdigest()[:12]
+    build = " ".join([cc, version, *FLAGS, *extra_flags, cpu_signature()])
+    key = hashlib.sha256((source + build).encode()).hexdigest()[:12]
     lib = cache_dir() / "native" / f"step-{key}.so"
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)
