@@ -79,7 +79,7 @@ def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     # -march=native: the build is this CPU's; a cache shared with another CPU must not reuse it
     build = " ".join([cc, version, *FLAGS, *extra_flags, cpu_signature()])
-    key = hashlib.sha256((source + build).encode()).hexdigest()[:12]
+    key = hashlib.sha256(source + build.encode()).hexdigest()[:12]
     lib = cache_dir() / "native" / f"step-{key}.so"
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)
