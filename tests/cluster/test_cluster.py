@@ -112,7 +112,7 @@ def test_a_killed_replica_errors_its_stream_and_the_other_keeps_serving(replicas
     running = wait_for(lambda: {k: v for k, v in metric(url, "twophase_requests_running").items() if v},
                        5, "no replica reports the request running")
     [victim] = running
-    actor = ray.get_actor(f"SERVE_REPLICA::twophase#twophase-engine#{victim.removeprefix('replica-')}",
+    actor = ray.get_actor(f"SERVE_REPLICA::{c.app_name}#twophase-engine#{victim.removeprefix('replica-')}",
                           namespace="serve")
     ray.kill(actor, no_restart=True)
     t0 = time.monotonic()

@@ -37,6 +37,7 @@ class Pair:
         jobs = [(p, params, KVTransferParams.from_dict(f.kv_transfer_params), f.token_ids)
                 for p, f in zip(prompts, firsts)]
         outs = run(self.d.engine, jobs)
+        self.texts = [f.text + o.text for f, o in zip(firsts, outs)]
         return [f.token_ids + o.token_ids for f, o in zip(firsts, outs)]
 
     def used(self) -> tuple[int, int]:
@@ -61,8 +62,10 @@ GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 def test_disaggregated_tokens_equal_one_engines_and_every_block_returns():
     pair = Pair()
     prompts = random_prompts(10, seed=1) + [[5] * 8, [7] * 4, [9] * 3, [11]]   # whole blocks, short
-    alone = [o.token_ids for o in tiny_llm(**SMALL).generate(prompts, GREEDY)]
-    assert pair.generate(prompts, GREEDY) == alone
+    alone = tiny_llm(**SMALL).generate(prompts, GREEDY)
+    assert pair.generate(prompts, GREEDY) == [o.token_ids for o in alone]
+    # byte tokens: a character split between the first token and the next is sent once, whole
+    assert pair.texts == [o.text for o in alone]
     assert pair.used() == (0, 0)
     assert pair.p.engine.connector.num_leased_blocks == 0
 

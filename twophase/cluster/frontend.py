@@ -49,6 +49,7 @@ class ClusterLoop:
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
         self._tasks: set[asyncio.Task] = set()
+        self._aio: asyncio.AbstractEventLoop | None = None     # the HTTP layer's event loop
 
     @property
     def in_flight(self) -> int:
@@ -60,13 +61,15 @@ class ClusterLoop:
 
     def close(self, timeout: float = 10.0) -> bool:
         self._closed = True
-        for t in list(self._tasks):
-            t.cancel()
+        self.fail_all("the server is shutting down")
         return True
 
     def fail_all(self, message: str) -> None:
+        """End every open request with ``message`` (any thread: the shutdown deadline's timer)."""
+        if self._aio is None or self._aio.is_closed():
+            return
         for t in list(self._tasks):
-            t.cancel(message)
+            self._aio.call_soon_threadsafe(t.cancel, message)
 
     async def prepare(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         return await asyncio.to_thread(self._prepare, prompt, params)
@@ -100,9 +103,15 @@ class ClusterLoop:
         task: asyncio.Task | None = None
         handle = Handle(job.request_id, lambda: task.cancel() if task is not None else None)
         self._in_flight += 1
-        task = asyncio.get_running_loop().create_task(self._drive(job, handle))
+        self._aio = asyncio.get_running_loop()
+        task = self._aio.create_task(self._drive(job, handle))
         self._tasks.add(task)
+        task.add_done_callback(self._task_done)       # also for a task cancelled before it ran
         return handle
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._in_flight -= 1
+        self._tasks.discard(task)
 
     async def _drive(self, job: Job, handle: Handle) -> None:
         put = handle.items.put_nowait
@@ -111,14 +120,11 @@ class ClusterLoop:
                 await self._disaggregated(job, put)
             else:
                 await self._replica(job, put)
-        except asyncio.CancelledError:
-            put(EngineStopped("the server is shutting down"))      # read only at shutdown
+        except asyncio.CancelledError as exc:      # the client went away, or shutdown (fail_all)
+            put(EngineStopped(str(exc.args[0]) if exc.args else "the request was cancelled"))
         except Exception as exc:
             log.exception("request %s failed", job.request_id)
             put(EngineError(f"the request failed: {exc}"))
-        finally:
-            self._in_flight -= 1
-            self._tasks.discard(asyncio.current_task())  # type: ignore[arg-type]
 
     async def _replica(self, job: Job, put) -> None:
         stream = self.cluster.handle.options(stream=True).generate.remote(job)
@@ -134,7 +140,11 @@ class ClusterLoop:
 
     async def _disaggregated(self, job: Job, put) -> None:
         prefill = self.cluster.pick("prefill")
-        first_params = dataclasses.replace(job.params, max_tokens=1, min_tokens=0)
+        p = job.params
+        # the first token under the same rules as one engine's: EOS banned while min_tokens
+        # holds, stop strings counted only from min_tokens on
+        first_params = dataclasses.replace(p, max_tokens=1, min_tokens=min(p.min_tokens, 1),
+                                           stop=p.stop if p.min_tokens <= 1 else [])
         first = await self._one(prefill, dataclasses.replace(
             job, params=first_params, kv_transfer=KVTransferParams(do_remote_decode=True)), put, "prefill")
         if first is None:
@@ -149,10 +159,10 @@ class ClusterLoop:
             put(Finished(out))
             return
         put(dataclasses.replace(first, finish_reason=None, output=None))
-        decode = self.cluster.pick("decode")
-        rest = dataclasses.replace(job, kv_transfer=KVTransferParams.from_dict(kv),
-                                   first_token_ids=tuple(first.token_ids))
         try:
+            decode = self.cluster.pick("decode")
+            rest = dataclasses.replace(job, kv_transfer=KVTransferParams.from_dict(kv),
+                                       first_token_ids=tuple(first.token_ids))
             await self._one(decode, rest, put, "decode", lambda d: _joined(out, d))
         finally:          # acknowledged by the decode side already, unless it failed or died
             prefill.release_kv.remote(kv["remote_request_id"])
@@ -206,5 +216,6 @@ def _joined(first: RequestOutput, rest: RequestOutput) -> RequestOutput:
 
 
 def _reason(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+    cause = getattr(exc, "cause", None)        # a task's own exception, without Ray's traceback
+    text = str(cause if cause is not None else exc).strip().splitlines()
+    return text[-1] if cause is not None and text else text[0] if text else type(exc).__name__

@@ -64,6 +64,7 @@ class EngineHost:
         self.loop = EngineLoop(self.llm, config.server.max_queue, on_step=m.step, on_finish=m.finished,
                                on_change=lambda: m.refresh(engine.scheduler, engine.kv))
         self.read_delay_s = 0.0
+        self._leases: dict[str, str] = {}                   # caller's id -> lease, until released
         self._handles: dict[str, tuple[Handle, asyncio.AbstractEventLoop]] = {}   # by caller's id
         if board is not None:
             threading.Thread(target=self._post_metrics, args=(board,), daemon=True,
@@ -102,6 +103,9 @@ class EngineHost:
                     return
                 if isinstance(item, Finished):
                     return
+                kv = item.output.kv_transfer_params if item.output is not None else None
+                if kv is not None:                 # released by abort() if the caller goes away
+                    self._leases[job.request_id] = kv["remote_request_id"]
                 yield item
         finally:                    # also when the caller cancels (its client went away)
             handle.abort()
@@ -109,6 +113,9 @@ class EngineHost:
 
     def abort(self, request_id: str) -> None:
         """Abort a request by the caller's id (the caller's own cancel may not reach us)."""
+        lease = self._leases.pop(request_id, None)
+        if lease is not None:
+            self.release_kv(lease)
         entry = self._handles.get(request_id)
         if entry is not None:
             handle, loop = entry
@@ -119,7 +126,8 @@ class EngineHost:
         """A leased prompt's blocks (numpy: the object store holds it without a copy)."""
         if self.read_delay_s:
             await asyncio.sleep(self.read_delay_s)
-        return self.llm.engine.connector.read(lease_id).numpy()
+        blocks = self.llm.engine.connector.read(lease_id)
+        return blocks.cpu().contiguous().view(torch.uint8).numpy()   # bf16 has no numpy dtype
 
     def delay_reads(self, seconds: float) -> None:
         """Fault injection: hold every ``read_kv`` this long (a slow or stalled peer)."""
@@ -128,6 +136,7 @@ class EngineHost:
     def release_kv(self, lease_id: str) -> None:
         connector = self.llm.engine.connector
         self.loop.call(lambda: connector.release(lease_id))
+        self._leases = {k: v for k, v in self._leases.items() if v != lease_id}
 
     def kv_state(self) -> dict[str, int]:
         """Blocks held by requests and by leases (tests check both return to zero)."""

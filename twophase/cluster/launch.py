@@ -42,6 +42,11 @@ class Cluster:
     info: dict[str, Any] = field(default_factory=dict)   # a worker's describe(): limits, layout
 
     @property
+    def app_name(self) -> str:
+        """The replicas' Serve application: one per server, beside others on a shared cluster."""
+        return self.namespace
+
+    @property
     def disaggregated(self) -> bool:
         return bool(self.workers)
 
@@ -72,8 +77,8 @@ class Cluster:
         from ray import serve
 
         if self.handle is not None:
-            try:
-                serve.shutdown()
+            try:                          # on a cluster we joined, only our own application
+                serve.shutdown() if self.started_ray else serve.delete(self.app_name)
             except Exception:
                 log.exception("stopping Ray Serve failed")
         for actors in self.workers.values():
@@ -135,7 +140,7 @@ def _start_replicas(cluster: Cluster, threads: int) -> None:
                                 ray_actor_options={"num_cpus": threads}).bind(
         cluster.config, threads, cluster.namespace)
     log.info("starting %d engine replicas on Ray Serve", c.replicas)
-    cluster.handle = serve.run(app, name="twophase", route_prefix=None)
+    cluster.handle = serve.run(app, name=cluster.app_name, route_prefix=None)
     cluster.info = cluster.handle.describe.remote().result()
 
 

@@ -8,6 +8,7 @@ that is not built here (no GPU to test it on)."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import ray
@@ -27,13 +28,22 @@ class RayTransport:
         return self._actors[name]
 
     def fetch(self, params: KVTransferParams) -> Any:
-        return self._actor(str(params.remote_engine_id)).read_kv.remote(params.remote_request_id)
+        ref = self._actor(str(params.remote_engine_id)).read_kv.remote(params.remote_request_id)
+        return ref, params
 
     def poll(self, ticket: Any) -> torch.Tensor | None:
-        ready, _ = ray.wait([ticket], timeout=0)
+        """The blocks once here: bytes, viewed back as the layout's dtype and shape."""
+        ref, params = ticket
+        ready, _ = ray.wait([ref], timeout=0)
         if not ready:
             return None
-        return torch.from_numpy(ray.get(ticket))
+        with warnings.catch_warnings():      # the object store's array is read-only: only read
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.from_numpy(ray.get(ref))
+        t = params.layout
+        n = len(params.remote_block_ids)
+        shape = (t.num_layers, 2, n, t.num_kv_heads, t.block_size, t.head_dim)
+        return raw.view(getattr(torch, t.dtype)).view(shape)
 
     def ack(self, params: KVTransferParams) -> None:
         self._actor(str(params.remote_engine_id)).release_kv.remote(params.remote_request_id)

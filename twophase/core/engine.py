@@ -116,7 +116,8 @@ class Engine:
                 req.generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
         self.scheduler.add(req)
         self.requests[request_id] = req
-        self.output.add(request_id, text, ids, params, first_token_ids)
+        self.output.add(request_id, text, ids, params, first_token_ids,
+                        hands_off=kv_transfer is not None and kv_transfer.do_remote_decode)
         return req
 
     def abort(self, request_id: str) -> RequestOutput | None:

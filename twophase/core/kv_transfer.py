@@ -147,6 +147,7 @@ class KVConnector:
             return None
         full = min(req.num_prompt_tokens - 1, req.num_computed_tokens) // self.kv.block_size
         blocks = self.kv.block_table(req)[:full]
+        self.release(req.request_id)             # a reused request id: its old lease goes
         self.kv.pool.touch(blocks)
         with self._lock:
             self._leases[req.request_id] = _Lease(blocks, self.clock() + self.lease_s)
@@ -159,7 +160,9 @@ class KVConnector:
     def read(self, lease_id: str) -> torch.Tensor:
         """A copy of a lease's blocks (any thread): ``KeyError`` if it is gone."""
         with self._lock:
-            lease = self._leases[lease_id]
+            lease = self._leases.get(lease_id)
+            if lease is None:
+                raise KeyError(f"KV lease {lease_id!r} of {self.engine_id} expired or was released")
             return self.pool[:, :, lease.blocks].clone()
 
     def release(self, lease_id: str) -> bool:
@@ -297,7 +300,7 @@ def layout_of(pool: torch.Tensor) -> KVLayout:
 
 
 class LocalTransport:
-    """Peers in this process (tests, and a split without Ray): a pull is a copy between pools.
+    """Peers in this process, stepped on one thread (tests): a pull is a copy between pools.
     ``fail`` (a message) makes every pull fail, as a dead peer's would."""
 
     def __init__(self, peers: dict[str, KVConnector] | None = None):

@@ -37,6 +37,7 @@ class _Stream:
     prompt_token_ids: list[int]
     params: SamplingParams
     detok: IncrementalDetokenizer | None
+    hands_off: bool = False             # a peer decodes on: it releases what is held back
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[LogProbs] = field(default_factory=list)
     text: str = ""                      # released so far
@@ -49,14 +50,17 @@ class OutputProcessor:
         self._streams: dict[str, _Stream] = {}
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-            params: SamplingParams, first_token_ids: Sequence[int] = ()) -> None:
+            params: SamplingParams, first_token_ids: Sequence[int] = (),
+            hands_off: bool = False) -> None:
         """``first_token_ids``: output another engine sampled and sent (disaggregated serving):
-        the text of what follows them is decoded after them, and they are not sent again."""
+        the text of what follows them is decoded after them, and they are not sent again.
+        ``hands_off``: another engine continues this request, so an incomplete character at the
+        end stays held back (that engine releases it whole) instead of flushed as U+FFFD."""
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
         if detok is not None:
             for token in first_token_ids:
                 detok.push(token)
-        self._streams[request_id] = _Stream(prompt, list(prompt_token_ids), params, detok)
+        self._streams[request_id] = _Stream(prompt, list(prompt_token_ids), params, detok, hands_off)
 
     def process(self, updates: list[SeqUpdate], retire: Retire) -> list[Delta]:
         return [self._delta(u, retire) for u in updates]
@@ -81,7 +85,7 @@ class OutputProcessor:
         for i, token in enumerate(tokens):
             final = reason is not None and i == len(tokens) - 1
             new_text = s.detok.push(token) if s.detok else ""
-            if final and s.detok is not None:
+            if final and s.detok is not None and not s.hands_off:
                 new_text += s.detok.flush()
             piece, hit = self._release(s, new_text, before + i + 1, final)
             text += piece

@@ -227,7 +227,8 @@ class Scheduler:
             n = min(pending, self._left)
             if n < pending and not self.chunked_prefill:
                 return
-            if not self.admission.may_start(self.kv.blocks_needed(req, n, computed), self.running):
+            if not self.admission.may_start(self.kv.blocks_needed(req, n, computed),
+                                            self.running + self.loading):
                 return
             if not self.kv.allocate(req, n, computed):
                 return
@@ -245,7 +246,7 @@ class Scheduler:
         """Admit ``req`` with blocks for the ``external`` tokens a peer computed, and pull them;
         it computes nothing until they arrive."""
         assert self.connector is not None
-        if not self.admission.may_start(self.kv.blocks_needed(req, external), self.running):
+        if not self.admission.may_start(self.kv.blocks_needed(req, external), self.running + self.loading):
             return False
         if not self.kv.allocate(req, external):
             return False

@@ -109,10 +109,6 @@ class Loop(Protocol):
 
     def submit(self, prompt: str | list[int], params: SamplingParams) -> Handle: ...
 
-    def call(self, fn: Callable[[], Any]) -> None:
-        """Run ``fn`` on the engine's thread between steps (what must not race a step)."""
-        self._commands.put(("call", fn))
-
     def fail_all(self, message: str) -> None: ...
 
     def close(self, timeout: float = 10.0) -> bool: ...
@@ -133,6 +129,7 @@ class EngineLoop:
         self.fatal: BaseException | None = None
         self._closed = False                     # no more submissions (under _lock)
         self._failed_steps = 0
+        self._last_record: Any = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Callable[[Any], None]] = {}
         self._in_flight = 0                      # admitted and not finished (any thread reads)
@@ -294,6 +291,9 @@ class EngineLoop:
             self._count_failure(exc)
             return
         last = self.engine.steps.records[-1] if self.engine.steps.records else None
+        if last is self._last_record:            # an empty step (K/V still on the way)
+            last = None
+        self._last_record = last or self._last_record
         if last is not None and last.decode_seqs:    # running requests advanced: not broken
             self._failed_steps = 0
         if self.on_step is not None and last is not None:

@@ -19,11 +19,14 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 class ServerMetrics:
     def __init__(self, extra: Callable[[], str] | None = None) -> None:
-        """``extra``: more exposition text for ``/metrics`` (the replicas' engines, labelled)."""
+        """``extra``: the engines' figures from elsewhere (workers on Ray, each labelled): this
+        server then exposes its HTTP figures only, and ``extra``'s engine figures after them."""
         self.extra = extra
-        r = self.registry = CollectorRegistry()
+        self.registry = CollectorRegistry()
         self.requests = Counter("twophase_requests", "HTTP requests by route and status",
-                                ["route", "status"], registry=r)
+                                ["route", "status"], registry=self.registry)
+        # the engine's figures: exposed here only when the engine is here
+        r = self.registry if extra is None else CollectorRegistry()
         self.ttft = Histogram("twophase_time_to_first_token_seconds", "arrival to first token",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("twophase_time_per_output_token_seconds",
