@@ -83,7 +83,8 @@ def test_missing_config_file(tmp_path):
     (TINY_TOML + "[scheduler]\nfoo = 1\n", "scheduler.foo",
      ["policy", "max_num_seqs", "max_num_batched_tokens", "chunked_prefill", "admission"]),
     ('[modle]\nname = "tiny"\n', "modle",
-     ["model", "backend", "scheduler", "cache", "sampling", "workload", "bench", "server", "speculative"]),
+     ["model", "backend", "scheduler", "cache", "sampling", "workload", "bench", "server", "speculative",
+      "cluster"]),
     (TINY_TOML + "[cache]\nblock_sise = 16\n", "cache.block_sise",
      ["block_size", "num_blocks", "memory_gb", "memory_utilization", "prefix_caching", "dtype"]),
 ], ids=["model.nam", "scheduler.foo", "top-level-modle", "cache.block_sise"])
