@@ -7,6 +7,7 @@ busy machine hits both alike. Figures: tokens/s of a 512-token prefill and of de
 batch 1 and 32 (context 128) on the default model's q4 blocks; medians over rounds.
 
     python benchmarks/revisions.py HEAD~1 [--against WORKTREE_OR_REV] [--rounds 3] [--backend native]
+                                          [--threads N]
 """
 
 from __future__ import annotations
@@ -25,14 +26,24 @@ ROUND = """
 import json, sys
 from twophase import LLM
 from twophase.phase_timing import decode_round, prefill_round
+backend = {"name": sys.argv[1]}
+if len(sys.argv) > 2:
+    backend["options"] = {"threads": int(sys.argv[2])}
 llm = LLM.from_config({"model": {"name": "smollm2-135m-instruct", "quantization": "q4"},
-                       "backend": {"name": sys.argv[1]},
+                       "backend": backend,
                        "scheduler": {"policy": "prefill-first", "max_num_batched_tokens": 512,
                                      "max_num_seqs": 32}, "cache": {"num_blocks": 1024}})
 prefill_round(llm, 512, 0, 99)                       # warm: the kernel, the pages
 print(json.dumps({"pp512": 512 / prefill_round(llm, 512, 0, 0),
                   "tg b1": 1 / decode_round(llm, 1, 128, 16, 0),
                   "tg b32": 32 / decode_round(llm, 32, 128, 8, 0)}))
+"""
+
+
+# each round checks that it ran the revision's own package
+PROVENANCE = """
+import twophase
+print(json.dumps({"package": twophase.__file__}), file=sys.stderr)
 """
 
 
@@ -46,11 +57,19 @@ def tree(rev: str, tmp: Path) -> Path:
     return path
 
 
-def one_round(path: Path, backend: str) -> dict[str, float]:
+def one_round(path: Path, backend: str, threads: int | None = None) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": str(path)}
-    out = subprocess.run([sys.executable, "-c", ROUND, backend], env=env, capture_output=True, text=True)
+    # run in the checkout: ``python -c`` puts the working directory first on sys.path, so run
+    # from the repository root both sides had imported the working tree's package
+    args = [backend] + ([str(threads)] if threads else [])
+    out = subprocess.run([sys.executable, "-c", ROUND + PROVENANCE, *args], env=env, capture_output=True,
+                         text=True, cwd=path)
     if out.returncode:
         raise SystemExit(f"{path}: {out.stderr[-2000:]}")
+    line = next(x for x in reversed(out.stderr.splitlines()) if x.startswith('{"package"'))
+    package = Path(json.loads(line)["package"]).resolve()
+    if not package.is_relative_to(path.resolve()):
+        raise SystemExit(f"{path}: the round imported twophase from {package}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -60,6 +79,7 @@ def main() -> None:
     ap.add_argument("--against", default=".", help="the other side: '.' (the working tree) or a revision")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--backend", default="native")
+    ap.add_argument("--threads", type=int, help="the backend's threads option (default: its own)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         sides = {args.base: tree(args.base, Path(tmp)), args.against: tree(args.against, Path(tmp))}
@@ -67,7 +87,7 @@ def main() -> None:
             got: dict[str, list[dict[str, float]]] = {k: [] for k in sides}
             for r in range(args.rounds):
                 for name, path in sides.items():
-                    got[name].append(one_round(path, args.backend))
+                    got[name].append(one_round(path, args.backend, args.threads))
                     print(f"round {r + 1}: {name}: {got[name][-1]}", file=sys.stderr)
         finally:
             for path in sides.values():
