@@ -9,7 +9,8 @@ p99 inter-token latency, TTFT p50/p99, output tokens/s and goodput (requests mee
 TTFT <= 2 s and TPOT <= 100 ms, per second). Then the K/V transfer's cost: ms and MB per
 1k-token prompt, against that prompt's prefill time.
 
-    python benchmarks/disaggregated.py [--requests 12] [--rate 0.3] [--rounds 2] [--max-tokens 64]
+    python benchmarks/disaggregated.py [--requests 8] [--rate 0.12] [--rounds 2] [--max-tokens 64]
+                                       [--backend torch|onnxruntime|...]
 """
 
 from __future__ import annotations
@@ -93,16 +94,18 @@ def transfer_cost(cluster, loop, tokenizer) -> tuple[float, float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=12)
-    ap.add_argument("--rate", type=float, default=0.3, help="arrivals per second (Poisson)")
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--rate", type=float, default=0.12, help="arrivals per second (Poisson)")
+    ap.add_argument("--backend", default="torch", help="every engine's [backend] name")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2, help="cores: the colocated engine's threads")
     args = ap.parse_args()
     console = Console()
 
-    base = {"model": MODEL, "cache": {"num_blocks": 2048}}
-    colocated = LLM.from_config({**base, "backend": {"options": {"threads": args.threads}}})
+    base = {"model": MODEL, "cache": {"num_blocks": 2048}, "backend": {"name": args.backend}}
+    colocated = LLM.from_config({**base, "backend": {"name": args.backend,
+                                                     "options": {"threads": args.threads}}})
     local = EngineLoop(colocated, max_queue=256)
     cfg = load_config({**base, "cluster": {"prefill_workers": 1, "decode_workers": 1,
                                            "threads": max(1, args.threads // 2)}})
