@@ -163,7 +163,7 @@ class KVConnector:
             lease = self._leases.get(lease_id)
             if lease is None:
                 raise KeyError(f"KV lease {lease_id!r} of {self.engine_id} expired or was released")
-            return self.pool[:, :, lease.blocks].clone()
+            return self.pool[:, :, lease.blocks]           # indexing by a list copies
 
     def release(self, lease_id: str) -> bool:
         """The peer has the blocks (or gave up): return them to the pool. False if unknown."""
