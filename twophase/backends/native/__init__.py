@@ -5,8 +5,10 @@ Why: decode at small batches is latency-bound, and a graph of library operators 
 for each of its ~1,900 ops (about 2 µs each in ONNX Runtime); here each op of a layer costs one
 barrier between two OpenMP threads. It runs ``quantization = "q4"`` only, with the ONNX path's
 quality rewrites (centred zero points, outlier channels in float32; ``twophase.exporters.q4``).
-Its prefill is correct but not fast (each weight row meets the chunk's tokens one by one): route
-prefill to onnxruntime and decode here (``[backend.prefill]``/``[backend.decode]``).
+Prefill runs the same tiles as decode (2 weight rows by 4 tokens, 64 tokens a pass over the
+weights); ``benchmarks/quantized.py`` compares it with onnxruntime's on a machine, and
+``[backend.prefill]``/``[backend.decode]`` route each phase to the faster one. The blocks' layout
+and the kernels are described in ``docs/quantization.md``.
 """
 
 from __future__ import annotations
