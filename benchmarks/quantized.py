@@ -1,8 +1,9 @@
 """4-bit weights side by side with llama.cpp on the same GGUF file, in one run.
 
-twophase runs the default model's GGUF blocks as they are (``quantization = "q4"``): in ONNX
-Runtime (MatMulNBits), and with prefill there and decode on the native backend (one C function a
-step); for reference, the dequantised fp32 model (onnxruntime and torch).
+twophase runs the default model's GGUF blocks as they are (``quantization = "q4"``): on the
+native backend (one C function a step), in ONNX Runtime (MatMulNBits), and with prefill there
+and decode on native; for reference, the dequantised fp32 model in onnxruntime. Each engine runs
+in a process of its own (two OpenMP runtimes in one process spin against each other).
 Where ``llama-cpp-python`` is installed (``pip install 'twophase[llama-cpp]'``: it compiles
 llama.cpp, about 20 minutes on two cores), llama.cpp runs the same file with the same threads:
 pp512 (one 512-token prompt) and tg128 (128 tokens at batch 1), flash attention on and off.
@@ -16,6 +17,7 @@ from it, and how often the top token agrees with it.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import statistics
 import time
 
@@ -75,43 +77,90 @@ class LlamaCpp:
         return n / (time.perf_counter() - t)
 
 
+class Isolated:
+    """One engine in a process of its own (two OpenMP runtimes in one process spin against each
+    other): ``kind`` "twophase" (a config dict) or "llama.cpp" (path, threads, flash)."""
+
+    def __init__(self, kind: str, *args):
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, kind, args), daemon=True)
+        self.proc.start()
+        self.call("ready")
+
+    def call(self, what: str, *args):
+        self.conn.send((what, args))
+        ok, value = self.conn.recv()
+        if not ok:
+            raise RuntimeError(value)
+        return value
+
+    def close(self) -> None:
+        self.conn.send(("stop", ()))
+        self.proc.join(timeout=30)
+
+
+def _serve(conn, kind: str, args) -> None:
+    try:
+        if kind == "llama.cpp":
+            eng = LlamaCpp(*args)
+            calls = {"pp512": lambda k: eng.pp(512, k), "tg batch 1": lambda k: eng.tg(128, k)}
+        else:
+            llm = twophase_line(*args)
+            calls = {"pp512": lambda k: 512 / sweeps.prefill_round(llm, 512, 0, k),
+                     "tg batch 1": lambda k: 1 / sweeps.decode_round(llm, 1, 128, 16, k),
+                     "tg batch 32": lambda k: 32 / sweeps.decode_round(llm, 32, 128, 8, k)}
+        calls["ready"] = lambda: None
+    except Exception as exc:
+        conn.send((False, f"{type(exc).__name__}: {exc}"))
+        return
+    while True:
+        what, a = conn.recv()
+        if what == "stop":
+            return
+        try:
+            conn.send((True, calls[what](*a) if what in calls else None))
+        except Exception as exc:
+            conn.send((False, f"{type(exc).__name__}: {exc}"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     console = Console()
-    lines = {"twophase q4 (onnxruntime)": twophase_line("onnxruntime", "q4"),
-             "twophase q4 (onnxruntime → native)": twophase_line(
+    lines = {"twophase q4 (native)": ("native", "q4"),
+             "twophase q4 (onnxruntime)": ("onnxruntime", "q4"),
+             "twophase q4 (onnxruntime → native)": (
                  {"prefill": {"name": "onnxruntime"}, "decode": {"name": "native"}}, "q4"),
-             "twophase fp32 (onnxruntime)": twophase_line("onnxruntime", "none"),
-             "twophase fp32 (torch)": twophase_line("torch", "none")}
-    cases = {"pp512": lambda llm, k: 512 / sweeps.prefill_round(llm, 512, 0, k),
-             "tg batch 1": lambda llm, k: 1 / sweeps.decode_round(llm, 1, 128, 16, k),
-             "tg batch 32": lambda llm, k: 32 / sweeps.decode_round(llm, 32, 128, 8, k)}
-    engines: dict = dict(lines)
+             "twophase fp32 (onnxruntime)": ("onnxruntime", "none")}
+    cases = ("pp512", "tg batch 1", "tg batch 32")
+    engines = {name: Isolated("twophase", *line) for name, line in lines.items()}
     try:
+        import llama_cpp  # noqa: F401
+
         gguf = str(hub.gguf_path(MODEL))
         for flash in (True, False):
-            engines[f"llama.cpp (flash attention {'on' if flash else 'off'})"] = LlamaCpp(gguf, args.threads, flash)
+            engines[f"llama.cpp (flash attention {'on' if flash else 'off'})"] = Isolated(
+                "llama.cpp", gguf, args.threads, flash)
     except ImportError:
         console.print("[yellow]llama-cpp-python is not installed: llama.cpp lines skipped "
                       "(pip install 'twophase\\[llama-cpp]'; it compiles for ~20 minutes)")
-    rates = {name: {c: [] for c in cases} for name in engines}
+    rates: dict[str, dict[str, list[float]]] = {name: {c: [] for c in cases} for name in engines}
     with console.status("measuring") as status:
         for k in range(args.rounds):
-            for case, fn in cases.items():
+            for case in cases:
                 for name, eng in engines.items():
                     status.update(f"round {k + 1}/{args.rounds}: {case} on {name}")
-                    if isinstance(eng, LlamaCpp):
-                        if case == "tg batch 32":
-                            continue                    # llama-cpp-python decodes one sequence
-                        rates[name][case].append(eng.pp(512, k) if case == "pp512" else eng.tg(128, k))
-                    else:
-                        rates[name][case].append(fn(eng, k))
+                    value = eng.call(case, k)       # llama-cpp-python decodes one sequence: None
+                    if value is not None:
+                        rates[name][case].append(value)
+    for eng in engines.values():
+        eng.close()
     first = next(iter(engines))
-    table = Table(title=f"{MODEL}, CPU, {args.threads} threads: tokens/s, median of {args.rounds} "
-                        f"interleaved rounds (ratio to {first})")
+    table = Table(title=f"{MODEL}, CPU, {args.threads} threads, each engine in its own process: "
+                        f"tokens/s, median of {args.rounds} interleaved rounds (ratio to {first})")
     table.add_column("engine")
     for case in cases:
         table.add_column(case, justify="right")
@@ -123,10 +172,11 @@ def main() -> None:
             cells.append(f"{statistics.median(v):.1f} (x{statistics.median(v) / base[c]:.2f})" if v else "-")
         table.add_row(name, *cells)
     console.print(table)
-    graded = {"twophase q4 (onnxruntime)": lines["twophase q4 (onnxruntime)"],
-              "twophase q4 (native)": twophase_line("native", "q4"),   # its own prefill: its logits
-              **{n: e for n, e in engines.items() if isinstance(e, LlamaCpp)}}
-    quality(console, lines["twophase fp32 (torch)"], graded)
+    graded: dict = {"twophase q4 (onnxruntime)": twophase_line("onnxruntime", "q4"),
+                    "twophase q4 (native)": twophase_line("native", "q4")}
+    if any(n.startswith("llama.cpp") for n in engines):
+        graded["llama.cpp"] = LlamaCpp(str(hub.gguf_path(MODEL)), args.threads, True)
+    quality(console, twophase_line("torch", "none"), graded)
 
 
 def quality(console: Console, reference: LLM, engines: dict) -> None:
