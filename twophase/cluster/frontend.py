@@ -34,8 +34,6 @@ if TYPE_CHECKING:
     from twophase.models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-FAILURES = {"rejected": RequestRejected, "overloaded": Overloaded, "stopped": EngineStopped,
-            "engine": EngineError}
 
 
 class ClusterLoop:
@@ -177,7 +175,7 @@ class ClusterLoop:
             async for ref in worker.generate.options(num_returns="streaming").remote(job):
                 item = await ref
                 if isinstance(item, Failure):
-                    put(FAILURES.get(item.kind, EngineError)(item.message))
+                    put(item.exception())
                     return None
                 last = item
                 if finish is None:
@@ -199,7 +197,7 @@ class ClusterLoop:
 def _emit(item: Any, put) -> bool:
     """Hand one worker item to the client's handle; False once the request has ended."""
     if isinstance(item, Failure):
-        put(FAILURES.get(item.kind, EngineError)(item.message))
+        put(item.exception())
         return False
     put(item)
     if item.output is not None:

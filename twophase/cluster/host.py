@@ -20,7 +20,7 @@ from twophase.config import Config
 from twophase.core.kv_transfer import KVTransferParams
 from twophase.core.params import SamplingParams
 from twophase.errors import RequestRejected
-from twophase.server.loop import EngineLoop, EngineStopped, Finished, Handle, Overloaded
+from twophase.server.loop import EngineError, EngineLoop, EngineStopped, Finished, Handle, Overloaded
 from twophase.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -33,6 +33,20 @@ class Failure:
 
     kind: str
     message: str
+
+    @classmethod
+    def of(cls, exc: Exception) -> Failure:
+        kind = next((k for k, t in FAILURES.items() if isinstance(exc, t)), "engine")
+        return cls(kind, str(exc))
+
+    def exception(self) -> Exception:
+        """The exception the frontend raises for it (the HTTP layer maps each to a status)."""
+        return FAILURES.get(self.kind, EngineError)(self.message)
+
+
+# kinds of failure and their exceptions, the most specific first (EngineStopped is an EngineError)
+FAILURES: dict[str, type[Exception]] = {"rejected": RequestRejected, "overloaded": Overloaded,
+                                        "stopped": EngineStopped, "engine": EngineError}
 
 
 @dataclass(frozen=True)
@@ -81,25 +95,16 @@ class EngineHost:
         try:
             handle = self.loop.submit(job.prompt_token_ids, job.params, job.kv_transfer,
                                       job.first_token_ids)
-        except Overloaded as exc:
-            yield Failure("overloaded", str(exc))
-            return
-        except EngineStopped as exc:
-            yield Failure("stopped", str(exc))
+        except Exception as exc:
+            yield Failure.of(exc)
             return
         self._handles[job.request_id] = (handle, asyncio.get_running_loop())
         try:
             while True:
                 try:
                     item = await handle.next()
-                except RequestRejected as exc:
-                    yield Failure("rejected", str(exc))
-                    return
-                except EngineStopped as exc:
-                    yield Failure("stopped", str(exc))
-                    return
                 except Exception as exc:
-                    yield Failure("engine", str(exc))
+                    yield Failure.of(exc)
                     return
                 if isinstance(item, Finished):
                     return
