@@ -118,6 +118,8 @@ def _local_app(cfg: Config, api_key: str | None, on_fatal):
 def _cluster_app(cfg: Config, api_key: str | None, on_fatal):
     """Engines on Ray (``[cluster]``) behind the same app."""
     from twophase.cluster import launch
+
+    launch.check_installed()               # the cluster extra, named, before anything imports Ray
     from twophase.cluster.frontend import ClusterLoop
     from twophase.server.app import build_app
     from twophase.server.metrics import ServerMetrics
