@@ -6,7 +6,8 @@ and decode on native; for reference, the dequantised fp32 model in onnxruntime. 
 in a process of its own (two OpenMP runtimes in one process spin against each other).
 Where ``llama-cpp-python`` is installed (``pip install 'twophase[llama-cpp]'``: it compiles
 llama.cpp, about 20 minutes on two cores), llama.cpp runs the same file with the same threads:
-pp512 (one 512-token prompt) and tg128 (128 tokens at batch 1), flash attention on and off.
+pp512 (one 512-token prompt), tg128 (128 tokens at batch 1) and, through its batch API as
+llama-batched-bench does, 32 sequences of 128 tokens decoding together; flash attention on and off.
 Rounds are interleaved; medians are printed with the ratios. Quality, for twophase's q4 and for
 llama.cpp on the same text: perplexity's difference from the fp32 model, the mean KL divergence
 from it, and how often the top token agrees with it.
@@ -77,6 +78,46 @@ class LlamaCpp:
         return n / (time.perf_counter() - t)
 
 
+    def tg_batched(self, batch: int, context: int, steps: int) -> float:
+        """As llama-batched-bench: ``batch`` sequences of ``context`` tokens in one context, then
+        ``steps`` decode steps of one token each, fed without sampling; tokens/s of those steps."""
+        import llama_cpp as lc
+
+        params = lc.llama_context_default_params()
+        params.n_ctx = batch * (context + steps + 8)
+        params.n_batch = params.n_ubatch = 512
+        params.n_seq_max = batch
+        params.kv_unified = True
+        params.n_threads = params.n_threads_batch = self.llm.n_threads
+        params.flash_attn_type = (lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if self.flash
+                                  else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        ctx = lc.llama_init_from_model(self.llm.model, params)
+        if not ctx:
+            raise RuntimeError("llama.cpp: no context for the batched line")
+        b = lc.llama_batch_init(512, 0, 1)
+        try:
+            def run(items: list[tuple[int, int, int, bool]]) -> None:
+                for start in range(0, len(items), 512):
+                    chunk = items[start:start + 512]
+                    b.n_tokens = len(chunk)
+                    for i, (tok, pos, seq, out) in enumerate(chunk):
+                        b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, out
+                        b.seq_id[i][0] = seq
+                    if lc.llama_decode(ctx, b) != 0:
+                        raise RuntimeError("llama.cpp: llama_decode failed")
+                lc.llama_synchronize(ctx)
+
+            run([(100 + (s * 131 + p * 7) % 40000, p, s, p == context - 1)
+                 for s in range(batch) for p in range(context)])
+            t = time.perf_counter()
+            for k in range(steps):
+                run([(100 + (s * 13 + k) % 40000, context + k, s, True) for s in range(batch)])
+            return batch * steps / (time.perf_counter() - t)
+        finally:
+            lc.llama_batch_free(b)
+            lc.llama_free(ctx)
+
+
 class Isolated:
     """One engine in a process of its own (two OpenMP runtimes in one process spin against each
     other): ``kind`` "twophase" (a config dict) or "llama.cpp" (path, threads, flash)."""
@@ -90,6 +131,9 @@ class Isolated:
 
     def call(self, what: str, *args):
         self.conn.send((what, args))
+        while not self.conn.poll(1.0):      # a crashed engine would otherwise hang the run
+            if not self.proc.is_alive():
+                raise RuntimeError(f"the engine's process died (exit code {self.proc.exitcode})")
         ok, value = self.conn.recv()
         if not ok:
             raise RuntimeError(value)
@@ -104,7 +148,8 @@ def _serve(conn, kind: str, args) -> None:
     try:
         if kind == "llama.cpp":
             eng = LlamaCpp(*args)
-            calls = {"pp512": lambda k: eng.pp(512, k), "tg batch 1": lambda k: eng.tg(128, k)}
+            calls = {"pp512": lambda k: eng.pp(512, k), "tg batch 1": lambda k: eng.tg(128, k),
+                     "tg batch 32": lambda k: eng.tg_batched(32, 128, 8)}
         else:
             llm = twophase_line(*args)
             calls = {"pp512": lambda k: 512 / sweeps.prefill_round(llm, 512, 0, k),
@@ -153,9 +198,7 @@ def main() -> None:
             for case in cases:
                 for name, eng in engines.items():
                     status.update(f"round {k + 1}/{args.rounds}: {case} on {name}")
-                    value = eng.call(case, k)       # llama-cpp-python decodes one sequence: None
-                    if value is not None:
-                        rates[name][case].append(value)
+                    rates[name][case].append(eng.call(case, k))
     for eng in engines.values():
         eng.close()
     first = next(iter(engines))
