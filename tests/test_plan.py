@@ -265,3 +265,33 @@ def test_a_draft_model_is_planned_beside_the_target():
     per_block = p.kv_bytes_per_token * p.block_size
     free = p.device.total_bytes - p.total("runtime") - alone.total("weights")    # the draft loads later
     assert size(free, per_block) == p.num_blocks
+
+
+def _resident(t) -> int:
+    """Bytes of ``t``'s pages the OS backs now (mincore over the tensor's address range)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    start = t.data_ptr() // page * page
+    length = t.data_ptr() + t.numel() * t.element_size() - start
+    vec = (ctypes.c_ubyte * ((length + page - 1) // page))()
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) == 0
+    return sum(b & 1 for b in vec) * page
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore: Linux")
+@pytest.mark.parametrize("prefault", [False, True])
+def test_a_prefaulted_pool_is_backed_at_start_and_still_zero(prefault):
+    """A CPU pool costs nothing until used (calloc'd), unless ``cache.prefault``: then every page
+    is backed before the first request, which would otherwise pay for the pages it touches."""
+    llm = LLM.from_config({"model": TINY, "cache": {"num_blocks": 4096, "prefault": prefault}})
+    pool = llm.kv_cache.pool
+    size = pool.numel() * pool.element_size()                 # 4096 blocks of 4 KiB: 16 MiB
+    resident = _resident(pool)
+    if prefault:
+        assert resident >= 0.99 * size
+        assert not pool.any()
+    else:
+        assert resident < 0.1 * size

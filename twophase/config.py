@@ -63,6 +63,7 @@ class CacheConfig:
     memory_utilization: float = 0.9        # CUDA, num_blocks = "auto": the share of the GPU used
     prefix_caching: bool = True
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"   # auto: the model's
+    prefault: bool = False                 # CPU: back every page of the pool at start (servers)
 
 
 @dataclass

@@ -90,6 +90,8 @@ class LLM:
             return_freed_memory()
         used.append(memcheck.in_use(device))
         self.kv_cache = self._allocate_pool(device)
+        if config.cache.prefault:
+            prefault(self.kv_cache.pool)
         used.append(memcheck.in_use(device))
         self._fit_context(self.num_blocks * config.cache.block_size)
         routed = [b for _, b in self.decode_routes]
@@ -427,6 +429,19 @@ class LLM:
     def reset_stats(self) -> None:
         self.engine.steps.clear()
         self.engine.kv.queries = self.engine.kv.hits = 0
+
+
+def prefault(t: torch.Tensor) -> None:
+    """Write every page of a CPU tensor from ``zeros`` (with zeros: its contents stay), so the OS
+    backs its memory now. Otherwise the first step to use a page pays for it: about 2 s a GiB in
+    a virtual machine, which lands on one request's latency (a pulled prompt's blocks, a long
+    prefill's K/V)."""
+    if t.device.type != "cpu":
+        return
+    t0 = time.perf_counter()
+    t.view(-1)[::max(1, 4096 // t.element_size())].zero_()
+    log.info("KV pool prefaulted: %.2f GiB in %.1f s", t.numel() * t.element_size() / GiB,
+             time.perf_counter() - t0)
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
