@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from twophase import SamplingParams
-from twophase.core.kv_transfer import KVTransferParams, LocalTransport
+from twophase.core.kv_transfer import KVTransferParams, LocalTransport, first_token_params
+from twophase.core.output_processor import hold_back
 from twophase.errors import RequestRejected
 
 SMALL = {"cache": {"num_blocks": 64, "block_size": 4},
@@ -28,17 +29,22 @@ class Pair:
         self.d.engine.connector.transport = self.transport
 
     def prefill(self, prompt: list[int], params: SamplingParams):
-        first = SamplingParams(**{**params.__dict__, "max_tokens": 1})
+        first = first_token_params(params)
         [out] = run(self.p.engine, [(prompt, first, KVTransferParams(do_remote_decode=True), ())])
         return out
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        """As the cluster's frontend runs a request: the first token's text streamed up to
+        ``hold_back``, the rest from the decode side (a request the prefill ended stays ended)."""
         firsts = [self.prefill(p, params) for p in prompts]
-        jobs = [(p, params, KVTransferParams.from_dict(f.kv_transfer_params), f.token_ids)
-                for p, f in zip(prompts, firsts)]
-        outs = run(self.d.engine, jobs)
-        self.texts = [f.text + o.text for f, o in zip(firsts, outs)]
-        return [f.token_ids + o.token_ids for f, o in zip(firsts, outs)]
+        handed = [i for i, f in enumerate(firsts) if f.kv_transfer_params]
+        jobs = [(prompts[i], params, KVTransferParams.from_dict(firsts[i].kv_transfer_params),
+                 firsts[i].token_ids) for i in handed]
+        outs = dict(zip(handed, run(self.d.engine, jobs)))
+        self.texts = [hold_back(f.text, params.stop)[0] + outs[i].text if i in outs else f.text
+                      for i, f in enumerate(firsts)]
+        self.reasons = [outs[i].finish_reason if i in outs else f.finish_reason for i, f in enumerate(firsts)]
+        return [f.token_ids + outs[i].token_ids if i in outs else f.token_ids for i, f in enumerate(firsts)]
 
     def used(self) -> tuple[int, int]:
         return self.p.engine.kv.num_used_blocks, self.d.engine.kv.num_used_blocks
@@ -68,6 +74,31 @@ def test_disaggregated_tokens_equal_one_engines_and_every_block_returns():
     assert pair.texts == [o.text for o in alone]
     assert pair.used() == (0, 0)
     assert pair.p.engine.connector.num_leased_blocks == 0
+
+
+@pytest.mark.parametrize("min_tokens", [0, 2])
+def test_a_stop_string_spanning_the_first_token_and_the_next_is_found(min_tokens):
+    """The prefill side's first token and the decode side's second: a stop string made of the
+    end of one and the start of the other ends the request where one engine ends it."""
+    from twophase.core.detokenizer import IncrementalDetokenizer
+
+    prompts = random_prompts(24, seed=3)
+    one = tiny_llm(**SMALL)
+    stops = []
+    for o in one.generate(prompts, GREEDY):     # the first two tokens' texts, each alone
+        detok = IncrementalDetokenizer(one.tokenizer)
+        t1, t2 = detok.push(o.token_ids[0]), detok.push(o.token_ids[1])
+        if t1 and t2:
+            stops.append(t1[-1] + t2[:2])
+    assert len(stops) >= 3, "the prompts must give tokens with text"
+    params = SamplingParams(max_tokens=12, ignore_eos=True, stop=stops, min_tokens=min_tokens)
+    alone = tiny_llm(**SMALL).generate(prompts, params)
+    pair = Pair()
+    assert pair.generate(prompts, params) == [o.token_ids for o in alone]
+    assert pair.texts == [o.text for o in alone]
+    assert pair.reasons == [o.finish_reason for o in alone]
+    assert sum(r == "stop" for r in pair.reasons) >= 3
+    assert pair.used() == (0, 0)
 
 
 def test_seeded_sampling_continues_the_prefill_sides_generator():

@@ -23,7 +23,8 @@ import ray
 
 from twophase.cluster.host import Failure, Job
 from twophase.core.engine import check_text
-from twophase.core.kv_transfer import KVTransferParams
+from twophase.core.kv_transfer import KVTransferParams, first_token_params
+from twophase.core.output_processor import hold_back
 from twophase.core.outputs import Delta, RequestOutput
 from twophase.core.params import SamplingParams
 from twophase.errors import RequestRejected
@@ -138,13 +139,9 @@ class ClusterLoop:
 
     async def _disaggregated(self, job: Job, put) -> None:
         prefill = self.cluster.pick("prefill")
-        p = job.params
-        # the first token under the same rules as one engine's: EOS banned while min_tokens
-        # holds, stop strings counted only from min_tokens on
-        first_params = dataclasses.replace(p, max_tokens=1, min_tokens=min(p.min_tokens, 1),
-                                           stop=p.stop if p.min_tokens <= 1 else [])
         first = await self._one(prefill, dataclasses.replace(
-            job, params=first_params, kv_transfer=KVTransferParams(do_remote_decode=True)), put, "prefill")
+            job, params=first_token_params(job.params), kv_transfer=KVTransferParams(do_remote_decode=True)),
+            put, "prefill")
         if first is None:
             return
         out = first.output
@@ -156,7 +153,10 @@ class ClusterLoop:
             put(first)
             put(Finished(out))
             return
-        put(dataclasses.replace(first, finish_reason=None, output=None))
+        # its text's tail stays back: the decode worker releases it, or cuts it at a stop string
+        head = hold_back(first.text, job.params.stop)[0]
+        put(dataclasses.replace(first, text=head, finish_reason=None, output=None))
+        out = dataclasses.replace(out, text=head)
         try:
             decode = self.cluster.pick("decode")
             rest = dataclasses.replace(job, kv_transfer=KVTransferParams.from_dict(kv),

@@ -25,6 +25,7 @@ go over NCCL or NIXL through Ray's tensor transport (not built: no GPU here).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -35,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
+from twophase.core.params import SamplingParams
 from twophase.core.seams import KVLayout
 from twophase.errors import RequestRejected
 
@@ -43,6 +45,15 @@ if TYPE_CHECKING:
     from twophase.core.request import Request
 
 log = logging.getLogger(__name__)
+
+
+def first_token_params(p: SamplingParams) -> SamplingParams:
+    """What the prefill side samples for a request a peer decodes: the first token under one
+    engine's rules. EOS is banned while ``min_tokens`` holds, and stop strings count only from
+    ``min_tokens`` on. The peer holds back that token's last characters (``hold_back``), so a
+    stop string that spans the first token and the next is still found."""
+    return dataclasses.replace(p, max_tokens=1, min_tokens=min(p.min_tokens, 1),
+                               stop=p.stop if p.min_tokens <= 1 else [])
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,13 @@ if TYPE_CHECKING:
 Retire = Callable[[str, str], RequestStats]
 
 
+def hold_back(text: str, stop: Sequence[str]) -> tuple[str, str]:
+    """``text`` split into what may stream now and the tail a stop string may begin in (its
+    last ``len(longest) - 1`` characters): streamed text cannot be taken back."""
+    split = max(0, len(text) - max((len(x) - 1 for x in stop), default=0))
+    return text[:split], text[split:]
+
+
 @dataclass
 class _Stream:
     """One request's output so far."""
@@ -53,14 +60,15 @@ class OutputProcessor:
             params: SamplingParams, first_token_ids: Sequence[int] = (),
             hands_off: bool = False) -> None:
         """``first_token_ids``: output another engine sampled and sent (disaggregated serving):
-        the text of what follows them is decoded after them, and they are not sent again.
+        the text of what follows them is decoded after them, and they are not sent again, but
+        their text's last characters are held back here as one engine would have (the sender
+        streamed only what ``hold_back`` releases), so a stop string may begin in them.
         ``hands_off``: another engine continues this request, so an incomplete character at the
         end stays held back (that engine releases it whole) instead of flushed as U+FFFD."""
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
-        if detok is not None:
-            for token in first_token_ids:
-                detok.push(token)
-        self._streams[request_id] = _Stream(prompt, list(prompt_token_ids), params, detok, hands_off)
+        first = "".join(detok.push(t) for t in first_token_ids) if detok is not None else ""
+        self._streams[request_id] = _Stream(prompt, list(prompt_token_ids), params, detok, hands_off,
+                                            held=hold_back(first, params.stop)[1])
 
     def process(self, updates: list[SeqUpdate], retire: Retire) -> list[Delta]:
         return [self._delta(u, retire) for u in updates]
@@ -118,7 +126,5 @@ class OutputProcessor:
             if cut >= 0:
                 s.held = ""
                 return window[:cut], True
-        keep = 0 if final else max(len(x) for x in p.stop) - 1
-        split = max(0, len(window) - keep)
-        s.held = window[split:]
-        return window[:split], False
+        out, s.held = (window, "") if final else hold_back(window, p.stop)
+        return out, False
