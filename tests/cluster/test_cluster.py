@@ -169,8 +169,9 @@ def test_clients_gone_during_the_transfer_free_both_pools(disaggregated):
         ray.get(prefill.delay_reads.remote(0))
 
 
-def test_a_prefill_worker_killed_mid_transfer_errors_within_2_s(disaggregated):
-    """Last here: it kills the module's prefill worker. (Recomputing instead,
+def test_a_prefill_worker_killed_mid_transfer_errors_within_2_s_and_comes_back(disaggregated):
+    """The request in transfer ends with an error at once; Ray restarts the worker (its actor is
+    supervised) and the next request is served. (Recomputing instead of the error,
     ``kv_load_failure = "recompute"``, is the same path: tests/core/test_kv_transfer.py.)"""
     import ray
 
@@ -180,7 +181,7 @@ def test_a_prefill_worker_killed_mid_transfer_errors_within_2_s(disaggregated):
     stream = client.completions.create(model=MODEL, prompt="Tell me about the sea. " * 8,
                                        max_tokens=GREEDY_TOKENS, temperature=0, stream=True)
     next(iter(stream))                        # the first token: the decode worker is pulling
-    ray.kill(prefill)
+    ray.kill(prefill, no_restart=False)
     t0 = time.monotonic()
     with pytest.raises(openai.APIError, match="pulling the KV blocks"):
         for _ in stream:
@@ -188,3 +189,6 @@ def test_a_prefill_worker_killed_mid_transfer_errors_within_2_s(disaggregated):
     assert time.monotonic() - t0 < 2.5, "the decode side waited too long on a dead peer"
     [decode] = c.workers["decode"]
     wait_for(lambda: ray.get(decode.kv_state.remote())["used_blocks"] == 0, 5, "decode blocks leaked")
+    again = client.completions.create(model=MODEL, prompt="Tell me about the sea.", max_tokens=4,
+                                      temperature=0, timeout=120)
+    assert again.choices[0].finish_reason == "length"

@@ -16,6 +16,7 @@ import dataclasses
 import itertools
 import logging
 import math
+import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
     from twophase.models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+RESTART_WAIT_S = 60.0      # a worker Ray restarts loads its model again: tens of seconds
 
 
 class ClusterLoop:
@@ -168,22 +171,33 @@ class ClusterLoop:
     async def _one(self, worker: Any, job: Job, put, role: str, finish=None) -> Delta | None:
         """Stream ``job`` on ``worker``: its deltas go to the client (only the last one's output
         goes through ``finish``, which returns the output to send); returns the last delta, or
-        None if the request ended without output (an error was put)."""
+        None if the request ended without output (an error was put). A worker that Ray is
+        restarting is waited for up to ``RESTART_WAIT_S`` while nothing has been streamed."""
         self.cluster.busy[worker] += 1
+        deadline = time.monotonic() + RESTART_WAIT_S
+        last = None
         try:
-            last = None
-            async for ref in worker.generate.options(num_returns="streaming").remote(job):
-                item = await ref
-                if isinstance(item, Failure):
-                    put(item.exception())
-                    return None
-                last = item
-                if finish is None:
-                    continue                      # the prefill's one delta: the caller decides
-                if item.output is not None:
-                    item = dataclasses.replace(item, output=finish(item.output))
-                _emit(item, put)
-            return last
+            while True:
+                try:
+                    async for ref in worker.generate.options(num_returns="streaming").remote(job):
+                        item = await ref
+                        if isinstance(item, Failure):
+                            put(item.exception())
+                            return None
+                        last = item
+                        if finish is None:
+                            continue              # the prefill's one delta: the caller decides
+                        if item.output is not None:
+                            item = dataclasses.replace(item, output=finish(item.output))
+                        _emit(item, put)
+                    return last
+                except ray.exceptions.ActorUnavailableError as exc:
+                    if last is not None:           # it had started: it cannot be taken back
+                        raise
+                    if time.monotonic() > deadline:
+                        put(Overloaded(f"the {role} worker is restarting; retry later ({_reason(exc)})"))
+                        return None
+                    await asyncio.sleep(0.5)
         except asyncio.CancelledError:
             worker.abort.remote(job.request_id)
             raise

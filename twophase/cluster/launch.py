@@ -155,8 +155,10 @@ def _start_workers(cluster: Cluster, threads: int) -> None:
         names = [f"twophase-{role}-{i}" for i in range(n)]
         cluster.names[role] = names
         cluster.workers[role] = [
+            # supervised: Ray starts a worker that dies again (its requests in flight get an
+            # error; requests sent meanwhile wait for it)
             actor.options(name=name, namespace=cluster.namespace, num_cpus=threads,
-                          max_concurrency=1000).remote(
+                          max_concurrency=1000, max_restarts=-1, max_task_retries=0).remote(
                 role_config(cluster.config, role), name, threads, cluster.namespace, role == "decode")
             for name in names]
     log.info("starting %d prefill and %d decode workers on Ray", c.prefill_workers, c.decode_workers)
