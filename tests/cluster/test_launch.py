@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from twophase.cluster.board import labelled
-from twophase.cluster.launch import check_layouts
+from twophase.cluster.launch import Cluster, check_layouts
 from twophase.cluster.router import PrefixMap, prefix_keys
 from twophase.core.seams import KVLayout
 from twophase.errors import ConfigError
@@ -31,6 +31,24 @@ def test_prefix_keys_cover_whole_blocks_and_the_deepest_known_prefix_wins():
     assert m.best(prefix_keys(other, 16, 8), {"r1"}) is None   # r2 gone: nobody holds it
     m.forget("r2")
     assert m.best(prefix_keys(ids, 16, 8), {"r1", "r2"}) is None
+
+
+def test_prefill_workers_are_picked_by_prefix_unless_busy_and_decode_workers_by_load():
+    from twophase.config import load_config
+
+    cfg = load_config({"cluster": {"prefill_workers": 3, "decode_workers": 2, "route_imbalance": 2}})
+    c = Cluster(cfg, "ns", board=None, workers={"prefill": ["p0", "p1", "p2"], "decode": ["d0", "d1"]})
+    shared = list(range(3, 100))
+    c.busy.update({"p0": 1, "p1": 1})
+    first = c.pick("prefill", shared + [1, 2])
+    assert first == "p2"                                     # unknown prefix: the least busy
+    c.busy.update({"p2": 3})                                 # p2 3, the others 1: within 2
+    assert c.pick("prefill", shared + [7, 8, 9]) == "p2"     # the same 6 blocks: where they went
+    assert c.pick("prefill", [5] * 99) in ("p0", "p1")       # another prefix: by load
+    c.busy.update({"p2": 1})                                 # p2 4: past the imbalance
+    assert c.pick("prefill", shared) in ("p0", "p1")
+    c.busy.update({"d0": 1})
+    assert c.pick("decode") == "d1"                          # no prompt given: by load alone
 
 
 def test_the_workers_metrics_are_labelled_by_worker():

@@ -141,7 +141,7 @@ class ClusterLoop:
             put(EngineError(f"the replica serving this request failed: {_reason(exc)}"))
 
     async def _disaggregated(self, job: Job, put) -> None:
-        prefill = self.cluster.pick("prefill")
+        prefill = self.cluster.pick("prefill", job.prompt_token_ids)
         first = await self._one(prefill, dataclasses.replace(
             job, params=first_token_params(job.params), kv_transfer=KVTransferParams(do_remote_decode=True)),
             put, "prefill")

@@ -38,6 +38,7 @@ class Cluster:
     workers: dict[str, list[Any]] = field(default_factory=dict)   # role -> actors
     names: dict[str, list[str]] = field(default_factory=dict)
     busy: Counter = field(default_factory=Counter)    # requests in flight per worker
+    prefixes: dict[str, Any] = field(default_factory=dict)   # role -> PrefixMap
     started_ray: bool = False
     info: dict[str, Any] = field(default_factory=dict)   # a worker's describe(): limits, layout
 
@@ -50,9 +51,24 @@ class Cluster:
     def disaggregated(self) -> bool:
         return bool(self.workers)
 
-    def pick(self, role: str) -> Any:
-        """The worker of ``role`` with the fewest of this frontend's requests in flight."""
-        return min(self.workers[role], key=lambda w: self.busy[w])
+    def pick(self, role: str, tokens: list[int] | None = None) -> Any:
+        """The worker of ``role`` with the fewest of this frontend's requests in flight; given a
+        prompt's ``tokens``, the one sent its deepest known prefix (its prefix cache likely holds
+        it) unless that one has more than ``route_imbalance`` requests beyond the least busy:
+        the replicas' routing rule (``router.py``)."""
+        from twophase.cluster.router import PrefixMap, prefix_keys
+
+        workers = self.workers[role]
+        least = min(workers, key=lambda w: self.busy[w])
+        if tokens is None:
+            return least
+        keys = prefix_keys(tokens, self.config.cache.block_size)
+        prefixes = self.prefixes.setdefault(role, PrefixMap())
+        owner = prefixes.best(keys, set(workers))
+        imbalance = self.config.cluster.route_imbalance
+        chosen = owner if owner is not None and self.busy[owner] - self.busy[least] <= imbalance else least
+        prefixes.record(keys, chosen)
+        return chosen
 
     def tokenizer(self):
         """The model's tokenizer, for the frontend (no weights are loaded here)."""

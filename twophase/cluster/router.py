@@ -16,8 +16,10 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
+DEPTH = 8          # blocks of a prompt's beginning that routing remembers
 
-def prefix_keys(token_ids: list[int], block_size: int, depth: int) -> list[bytes]:
+
+def prefix_keys(token_ids: list[int], block_size: int, depth: int = DEPTH) -> list[bytes]:
     """Chain hashes of the first 1..``depth`` full blocks (the last token never counts: an
     engine always computes it), shallowest first."""
     keys: list[bytes] = []
@@ -62,7 +64,7 @@ def job_tokens(pending: PendingRequest | None) -> list[int] | None:
 
 
 class PrefixAffinityRouter(RequestRouter):
-    def initialize_state(self, block_size: int = 16, depth: int = 8, imbalance: int = 4,
+    def initialize_state(self, block_size: int = 16, depth: int = DEPTH, imbalance: int = 4,
                          **_: Any) -> None:
         self.block_size, self.depth, self.imbalance = block_size, depth, imbalance
         self.prefixes = PrefixMap()
