@@ -2,15 +2,18 @@
 
 Colocated: one engine in this process on every core (``threads = 2`` on a 2-core machine),
 chunked prefill on. Disaggregated: a prefill worker and a decode worker on Ray, one thread each,
-the prompt's K/V pulled through the object store. Both take the same workload, with rounds
-interleaved: prompts of 1-2k tokens arriving as a Poisson process, each decoding
-``--max-tokens`` tokens, so long prompts keep arriving while others decode. Reported per setup:
+the prompt's K/V pulled through the object store; or, with ``--prefill-threads 2 --prefill-nice
+10``, the prefill worker on both cores at a lower OS priority, so a decode step preempts it.
+Both take the same workload, with rounds interleaved: prompts of 1-2k tokens arriving as a
+Poisson process, each decoding ``--max-tokens`` tokens, so long prompts keep arriving while
+others decode. Reported per setup:
 p99 inter-token latency, TTFT p50/p99, output tokens/s and goodput (requests meeting
 TTFT <= 2 s and TPOT <= 100 ms, per second). Then the K/V transfer's cost: ms and MB per
 1k-token prompt, against that prompt's prefill time.
 
     python benchmarks/disaggregated.py [--requests 8] [--rate 0.12] [--rounds 2] [--max-tokens 64]
-                                       [--backend torch|onnxruntime|...]
+                                       [--backend torch|onnxruntime|...] [--prefill-threads N]
+                                       [--prefill-nice N]
 """
 
 from __future__ import annotations
@@ -100,6 +103,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2, help="cores: the colocated engine's threads")
+    ap.add_argument("--prefill-threads", type=int, help="the prefill worker's (default: half of --threads)")
+    ap.add_argument("--prefill-nice", type=int, default=0, help="the prefill worker's nice value")
     args = ap.parse_args()
     console = Console()
 
@@ -110,8 +115,10 @@ def main() -> None:
     colocated = LLM.from_config({**base, "backend": {"name": args.backend,
                                                      "options": {"threads": args.threads}}})
     local = EngineLoop(colocated, max_queue=256)
-    cfg = load_config({**base, "cluster": {"prefill_workers": 1, "decode_workers": 1,
-                                           "threads": max(1, args.threads // 2)}})
+    half = max(1, args.threads // 2)
+    cfg = load_config({**base, "cluster": {"prefill_workers": 1, "decode_workers": 1, "threads": half,
+                                           "prefill_threads": args.prefill_threads or half,
+                                           "prefill_nice": args.prefill_nice}})
     cluster = launch.start(cfg)
     remote = ClusterLoop(cluster, cluster.tokenizer(), cluster.info["max_model_len"], 256)
     setups = {"colocated": local, "disaggregated": remote}
@@ -124,8 +131,11 @@ def main() -> None:
             for name, loop in setups.items():
                 console.print(f"round {r + 1}/{args.rounds}: {name}")
                 results[name].append(asyncio.run(run(loop, work, gaps, args.max_tokens)))
+        c = cfg.cluster
         table = Table(title=f"{args.requests} requests a round, 1-2k-token prompts at {args.rate}/s, "
-                            f"{args.max_tokens} output tokens each; medians over {args.rounds} rounds")
+                            f"{args.max_tokens} output tokens each; medians over {args.rounds} rounds; "
+                            f"colocated {args.threads} threads, prefill worker {c.prefill_threads} "
+                            f"(nice {c.prefill_nice}), decode worker {c.threads}")
         table.add_column("setup")
         for col in ("ITL p99 ms", "TTFT p50 s", "TTFT p99 s", "output tok/s", "goodput req/s",
                     "meeting SLO"):

@@ -86,7 +86,7 @@ def test_missing_config_file(tmp_path):
      ["model", "backend", "scheduler", "cache", "sampling", "workload", "bench", "server", "speculative",
       "cluster"]),
     (TINY_TOML + "[cache]\nblock_sise = 16\n", "cache.block_sise",
-     ["block_size", "num_blocks", "memory_gb", "memory_utilization", "prefix_caching", "dtype"]),
+     ["block_size", "num_blocks", "memory_gb", "memory_utilization", "prefix_caching", "dtype", "prefault"]),
 ], ids=["model.nam", "scheduler.foo", "top-level-modle", "cache.block_sise"])
 def test_unknown_key_lists_allowed_keys(tmp_path, text, key, allowed):
     err = config_error(write(tmp_path, text))
@@ -215,6 +215,19 @@ def test_bad_synthetic_lengths(key, value):
 def test_sampling_ranges(section, key, value, text):
     err = config_error({"model": dict(TINY), section: {key: value}})
     assert str(err) == f"{section}.{key}: {text}, got {value!r}"
+
+
+@pytest.mark.parametrize("key, value, text", [
+    ("threads", 0, "must be at least 1"),
+    ("prefill_threads", 0, "must be at least 1"),
+    ("decode_threads", -2, "must be at least 1"),
+    ("prefill_workers", -1, "must be at least 0"),
+    ("prefill_nice", 20, "must be a nice value in [0, 19]"),
+    ("prefill_nice", -5, "must be a nice value in [0, 19]"),
+])
+def test_cluster_ranges(key, value, text):
+    err = config_error({"model": dict(TINY), "cluster": {"prefill_workers": 1, "decode_workers": 1, key: value}})
+    assert str(err) == f"cluster.{key}: {text}, got {value}"
 
 
 def test_only_model_section_gets_every_default(tmp_path):

@@ -172,6 +172,10 @@ class ClusterConfig:
     prefill_backend: BackendSection | None = None   # the prefill workers' [backend]; default its own
     decode_backend: BackendSection | None = None    # the decode workers'
     threads: int | None = None             # CPU threads per worker (each backend and torch)
+    prefill_threads: int | None = None     # the prefill workers' threads; default threads
+    decode_threads: int | None = None      # the decode workers'
+    prefill_nice: int = 0                  # 0-19: prefill workers' OS priority below decode
+                                           # workers' (on shared cores a decode step goes first)
     route_imbalance: int = 4               # queue gap past which prefix affinity yields
     kv_lease_s: float = 30.0               # prefill side keeps a prompt's blocks this long
     kv_load_timeout_s: float = 2.0         # decode side waits this long for them
@@ -283,11 +287,13 @@ def _check(cfg: Config) -> None:
 
 def _check_cluster(cfg: Config) -> None:
     c = cfg.cluster
-    for key in ("replicas", "prefill_workers", "decode_workers", "threads", "route_imbalance"):
+    positive = ("replicas", "threads", "prefill_threads", "decode_threads")
+    for key in positive + ("prefill_workers", "decode_workers", "route_imbalance"):
         value = getattr(c, key)
-        if value is not None and value < (1 if key in ("replicas", "threads") else 0):
-            raise ConfigError(f"cluster.{key}", f"must be at least {1 if key in ('replicas', 'threads') else 0}, "
-                              f"got {value}")
+        if value is not None and value < (1 if key in positive else 0):
+            raise ConfigError(f"cluster.{key}", f"must be at least {1 if key in positive else 0}, got {value}")
+    if not 0 <= c.prefill_nice <= 19:
+        raise ConfigError("cluster.prefill_nice", f"must be a nice value in [0, 19], got {c.prefill_nice}")
     if (c.prefill_workers > 0) != (c.decode_workers > 0):
         raise ConfigError("cluster.decode_workers" if c.prefill_workers else "cluster.prefill_workers",
                           "disaggregated serving needs both prefill_workers and decode_workers")

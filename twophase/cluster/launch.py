@@ -117,14 +117,15 @@ def start(cfg: Config) -> Cluster:
 
     c = cfg.cluster
     namespace = f"twophase-{uuid.uuid4().hex[:8]}"
-    workers = c.prefill_workers + c.decode_workers if c.disaggregated else c.replicas
     threads = c.threads or 1
+    cpus = (c.prefill_workers * (c.prefill_threads or threads) + c.decode_workers * (c.decode_threads or threads)
+            if c.disaggregated else c.replicas * threads)
     started = not ray.is_initialized()
     if started:
         env = {k: v for k, v in os.environ.items() if k.startswith("TWOPHASE_")}
         env["OMP_NUM_THREADS"] = str(threads)
         ray.init(address=c.address, namespace=namespace, include_dashboard=False,
-                 num_cpus=None if c.address else max(os.cpu_count() or 1, workers * threads + 1),
+                 num_cpus=None if c.address else max(os.cpu_count() or 1, cpus + 1),
                  runtime_env={"env_vars": env}, log_to_driver=False, logging_level=logging.WARNING)
     board = ray.remote(MetricsBoard).options(name=BOARD, namespace=namespace, num_cpus=0).remote()
     cluster = Cluster(cfg, namespace, board, started_ray=started)
@@ -169,13 +170,15 @@ def _start_workers(cluster: Cluster, threads: int) -> None:
     actor = ray.remote(EngineWorker)
     for role, n in (("prefill", c.prefill_workers), ("decode", c.decode_workers)):
         names = [f"twophase-{role}-{i}" for i in range(n)]
+        role_threads = getattr(c, f"{role}_threads") or threads
+        nice = c.prefill_nice if role == "prefill" else 0
         cluster.names[role] = names
         cluster.workers[role] = [
             # supervised: Ray starts a worker that dies again (its requests in flight get an
             # error; requests sent meanwhile wait for it)
-            actor.options(name=name, namespace=cluster.namespace, num_cpus=threads,
+            actor.options(name=name, namespace=cluster.namespace, num_cpus=role_threads,
                           max_concurrency=1000, max_restarts=-1, max_task_retries=0).remote(
-                role_config(cluster.config, role), name, threads, cluster.namespace, role == "decode")
+                role_config(cluster.config, role), name, role_threads, cluster.namespace, role == "decode", nice)
             for name in names]
     log.info("starting %d prefill and %d decode workers on Ray", c.prefill_workers, c.decode_workers)
     described = {name: d for role in ("prefill", "decode") for name, d in zip(

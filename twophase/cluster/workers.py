@@ -4,6 +4,7 @@ workers (addressed by name: a decode worker pulls K/V from the prefill worker th
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -55,7 +56,10 @@ class EngineWorker(_Shell):
     """A prefill worker (keeps prompts' blocks for decode workers) or a decode worker (pulls
     them: it has a transport)."""
 
-    def __init__(self, config: Config, name: str, threads: int | None, namespace: str, pulls: bool):
+    def __init__(self, config: Config, name: str, threads: int | None, namespace: str, pulls: bool,
+                 nice: int = 0):
+        if nice:         # before the engine's threads start: they inherit it
+            os.nice(nice)
         self.host = EngineHost(config, name, threads, RayTransport(namespace) if pulls else None,
                                board=ray.get_actor(BOARD, namespace=namespace))
 
