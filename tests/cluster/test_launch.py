@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from twophase.cluster.board import labelled
@@ -56,3 +59,18 @@ def test_the_workers_metrics_are_labelled_by_worker():
                      "w1": "# HELP x_total a\n# TYPE x_total counter\nx_total{k=\"v\"} 4.0\n"})
     assert 'x_total{replica="w0"} 3.0' in text and 'x_total{k="v",replica="w1"} 4.0' in text
     assert text.count("# TYPE x counter") == 1           # one family, as Prometheus names it
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness: Linux")
+def test_a_prefill_workers_priority_is_lowered_on_every_thread_and_its_new_ones():
+    """In a process of its own (niceness cannot be raised back)."""
+    code = """
+import os, threading
+from twophase.cluster.workers import lower_priority
+before = threading.Thread(target=threading.Event().wait, daemon=True); before.start()
+lower_priority(7)
+after = threading.Thread(target=threading.Event().wait, daemon=True); after.start()
+print(sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir("/proc/self/task")}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[7]"

@@ -124,6 +124,9 @@ def start(cfg: Config) -> Cluster:
     if started:
         env = {k: v for k, v in os.environ.items() if k.startswith("TWOPHASE_")}
         env["OMP_NUM_THREADS"] = str(threads)
+        # Ray starts workers at nice 15 (below its own daemons); engines serve at the priority
+        # one engine in a process would have, and prefill_nice lowers prefill from there
+        os.environ.setdefault("RAY_worker_niceness", "0")
         ray.init(address=c.address, namespace=namespace, include_dashboard=False,
                  num_cpus=None if c.address else max(os.cpu_count() or 1, cpus + 1),
                  runtime_env={"env_vars": env}, log_to_driver=False, logging_level=logging.WARNING)

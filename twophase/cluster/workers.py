@@ -52,6 +52,17 @@ class EngineReplica(_Shell):
             raise RuntimeError(f"the engine has stopped: {self.host.loop.fatal}")
 
 
+def lower_priority(nice: int) -> None:
+    """Every thread of this process at niceness ``nice`` at least (on Linux each thread has its
+    own, and a thread starts with its creator's)."""
+    tids = [int(t) for t in os.listdir("/proc/self/task")] if os.path.isdir("/proc/self/task") else [0]
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
+        except (ProcessLookupError, PermissionError):       # a thread that has ended meanwhile
+            pass
+
+
 class EngineWorker(_Shell):
     """A prefill worker (keeps prompts' blocks for decode workers) or a decode worker (pulls
     them: it has a transport)."""
@@ -59,7 +70,7 @@ class EngineWorker(_Shell):
     def __init__(self, config: Config, name: str, threads: int | None, namespace: str, pulls: bool,
                  nice: int = 0):
         if nice:         # before the engine's threads start: they inherit it
-            os.nice(nice)
+            lower_priority(nice)
         self.host = EngineHost(config, name, threads, RayTransport(namespace) if pulls else None,
                                board=ray.get_actor(BOARD, namespace=namespace))
 
