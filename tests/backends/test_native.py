@@ -175,9 +175,15 @@ def test_speculation_verified_on_native_changes_no_token():
 
 # -- the kernels' tiles against the scalar reference in step.c ------------------------------------
 
-# (n, k, outliers): a short group alone (k = 32, 96), whole groups (256), both (288, 576, 1504),
-# and outlier counts below, at and past a vector of 8
-SHAPES = [(5, 32, 0), (7, 96, 3), (9, 256, 8), (13, 288, 13), (6, 576, 8), (3, 1504, 9)]
+# (n, k, outliers): a short group alone (k = 32, 96, 256: 1, 3, 8 blocks of a group's 16), whole
+# groups (512, 1024), both (288, 576, 1504: 9, 2, 15 blocks past them), and outlier counts below,
+# at and past a vector of 8
+SHAPES = [(5, 32, 0), (7, 96, 3), (9, 256, 8), (13, 288, 13), (4, 512, 5), (6, 576, 8), (5, 1024, 0),
+          (3, 1504, 9)]
+
+# the kernels' paths, each compiled for this CPU with what it may not use switched off: 512-bit
+# VNNI (16 lanes a vector, where the CPU has it), 256-bit VNNI, AVX2 without VNNI (8 lanes)
+PATHS = {"native": (), "avx-vnni": ("-mno-avx512f",), "avx2": ("-mno-avx512f", "-mno-avxvnni")}
 
 
 def _q4_weight(rng, n, k, n_out):
@@ -236,7 +242,7 @@ def _activations(rng, rows, k, outliers=()):
     return x
 
 
-@pytest.mark.parametrize("flags", [(), ("-mno-avx512vnni", "-mno-avxvnni")], ids=["native", "avx2"])
+@pytest.mark.parametrize("flags", PATHS.values(), ids=PATHS.keys())
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{n}x{k}" for n, k, _ in SHAPES])
 def test_q4_tiles_equal_the_scalar_reference_in_every_batch(flags, shape):
     """Every tile shape (1-4 weight rows by 1-4 activation rows) and every batch size 1-70 gives,
@@ -265,7 +271,7 @@ def test_q4_tiles_equal_the_scalar_reference_in_every_batch(flags, shape):
         assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)), f"batch {batch}"
 
 
-@pytest.mark.parametrize("flags", [(), ("-mno-avx512vnni", "-mno-avxvnni")], ids=["native", "avx2"])
+@pytest.mark.parametrize("flags", PATHS.values(), ids=PATHS.keys())
 def test_q8_head_tiles_equal_the_scalar_reference_in_every_batch(flags):
     import numpy as np
 
@@ -274,7 +280,7 @@ def test_q8_head_tiles_equal_the_scalar_reference_in_every_batch(flags):
 
     lib = kernel.load(flags)
     rng = np.random.default_rng(8)
-    for n, k in [(5, 32), (7, 96), (6, 256), (11, 576)]:
+    for n, k in [(5, 32), (7, 96), (6, 256), (4, 512), (11, 576), (3, 1504)]:
         blocks, dense = _q8_weight(rng, n, k)
         rows = q8_rows(blocks)
         assert rows.shape == (n, 34 * (k // 32))
@@ -288,3 +294,30 @@ def test_q8_head_tiles_equal_the_scalar_reference_in_every_batch(flags):
             got, ref = _run(lib, proj, True, x[:batch], n)
             assert np.array_equal(ref, want[:batch])
             assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)), f"{n}x{k}, batch {batch}"
+
+
+def test_the_paths_agree_up_to_float_rounding():
+    """The 512-bit tiles sum the blocks' terms in other lanes than the 256-bit ones, so the two
+    differ by float rounding only (a block read or scaled wrongly on one path, in its tiles and
+    its reference alike, would differ by far more)."""
+    import numpy as np
+
+    from twophase.backends.native import kernel
+    from twophase.backends.native.weights import q4_rows, q8_rows
+
+    libs = [kernel.load(flags) for flags in PATHS.values()]
+    rng = np.random.default_rng(3)
+    for n, k, n_out in SHAPES:
+        blocks, zeros, idx, cols, _ = _q4_weight(rng, n, k, n_out)
+        rows = q4_rows(blocks, zeros)
+        proj = kernel.ProjQ4(n, k, n_out, rows.ctypes.data, idx.ctypes.data, cols.ctypes.data)
+        x = _activations(rng, 9, k, idx)
+        got = [_run(lib, proj, False, x, n)[0] for lib in libs]
+        for g in got[1:]:
+            assert np.abs(g - got[0]).max() <= 1e-5 * np.abs(got[0]).max(), f"q4 {n}x{k}"
+        blocks8, _ = _q8_weight(rng, n, k)
+        rows8 = q8_rows(blocks8)
+        proj8 = kernel.ProjQ8(n, k, rows8.ctypes.data)
+        got = [_run(lib, proj8, True, x, n)[0] for lib in libs]
+        for g in got[1:]:
+            assert np.abs(g - got[0]).max() <= 1e-5 * np.abs(got[0]).max(), f"q8 {n}x{k}"

@@ -12,12 +12,13 @@
  *  - outlier channels: a few input channels are zeroed before the rounding and multiplied in
  *    float32 by their own weights.
  *
- * The kernels work on groups of 8 blocks, one block per 32-bit lane: the codes are laid out so
- * that lane j of the group's k-th vector holds elements 4k..4k+3 of block j, for weights and
- * activations alike. Eight int8 dots (VNNI vpdpbusd) then leave each block's exact integer dot
- * in its own lane, with no horizontal sum; the group's eight scales are one fp16 vector, and the
- * float work (the scale products, the minimum's and zero point's terms) is a few vector ops a
- * group. A row's last nb % 8 blocks are a short group, its lanes masked.
+ * The kernels work on groups of 16 blocks, one block per 32-bit lane: the codes are laid out so
+ * that lane j of the group's k-th 64-byte vector holds elements 4k..4k+3 of block j, for weights
+ * and activations alike. Int8 dots (VNNI vpdpbusd) then leave each block's exact integer dot in
+ * its own lane, with no horizontal sum; the group's scales are one fp16 vector, and the float
+ * work (the scale products, the minimum's and zero point's terms) is a few vector ops a group.
+ * With AVX-512 VNNI a group is one zmm; else its two halves are ymm in turn (the same layout,
+ * other per-lane sums). A row's last nb % 16 blocks are a short group, each block in order.
  *
  * Rows of a step are tokens: decodes (one per sequence) or the tokens of prefill chunks. Every
  * row writes its K/V into the pool at its slot before any row attends, so a chunk's tokens see
@@ -31,8 +32,19 @@
 
 #define QK 32
 #define OUT_MAX 64
-#define GB 8                    /* blocks in a group, one 32-bit lane each */
+#define GB 16                   /* blocks in a group, one 32-bit lane each */
 #define INLINE static inline __attribute__((always_inline))
+
+/* 512-bit tiles where the compiler targets AVX-512 with VNNI: a zmm's 16 lanes halve the dots
+   and float ops a block costs against a ymm's 8 (Zen 5, one thread, a 2 x 4 tile on rows in
+   L1: 0.43 -> 0.26 ns a block and row at k = 576, 0.30 -> 0.17 at k = 1536) */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define WIDE 1
+#define LANES 16
+#else
+#define WIDE 0
+#define LANES 8
+#endif
 
 /* acc + the integer dots of unsigned codes with signed ones, four bytes a lane: one VNNI
    instruction where the CPU has it, else AVX2's (no saturation for 4-bit codes: a pair of
@@ -64,11 +76,9 @@ static inline __m256i hdot_avx2(__m256i acc, __m256i u, __m256i v) {
 
 /* A projection's rows, each nb = k/32 blocks as 21*nb bytes:
      d[nb] fp16 | m[nb] fp16 | z[nb] zero points | codes, 16*nb bytes
-   The codes go by groups of 8 blocks, 128 bytes: four 32-byte vectors P0..P3, lane j of Pk the
+   The codes go by groups of 16 blocks, 256 bytes: four 64-byte vectors P0..P3, lane j of Pk the
    bytes 4k..4k+3 of block j's GGUF qs (low nibbles elements 4k.., high ones 16+4k..). The last
-   t = nb % 8 blocks are the same four vectors cut to t lanes (4*t bytes each). A group's loads
-   of d, m and z read 8 lanes from the group's first block: past a short group they read the next
-   field of the row (masked out), never past the row. */
+   t = nb % 16 blocks follow in order, 16 bytes each. */
 typedef struct {
     int n, k, n_out;
     const uint8_t *w;       /* [n][21 * k/32] */
@@ -76,9 +86,9 @@ typedef struct {
     const float *out_w;     /* [n][n_out] their weights */
 } proj_q4;
 
-/* The head's rows, 34*nb bytes: d[nb] fp16 | codes + 128, 32*nb bytes, by groups of 8 blocks as
-   eight 32-byte vectors (lane j of the k-th: block j's bytes 4k..4k+3), the last t blocks cut
-   to t lanes. */
+/* The head's rows, 34*nb bytes: d[nb] fp16 | codes + 128, 32*nb bytes, by groups of 16 blocks
+   as eight 64-byte vectors (lane j of the k-th: block j's bytes 4k..4k+3), the last t blocks in
+   order, signed, 32 bytes each. */
 typedef struct { int n, k; const uint8_t *w; } proj_q8;
 typedef struct {
     int layers, dim, heads, kv_heads, head_dim, ffn, vocab;
@@ -109,10 +119,17 @@ typedef struct {
 } step_t;
 
 
-/* a row's activations, rounded: int8 codes in the groups' lane order (a short group padded with
-   zeros to 8 lanes), and per block (padded to a multiple of 8, zeros) the step, the float sum,
-   the rounding error of the sum and the sum of the codes; the outlier channels' float values */
-typedef struct { int8_t *q; float *d, *s, *e; int32_t *u; float *xo; } qact;
+/* a row's activations, rounded, by groups of 16 blocks, ACT_GROUP bytes each (one pointer a
+   row reaches all of a group's fields): the int8 codes in the group's lane order (512 bytes; a
+   short group's blocks in order, zeros after them), then per block the step d, the float sum s,
+   the rounding error of the sum e and the sum of the codes u (16 each, zeros past the row's
+   blocks); apart, the outlier channels' float values */
+typedef struct { int8_t *q; float *xo; } qact;
+#define ACT_GROUP 768
+enum { XD = 128, XS = 144, XE = 160, XU = 176 };      /* the fields' offsets in floats */
+
+/* group g's field f (XD..XU) of an activation row */
+INLINE float *act_f(const qact *x, int g, int f) { return (float *)(x->q + (size_t)ACT_GROUP * g) + f; }
 
 static inline int groups_of(int k) { return (k / QK + GB - 1) / GB; }
 
@@ -173,9 +190,7 @@ static inline void axpy(float *y, float p, const float *x, int n) {
 }
 
 static qact row_of(qact a, int r, int k) {
-    const size_t nbp = (size_t)groups_of(k) * GB;
-    qact out = { a.q + (size_t)r * nbp * QK, a.d + (size_t)r * nbp, a.s + (size_t)r * nbp,
-                 a.e + (size_t)r * nbp, a.u + (size_t)r * nbp, a.xo + (size_t)r * OUT_MAX };
+    const qact out = { a.q + (size_t)r * groups_of(k) * ACT_GROUP, a.xo + (size_t)r * OUT_MAX };
     return out;
 }
 
@@ -204,7 +219,11 @@ static void quantize_row(const float *x, int k, const int32_t *idx, int n_out, q
     const __m256 sign = _mm256_set1_ps(-0.f);
     const int nb = k / QK, nbp = groups_of(k) * GB;
     for (int i = 0; i < n_out; i++) a.xo[i] = x[idx[i]];
-    for (int b = nb; b < nbp; b++) { a.d[b] = a.s[b] = a.e[b] = 0.f; a.u[b] = 0; }
+    if (nb < nbp) {         /* the short group: zeros after its blocks (its vectors read past them) */
+        int8_t *g = a.q + (size_t)(nb / GB) * ACT_GROUP;
+        memset(g + nb % GB * QK, 0, (size_t)(GB - nb % GB) * QK);
+        for (int f = XD; f <= XU; f += GB) memset((float *)g + f + nb % GB, 0, sizeof(float) * (GB - nb % GB));
+    }
     for (int b = 0; b < nb; b++) {
         float v[QK];
         memcpy(v, x + b * QK, sizeof v);
@@ -221,19 +240,20 @@ static void quantize_row(const float *x, int k, const int32_t *idx, int n_out, q
         m = _mm_max_ss(m, _mm_movehdup_ps(m));
         const float d = _mm_cvtss_f32(m) / 127.f, id = d > 0.f ? 1.f / d : 0.f, fsum = hsum8(sum);
         __m256i qsum;
-        int8_t *group = a.q + (size_t)(b / GB) * GB * QK;
+        int8_t *group = a.q + (size_t)(b / GB) * ACT_GROUP;
         if (b >= nb / GB * GB) {
             codes_32(v, id, group + (b % GB) * QK, &qsum);      /* the short group: in order */
         } else {
             int8_t codes[QK];
             codes_32(v, id, codes, &qsum);
-            for (int i = 0; i < 8; i++) memcpy(group + (b % GB) * 4 + 32 * i, codes + 4 * i, 4);   /* lane b % 8 */
+            for (int i = 0; i < 8; i++) memcpy(group + (b % GB) * 4 + 64 * i, codes + 4 * i, 4);   /* lane b % 16 */
         }
         const int isum = hsum8i(qsum);
-        a.d[b] = d;
-        a.s[b] = fsum;
-        a.e[b] = fsum - d * (float)isum;
-        a.u[b] = isum;
+        float *f = (float *)group + b % GB;
+        f[XD] = d;
+        f[XS] = fsum;
+        f[XE] = fsum - d * (float)isum;
+        ((int32_t *)f)[XU] = isum;
     }
 }
 
@@ -259,6 +279,9 @@ static inline __m128 hsum4x8(__m256 a, __m256 b, __m256 c, __m256 d) {
 INLINE void put_m(float *dst, __m128 v, const int m, int accumulate) {
     if (m == 4) {
         _mm_storeu_ps(dst, accumulate ? _mm_add_ps(_mm_loadu_ps(dst), v) : v);
+    } else if (m == 2) {
+        const __m128 old = _mm_castpd_ps(_mm_load_sd((const double *)dst));
+        _mm_store_sd((double *)dst, _mm_castps_pd(accumulate ? _mm_add_ps(old, v) : v));
     } else {
         float t[4];
         _mm_storeu_ps(t, v);
@@ -275,102 +298,215 @@ INLINE q4row q4_row(const proj_q4 *p, int n) {
     return r;
 }
 
+/* ---- the vectors the tiles work in: LANES 32-bit lanes, one block each. With AVX-512 VNNI a
+   zmm holds a whole group (16 lanes, the group's 64-byte vectors as they are); else a ymm holds
+   half of it (8 lanes, the group's two halves in turn, the 32 bytes at 64k + 32h of vector k).
+   The layout is the same on both paths; the per-lane sums, so the results, are not. ---- */
+#if WIDE
+typedef __m512 vf;
+typedef __m512i vi;
+#define vf_zero _mm512_setzero_ps
+#define vi_zero _mm512_setzero_si512
+#define vf_load _mm512_loadu_ps
+#define vi_load(p) _mm512_loadu_si512((const void *)(p))
+#define vf_fmadd _mm512_fmadd_ps
+#define vf_mul _mm512_mul_ps
+#define vf_of _mm512_cvtepi32_ps
+#define vi_and _mm512_and_si512
+#define vi_srl4(v) _mm512_srli_epi16((v), 4)
+#define vi_set1_8 _mm512_set1_epi8
+#define VDOT(acc, q, v) _mm512_dpbusd_epi32((acc), (q), (v))
+#define VHDOT VDOT
+#define VHFIX(acc, sum) _mm512_sub_epi32((acc), _mm512_slli_epi32((sum), 7))
+INLINE vf vf_h16(const void *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+INLINE vf vf_u8(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+/* lanes l and l + 8 added: the eight lanes the outliers and the final sum take */
+INLINE __m256 vf_fold(vf v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+/* a short group's 16 per-block floats (scales) in registers, and a vector of its blocks b and
+   b + 1 (two to a vector: b's in lanes 0-7, b + 1's in lanes 8-15) */
+typedef __m512 v16;
+INLINE v16 v16_load(const float *p) { return _mm512_loadu_ps(p); }
+INLINE vf v16_part(v16 v, int h) { (void)h; return v; }
+INLINE vf v16_pair(v16 v, int b) {
+    const __m512i two = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    return _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set1_epi32(b), two), v);
+}
+/* n > 1: blocks b, b+1 of a short group's Q4 codes (16 bytes each) as [b's low nibbles | high |
+   b+1's low | high]; n == 1: b's alone, the rest zero (not read: it may be past the row) */
+INLINE vi tail_codes_q4(const uint8_t *c, int n) {
+    const __m512i two = _mm512_castsi256_si512(_mm256_maskz_loadu_epi8(n > 1 ? 0xFFFFFFFFu : 0xFFFFu, c));
+    const __m512i dup = _mm512_shuffle_i64x2(two, two, _MM_SHUFFLE(1, 1, 0, 0));
+    return _mm512_and_si512(_mm512_mask_srli_epi16(dup, 0xFF00FF00u, dup, 4), _mm512_set1_epi8(0x0F));
+}
+INLINE vi tail_codes_q8(const uint8_t *c, int n) { return _mm512_maskz_loadu_epi8(n > 1 ? ~0ull : 0xFFFFFFFFull, c); }
+/* a short group's first n fp16 fields (scales, minima) / bytes (zero points) as floats, the
+   lanes past n zero: masked loads, never past the row */
+INLINE vf short_h16(const uint8_t *p, int n) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1), p)); }
+INLINE vf short_u8(const uint8_t *p, int n) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8((__mmask16)((1u << n) - 1), p)));
+}
+/* signed codes q against the activations: |q| against v with q's sign (AVX-512 has no vpsignb;
+   v is never -128) */
+INLINE vi sdot(vi q, vi v) {
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(q),
+                               _mm512_mask_sub_epi8(v, _mm512_movepi8_mask(q), _mm512_setzero_si512(), v));
+}
+#else
+typedef __m256 vf;
+typedef __m256i vi;
+#define vf_zero _mm256_setzero_ps
+#define vi_zero _mm256_setzero_si256
+#define vf_load _mm256_loadu_ps
+#define vi_load(p) _mm256_loadu_si256((const __m256i *)(p))
+#define vf_fmadd _mm256_fmadd_ps
+#define vf_mul _mm256_mul_ps
+#define vf_of _mm256_cvtepi32_ps
+#define vi_and _mm256_and_si256
+#define vi_srl4(v) _mm256_srli_epi16((v), 4)
+#define vi_set1_8 _mm256_set1_epi8
+#define VDOT DPBUSD
+#define VHDOT HDOT
+#define VHFIX HFIX
+INLINE vf vf_h16(const void *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+INLINE vf vf_u8(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
+INLINE __m256 vf_fold(vf v) { return v; }
+/* a short group's blocks go one to a vector */
+typedef struct { __m256 h[2]; } v16;
+INLINE v16 v16_load(const float *p) { const v16 v = {{_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}}; return v; }
+INLINE vf v16_part(v16 v, int h) { return v.h[h]; }
+INLINE vf v16_pair(v16 v, int b) { return _mm256_permutevar8x32_ps(v.h[b / 8], _mm256_set1_epi32(b % 8)); }
+INLINE vi tail_codes_q4(const uint8_t *c, int n) {
+    (void)n;
+    const __m128i b = _mm_loadu_si128((const __m128i *)c);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
+}
+INLINE vi tail_codes_q8(const uint8_t *c, int n) { (void)n; return _mm256_loadu_si256((const __m256i *)c); }
 INLINE __m256i lanes_below(int t) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(t), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
+/* a short group's first n (of 8, or more) fp16 fields / bytes as floats, the lanes past n zero:
+   the loads take whole 4-byte words (vpmaskmovd), never past the row */
+INLINE vf short_h16(const uint8_t *p, int n) {
+    n = n < 8 ? n : 8;
+    const __m128i raw = _mm_maskload_epi32((const int *)p, _mm256_castsi256_si128(lanes_below((n + 1) / 2)));
+    return _mm256_and_ps(_mm256_cvtph_ps(raw), _mm256_castsi256_ps(lanes_below(n)));
+}
+INLINE vf short_u8(const uint8_t *p, int n) {
+    n = n < 8 ? n : 8;
+    const __m128i raw = _mm_maskload_epi32((const int *)p, _mm256_castsi256_si128(lanes_below((n + 3) / 4)));
+    return _mm256_and_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(raw)), _mm256_castsi256_ps(lanes_below(n)));
+}
+INLINE vi sdot(vi q, vi v) { return DPBUSD(_mm256_setzero_si256(), _mm256_sign_epi8(q, q), _mm256_sign_epi8(v, q)); }
+#endif
+#define HALVES (GB / LANES)     /* vectors a group takes */
 
-/* group g of the weight rows w[0..M) against the activation rows x[0..N), into acc[i][j]'s lanes
-   (lane l: block 8g + l). Per (i, j) the same operations whatever M and N, so a row's result
-   does not depend on its tile: the eight blocks' exact integer dots, then acc += idot * (dw * dx),
-   += m * s, += z*dw * e */
-INLINE void group_q4(const q4row *w, const int M, const qact *x, const int N, const int g, __m256 acc[4][4]) {
-    const __m256i lo = _mm256_set1_epi8(0x0F);
-    __m256 dv[4], mv[4], zd[4];
-    __m256i iacc[4][4];
+/* a short group's t fp16 scales as floats, zeros after them */
+INLINE v16 v16_h16(const uint8_t *p, int t) {
+    v16 v;
+#if WIDE
+    v = short_h16(p, t);
+#else
+    v.h[0] = short_h16(p, t);
+    v.h[1] = short_h16(p + 16, t - 8);
+#endif
+    return v;
+}
+#define PER_VEC (LANES / 8)     /* blocks of a short group a vector takes */
+
+/* part h of group g (blocks b0 = 16g + LANES*h on, lane l block b0 + l) of the weight rows
+   w[0..M) against the activation rows x[0..N), into acc[i][j]'s lanes. Per (i, j) the same
+   operations whatever M and N, so a row's result does not depend on its tile: the blocks' exact
+   integer dots, then acc += idot * (dw * dx), += m * s, += z*dw * e */
+INLINE void group_q4(const q4row *w, const int M, const qact *x, const int N, const int g, const int h,
+                     vf acc[4][4]) {
+    const vi lo = vi_set1_8(0x0F);
+    const int b0 = GB * g + LANES * h;
+    vf dv[4], mv[4], zd[4];
+    vi iacc[4][4];
     #pragma GCC unroll 4
     for (int i = 0; i < M; i++) {
-        dv[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w[i].d + 16 * g)));
-        mv[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w[i].m + 16 * g)));
-        const __m128i z8 = _mm_loadl_epi64((const __m128i *)(w[i].z + 8 * g));
-        zd[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(z8)), dv[i]);
+        dv[i] = vf_h16(w[i].d + 2 * b0);
+        mv[i] = vf_h16(w[i].m + 2 * b0);
+        zd[i] = vf_mul(vf_u8(w[i].z + b0), dv[i]);
         #pragma GCC unroll 4
-        for (int j = 0; j < N; j++) iacc[i][j] = _mm256_setzero_si256();
+        for (int j = 0; j < N; j++) iacc[i][j] = vi_zero();
     }
     #pragma GCC unroll 4
     for (int k = 0; k < 4; k++) {
-        __m256i ql[4], qh[4];
+        vi ql[4], qh[4];
         #pragma GCC unroll 4
         for (int i = 0; i < M; i++) {
-            const __m256i P = _mm256_loadu_si256((const __m256i *)(w[i].c + 128 * g + 32 * k));
-            ql[i] = _mm256_and_si256(P, lo);
-            qh[i] = _mm256_and_si256(_mm256_srli_epi16(P, 4), lo);
+            const vi P = vi_load(w[i].c + 256 * g + 64 * k + 32 * h);
+            ql[i] = vi_and(P, lo);
+            qh[i] = vi_and(vi_srl4(P), lo);
         }
         #pragma GCC unroll 4
         for (int j = 0; j < N; j++) {
-            const int8_t *v = x[j].q + 256 * g;
-            const __m256i vl = _mm256_loadu_si256((const __m256i *)(v + 32 * k));
-            const __m256i vh = _mm256_loadu_si256((const __m256i *)(v + 32 * (k + 4)));
+            const int8_t *v = x[j].q + ACT_GROUP * g + 32 * h;
+            const vi vl = vi_load(v + 64 * k), vh = vi_load(v + 64 * (k + 4));
             #pragma GCC unroll 4
             for (int i = 0; i < M; i++) {
-                iacc[i][j] = DPBUSD(iacc[i][j], ql[i], vl);
-                iacc[i][j] = DPBUSD(iacc[i][j], qh[i], vh);
+                iacc[i][j] = VDOT(iacc[i][j], ql[i], vl);
+                iacc[i][j] = VDOT(iacc[i][j], qh[i], vh);
             }
         }
     }
     #pragma GCC unroll 4
     for (int j = 0; j < N; j++) {
-        const __m256 dx = _mm256_loadu_ps(x[j].d + 8 * g), s = _mm256_loadu_ps(x[j].s + 8 * g);
-        const __m256 e = _mm256_loadu_ps(x[j].e + 8 * g);
+        const float *f = act_f(&x[j], g, LANES * h);
+        const vf dx = vf_load(f + XD), s = vf_load(f + XS), e = vf_load(f + XE);
         #pragma GCC unroll 4
         for (int i = 0; i < M; i++) {
-            __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[i][j]), _mm256_mul_ps(dv[i], dx), acc[i][j]);
-            a = _mm256_fmadd_ps(mv[i], s, a);
-            acc[i][j] = _mm256_fmadd_ps(zd[i], e, a);
+            vf a = vf_fmadd(vf_of(iacc[i][j]), vf_mul(dv[i], dx), acc[i][j]);
+            a = vf_fmadd(mv[i], s, a);
+            acc[i][j] = vf_fmadd(zd[i], e, a);
         }
     }
 }
 
-/* the row's last t = nb % 8 blocks (G: their group), each in its GGUF order (16 code bytes,
-   low nibbles elements 0-15, high 16-31; the activations' 32 codes in order): a block's integer
-   dot is left as eight lanes of partial sums, scaled by its (dw * dx) and added into acc[i][j]'s
-   lanes; then the minimum's and zero point's terms of the t blocks, their lanes masked */
+/* the row's last t = nb % 16 blocks (G: their group), each in its GGUF order (16 code bytes,
+   low nibbles elements 0-15, high 16-31; the activations' 32 codes in order), PER_VEC blocks a
+   vector: a block's integer dot is left as eight lanes of partial sums, scaled by its (dw * dx)
+   and added into acc[i][j]'s lanes (a missing second block: zeros); then the minimum's and zero
+   point's terms of the t blocks, part by part as in group_q4 (lanes past t: zeros) */
 INLINE void tail_q4(const q4row *w, const int M, const qact *x, const int N, const int G, const int t,
-                    __m256 acc[4][4]) {
-    const __m256i lo = _mm256_set1_epi8(0x0F);
-    const __m256 keep = _mm256_castsi256_ps(lanes_below(t));
-    __m256 mv[4], zd[4];
-    float dw[4][GB];
+                    vf acc[4][4]) {
+    v16 dw[4];
     #pragma GCC unroll 4
-    for (int i = 0; i < M; i++) {
-        const __m256 dv = _mm256_and_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w[i].d + 16 * G))), keep);
-        _mm256_storeu_ps(dw[i], dv);
-        mv[i] = _mm256_and_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w[i].m + 16 * G))), keep);
-        const __m128i z8 = _mm_loadl_epi64((const __m128i *)(w[i].z + 8 * G));
-        zd[i] = _mm256_and_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(z8)), dv), keep);
-    }
-    for (int b = 0; b < t; b++) {
-        __m256i q[4];
+    for (int i = 0; i < M; i++) dw[i] = v16_h16(w[i].d + 2 * GB * G, t);
+    for (int b = 0; b < t; b += PER_VEC) {
+        vi q[4];
+        vf dwb[4];
         #pragma GCC unroll 4
         for (int i = 0; i < M; i++) {
-            const __m128i c = _mm_loadu_si128((const __m128i *)(w[i].c + 128 * G + 16 * b));
-            q[i] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(c, 4), c), lo);
+            q[i] = tail_codes_q4(w[i].c + 256 * G + 16 * b, t - b);
+            dwb[i] = v16_pair(dw[i], b);
         }
         #pragma GCC unroll 4
         for (int j = 0; j < N; j++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(x[j].q + 256 * G + 32 * b));
-            const __m256 dx = _mm256_broadcast_ss(x[j].d + 8 * G + b);
+            const vi v = vi_load(x[j].q + ACT_GROUP * G + 32 * b);
+            const vf dx = v16_pair(v16_load(act_f(&x[j], G, XD)), b);
             #pragma GCC unroll 4
-            for (int i = 0; i < M; i++) {
-                const __m256 sc = _mm256_mul_ps(_mm256_broadcast_ss(dw[i] + b), dx);
-                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DPBUSD(_mm256_setzero_si256(), q[i], v)), sc, acc[i][j]);
-            }
+            for (int i = 0; i < M; i++)
+                acc[i][j] = vf_fmadd(vf_of(VDOT(vi_zero(), q[i], v)), vf_mul(dwb[i], dx), acc[i][j]);
         }
     }
-    #pragma GCC unroll 4
-    for (int j = 0; j < N; j++) {
-        const __m256 s = _mm256_loadu_ps(x[j].s + 8 * G), e = _mm256_loadu_ps(x[j].e + 8 * G);
+    for (int h = 0; h < (t + LANES - 1) / LANES; h++) {
+        const int b0 = GB * G + LANES * h;
+        vf mv[4], zd[4];
         #pragma GCC unroll 4
-        for (int i = 0; i < M; i++) acc[i][j] = _mm256_fmadd_ps(zd[i], e, _mm256_fmadd_ps(mv[i], s, acc[i][j]));
+        for (int i = 0; i < M; i++) {
+            mv[i] = short_h16(w[i].m + 2 * b0, t - LANES * h);
+            zd[i] = vf_mul(short_u8(w[i].z + b0, t - LANES * h), v16_part(dw[i], h));
+        }
+        #pragma GCC unroll 4
+        for (int j = 0; j < N; j++) {
+            const vf s = vf_load(act_f(&x[j], G, XS + LANES * h)), e = vf_load(act_f(&x[j], G, XE + LANES * h));
+            #pragma GCC unroll 4
+            for (int i = 0; i < M; i++) acc[i][j] = vf_fmadd(zd[i], e, vf_fmadd(mv[i], s, acc[i][j]));
+        }
     }
 }
 
@@ -380,25 +516,30 @@ INLINE void tile_q4(const proj_q4 *p, int n0, const int M, qact a, int r0, const
     const int nb = p->k / QK, G = nb / GB, t = nb % GB;
     q4row w[4];
     qact x[4];
-    __m256 acc[4][4];
+    vf acc[4][4];
     #pragma GCC unroll 4
     for (int i = 0; i < M; i++) {
         w[i] = q4_row(p, n0 + i);
         #pragma GCC unroll 4
-        for (int j = 0; j < N; j++) acc[i][j] = _mm256_setzero_ps();
+        for (int j = 0; j < N; j++) acc[i][j] = vf_zero();
     }
     #pragma GCC unroll 4
     for (int j = 0; j < N; j++) x[j] = row_of(a, r0 + j, p->k);
-    for (int g = 0; g < G; g++) group_q4(w, M, x, N, g, acc);
+    for (int g = 0; g < G; g++) {
+        #pragma GCC unroll 2
+        for (int h = 0; h < HALVES; h++) group_q4(w, M, x, N, g, h, acc);
+    }
     if (t) tail_q4(w, M, x, N, G, t, acc);
     #pragma GCC unroll 4
     for (int j = 0; j < N; j++) {
         __m256 v[4];
         float rest[4] = {0.f, 0.f, 0.f, 0.f};
         #pragma GCC unroll 4
-        for (int i = 0; i < 4; i++) v[i] = i < M ? outliers(p, n0 + i, &x[j], acc[i][j], rest + i) : _mm256_setzero_ps();
-        put_m(y + (size_t)(r0 + j) * ystride + n0, _mm_add_ps(hsum4x8(v[0], v[1], v[2], v[3]), _mm_loadu_ps(rest)), M,
-              accumulate);
+        for (int i = 0; i < 4; i++)
+            v[i] = i < M ? outliers(p, n0 + i, &x[j], vf_fold(acc[i][j]), rest + i) : _mm256_setzero_ps();
+        /* the rests gathered lane by lane: one 16-byte load of four 4-byte stores would wait on them */
+        put_m(y + (size_t)(r0 + j) * ystride + n0,
+              _mm_add_ps(hsum4x8(v[0], v[1], v[2], v[3]), _mm_setr_ps(rest[0], rest[1], rest[2], rest[3])), M, accumulate);
     }
 }
 
@@ -412,63 +553,62 @@ INLINE q8row q8_row(const proj_q8 *p, int n) {
 }
 
 /* the head's group_q4: acc += idot * (dw * dx) */
-INLINE void group_q8(const q8row *w, const int M, const qact *x, const int N, const int g, __m256 acc[4][4]) {
-    __m256 dv[4];
-    __m256i iacc[4][4];
+INLINE void group_q8(const q8row *w, const int M, const qact *x, const int N, const int g, const int h,
+                     vf acc[4][4]) {
+    const int b0 = GB * g + LANES * h;
+    vf dv[4];
+    vi iacc[4][4];
     #pragma GCC unroll 4
     for (int i = 0; i < M; i++) {
-        dv[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w[i].d + 16 * g)));
+        dv[i] = vf_h16(w[i].d + 2 * b0);
         #pragma GCC unroll 4
-        for (int j = 0; j < N; j++) iacc[i][j] = _mm256_setzero_si256();
+        for (int j = 0; j < N; j++) iacc[i][j] = vi_zero();
     }
     #pragma GCC unroll 8
     for (int k = 0; k < 8; k++) {
-        __m256i q[4];
+        vi q[4];
         #pragma GCC unroll 4
-        for (int i = 0; i < M; i++) q[i] = _mm256_loadu_si256((const __m256i *)(w[i].c + 256 * g + 32 * k));
+        for (int i = 0; i < M; i++) q[i] = vi_load(w[i].c + 512 * g + 64 * k + 32 * h);
         #pragma GCC unroll 4
         for (int j = 0; j < N; j++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(x[j].q + 256 * g + 32 * k));
+            const vi v = vi_load(x[j].q + ACT_GROUP * g + 64 * k + 32 * h);
             #pragma GCC unroll 4
-            for (int i = 0; i < M; i++) iacc[i][j] = HDOT(iacc[i][j], q[i], v);
+            for (int i = 0; i < M; i++) iacc[i][j] = VHDOT(iacc[i][j], q[i], v);
         }
     }
     #pragma GCC unroll 4
     for (int j = 0; j < N; j++) {
-        const __m256 dx = _mm256_loadu_ps(x[j].d + 8 * g);
-        const __m256i sum = _mm256_loadu_si256((const __m256i *)(x[j].u + 8 * g));
+        const vf dx = vf_load(act_f(&x[j], g, XD + LANES * h));
+        const vi sum = vi_load(act_f(&x[j], g, XU + LANES * h));
         (void)sum;
         #pragma GCC unroll 4
         for (int i = 0; i < M; i++)
-            acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(HFIX(iacc[i][j], sum)), _mm256_mul_ps(dv[i], dx), acc[i][j]);
+            acc[i][j] = vf_fmadd(vf_of(VHFIX(iacc[i][j], sum)), vf_mul(dv[i], dx), acc[i][j]);
     }
 }
 
-/* the head's tail_q4: the last t blocks' codes signed, in order, each block's dot as eight lanes
-   of partial sums (the sign trick: |q| against v with q's sign) scaled by its (dw * dx) */
+/* the head's tail_q4: the last t blocks' codes signed, in order, PER_VEC blocks a vector, each
+   block's dot as eight lanes of partial sums scaled by its (dw * dx) */
 INLINE void tail_q8(const q8row *w, const int M, const qact *x, const int N, const int G, const int t,
-                    __m256 acc[4][4]) {
-    float dw[4][GB];
+                    vf acc[4][4]) {
+    v16 dw[4];
     #pragma GCC unroll 4
-    for (int i = 0; i < M; i++)
-        _mm256_storeu_ps(dw[i], _mm256_and_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w[i].d + 16 * G))),
-                                              _mm256_castsi256_ps(lanes_below(t))));
-    for (int b = 0; b < t; b++) {
-        __m256i q[4], aq[4];
+    for (int i = 0; i < M; i++) dw[i] = v16_h16(w[i].d + 2 * GB * G, t);
+    for (int b = 0; b < t; b += PER_VEC) {
+        vi q[4];
+        vf dwb[4];
         #pragma GCC unroll 4
         for (int i = 0; i < M; i++) {
-            q[i] = _mm256_loadu_si256((const __m256i *)(w[i].c + 256 * G + 32 * b));
-            aq[i] = _mm256_sign_epi8(q[i], q[i]);
+            q[i] = tail_codes_q8(w[i].c + 512 * G + 32 * b, t - b);
+            dwb[i] = v16_pair(dw[i], b);
         }
         #pragma GCC unroll 4
         for (int j = 0; j < N; j++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(x[j].q + 256 * G + 32 * b));
-            const __m256 dx = _mm256_broadcast_ss(x[j].d + 8 * G + b);
+            const vi v = vi_load(x[j].q + ACT_GROUP * G + 32 * b);
+            const vf dx = v16_pair(v16_load(act_f(&x[j], G, XD)), b);
             #pragma GCC unroll 4
-            for (int i = 0; i < M; i++) {
-                const __m256i p = DPBUSD(_mm256_setzero_si256(), aq[i], _mm256_sign_epi8(v, q[i]));
-                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(_mm256_broadcast_ss(dw[i] + b), dx), acc[i][j]);
-            }
+            for (int i = 0; i < M; i++)
+                acc[i][j] = vf_fmadd(vf_of(sdot(q[i], v)), vf_mul(dwb[i], dx), acc[i][j]);
         }
     }
 }
@@ -477,55 +617,60 @@ INLINE void tile_q8(const proj_q8 *p, int n0, const int M, qact a, int r0, const
     const int nb = p->k / QK, G = nb / GB, t = nb % GB;
     q8row w[4];
     qact x[4];
-    __m256 acc[4][4];
+    vf acc[4][4];
     #pragma GCC unroll 4
     for (int i = 0; i < M; i++) {
         w[i] = q8_row(p, n0 + i);
         #pragma GCC unroll 4
-        for (int j = 0; j < N; j++) acc[i][j] = _mm256_setzero_ps();
+        for (int j = 0; j < N; j++) acc[i][j] = vf_zero();
     }
     #pragma GCC unroll 4
     for (int j = 0; j < N; j++) x[j] = row_of(a, r0 + j, p->k);
-    for (int g = 0; g < G; g++) group_q8(w, M, x, N, g, acc);
+    for (int g = 0; g < G; g++) {
+        #pragma GCC unroll 2
+        for (int h = 0; h < HALVES; h++) group_q8(w, M, x, N, g, h, acc);
+    }
     if (t) tail_q8(w, M, x, N, G, t, acc);
     #pragma GCC unroll 4
     for (int j = 0; j < N; j++) {
         __m256 v[4];
         #pragma GCC unroll 4
-        for (int i = 0; i < 4; i++) v[i] = i < M ? acc[i][j] : _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) v[i] = i < M ? vf_fold(acc[i][j]) : _mm256_setzero_ps();
         put_m(y + (size_t)(r0 + j) * p->n + n0, hsum4x8(v[0], v[1], v[2], v[3]), M, 0);
     }
 }
 
-/* each tile shape its own function, the loops above unrolled for it */
-typedef void (*tile_q4_fn)(const proj_q4 *, int, qact, int, float *, int, int);
-typedef void (*tile_q8_fn)(const proj_q8 *, int, qact, int, float *);
+/* each weight-tile height its own function: the tiles of four activation rows in [r0, r1), then
+   one of the last one to three, the loops above unrolled for each (one call a weight tile: the
+   set-up is shared, and a tile's float tail overlaps the next one's dots) */
+typedef void (*tiles_q4_fn)(const proj_q4 *, int, qact, int, int, float *, int, int);
+typedef void (*tiles_q8_fn)(const proj_q8 *, int, qact, int, int, float *);
 #define TILES(M)                                                                                  \
-    static void tile_q4_##M##_1(const proj_q4 *p, int n, qact a, int r, float *y, int ys, int ac) { tile_q4(p, n, M, a, r, 1, y, ys, ac); } \
-    static void tile_q4_##M##_2(const proj_q4 *p, int n, qact a, int r, float *y, int ys, int ac) { tile_q4(p, n, M, a, r, 2, y, ys, ac); } \
-    static void tile_q4_##M##_3(const proj_q4 *p, int n, qact a, int r, float *y, int ys, int ac) { tile_q4(p, n, M, a, r, 3, y, ys, ac); } \
-    static void tile_q4_##M##_4(const proj_q4 *p, int n, qact a, int r, float *y, int ys, int ac) { tile_q4(p, n, M, a, r, 4, y, ys, ac); } \
-    static void tile_q8_##M##_1(const proj_q8 *p, int n, qact a, int r, float *y) { tile_q8(p, n, M, a, r, 1, y); } \
-    static void tile_q8_##M##_2(const proj_q8 *p, int n, qact a, int r, float *y) { tile_q8(p, n, M, a, r, 2, y); } \
-    static void tile_q8_##M##_3(const proj_q8 *p, int n, qact a, int r, float *y) { tile_q8(p, n, M, a, r, 3, y); } \
-    static void tile_q8_##M##_4(const proj_q8 *p, int n, qact a, int r, float *y) { tile_q8(p, n, M, a, r, 4, y); }
+    static void tiles_q4_##M(const proj_q4 *p, int n, qact a, int r0, int r1, float *y, int ys, int ac) { \
+        int r = r0;                                                                               \
+        for (; r + 4 <= r1; r += 4) tile_q4(p, n, M, a, r, 4, y, ys, ac);                         \
+        if (r1 - r == 3) tile_q4(p, n, M, a, r, 3, y, ys, ac);                                    \
+        else if (r1 - r == 2) tile_q4(p, n, M, a, r, 2, y, ys, ac);                               \
+        else if (r1 - r == 1) tile_q4(p, n, M, a, r, 1, y, ys, ac);                               \
+    }                                                                                             \
+    static void tiles_q8_##M(const proj_q8 *p, int n, qact a, int r0, int r1, float *y) {         \
+        int r = r0;                                                                               \
+        for (; r + 4 <= r1; r += 4) tile_q8(p, n, M, a, r, 4, y);                                 \
+        if (r1 - r == 3) tile_q8(p, n, M, a, r, 3, y);                                            \
+        else if (r1 - r == 2) tile_q8(p, n, M, a, r, 2, y);                                       \
+        else if (r1 - r == 1) tile_q8(p, n, M, a, r, 1, y);                                       \
+    }
 TILES(1)
 TILES(2)
 TILES(3)
 TILES(4)
-static const tile_q4_fn TILE_Q4[4][4] = {
-    {tile_q4_1_1, tile_q4_1_2, tile_q4_1_3, tile_q4_1_4}, {tile_q4_2_1, tile_q4_2_2, tile_q4_2_3, tile_q4_2_4},
-    {tile_q4_3_1, tile_q4_3_2, tile_q4_3_3, tile_q4_3_4}, {tile_q4_4_1, tile_q4_4_2, tile_q4_4_3, tile_q4_4_4}};
-static const tile_q8_fn TILE_Q8[4][4] = {
-    {tile_q8_1_1, tile_q8_1_2, tile_q8_1_3, tile_q8_1_4}, {tile_q8_2_1, tile_q8_2_2, tile_q8_2_3, tile_q8_2_4},
-    {tile_q8_3_1, tile_q8_3_2, tile_q8_3_3, tile_q8_3_4}, {tile_q8_4_1, tile_q8_4_2, tile_q8_4_3, tile_q8_4_4}};
+static const tiles_q4_fn TILES_Q4[4] = {tiles_q4_1, tiles_q4_2, tiles_q4_3, tiles_q4_4};
+static const tiles_q8_fn TILES_Q8[4] = {tiles_q8_1, tiles_q8_2, tiles_q8_3, tiles_q8_4};
 
 /* weight rows a tile takes: 4 while few activation rows share each weight load, else 2 (two
    rows of weights by four of activations keep their accumulators in registers) */
 static inline int tile_rows(int rows) { return rows < 4 ? 4 : 2; }
 
-/* y[r][n] (+)= W[n] . x[r] for every row r: tiles of weight rows split across threads, each
-   meeting the activation rows four at a time */
 /* the bytes [from, from + n) on their way into the cache */
 static inline void prefetch(const uint8_t *from, size_t n, const uint8_t *end) {
     if (from + n > end) n = from < end ? (size_t)(end - from) : 0;
@@ -559,6 +704,8 @@ static void warm(next_t next, int MT) {
 static next_t next_q4(const proj_q4 *p) { const next_t n = { p->w, p->n, (size_t)21 * (p->k / QK) }; return n; }
 static next_t next_q8(const proj_q8 *p) { const next_t n = { p->w, p->n, (size_t)34 * (p->k / QK) }; return n; }
 
+/* y[r][n] (+)= W[n] . x[r] for every row r: tiles of weight rows split across threads, each
+   meeting the activation rows four at a time */
 static void matmul_q4(const proj_q4 *p, int rows, qact a, float *y, int ystride, int accumulate, next_t next) {
     const int MT = tile_rows(rows), tiles = (p->n + MT - 1) / MT;
     const size_t row = (size_t)21 * (p->k / QK);
@@ -569,8 +716,7 @@ static void matmul_q4(const proj_q4 *p, int rows, qact a, float *y, int ystride,
         for (int i = 0; i < tiles; i++) {
             const int n0 = i * MT, m = p->n - n0 < MT ? p->n - n0 : MT;
             prefetch(p->w + n0 * row + PREFETCH_BYTES, MT * row, end);
-            for (int r = r0; r < r1; r += 4)
-                TILE_Q4[m - 1][(r1 - r < 4 ? r1 - r : 4) - 1](p, n0, a, r, y, ystride, accumulate);
+            TILES_Q4[m - 1](p, n0, a, r0, r1, y, ystride, accumulate);
         }
     }
     warm(next, MT);
@@ -585,36 +731,40 @@ static void matmul_q8(const proj_q8 *p, int rows, qact a, float *y) {
     for (int i = 0; i < tiles; i++) {
         const int n0 = i * MT, m = p->n - n0 < MT ? p->n - n0 : MT;
         prefetch(p->w + n0 * row + PREFETCH_BYTES, MT * row, end);
-        for (int r = 0; r < rows; r += 4)
-            TILE_Q8[m - 1][(rows - r < 4 ? rows - r : 4) - 1](p, n0, a, r, y);
+        TILES_Q8[m - 1](p, n0, a, 0, rows, y);
     }
 }
 
 /* ---- the scalar reference: the same arithmetic one lane and one element at a time, from the
-   layout's definition (tests check the tiles against it bit for bit) ---- */
+   layout's definition, with the path's LANES (tests check the tiles against it bit for bit) ---- */
 
 static float f16_at(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return _cvtsh_ss(h); }
 
 /* in a row of nb blocks: element e's code of block b (q4: 4-bit; q8: stored byte) and the
-   activation's; whole groups by lanes (vector e/4 of the group, lane b % 8), the short last
+   activation's; whole groups by lanes (vector e/4 of the group, lane b % 16), the short last
    group's blocks in order */
 static int short_block(int nb, int b) { return b >= nb / GB * GB; }
 
 static int q4_code(const uint8_t *c, int nb, int b, int e) {
     const size_t g = b / GB, j = b % GB;
     const int byte = e % 16;
-    const uint8_t v = short_block(nb, b) ? c[g * 128 + 16 * j + byte] : c[g * 128 + 32 * (byte / 4) + 4 * j + byte % 4];
+    const uint8_t v = short_block(nb, b) ? c[g * 256 + 16 * j + byte] : c[g * 256 + 64 * (byte / 4) + 4 * j + byte % 4];
     return e < 16 ? v & 15 : v >> 4;
 }
 
 static int q8_code(const uint8_t *c, int nb, int b, int e) {
     const size_t g = b / GB, j = b % GB;
-    return short_block(nb, b) ? (int8_t)c[g * 256 + 32 * j + e] : (int)c[g * 256 + 32 * (e / 4) + 4 * j + e % 4] - 128;
+    return short_block(nb, b) ? (int8_t)c[g * 512 + 32 * j + e] : (int)c[g * 512 + 64 * (e / 4) + 4 * j + e % 4] - 128;
 }
 
 static int act_code(const qact *x, int nb, int b, int e) {
     const size_t g = b / GB, j = b % GB;
-    return short_block(nb, b) ? x->q[g * 256 + 32 * j + e] : x->q[g * 256 + 32 * (e / 4) + 4 * j + e % 4];
+    return short_block(nb, b) ? x->q[g * ACT_GROUP + 32 * j + e] : x->q[g * ACT_GROUP + 64 * (e / 4) + 4 * j + e % 4];
+}
+
+/* the LANES lanes folded to 8 (vf_fold), then summed as hsum4x8 does */
+static void fold_ref(const float *acc, float *v8) {
+    for (int l = 0; l < 8; l++) v8[l] = LANES == 16 ? acc[l] + acc[l + 8] : acc[l];
 }
 
 static float hsum8_ref(const float *v) { return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7])); }
@@ -627,63 +777,72 @@ static int block_dot(const uint8_t *c, int q8, int nb, int b, const qact *x, int
     return sum;
 }
 
+/* the short group's dots: PER_VEC blocks a vector, lane l block b0 + l / 8's partial sum l % 8
+   (a missing block: 0 at scale 0) */
+static void short_dots_ref(const uint8_t *c, const uint8_t *d, int q8, int nb, const qact *x, float *acc) {
+    for (int b0 = nb / GB * GB; b0 < nb; b0 += PER_VEC)
+        for (int l = 0; l < LANES; l++) {
+            const int b = b0 + l / 8;
+            const float dot = b < nb ? (float)block_dot(c, q8, nb, b, x, l % 8) : 0.f;
+            acc[l] = fmaf(dot, b < nb ? f16_at(d + 2 * b) * act_f(x, b / GB, XD)[b % GB] : 0.f, acc[l]);
+        }
+}
+
 static float ref_q4(const proj_q4 *p, int n, const qact *x) {
-    const int nb = p->k / QK, G = nb / GB;
+    const int nb = p->k / QK, G = nb / GB, t = nb % GB;
     const q4row w = q4_row(p, n);
-    float acc[GB] = {0};
-    for (int g = 0; g < groups_of(p->k); g++) {
-        if (g == G)                                     /* the short group's blocks, lane by lane */
-            for (int b = 8 * G; b < nb; b++)
-                for (int l = 0; l < GB; l++)
-                    acc[l] = fmaf((float)block_dot(w.c, 0, nb, b, x, l), f16_at(w.d + 2 * b) * x->d[b], acc[l]);
-        for (int l = 0; l < GB; l++) {
-            const int b = 8 * g + l;
+    float acc[LANES] = {0}, v[8];
+    for (int b = 0; b < GB * G; b++) {          /* whole groups: block b in lane b % LANES, in order */
+        const float d = f16_at(w.d + 2 * b), zd = (float)w.z[b] * d;
+        float *a = acc + b % LANES;
+        *a = fmaf((float)block_dot(w.c, 0, nb, b, x, -1), d * act_f(x, b / GB, XD)[b % GB], *a);
+        *a = fmaf(f16_at(w.m + 2 * b), act_f(x, b / GB, XS)[b % GB], *a);
+        *a = fmaf(zd, act_f(x, b / GB, XE)[b % GB], *a);
+    }
+    if (t) {
+        short_dots_ref(w.c, w.d, 0, nb, x, acc);
+        for (int b = GB * G; b < GB * G + (t + LANES - 1) / LANES * LANES; b++) {   /* lanes past t: zeros */
             float d = 0.f, m = 0.f, zd = 0.f;
             if (b < nb) {
                 d = f16_at(w.d + 2 * b);
                 m = f16_at(w.m + 2 * b);
                 zd = (float)w.z[b] * d;
             }
-            if (g < G) acc[l] = fmaf((float)block_dot(w.c, 0, nb, b, x, -1), d * x->d[b], acc[l]);
-            acc[l] = fmaf(m, x->s[b], acc[l]);
-            acc[l] = fmaf(zd, x->e[b], acc[l]);
+            float *a = acc + b % LANES;
+            *a = fmaf(m, act_f(x, b / GB, XS)[b % GB], *a);
+            *a = fmaf(zd, act_f(x, b / GB, XE)[b % GB], *a);
         }
     }
+    fold_ref(acc, v);
     const float *ow = p->out_w + (size_t)n * p->n_out;
     int j = 0;
     for (; j + 8 <= p->n_out; j += 8)
-        for (int l = 0; l < 8; l++) acc[l] = fmaf(ow[j + l], x->xo[j + l], acc[l]);
+        for (int l = 0; l < 8; l++) v[l] = fmaf(ow[j + l], x->xo[j + l], v[l]);
     float rest = 0.f;
     for (; j < p->n_out; j++) rest += ow[j] * x->xo[j];
-    return hsum8_ref(acc) + rest;
+    return hsum8_ref(v) + rest;
 }
 
 static float ref_q8(const proj_q8 *p, int n, const qact *x) {
     const int nb = p->k / QK, G = nb / GB;
     const q8row w = q8_row(p, n);
-    float acc[GB] = {0};
-    for (int b = 0; b < nb; b++) {
-        const float sc = f16_at(w.d + 2 * b) * x->d[b];
-        if (b < 8 * G) acc[b % GB] = fmaf((float)block_dot(w.c, 1, nb, b, x, -1), sc, acc[b % GB]);
-        else for (int l = 0; l < GB; l++) acc[l] = fmaf((float)block_dot(w.c, 1, nb, b, x, l), sc, acc[l]);
-    }
-    return hsum8_ref(acc);
+    float acc[LANES] = {0}, v[8];
+    for (int b = 0; b < GB * G; b++)
+        acc[b % LANES] = fmaf((float)block_dot(w.c, 1, nb, b, x, -1), f16_at(w.d + 2 * b) * act_f(x, b / GB, XD)[b % GB], acc[b % LANES]);
+    short_dots_ref(w.c, w.d, 1, nb, x, acc);
+    fold_ref(acc, v);
+    return hsum8_ref(v);
 }
 
 /* the activations' part of the scratch: rows of width up to k */
 static float *act_layout(float *at, int rows, int k, qact *a) {
-    const size_t nbp = (size_t)groups_of(k) * GB;
     a->q = (int8_t *)at;
-    a->d = at + (size_t)rows * nbp * QK / 4;
-    a->s = a->d + (size_t)rows * nbp;
-    a->e = a->s + (size_t)rows * nbp;
-    a->u = (int32_t *)(a->e + (size_t)rows * nbp);
-    a->xo = (float *)(a->u + (size_t)rows * nbp);
+    a->xo = at + (size_t)rows * groups_of(k) * ACT_GROUP / sizeof(float);
     return a->xo + (size_t)rows * OUT_MAX;
 }
 
 static long act_floats(int rows, int k) {
-    return (long)rows * ((long)groups_of(k) * GB * (QK / 4 + 4) + OUT_MAX);
+    return (long)rows * ((long)groups_of(k) * ACT_GROUP / (long)sizeof(float) + OUT_MAX);
 }
 
 /* For tests: y = W x for `rows` rows of x ([rows][k] float32), through the tiles (on `threads`

@@ -1,6 +1,6 @@
 """The model in the layout ``step.c`` reads: each projection row its Q4_1 blocks' fp16 ``d`` and
 ``m``, a zero point per block and the 4-bit codes (21 bytes a block), the codes regrouped by
-groups of 8 blocks so that one 32-bit lane holds one block (``q4_rows``); the outlier channels'
+groups of 16 blocks so that one 32-bit lane holds one block (``q4_rows``); the outlier channels'
 float32 weights; the head's Q8_0 blocks regrouped likewise (``q8_rows``, 34 bytes a block);
 norms, embedding and RoPE frequencies in float32. The arrays live here; the C structs hold
 pointers into them.
@@ -45,14 +45,17 @@ def q4_blocks(qw: QWeight) -> tuple[np.ndarray, np.ndarray]:
     return out, np.ascontiguousarray(qw.centered().zeros(), dtype=np.uint8)
 
 
+GROUP = 16      # blocks a group: one zmm's 32-bit lanes (a ymm takes half a group at a time)
+
+
 def lanes(words: np.ndarray) -> np.ndarray:
     """``[n, nb, W, 4]`` bytes (W 4-byte words a block) in the kernels' group order: per whole
-    group of 8 blocks, W vectors of 8 lanes, lane j of vector k block j's word k; the last
-    ``nb % 8`` blocks after them as they are. ``[n, nb * W * 4]``."""
+    group of 16 blocks, W vectors of 16 lanes, lane j of vector k block j's word k; the last
+    ``nb % 16`` blocks after them as they are. ``[n, nb * W * 4]``."""
     n, nb, W, _ = words.shape
-    G = nb // 8
-    full = words[:, :8 * G].reshape(n, G, 8, W, 4).transpose(0, 1, 3, 2, 4).reshape(n, G * 32 * W)
-    return np.concatenate([full, words[:, 8 * G:].reshape(n, -1)], axis=1)
+    G = nb // GROUP
+    full = words[:, :GROUP * G].reshape(n, G, GROUP, W, 4).transpose(0, 1, 3, 2, 4).reshape(n, G * GROUP * 4 * W)
+    return np.concatenate([full, words[:, GROUP * G:].reshape(n, -1)], axis=1)
 
 
 def q4_rows(blocks: np.ndarray, zeros: np.ndarray) -> np.ndarray:
@@ -68,11 +71,11 @@ def q4_rows(blocks: np.ndarray, zeros: np.ndarray) -> np.ndarray:
 
 def q8_rows(blocks: np.ndarray) -> np.ndarray:
     """The head's rows, 34 bytes a block: ``d[nb]`` fp16, then the codes by ``lanes``: + 128
-    (unsigned) in the whole groups, as they are (signed) in the last ``nb % 8`` blocks."""
+    (unsigned) in the whole groups, as they are (signed) in the last ``nb % 16`` blocks."""
     n, nb = blocks.shape
     d = np.ascontiguousarray(blocks["d"]).view(np.uint8).reshape(n, 2 * nb)
     qs = np.ascontiguousarray(blocks["qs"]).view(np.uint8).reshape(n, nb, 32)
-    whole = nb // 8 * 8
+    whole = nb // GROUP * GROUP
     u = qs.copy()
     u[:, :whole] ^= 0x80                    # q + 128 as an unsigned byte
     return np.concatenate([d, lanes(u.reshape(n, nb, 8, 4))], axis=1)
@@ -86,7 +89,7 @@ def q8_blocks(qw: QWeight) -> np.ndarray:
     return out
 
 
-FORMAT = "twophase-native/3"     # 3: rows in the kernels' lane order, short groups in order
+FORMAT = "twophase-native/4"     # 4: groups of 16 blocks (3: of 8)
 
 
 def manifest(spec: ModelSpec) -> dict:
