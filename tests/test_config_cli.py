@@ -230,6 +230,12 @@ def test_cluster_ranges(key, value, text):
     assert str(err) == f"cluster.{key}: {text}, got {value}"
 
 
+@pytest.mark.parametrize("key", ["prefill_threads", "decode_threads", "prefill_nice"])
+def test_role_keys_without_disaggregation_are_refused(key):
+    err = config_error({"model": dict(TINY), "cluster": {"replicas": 2, key: 1}})
+    assert str(err).startswith(f"cluster.{key}: applies to disaggregated serving")
+
+
 def test_only_model_section_gets_every_default(tmp_path):
     path = write(tmp_path, TINY_TOML)
     cfg = load_config(path)

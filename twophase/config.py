@@ -292,6 +292,10 @@ def _check_cluster(cfg: Config) -> None:
         value = getattr(c, key)
         if value is not None and value < (1 if key in positive else 0):
             raise ConfigError(f"cluster.{key}", f"must be at least {1 if key in positive else 0}, got {value}")
+    for key in ("prefill_threads", "decode_threads", "prefill_nice"):
+        if getattr(c, key) and not c.disaggregated:
+            raise ConfigError(f"cluster.{key}", "applies to disaggregated serving: give prefill_workers and "
+                                                "decode_workers too")
     if not 0 <= c.prefill_nice <= 19:
         raise ConfigError("cluster.prefill_nice", f"must be a nice value in [0, 19], got {c.prefill_nice}")
     if (c.prefill_workers > 0) != (c.decode_workers > 0):

@@ -439,7 +439,9 @@ def prefault(t: torch.Tensor) -> None:
     if t.device.type != "cpu":
         return
     t0 = time.perf_counter()
-    t.view(-1)[::max(1, 4096 // t.element_size())].zero_()
+    flat = t.view(-1)
+    flat[::max(1, 4096 // t.element_size())].zero_()
+    flat[-1:].zero_()                    # the last page, where t does not start on a page
     log.info("KV pool prefaulted: %.2f GiB in %.1f s", t.numel() * t.element_size() / GiB,
              time.perf_counter() - t0)
 

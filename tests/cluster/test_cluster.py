@@ -18,6 +18,7 @@ from twophase.cluster import launch
 from twophase.cluster.board import POST_EVERY_S
 from twophase.cluster.frontend import ClusterLoop
 from twophase.config import load_config
+from twophase.core.detokenizer import IncrementalDetokenizer
 from twophase.server.app import build_app
 from twophase.server.metrics import ServerMetrics
 
@@ -146,6 +147,12 @@ def test_disaggregated_gives_one_engines_greedy_text(disaggregated, default_llm,
     prompt = default_llm.tokenizer.apply_chat_template(messages)
     chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=GREEDY_TOKENS)
     assert chat.choices[0].message.content == expected(default_llm, [prompt])[0]
+    # a stop string made of the first token's last character and the second's first two
+    out = default_llm.generate([prompts[0]], SamplingParams(max_tokens=GREEDY_TOKENS))[0]
+    detok = IncrementalDetokenizer(default_llm.tokenizer)
+    stop = detok.push(out.token_ids[0])[-1:] + detok.push(out.token_ids[1])[:2]
+    want = default_llm.generate([prompts[0]], SamplingParams(max_tokens=GREEDY_TOKENS, stop=[stop]))[0].text
+    assert streamed(client, prompts[0], stop=[stop]) == want
     one = client.completions.create(model=MODEL, prompt=default_prompts[0], max_tokens=1)
     assert one.choices[0].text and one.choices[0].finish_reason == "length"
     all_free(c)

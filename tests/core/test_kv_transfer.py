@@ -10,8 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from twophase import SamplingParams
-from twophase.core.kv_transfer import KVTransferParams, LocalTransport, first_token_params
-from twophase.core.output_processor import hold_back
+from twophase.core.kv_transfer import (
+    KVTransferParams,
+    LocalTransport,
+    first_token_params,
+    hands_off,
+    joined,
+    wants_decode_peer,
+)
 from twophase.errors import RequestRejected
 
 SMALL = {"cache": {"num_blocks": 64, "block_size": 4},
@@ -29,22 +35,21 @@ class Pair:
         self.d.engine.connector.transport = self.transport
 
     def prefill(self, prompt: list[int], params: SamplingParams):
-        first = first_token_params(params)
-        [out] = run(self.p.engine, [(prompt, first, KVTransferParams(do_remote_decode=True), ())])
+        peer = KVTransferParams(do_remote_decode=True) if wants_decode_peer(params) else None
+        [out] = run(self.p.engine, [(prompt, first_token_params(params), peer, ())])
         return out
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-        """As the cluster's frontend runs a request: the first token's text streamed up to
-        ``hold_back``, the rest from the decode side (a request the prefill ended stays ended)."""
+        """As the cluster's frontend runs a request, by the same rules (``kv_transfer.py``)."""
         firsts = [self.prefill(p, params) for p in prompts]
-        handed = [i for i, f in enumerate(firsts) if f.kv_transfer_params]
+        handed = [i for i, f in enumerate(firsts) if hands_off(f)]
         jobs = [(prompts[i], params, KVTransferParams.from_dict(firsts[i].kv_transfer_params),
                  firsts[i].token_ids) for i in handed]
         outs = dict(zip(handed, run(self.d.engine, jobs)))
-        self.texts = [hold_back(f.text, params.stop)[0] + outs[i].text if i in outs else f.text
-                      for i, f in enumerate(firsts)]
-        self.reasons = [outs[i].finish_reason if i in outs else f.finish_reason for i, f in enumerate(firsts)]
-        return [f.token_ids + outs[i].token_ids if i in outs else f.token_ids for i, f in enumerate(firsts)]
+        whole = [joined(f, outs[i], params) if i in outs else f for i, f in enumerate(firsts)]
+        self.texts = [o.text for o in whole]
+        self.reasons = [o.finish_reason for o in whole]
+        return [o.token_ids for o in whole]
 
     def used(self) -> tuple[int, int]:
         return self.p.engine.kv.num_used_blocks, self.d.engine.kv.num_used_blocks
@@ -99,6 +104,19 @@ def test_a_stop_string_spanning_the_first_token_and_the_next_is_found(min_tokens
     assert pair.reasons == [o.finish_reason for o in alone]
     assert sum(r == "stop" for r in pair.reasons) >= 3
     assert pair.used() == (0, 0)
+
+
+def test_one_token_is_the_prefill_sides_alone_and_flushed_whole():
+    """Nothing for a peer: no lease, and an incomplete character at the end is flushed (U+FFFD)
+    as one engine flushes it, not held back for a decode side that never comes."""
+    pair = Pair()
+    prompts = random_prompts(40, seed=4)
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    alone = tiny_llm(**SMALL).generate(prompts, one)
+    assert any("\ufffd" in o.text for o in alone), "some first token must be a partial character"
+    assert pair.generate(prompts, one) == [o.token_ids for o in alone]
+    assert pair.texts == [o.text for o in alone]
+    assert pair.p.engine.connector.num_leased_blocks == 0
 
 
 def test_seeded_sampling_continues_the_prefill_sides_generator():

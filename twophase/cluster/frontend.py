@@ -24,9 +24,15 @@ import ray
 
 from twophase.cluster.host import Failure, Job
 from twophase.core.engine import check_text
-from twophase.core.kv_transfer import KVTransferParams, first_token_params
-from twophase.core.output_processor import hold_back
-from twophase.core.outputs import Delta, RequestOutput
+from twophase.core.kv_transfer import (
+    KVTransferParams,
+    first_text,
+    first_token_params,
+    hands_off,
+    joined,
+    wants_decode_peer,
+)
+from twophase.core.outputs import Delta
 from twophase.core.params import SamplingParams
 from twophase.errors import RequestRejected
 from twophase.server.loop import EngineError, EngineStopped, Finished, Handle, Overloaded
@@ -141,30 +147,29 @@ class ClusterLoop:
             put(EngineError(f"the replica serving this request failed: {_reason(exc)}"))
 
     async def _disaggregated(self, job: Job, put) -> None:
+        p = job.params
         prefill = self.cluster.pick("prefill", job.prompt_token_ids)
-        first = await self._one(prefill, dataclasses.replace(
-            job, params=first_token_params(job.params), kv_transfer=KVTransferParams(do_remote_decode=True)),
-            put, "prefill")
+        peer = KVTransferParams(do_remote_decode=True) if wants_decode_peer(p) else None
+        first = await self._one(prefill, dataclasses.replace(job, params=first_token_params(p), kv_transfer=peer),
+                                put, "prefill")
         if first is None:
             return
         out = first.output
         assert out is not None
         kv = out.kv_transfer_params
-        if out.finish_reason != "length" or job.params.max_tokens == 1 or not kv:
+        if not hands_off(out):
             if kv:
                 prefill.release_kv.remote(kv["remote_request_id"])
             put(first)
             put(Finished(out))
             return
-        # its text's tail stays back: the decode worker releases it, or cuts it at a stop string
-        head = hold_back(first.text, job.params.stop)[0]
-        put(dataclasses.replace(first, text=head, finish_reason=None, output=None))
-        out = dataclasses.replace(out, text=head)
+        assert kv is not None
+        put(dataclasses.replace(first, text=first_text(out, p), finish_reason=None, output=None))
         try:
             decode = self.cluster.pick("decode")
             rest = dataclasses.replace(job, kv_transfer=KVTransferParams.from_dict(kv),
                                        first_token_ids=tuple(first.token_ids))
-            await self._one(decode, rest, put, "decode", lambda d: _joined(out, d))
+            await self._one(decode, rest, put, "decode", lambda d: joined(out, d, p))
         finally:          # acknowledged by the decode side already, unless it failed or died
             prefill.release_kv.remote(kv["remote_request_id"])
 
@@ -172,7 +177,7 @@ class ClusterLoop:
         """Stream ``job`` on ``worker``: its deltas go to the client (only the last one's output
         goes through ``finish``, which returns the output to send); returns the last delta, or
         None if the request ended without output (an error was put). A worker that Ray is
-        restarting is waited for up to ``RESTART_WAIT_S`` while nothing has been streamed."""
+        restarting is waited for, up to ``RESTART_WAIT_S``, if it refused the request."""
         self.cluster.busy[worker] += 1
         deadline = time.monotonic() + RESTART_WAIT_S
         last = None
@@ -192,7 +197,9 @@ class ClusterLoop:
                         _emit(item, put)
                     return last
                 except ray.exceptions.ActorUnavailableError as exc:
-                    if last is not None:           # it had started: it cannot be taken back
+                    # sent again only if Ray refused it because the worker was restarting; one
+                    # that was running when its worker died ends (it may be what killed it)
+                    if last is not None or not _refused_while_restarting(exc):
                         raise
                     if time.monotonic() > deadline:
                         put(Overloaded(f"the {role} worker is restarting; retry later ({_reason(exc)})"))
@@ -220,11 +227,10 @@ def _emit(item: Any, put) -> bool:
     return True
 
 
-def _joined(first: RequestOutput, rest: RequestOutput) -> RequestOutput:
-    """The whole request: the prefill worker's first token, then the decode worker's."""
-    return dataclasses.replace(rest, prompt=first.prompt, token_ids=first.token_ids + rest.token_ids,
-                               text=first.text + rest.text, logprobs=first.logprobs + rest.logprobs,
-                               kv_transfer_params=None)
+def _refused_while_restarting(exc: BaseException) -> bool:
+    """Ray's refusal of a task sent while the actor restarts ("The actor is restarting"), as
+    opposed to a task that was running when it died ("The actor was restarted")."""
+    return "is restarting" in str(exc)
 
 
 def _reason(exc: BaseException) -> str:

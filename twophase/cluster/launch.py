@@ -125,11 +125,17 @@ def start(cfg: Config) -> Cluster:
         env = {k: v for k, v in os.environ.items() if k.startswith("TWOPHASE_")}
         env["OMP_NUM_THREADS"] = str(threads)
         # Ray starts workers at nice 15 (below its own daemons); engines serve at the priority
-        # one engine in a process would have, and prefill_nice lowers prefill from there
+        # one engine in a process would have, and prefill_nice lowers prefill from there. The
+        # raylet reads it from its environment, inherited at ray.init.
+        saved = os.environ.get("RAY_worker_niceness")
         os.environ.setdefault("RAY_worker_niceness", "0")
-        ray.init(address=c.address, namespace=namespace, include_dashboard=False,
-                 num_cpus=None if c.address else max(os.cpu_count() or 1, cpus + 1),
-                 runtime_env={"env_vars": env}, log_to_driver=False, logging_level=logging.WARNING)
+        try:
+            ray.init(address=c.address, namespace=namespace, include_dashboard=False,
+                     num_cpus=None if c.address else max(os.cpu_count() or 1, cpus + 1),
+                     runtime_env={"env_vars": env}, log_to_driver=False, logging_level=logging.WARNING)
+        finally:
+            if saved is None:
+                os.environ.pop("RAY_worker_niceness", None)
     board = ray.remote(MetricsBoard).options(name=BOARD, namespace=namespace, num_cpus=0).remote()
     cluster = Cluster(cfg, namespace, board, started_ray=started)
     try:

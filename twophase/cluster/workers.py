@@ -5,6 +5,8 @@ workers (addressed by name: a decode worker pulls K/V from the prefill worker th
 from __future__ import annotations
 
 import os
+import sys
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -53,14 +55,14 @@ class EngineReplica(_Shell):
 
 
 def lower_priority(nice: int) -> None:
-    """Every thread of this process at niceness ``nice`` at least (on Linux each thread has its
-    own, and a thread starts with its creator's)."""
-    tids = [int(t) for t in os.listdir("/proc/self/task")] if os.path.isdir("/proc/self/task") else [0]
-    for tid in tids:
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
-        except (ProcessLookupError, PermissionError):       # a thread that has ended meanwhile
-            pass
+    """This thread at niceness ``nice`` at least, and so the threads it starts: the engine's
+    loop and its backends' pools (on Linux each thread has its own niceness, and a thread starts
+    with its creator's). In an async actor this is Ray's event-loop thread, which runs the
+    actor's methods too; Ray's own threads (the object store's puts among them) keep theirs."""
+    if not hasattr(os, "setpriority"):
+        return
+    me = threading.get_native_id() if sys.platform.startswith("linux") else 0
+    os.setpriority(os.PRIO_PROCESS, me, max(nice, os.getpriority(os.PRIO_PROCESS, me)))
 
 
 class EngineWorker(_Shell):
