@@ -12,7 +12,8 @@ TTFT <= 2 s and TPOT <= 100 ms, per second). Then the K/V transfer's cost: ms an
 1k-token prompt, against that prompt's prefill time.
 
     python benchmarks/disaggregated.py [--requests 8] [--rate 0.12] [--rounds 2] [--max-tokens 64]
-                                       [--backend torch|onnxruntime|...] [--prefill-threads N]
+                                       [--backend torch|onnxruntime|native] [--quantization q4]
+                                       [--prefill-threads N]
                                        [--prefill-nice N]
 """
 
@@ -102,6 +103,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--rate", type=float, default=0.12, help="arrivals per second (Poisson)")
     ap.add_argument("--backend", default="torch", help="every engine's [backend] name")
+    ap.add_argument("--quantization", default="none", choices=["none", "q4"],
+                    help="q4: the GGUF's 4-bit blocks (the native backend runs only these)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2, help="cores: the colocated engine's threads")
@@ -112,7 +115,7 @@ def main() -> None:
 
     # pools prefaulted, as a server's are: the first write to a page otherwise costs ~2 s/GiB here,
     # which a short run would measure instead of steady state
-    base = {"model": MODEL, "cache": {"num_blocks": 2048, "prefault": True},
+    base = {"model": {**MODEL, "quantization": args.quantization}, "cache": {"num_blocks": 2048, "prefault": True},
             "backend": {"name": args.backend}}
     colocated = LLM.from_config({**base, "backend": {"name": args.backend,
                                                      "options": {"threads": args.threads}}})
