@@ -230,6 +230,13 @@ def test_cluster_ranges(key, value, text):
     assert str(err) == f"cluster.{key}: {text}, got {value}"
 
 
+def test_a_config_file_given_as_the_model_is_named(tmp_path):
+    toml = write(tmp_path, TINY_TOML)
+    err = config_error({"model": {"path": str(toml)}})
+    assert err.key == "model.path"
+    assert "is a file but not a .gguf" in str(err) and "CONFIG argument" in str(err)
+
+
 @pytest.mark.parametrize("key", ["prefill_threads", "decode_threads", "prefill_nice"])
 def test_role_keys_without_disaggregation_are_refused(key):
     err = config_error({"model": dict(TINY), "cluster": {"replicas": 2, key: 1}})

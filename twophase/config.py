@@ -347,6 +347,11 @@ def _check_model(cfg: Config) -> None:
         raise ConfigError("model.accuracy_level", f"must be in [0, 4], got {m.accuracy_level}")
     if not 0 <= m.outlier_channels <= 64:
         raise ConfigError("model.outlier_channels", f"must be in [0, 64], got {m.outlier_channels}")
+    path = Path(m.path).expanduser() if m.path else None
+    if path is not None and path.is_file() and path.suffix != ".gguf":
+        hint = " (a config file? give it as the command's CONFIG argument)" if path.suffix == ".toml" else ""
+        raise ConfigError("model.path", f"{str(path)!r} is a file but not a .gguf: give a .gguf file or a "
+                                        f"model folder{hint}")
 
 
 def _check_server(cfg: Config) -> None:
