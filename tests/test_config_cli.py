@@ -605,6 +605,29 @@ def test_chat_auto_uses_the_template_only_where_the_model_has_one():
     assert workload.build(cfg, Tok(), 512)[0][0] == "hi"
 
 
+def test_a_templated_prompt_says_so_and_raw_sends_it_as_written(caplog):
+    import argparse
+    import logging
+
+    from twophase import flags, workload
+
+    class Tok:
+        chat_template = "x"
+
+        def apply_chat_template(self, messages):
+            return f"<user>{messages[0]['content']}</user>"
+
+    p = argparse.ArgumentParser()
+    flags.add(p)
+    for argv, want, said in ((["--prompt", "The capital of France is"], "<user>", True),
+                             (["--prompt", "The capital of France is", "--raw"], "The", False)):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, "twophase"):
+            cfg = load_config(None, flags.overrides(p.parse_args(argv), {}))
+            assert workload.build(cfg, Tok(), 512)[0][0].startswith(want)
+        assert ("chat template" in caplog.text and "--raw" in caplog.text) == said, caplog.text
+
+
 def test_cache_lists_kinds_and_clears_only_what_is_named(tmp_path):
     from twophase import cache_contents as cc
 

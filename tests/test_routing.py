@@ -4,6 +4,7 @@ shows it."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 
@@ -65,7 +66,7 @@ def test_candidates_say_why_a_backend_is_left_out():
 def test_decode_routed_by_batch_size_keeps_the_tokens_and_uses_each_backend(monkeypatch):
     pytest.importorskip("onnxruntime")
     fixed = routing.Routing("torch", "onnxruntime", [(2, "torch")])
-    monkeypatch.setattr(routing, "resolve", lambda config, registry, recalibrate=False: fixed)
+    monkeypatch.setattr(routing, "resolve", lambda config, registry, **kw: fixed)
     cache = {"num_blocks": 64, "block_size": 4}
     llm = LLM.from_config({"model": TINY, "backend": {"name": "auto"}, "cache": cache})
     assert llm.decode_routes and llm.decode_routes[0][1] is llm.prefill_backend
@@ -147,3 +148,15 @@ def test_a_torn_cache_file_is_measured_again(monkeypatch):
     monkeypatch.setattr(routing, "calibrate", lambda *a: measured.append(1) or calibrate(*a))
     again = routing.resolve(cfg, reg)
     assert measured and set(again.table["prefill"]) == set(first.table["prefill"])
+
+
+def test_a_first_run_routes_by_the_stored_table_and_says_so_without_timing(monkeypatch, caplog):
+    pytest.importorskip("onnxruntime")
+    monkeypatch.setattr(routing, "calibrate", lambda *a: pytest.fail("a first run timed the backends"))
+    cfg = {"model": TINY, "backend": {"name": "auto"}, "scheduler": {"max_num_seqs": 3, "max_num_batched_tokens": 40}}
+    with caplog.at_level(logging.INFO, "twophase"):
+        llm = LLM.from_config(cfg)
+    assert (llm.routing.prefill, llm.routing.decode) == ("onnxruntime", "onnxruntime")
+    assert "not measured here yet" in caplog.text and "twophase backends CONFIG" in caplog.text
+    q4 = routing.stored(load_config({**cfg, "model": {**TINY, "quantization": "q4"}}), ["onnxruntime", "native"], {})
+    assert (q4.prefill, q4.decode) == ("native", "native")

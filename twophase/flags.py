@@ -29,6 +29,9 @@ def add(parser: argparse.ArgumentParser, prompts: bool = True) -> None:
     if prompts:
         g.add_argument("--prompt", action="append", metavar="TEXT",
                        help="a prompt (repeat for several); replaces the workload")
+        g.add_argument("--raw", action="store_true",
+                       help="send prompts as written, without the model's chat template "
+                            "(completion style: \"The capital of France is\"); workload.chat = false")
 
 
 def load(args: argparse.Namespace) -> Config:
@@ -64,6 +67,8 @@ def overrides(args: argparse.Namespace, data: dict[str, Any]) -> dict[str, Any]:
             o.setdefault("cluster", {})[flag] = getattr(args, flag)
     if getattr(args, "prompt", None):
         o["workload"] = {"prompts": args.prompt, "jsonl": None, "synthetic": None}
+    if getattr(args, "raw", False):
+        o.setdefault("workload", {})["chat"] = False
     return o
 
 

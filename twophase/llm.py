@@ -38,21 +38,40 @@ from twophase.errors import ConfigError, ModelError, RequestRejected
 from twophase.models import loader
 from twophase.plan import check as memcheck
 from twophase.plan.model_source import planned_model
+from twophase.report import load_line
 
 log = logging.getLogger(__name__)
 GiB = 1 << 30
 AUTO_MAX_DRAFTS = 6          # the most drafts num_tokens = "auto" gives a decode
 
 
+class _Laps:
+    """Seconds spent in each stage of a load, so a slow load says where its time went."""
+
+    def __init__(self) -> None:
+        self.laps: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def __call__(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.laps[stage] = self.laps.get(stage, 0.0) + now - self._last
+        self._last = now
+
+
 class LLM:
     def __init__(self, config: Config, registry: Registry | None = None):
         t0 = time.perf_counter()
+        lap = _Laps()
         self.registry = registry or Registry()
         self.routing: routing.Routing | None = None
         if routing.wanted(config):                # [backend] name = "auto": measured, or cached
-            self.routing = routing.resolve(config, self.registry)
+            self.routing = routing.resolve(config, self.registry, measure=False)
             config = routing.apply(config, self.routing)
             log.info("backend auto: %s", self.routing.describe())
+            if "stored" in self.routing.table:
+                log.info("backend auto: `twophase backends CONFIG` times the backends on this "
+                         "machine once (minutes, with progress); later runs route by that table")
+            lap("backend auto")
         self.config = config
         mc = config.model
         pcfg, dcfg = config.phases()
@@ -66,12 +85,14 @@ class LLM:
                               f"phases read and write one KV pool, so they must share a device")
         device = pcfg.device
         self.model = loader.resolve(mc, device)
+        lap("model files")
         self._draft_config(config)                # refuse a bad draft before any weights load
         self.draft: LLM | None = None             # loaded by the first engine that drafts with it
         arch = self.model.arch
         self.max_model_len = min(mc.max_model_len or arch.max_position_embeddings,
                                  arch.max_position_embeddings)
         self.plan = self._plan(device)
+        lap("memory plan")
         self._check_fits(device)
         if isinstance(config.cache.num_blocks, int):         # known before any weights load
             self._fit_context(config.cache.num_blocks * config.cache.block_size)
@@ -85,6 +106,7 @@ class LLM:
         if not same:
             self._check_pool_sharing(pcfg, dcfg)
         self.decode_routes = self._load_routes(pcfg, dcfg, spec)
+        lap("backend load")
         self.backend = self.prefill_backend
         if torch.device(device).type == "cpu":
             return_freed_memory()
@@ -98,11 +120,15 @@ class LLM:
         for b in {id(b): b for b in (self.prefill_backend, self.decode_backend, *routed)}.values():
             b.bind_kv_cache(self.kv_cache)      # TensorRT and IREE load their engines here
         used.append(memcheck.in_use(device))
+        lap("KV pool and bind")
         self.engine = self._build_engine()
+        lap("engine")
         self.load_time_s = time.perf_counter() - t0
+        self.load_breakdown_s = lap.laps
         names = pcfg.name if same else f"{pcfg.name} prefill + {dcfg.name} decode"
-        log.info("loaded %s on %s/%s in %.2f s (%d KV blocks of %d tokens)", self.model.model_id,
-                 names, device, self.load_time_s, self.num_blocks, config.cache.block_size)
+        log.info("loaded %s on %s/%s in %s (%d KV blocks of %d tokens)", self.model.model_id, names,
+                 device, load_line({"load_time_s": self.load_time_s, "load_breakdown_s": lap.laps}),
+                 self.num_blocks, config.cache.block_size)
         m = self.memory = self._memory(device)
         m["check"] = self._check_plan(device, used)
         log.info("KV cache %.2f GiB = %d tokens; max concurrency %d at %d tokens; weights %.2f GiB; "
@@ -400,6 +426,7 @@ class LLM:
         rep["kv_blocks_total"] = self.num_blocks
         rep["memory"] = self.memory
         rep["load_time_s"] = self.load_time_s
+        rep["load_breakdown_s"] = dict(self.load_breakdown_s)
         p, d = self.config.phases()
         rep["backend"] = {"prefill": p.name, "decode": d.name, "device": p.device}
         if self.draft is not None and self.config.speculative.method == "draft":

@@ -1,12 +1,13 @@
 """``[backend] name = "auto"``: each phase on the fastest backend this machine has for the model.
 
-On first use for a (model, machine) pair, each candidate backend that can run the model here is
-timed through the engine on a prefill of the token budget and on decode steps at batch sizes 1 to
-``max_num_seqs``, rounds interleaved across backends so drift on a busy machine hits all alike.
-Prefill goes to the fastest; decode to the fastest at each batch size, split by batch size where
-two backends cross (a route is kept only where it is at least ``MARGIN`` faster than the prefill's
-backend, whose weights are loaded anyway). The table is cached under ``$TWOPHASE_CACHE/routing``;
-``twophase backends CONFIG`` shows it.
+Until a (model, machine) pair is measured, a stored table picks one backend for both phases, so a
+first run starts at once (``twophase backends CONFIG`` says so, and measures). Measuring times each
+candidate backend that can run the model here through the engine on a prefill of the token budget
+and on decode steps at batch sizes 1 to ``max_num_seqs``, rounds interleaved across backends so
+drift on a busy machine hits all alike. Prefill goes to the fastest; decode to the fastest at each
+batch size, split by batch size where two backends cross (a route is kept only where it is at least
+``MARGIN`` faster than the prefill's backend, whose weights are loaded anyway). The table is cached
+under ``$TWOPHASE_CACHE/routing``; ``twophase backends CONFIG`` shows it.
 
 Candidates: ``torch``, ``onnxruntime`` and ``native`` where installed and able to run the model
 (IREE and TensorRT compile for minutes: name them in ``[backend.options] candidates`` to include
@@ -52,7 +53,9 @@ class Routing:
     def describe(self) -> str:
         decode = ", ".join(f"batch <= {b}: {n}" for b, n in self.routes)
         decode = f"{decode}, larger: {self.decode}" if decode else self.decode
-        return f"prefill on {self.prefill}; decode on {decode}"
+        how = f" (stored table for {self.table['stored']}: not measured here yet)" \
+            if "stored" in self.table else ""
+        return f"prefill on {self.prefill}; decode on {decode}{how}"
 
 
 def _passed_on(sec: BackendSection) -> dict[str, Any]:
@@ -118,8 +121,29 @@ def _why_not(cls, config: Config, device: str) -> str | None:
     return None
 
 
-def resolve(config: Config, registry, recalibrate: bool = False) -> Routing:
-    """The routing for ``config`` (its ``auto`` phases): cached, else measured now."""
+# Before this machine is measured: what ``twophase backends`` measured on this project's CPUs
+# (docs/measurements.md, "what auto measured here"), by device and weight format, fastest first.
+# A first run starts at once on these, instead of timing every backend for minutes.
+STORED = {("cpu", "none"): ("onnxruntime", "torch", "native"),
+          ("cpu", "q4"): ("native", "onnxruntime", "torch"),
+          ("cuda", "none"): ("torch", "onnxruntime"),
+          ("cuda", "q4"): ("torch", "onnxruntime")}
+
+
+def stored(config: Config, names: list[str], left_out: dict[str, str]) -> Routing:
+    """The routing by the stored table, for a machine not measured yet (one backend for both
+    phases: the first of the table's that is a candidate here)."""
+    kind = "cuda" if _auto_section(config).device.startswith("cuda") else "cpu"
+    order = STORED.get((kind, config.model.quantization), ())
+    best = next((n for n in order if n in names), names[0])
+    pcfg, dcfg = config.phases()
+    return Routing(best if pcfg.name == AUTO else pcfg.name, best if dcfg.name == AUTO else dcfg.name,
+                   table={"left_out": left_out, "stored": f"{kind}, {config.model.quantization!r} weights"})
+
+
+def resolve(config: Config, registry, recalibrate: bool = False, measure: bool = True) -> Routing:
+    """The routing for ``config`` (its ``auto`` phases): cached, else measured now (``measure``)
+    or, where not, taken from the stored table until ``twophase backends CONFIG`` measures."""
     from twophase.plan.model_source import planned_model
 
     planned_model(config.model)              # a model that does not exist is its own error, first
@@ -132,6 +156,8 @@ def resolve(config: Config, registry, recalibrate: bool = False) -> Routing:
         return Routing(fixed_prefill or only, fixed_decode or only, table={"left_out": left_out})
     path = cache_dir() / "routing" / f"{_key(config, names)}.json"
     table = None if recalibrate else _read(path)
+    if table is None and not measure:
+        return stored(config, names, left_out)
     if table is None:
         table = calibrate(config, names)
         failed = table.get("left_out", {})

@@ -38,6 +38,9 @@ def build(cfg: Config, tokenizer, vocab_size: int) -> list[tuple[str | list[int]
         w.chat == "auto" and tokenizer.chat_template))
     chat = (lambda p: tokenizer.apply_chat_template([{"role": "user", "content": p}])) \
         if templated else (lambda p: p)
+    if templated and (w.prompts or w.jsonl):
+        log.info("prompts go through the model's chat template (workload.chat = %s); --raw, or "
+                 "workload.chat = false, sends them as written", json.dumps(w.chat))
     items += [(chat(p), base) for p in w.prompts or []]
     if w.jsonl:
         items += _jsonl(cfg, chat)

@@ -74,6 +74,24 @@ def test_hostile_values_are_400s_and_the_engine_goes_on(tiny_server, body, param
     all_blocks_free(llm, app)
 
 
+@pytest.mark.parametrize("body, route, param, cap", [
+    ({"model": MODEL, "prompt": "hi", "stop": ["x"] * 1000}, "/v1/completions", "stop", "16"),
+    ({"model": MODEL, "prompt": "hi", "stop": "x" * 300}, "/v1/completions", "stop", "256"),
+    ({"model": MODEL, "prompt": "hi", "stop": ["x" * 300]}, "/v1/completions", "stop", "256"),
+    ({"model": MODEL, "prompt": ["hi"] * 65}, "/v1/completions", "prompt", "64"),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 6}, "/v1/completions", "logprobs", "5"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}] * 1025}, "/v1/chat/completions",
+     "messages", "1024"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 21},
+     "/v1/chat/completions", "top_logprobs", "20"),
+])
+def test_a_value_past_its_cap_is_a_400_that_names_the_cap(tiny_server, body, route, param, cap):
+    r = _post(tiny_server[1], body, route)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and cap in err["message"], err
+
+
 def test_hostile_chat_messages_are_400s(tiny_server):
     llm, url, app = tiny_server
     bad = [

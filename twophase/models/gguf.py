@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from twophase.errors import ModelError
+from twophase.models.gguf_file import GGUFFile
 
 log = logging.getLogger(__name__)
 
@@ -43,36 +44,33 @@ def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, out // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
-
-
-def hf_config(reader) -> dict:
-    arch = _field(reader, "general.architecture")
+def hf_config(header: GGUFFile) -> dict:
+    """The HF ``config.json`` a GGUF's header describes."""
+    f = header.get
+    arch = f("general.architecture")
     if arch != "llama":
         raise ModelError(f"GGUF architecture {arch!r} is not supported; only 'llama' models load")
     p = f"{arch}."
-    heads = int(_field(reader, p + "attention.head_count"))
-    hidden = int(_field(reader, p + "embedding_length"))
-    names = {t.name for t in reader.tensors}
-    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    heads = int(f(p + "attention.head_count"))
+    hidden = int(f(p + "embedding_length"))
+    names = set(header.tensors)
+    tokens = f("tokenizer.ggml.tokens") or []      # a LongArray: its length
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "vocab_size": int(_field(reader, p + "vocab_size", len(tokens))),
+        "vocab_size": int(f(p + "vocab_size", len(tokens))),
         "hidden_size": hidden,
-        "intermediate_size": int(_field(reader, p + "feed_forward_length")),
-        "num_hidden_layers": int(_field(reader, p + "block_count")),
+        "intermediate_size": int(f(p + "feed_forward_length")),
+        "num_hidden_layers": int(f(p + "block_count")),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(_field(reader, p + "attention.head_count_kv", heads)),
-        "head_dim": int(_field(reader, p + "rope.dimension_count", hidden // heads)),
-        "max_position_embeddings": int(_field(reader, p + "context_length", 4096)),
-        "rope_theta": float(_field(reader, p + "rope.freq_base", 10000.0)),
-        "rms_norm_eps": float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        "num_key_value_heads": int(f(p + "attention.head_count_kv", heads)),
+        "head_dim": int(f(p + "rope.dimension_count", hidden // heads)),
+        "max_position_embeddings": int(f(p + "context_length", 4096)),
+        "rope_theta": float(f(p + "rope.freq_base", 10000.0)),
+        "rms_norm_eps": float(f(p + "attention.layer_norm_rms_epsilon", 1e-5)),
         "tie_word_embeddings": "output.weight" not in names,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "bos_token_id": f("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": f("tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
     }
 
@@ -83,14 +81,14 @@ def convert(gguf_path: Path, out_dir: Path) -> None:
     from safetensors.numpy import save_file
     from tqdm import tqdm
 
-    reader = gguf.GGUFReader(str(gguf_path))
-    config = hf_config(reader)
+    header = GGUFFile(gguf_path)
+    config = hf_config(header)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, np.ndarray] = {}
-    for t in tqdm(reader.tensors, desc=f"dequantising {gguf_path.name}", unit="tensor"):
-        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        w = w.reshape([int(d) for d in reversed(t.shape)])
+    for t in tqdm(header.tensors.values(), desc=f"dequantising {gguf_path.name}", unit="tensor"):
+        w = gguf.quants.dequantize(header.data(t.name), t.ggml_type).astype(np.float32)
+        w = w.reshape(t.shape)
         name = hf_name(t.name)
         if name.endswith("q_proj.weight"):
             w = unpermute_rope(w, config["num_attention_heads"])

@@ -115,20 +115,21 @@ def gguf_qweights(path: Path, arch) -> dict[str, QWeight]:
     import gguf
 
     from twophase.models.gguf import unpermute_rope
+    from twophase.models.gguf_file import GGUFFile
     from twophase.models.quant import from_q4_1, from_q8_0, quantize_q4
 
-    reader = gguf.GGUFReader(str(path))
+    header = GGUFFile(path)
     T = gguf.GGMLQuantizationType
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = header.tensors
 
     def q(name: str) -> QWeight:
-        t = tensors[name]
-        k, n = (int(d) for d in t.shape)
-        if t.tensor_type == T.Q4_1:
-            return from_q4_1(t.data, n, k)
-        if t.tensor_type == T.Q8_0:
-            return from_q8_0(t.data, n, k)
-        return quantize_q4(gguf.quants.dequantize(t.data, t.tensor_type).reshape(n, k).astype(np.float32))
+        t, data = tensors[name], header.data(name)
+        k, n = t.dims
+        if t.ggml_type == T.Q4_1:
+            return from_q4_1(data, n, k)
+        if t.ggml_type == T.Q8_0:
+            return from_q8_0(data, n, k)
+        return quantize_q4(gguf.quants.dequantize(data, t.ggml_type).reshape(n, k).astype(np.float32))
 
     def unpermuted(qw: QWeight, heads: int) -> QWeight:
         order = unpermute_rope(np.arange(qw.shape[0]), heads)

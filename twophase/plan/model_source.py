@@ -1,9 +1,9 @@
 """A config's model as shapes only: no download, no weights read.
 
 Named shapes come from the shape table; a local HF folder from its ``config.json``; a local
-``.gguf`` from its header (the GGUF reader maps the file and parses the header; no tensor data is
-read); the default model from its converted folder or GGUF when cached, else from the shape table
-(its GGUF's layout is known: Q4_1 projections and a Q8_0 tied head).
+``.gguf`` from its header (scalars and the tensor table; no tensor data is read); the default
+model from its GGUF when cached, else from the shape table (its GGUF's layout is known: Q4_1
+projections and a Q8_0 tied head).
 """
 
 from __future__ import annotations
@@ -62,13 +62,10 @@ def _from_gguf(path: Path, model_id: str) -> PlannedModel:
     import gguf
 
     from twophase.models.gguf import hf_config
+    from twophase.models.gguf_file import GGUFFile
 
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as exc:           # not a GGUF, truncated
-        raise ModelError(f"{path}: not a readable GGUF file ({exc})") from None
-    tensors = {t.name: t for t in reader.tensors}
-    head = tensors.get("output.weight", tensors.get("token_embd.weight"))
-    four = head is not None and head.tensor_type == gguf.GGMLQuantizationType.Q4_1
-    return PlannedModel(model_id, LlamaArch.from_hf_config(hf_config(reader)), 4 if four else 8,
+    header = GGUFFile(path)            # a ModelError if it is not a GGUF, or truncated
+    head = header.tensors.get("output.weight", header.tensors.get("token_embd.weight"))
+    four = head is not None and head.ggml_type == gguf.GGMLQuantizationType.Q4_1
+    return PlannedModel(model_id, LlamaArch.from_hf_config(hf_config(header)), 4 if four else 8,
                         f"{path.name} header")

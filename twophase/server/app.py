@@ -70,6 +70,14 @@ def _error(exc: P.ApiError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
+def _most_telling(errors) -> dict:
+    """The error to report: for a field that takes several forms (``stop``: a string or a list),
+    pydantic reports each form's failure; a broken limit ("at most 16 items") says more than
+    "should be a valid string" for the form the client did not send."""
+    mismatch = [e for e in errors if str(e.get("type", "")).endswith("_type")]
+    return next((e for e in errors if e not in mismatch), errors[0])
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     """Every error as OpenAI's error object."""
 
@@ -79,7 +87,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
-        first = exc.errors()[0]
+        first = _most_telling(exc.errors())
         # the field (OpenAI's ``param``); deeper parts of pydantic's path name union members
         param = next((str(x) for x in first.get("loc", ()) if x != "body"), None)
         if first.get("type") == "json_invalid":
