@@ -47,7 +47,7 @@ def entries(root: Path) -> list[Entry]:
             out.append(Entry(kind, "", size_of(path), path.stat().st_mtime, True))
         elif path.is_dir():
             out += [Entry(kind, p.name, size_of(p), p.stat().st_mtime, not p.name.endswith(".tmp"))
-                    for p in path.iterdir()]
+                    for p in path.iterdir() if p.suffix != ".lock"]     # a build's lock file
     return sorted(out, key=lambda e: -e.bytes)
 
 

@@ -89,11 +89,37 @@ def _spinner(text: str) -> Iterator[None]:
         yield
 
 
+@contextmanager
+def build_lock(folder: Path) -> Iterator[None]:
+    """One builder of ``folder`` at a time across processes (a server and a benchmark, or two
+    test workers, on one cache): the second waits, then finds the first's build fresh."""
+    from filelock import FileLock
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(folder.with_name(folder.name + ".lock")))
+    try:
+        lock.acquire(timeout=1)
+    except TimeoutError:
+        log.info("waiting for another process building %s", folder.name)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
 def build_cached(folder: Path, manifest: dict[str, Any], build: Callable[[Path], None],
                  force: bool = False, what: str = "artefact") -> Path:
     """``folder``, built by ``build(tmp_folder)`` unless an up-to-date build is already there."""
     if not force and is_fresh(folder, manifest):
         return folder
+    with build_lock(folder):
+        if not force and is_fresh(folder, manifest):        # built while this one waited
+            return folder
+        return _build(folder, manifest, build, what)
+
+
+def _build(folder: Path, manifest: dict[str, Any], build: Callable[[Path], None], what: str) -> Path:
     if (folder / "manifest.json").exists():
         log.warning("%s in %s is stale or incomplete: rebuilding it", what, folder)
     log.info("building %s for %s in %s (once; later runs reuse it)", what,

@@ -40,8 +40,10 @@ class AttnMeta:
 
 
 def rope_inv_freq(arch: LlamaArch) -> torch.Tensor:
+    """On the CPU always (a few floats), also inside a meta-device build, where arithmetic would
+    run through torch's Python reference ops and import ``torch._dynamo`` (seconds)."""
     hd = arch.head_dim
-    inv = 1.0 / (arch.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    inv = 1.0 / (arch.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device="cpu").float() / hd))
     s = arch.rope_scaling
     if not s:
         return inv

@@ -7,6 +7,8 @@ nothing is allocated twice and a 16 GB random model never touches host memory on
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -77,9 +79,25 @@ def hf_weights(arch: LlamaArch, folder: Path | None, seed: int) -> dict[str, tor
     return {k: v.contiguous() for k, v in to_hf_state_dict(model.state_dict(), arch).items()}
 
 
+@contextmanager
+def _no_init() -> Iterator[None]:
+    """Modules built without their default initialisation: on the meta device it computes
+    nothing, yet its first call imports ``torch._dynamo`` (3-11 s of a load on a Zen 3 core);
+    every parameter is assigned or drawn below anyway."""
+    names = ("normal_", "uniform_", "kaiming_uniform_", "zeros_", "ones_", "trunc_normal_")
+    saved = {n: getattr(torch.nn.init, n) for n in names}
+    try:
+        for n in names:
+            setattr(torch.nn.init, n, lambda t, *a, **k: t)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.nn.init, n, f)
+
+
 def build_model(arch: LlamaArch, dtype: torch.dtype, device: torch.device,
                 folder: Path | None = None, seed: int = 0) -> Llama:
-    with torch.device("meta"):
+    with torch.device("meta"), _no_init():
         model = Llama(arch)
     if folder is not None:
         from safetensors.torch import load_file
@@ -87,9 +105,13 @@ def build_model(arch: LlamaArch, dtype: torch.dtype, device: torch.device,
         hf: dict[str, torch.Tensor] = {}
         for f in sorted(folder.glob("*.safetensors")):
             hf.update(load_file(str(f)))
-        # copies: a tensor left a view of the file's mapping keeps the whole mapping resident,
-        # the unfused sources of q/k/v and gate/up with it (~16% over the weights' bytes)
-        sd = {k: v.to(device=device, dtype=dtype, copy=True) for k, v in from_hf_state_dict(hf, arch).items()}
+        # copies of what is still a view of the file's mapping (it would keep the whole mapping
+        # resident, the unfused sources of q/k/v and gate/up with it: ~16% over the weights'
+        # bytes); the fused tensors are fresh already, and a second copy of them cost ~1 s a GiB
+        # of page faults in a VM
+        mapped = {t.untyped_storage().data_ptr() for t in hf.values()}
+        sd = {k: v.to(device=device, dtype=dtype, copy=v.untyped_storage().data_ptr() in mapped)
+              for k, v in from_hf_state_dict(hf, arch).items()}
         del hf
         missing = set(model.state_dict()) - set(sd) - ({"lm_head.weight"} if arch.tie_word_embeddings else set())
         if missing:
