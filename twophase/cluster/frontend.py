@@ -24,14 +24,8 @@ import ray
 
 from twophase.cluster.host import Failure, Job
 from twophase.core.engine import check_text
-from twophase.core.kv_transfer import (
-    KVTransferParams,
-    first_text,
-    first_token_params,
-    hands_off,
-    joined,
-    wants_decode_peer,
-)
+from twophase.core.handoff import first_text, first_token_params, hands_off, joined, wants_decode_peer
+from twophase.core.kv_params import KVTransferParams
 from twophase.core.outputs import Delta
 from twophase.core.params import SamplingParams
 from twophase.errors import RequestRejected

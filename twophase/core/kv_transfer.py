@@ -19,110 +19,39 @@ decode side pulls the prompt's K/V (as vLLM's NIXL connector does):
 Phases routed to two backends in one process are the zero-copy case: both backends bind the one
 pool, so an engine without a connector has nothing to move.
 
+The request's side of it, ``KVTransferParams`` and the pools' ``KVLayout``, are plain values in
+``core/kv_params.py`` (the request holds them); the rules of the handoff on outputs
+(``first_token_params``, ``joined``, ...) are in ``core/handoff.py``. Both are importable from here.
+
 Transports: the object store of Ray on the CPU (``twophase/cluster``); on GPUs the same pull would
 go over NCCL or NIXL through Ray's tensor transport (not built: no GPU here).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
-from twophase.core.output_processor import hold_back
-from twophase.core.outputs import RequestOutput
-from twophase.core.params import SamplingParams
-from twophase.core.seams import KVLayout
+from twophase.core.handoff import first_text, first_token_params, hands_off, joined, wants_decode_peer
+from twophase.core.kv_params import KVLayout, KVTransferParams
 from twophase.errors import RequestRejected
 
 if TYPE_CHECKING:
     from twophase.core.kv_manager import KVManager
     from twophase.core.request import Request
 
+# the values (core/kv_params.py) and the handoff rules (core/handoff.py) are importable from here too
+__all__ = ["KVConnector", "KVLayout", "KVTransferParams", "KVTransport", "LocalTransport", "PullResults",
+           "first_text", "first_token_params", "hands_off", "joined", "layout_of", "wants_decode_peer"]
+
 log = logging.getLogger(__name__)
-
-
-# -- the handoff of one request from a prefill engine to a decode engine (the cluster's
-# frontend runs these; so do the core's tests) --------------------------------------------
-def first_token_params(p: SamplingParams) -> SamplingParams:
-    """What the prefill side samples for a request a peer decodes: the first token under one
-    engine's rules. EOS is banned while ``min_tokens`` holds, and stop strings count only from
-    ``min_tokens`` on. The peer holds back that token's last characters (``hold_back``), so a
-    stop string that spans the first token and the next is still found."""
-    return dataclasses.replace(p, max_tokens=1, min_tokens=min(p.min_tokens, 1),
-                               stop=p.stop if p.min_tokens <= 1 else [])
-
-
-def wants_decode_peer(p: SamplingParams) -> bool:
-    """Whether a request has tokens left after the first for a peer to decode (with one token,
-    the prefill side finishes it alone: no lease, and its text is flushed whole)."""
-    return p.max_tokens > 1
-
-
-def hands_off(first: RequestOutput) -> bool:
-    """Whether the prefill side's output goes on at a peer: it stopped only for its one token
-    and kept the prompt's blocks."""
-    return first.finish_reason == "length" and bool(first.kv_transfer_params)
-
-
-def first_text(first: RequestOutput, p: SamplingParams) -> str:
-    """The part of the first token's text that streams before the handoff: the rest is the
-    peer's to release, or to cut at a stop string."""
-    return hold_back(first.text, p.stop)[0]
-
-
-def joined(first: RequestOutput, rest: RequestOutput, p: SamplingParams) -> RequestOutput:
-    """The whole request: the prefill side's first token, then the decode side's output."""
-    return dataclasses.replace(rest, prompt=first.prompt, token_ids=first.token_ids + rest.token_ids,
-                               text=first_text(first, p) + rest.text,
-                               logprobs=first.logprobs + rest.logprobs, kv_transfer_params=None)
-
-
-@dataclass(frozen=True)
-class KVTransferParams:
-    """What a request tells an engine about K/V held elsewhere (vLLM's ``kv_transfer_params``)."""
-
-    do_remote_decode: bool = False              # prefill side: keep the blocks for a peer
-    do_remote_prefill: bool = False             # decode side: the blocks are at a peer
-    remote_engine_id: str | None = None
-    remote_request_id: str | None = None        # the lease to pull from and acknowledge
-    remote_block_ids: tuple[int, ...] = ()
-    num_tokens: int = 0                         # tokens whose K/V the blocks hold
-    layout: KVLayout | None = None
-    lease_s: float = 0.0                        # how long the peer keeps them
-    generator_state: bytes | None = None        # a seeded request's generator after the first token
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["remote_block_ids"] = list(self.remote_block_ids)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> KVTransferParams:
-        """Checked: a malformed description is the request's fault (``RequestRejected``)."""
-        known = set(cls.__dataclass_fields__)
-        if not isinstance(d, dict) or set(d) - known:
-            raise RequestRejected(f"kv_transfer_params: unknown keys {sorted(set(d) - known)}"
-                                  if isinstance(d, dict) else "kv_transfer_params must be an object")
-        d = dict(d)
-        layout = d.get("layout")
-        try:
-            if isinstance(layout, dict):
-                d["layout"] = KVLayout(**layout)
-            d["remote_block_ids"] = tuple(int(b) for b in d.get("remote_block_ids", ()))
-            params = cls(**d)
-        except (TypeError, ValueError) as exc:
-            raise RequestRejected(f"kv_transfer_params: {exc}") from None
-        if params.num_tokens < 0 or any(b < 0 for b in params.remote_block_ids):
-            raise RequestRejected("kv_transfer_params: negative token count or block id")
-        return params
 
 
 class KVTransport(Protocol):

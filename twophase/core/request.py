@@ -15,7 +15,7 @@ import torch
 from twophase.core.params import SamplingParams
 
 if TYPE_CHECKING:
-    from twophase.core.kv_transfer import KVTransferParams
+    from twophase.core.kv_params import KVTransferParams
 
 
 class Status(enum.Enum):

@@ -11,9 +11,9 @@
 - ``KVConnector`` (K/V computed by another engine; ``core/kv_transfer.py``): a scheduler half,
   asked at admission how many of a request's tokens a peer holds and, when a request finishes,
   whether its blocks are kept for a peer under a lease; and a worker half that writes pulled
-  blocks into the pool before the step that counts them. The layout it moves is ``KVLayout``,
-  checked on both sides at start-up. Phases routed to two backends in one process are its
-  zero-copy case: the pool is shared, nothing moves.
+  blocks into the pool before the step that counts them. The layout it moves is ``KVLayout``
+  (a value of ``core/kv_params.py``), checked on both sides at start-up. Phases routed to two
+  backends in one process are its zero-copy case: the pool is shared, nothing moves.
 - Admission: ``core/admission.py`` (a watermark of free blocks kept for running sequences).
 """
 
@@ -23,10 +23,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from twophase.core.kv_params import KVLayout
+
 if TYPE_CHECKING:
     import torch
 
     from twophase.core.request import Request
+
+__all__ = ["KVLayout", "Proposal", "Proposer"]      # KVLayout lives in core/kv_params.py
 
 
 @dataclass(frozen=True)
@@ -47,14 +51,3 @@ class Proposer(Protocol):
     def release(self, req: Request) -> None:
         """``req`` is finished: drop whatever was kept for it."""
         ...
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """What two pools must agree on before blocks move between them."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    dtype: str
