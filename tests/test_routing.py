@@ -48,7 +48,8 @@ def test_a_phase_named_in_the_config_stays_there():
 
 def test_an_unknown_model_is_its_own_error_not_every_backends():
     with pytest.raises(ConfigError, match="^model.name: unknown model 'nosuch'"):
-        routing.resolve(load_config({"model": {"name": "nosuch"}, "backend": {"name": "auto"}}), Registry())
+        routing.resolve(load_config({"model": {"name": "nosuch"}, "backend": {"name": "auto"}}), Registry(),
+                        make_engine=LLM)
 
 
 def test_candidates_say_why_a_backend_is_left_out():
@@ -89,11 +90,11 @@ def test_calibration_is_measured_once_and_cached(monkeypatch):
     cfg = load_config({"model": TINY, "backend": {"name": "auto"},
                        "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 64}})
     reg = Registry()
-    first = routing.resolve(cfg, reg, recalibrate=True)
+    first = routing.resolve(cfg, reg, make_engine=LLM, recalibrate=True)
     assert set(first.table["prefill"]) == {"torch", "onnxruntime"}
     assert set(first.table["decode"]["torch"]) == {"1", "2", "4"}
     monkeypatch.setattr(routing, "calibrate", lambda *a: pytest.fail("measured again"))
-    again = routing.resolve(cfg, reg)
+    again = routing.resolve(cfg, reg, make_engine=LLM)
     assert again.table == first.table and again.describe() == first.describe()
 
 
@@ -112,7 +113,7 @@ SMALL = {"max_num_seqs": 4, "max_num_batched_tokens": 64}
 def test_auto_times_a_model_with_a_context_of_its_own():
     pytest.importorskip("onnxruntime")
     cfg = load_config({"model": {**TINY, "max_model_len": 1500}, "backend": {"name": "auto"}, "scheduler": SMALL})
-    r = routing.resolve(cfg, Registry(), recalibrate=True)
+    r = routing.resolve(cfg, Registry(), make_engine=LLM, recalibrate=True)
     assert set(r.table["prefill"]) == {"torch", "onnxruntime"}
     assert LLM.from_config({"model": {**TINY, "max_model_len": 1500}, "backend": {"name": "auto"},
                             "scheduler": SMALL}).max_model_len == 1500
@@ -127,18 +128,18 @@ def test_a_candidate_that_refuses_the_model_is_left_out_with_its_reason(monkeypa
 
     monkeypatch.setattr(OnnxRuntimeBackend, "load", refuse)
     cfg = load_config({"model": {**TINY, "seed": 7}, "backend": {"name": "auto"}, "scheduler": SMALL})
-    r = routing.resolve(cfg, Registry(), recalibrate=True)
+    r = routing.resolve(cfg, Registry(), make_engine=LLM, recalibrate=True)
     assert (r.prefill, r.decode) == ("torch", "torch")
     assert r.table["left_out"]["onnxruntime"] == "model.dtype: not this one"
     monkeypatch.undo()                         # it loads again: the next start times it again
-    assert set(routing.resolve(cfg, Registry()).table["prefill"]) == {"torch", "onnxruntime"}
+    assert set(routing.resolve(cfg, Registry(), make_engine=LLM).table["prefill"]) == {"torch", "onnxruntime"}
 
 
 def test_a_torn_cache_file_is_measured_again(monkeypatch):
     pytest.importorskip("onnxruntime")
     cfg = load_config({"model": TINY, "backend": {"name": "auto"}, "scheduler": SMALL})
     reg = Registry()
-    first = routing.resolve(cfg, reg)
+    first = routing.resolve(cfg, reg, make_engine=LLM)
     names, _ = routing.candidates(cfg, reg)
     from twophase.paths import cache_dir
 
@@ -146,7 +147,7 @@ def test_a_torn_cache_file_is_measured_again(monkeypatch):
     measured = []
     calibrate = routing.calibrate
     monkeypatch.setattr(routing, "calibrate", lambda *a: measured.append(1) or calibrate(*a))
-    again = routing.resolve(cfg, reg)
+    again = routing.resolve(cfg, reg, make_engine=LLM)
     assert measured and set(again.table["prefill"]) == set(first.table["prefill"])
 
 

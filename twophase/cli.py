@@ -345,13 +345,14 @@ def _print_routing(console, reg, args) -> None:
     from rich.table import Table
 
     from twophase import routing
+    from twophase.llm import LLM
 
     cfg = flags.load(args)
     if not routing.wanted(cfg):
         b = cfg.backend
         cfg = dataclasses.replace(cfg, backend=dataclasses.replace(b, name="auto", options={}, prefill=None,
                                                                    decode=None))
-    r = routing.resolve(cfg, reg, recalibrate=args.recalibrate)
+    r = routing.resolve(cfg, reg, make_engine=LLM, recalibrate=args.recalibrate)
     rows = routing.table_rows(r)
     if rows:
         t = Table(title=f"{cfg.model.name} ({cfg.model.quantization}), tokens/s here: prefill of "

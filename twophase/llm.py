@@ -65,7 +65,7 @@ class LLM:
         self.registry = registry or Registry()
         self.routing: routing.Routing | None = None
         if routing.wanted(config):                # [backend] name = "auto": measured, or cached
-            self.routing = routing.resolve(config, self.registry, measure=False)
+            self.routing = routing.resolve(config, self.registry, make_engine=LLM, measure=False)
             config = routing.apply(config, self.routing)
             log.info("backend auto: %s", self.routing.describe())
             if "stored" in self.routing.table:

@@ -21,9 +21,10 @@ import hashlib
 import json
 import logging
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from twophase.config import BackendSection, CacheConfig, Config, SchedulerConfig, SpeculativeConfig
 from twophase.errors import BackendUnavailable, ConfigError, TwophaseError
@@ -38,6 +39,19 @@ DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 CONTEXT, DECODE_STEPS, ROUNDS = 128, 4, 3
 MARGIN = 1.05
 VERSION = 1                 # of the cached table's format and of the method that fills it
+
+
+class TimedEngine(Protocol):
+    """What ``calibrate`` times a backend through: an ``LLM`` (``phase_timing`` drives it)."""
+
+    max_model_len: int
+
+    def close(self) -> None: ...
+
+
+# config -> an engine on that config's one backend; the caller passes ``LLM`` (this module sits
+# below the Python API, so it is handed the engine rather than importing it)
+EngineFactory = Callable[[Config], TimedEngine]
 
 
 @dataclass
@@ -141,9 +155,11 @@ def stored(config: Config, names: list[str], left_out: dict[str, str]) -> Routin
                    table={"left_out": left_out, "stored": f"{kind}, {config.model.quantization!r} weights"})
 
 
-def resolve(config: Config, registry, recalibrate: bool = False, measure: bool = True) -> Routing:
+def resolve(config: Config, registry, *, make_engine: EngineFactory, recalibrate: bool = False,
+            measure: bool = True) -> Routing:
     """The routing for ``config`` (its ``auto`` phases): cached, else measured now (``measure``)
-    or, where not, taken from the stored table until ``twophase backends CONFIG`` measures."""
+    through engines ``make_engine`` builds or, where not, taken from the stored table until
+    ``twophase backends CONFIG`` measures."""
     from twophase.plan.model_source import planned_model
 
     planned_model(config.model)              # a model that does not exist is its own error, first
@@ -159,7 +175,7 @@ def resolve(config: Config, registry, recalibrate: bool = False, measure: bool =
     if table is None and not measure:
         return stored(config, names, left_out)
     if table is None:
-        table = calibrate(config, names)
+        table = calibrate(config, names, make_engine)
         failed = table.get("left_out", {})
         table["left_out"] = {**left_out, **failed}
         if not failed:                         # a failure to load may pass: time it again next start
@@ -262,21 +278,22 @@ def _timing_config(config: Config, name: str) -> Config:
         speculative=SpeculativeConfig())
 
 
-def calibrate(config: Config, names: list[str]) -> dict[str, Any]:
-    """Tokens/s of each backend: prefill of the token budget, decode at each batch size (the
-    median over ``ROUNDS`` rounds, interleaved)."""
+def calibrate(config: Config, names: list[str], make_engine: EngineFactory) -> dict[str, Any]:
+    """Tokens/s of each backend, timed through an engine ``make_engine`` builds for it alone:
+    prefill of the token budget, decode at each batch size (the median over ``ROUNDS`` rounds,
+    interleaved)."""
     from tqdm import tqdm
 
-    from twophase.llm import LLM
     from twophase.phase_timing import decode_round, prefill_round
 
     n, batches = _prefill_tokens(config), _batches(config)
     log.info("backend auto: timing %s on this machine (once; cached)", ", ".join(names))
-    llms, failed = {}, {}
+    llms: dict[str, TimedEngine] = {}
+    failed: dict[str, str] = {}
     try:
         for name in names:
             try:
-                llms[name] = LLM(_timing_config(config, name))
+                llms[name] = make_engine(_timing_config(config, name))
             except TwophaseError as exc:          # e.g. a dtype it refuses: not a candidate
                 failed[name] = str(exc)
         if not llms:
