@@ -13,6 +13,7 @@ from __future__ import annotations
 import multiprocessing
 from typing import Any
 
+from twophase.bench.lines import bench_llm
 from twophase.config import Config, SchedulerConfig
 
 ISOLATED = frozenset({"iree"})
@@ -67,10 +68,9 @@ class IsolatedLine:
 
 def _worker(conn, cfg: Config, name: str) -> None:
     from twophase.bench import serving, sweeps
-    from twophase.bench.run import _bench_llm
 
     try:
-        llm = _bench_llm(cfg, name)
+        llm = bench_llm(cfg, name)
     except Exception as exc:
         conn.send((False, f"{type(exc).__name__}: {exc}"))
         return
