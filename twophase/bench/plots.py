@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLocator
 
 from twophase.bench import machine
-from twophase.bench.report import above_roofline, tokens_range
+from twophase.bench.results import above_roofline, tokens_range
 
 STALE = ("measured above the roofline: the ceilings are probably stale;\n"
          "run `twophase calibrate --force` on a quiet machine")

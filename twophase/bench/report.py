@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from twophase.bench import machine
+from twophase.bench.results import above_roofline, tokens_range
 
 RECALIBRATE = "run `twophase calibrate --force` on a quiet machine, then bench again"
 
@@ -41,11 +42,6 @@ def _si(v: float | None) -> str:
 
 def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1e3:.1f}"
-
-
-def tokens_range(m: dict[str, Any], tokens: float) -> tuple[float, float]:
-    """(slowest, fastest) tokens/s over the rounds of a measurement."""
-    return tokens / m["max_s"], tokens / m["min_s"]
 
 
 def phase_columns(res: dict[str, Any], phase: str) -> list[str]:
@@ -132,13 +128,6 @@ def headline(res: dict[str, Any]) -> list[str]:
         *spec,
         *res.get("notes", res.get("skipped", [])),      # "skipped": results of older benches
     ]
-
-
-def above_roofline(res: dict[str, Any]) -> list[tuple[str, Any, str, float]]:
-    """(phase, shape, line, fraction) of every median measured faster than its bound allows."""
-    return [(phase, key, line, m["roofline_fraction"])
-            for phase in ("prefill", "decode") for line in res["lines"]
-            for key, m in res[phase][line].items() if m["roofline_fraction"] > 1]
 
 
 def _roofline_warnings(res: dict[str, Any]) -> list[str]:
