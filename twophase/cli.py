@@ -374,8 +374,8 @@ def cmd_export(args) -> int:
     cfg = load_config(args.config)
     from twophase.models import loader
 
-    m = loader.resolve(cfg.model, "cpu")          # exporting never needs a GPU (TensorRT aside)
-    spec = loader.model_spec(m, cfg.model)
+    m = loader.resolve(cfg.model.source(), "cpu")     # exporting never needs a GPU (TensorRT aside)
+    spec = loader.model_spec(m, cfg.model.source())
     if args.format == "onnx":
         from twophase.exporters import onnx
 

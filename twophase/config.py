@@ -20,6 +20,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from twophase.errors import ConfigError, InvalidSamplingParam
+from twophase.models.source import ModelSource
 
 
 @dataclass
@@ -34,6 +35,11 @@ class ModelConfig:
     quantization: Literal["none", "q4"] = "none"   # q4: 4-bit block weights (onnxruntime)
     accuracy_level: int = 4               # q4: 4 quantises activations to int8 per block (fastest)
     outlier_channels: int = 8             # q4: input channels per projection kept in float32
+
+    def source(self) -> ModelSource:
+        """What the model loaders read of this section (the model layer never reads the config)."""
+        return ModelSource(self.name, self.path, self.weights, self.dtype, self.num_layers, self.seed,
+                           self.quantization, self.accuracy_level, self.outlier_channels)
 
 
 @dataclass

@@ -74,7 +74,7 @@ class Cluster:
         """The model's tokenizer, for the frontend (no weights are loaded here)."""
         from twophase.models import loader
 
-        return loader.resolve(self.config.model, "cpu").tokenizer
+        return loader.resolve(self.config.model.source(), "cpu").tokenizer
 
     def kv_states(self) -> dict[str, dict[str, int]]:
         """Each worker's blocks in use and leased (the replicas': through Serve, one each)."""

@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 from twophase.backends.base import ModelSpec
-from twophase.config import ModelConfig
 from twophase.errors import ConfigError, ModelError
 from twophase.models import hub
 from twophase.models.shapes import SHAPES, LlamaArch, named_shape
+from twophase.models.source import ModelSource
 from twophase.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from twophase.paths import cache_dir
 
@@ -37,8 +37,9 @@ class ResolvedModel:
     dtype: torch.dtype
 
 
-def model_spec(m: ResolvedModel, cfg: ModelConfig) -> ModelSpec:
-    """What a backend loads: the one place a ``ModelSpec`` is made from a config."""
+def model_spec(m: ResolvedModel, cfg: ModelSource) -> ModelSpec:
+    """What a backend loads: the one place a ``ModelSpec`` is made (from the config's
+    ``ModelConfig.source()``)."""
     from twophase.models.weights import hf_weights
 
     folder = None if m.weights == "random" else Path(m.weights)
@@ -57,7 +58,7 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     return dtype
 
 
-def resolve(cfg: ModelConfig, device: str) -> ResolvedModel:
+def resolve(cfg: ModelSource, device: str) -> ResolvedModel:
     dtype = resolve_dtype(cfg.dtype, device)
     if cfg.weights == "random":
         if cfg.name not in SHAPES:

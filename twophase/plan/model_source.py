@@ -16,6 +16,7 @@ from twophase.config import ModelConfig
 from twophase.errors import ConfigError, ModelError
 from twophase.models import hub
 from twophase.models.shapes import SHAPES, LlamaArch, named_shape
+from twophase.models.source import ModelSource
 from twophase.paths import cache_dir
 
 # a shipped model's shape, for planning before it is fetched
@@ -30,7 +31,10 @@ class PlannedModel:
     source: str                 # where the shapes were read
 
 
-def planned_model(cfg: ModelConfig) -> PlannedModel:
+def planned_model(model: ModelSource | ModelConfig) -> PlannedModel:
+    """The shapes of the model the loader would load (``models/loader.py: resolve``), from the
+    same ``ModelSource`` (a config's ``[model]`` is turned into one here)."""
+    cfg = model.source() if isinstance(model, ModelConfig) else model
     if cfg.weights == "random":
         if cfg.name not in SHAPES:
             raise ConfigError("model.name", f"no shape named {cfg.name!r}; shapes: {', '.join(SHAPES)}")
