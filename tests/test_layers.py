@@ -1,6 +1,10 @@
-"""The package's layers: a module may import its own layer and the ones below, never above.
+"""The package's layers: a module may import its own layer and the ones below, never above; and no
+two modules import each other, even through others or inside a function.
 
-Lowest first. Imports under ``if TYPE_CHECKING:`` are annotations only and are not counted."""
+Lowest first. Every module is in a named layer (a package's name covers its modules; the root
+package ``twophase`` is named alone and covers nothing else). Imports under ``if TYPE_CHECKING:``
+are annotations only and are not counted; every other import is, at module level or inside a
+function."""
 
 from __future__ import annotations
 
@@ -12,74 +16,116 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1] / "twophase"
 
 LAYERS = [
-    ["twophase.errors", "twophase.paths", "twophase.device"],       # machine facts, errors
+    ["twophase.errors", "twophase.paths", "twophase.device", "twophase.data"],   # machine facts, errors
     ["twophase.backends.base", "twophase.backends.hookspecs"],     # the plugin contract
     ["twophase.core"],                                              # scheduling, KV, sampling
-    ["twophase.config"],
     ["twophase.models", "twophase.graph"],                          # the model; graph signature, inputs
+    ["twophase.config"],                                            # the TOML schema (above the model)
     ["twophase.exporters"],                                         # build artefacts offline
     ["twophase.backends"],                                          # runtimes (and the registry)
     ["twophase.llm", "twophase.draft", "twophase.quality", "twophase.workload", "twophase.plan",
-     "twophase.routing", "twophase.phase_timing"],                  # the Python API, its memory and routing
-    ["twophase.server", "twophase.bench", "twophase.cli", "twophase.flags", "twophase.chat",
-     "twophase.cache_contents", "twophase.testing", "twophase.__main__",
-     "twophase"],                                                   # front ends
+     "twophase.routing", "twophase.phase_timing", "twophase.report"],   # the Python API, memory, routing
+    ["twophase.server", "twophase.cluster", "twophase.bench", "twophase.cli", "twophase.flags",
+     "twophase.chat", "twophase.cache_contents", "twophase.testing", "twophase.__main__",
+     "twophase"],                                                   # front ends; the package itself
 ]
+
+# imports a layer must never make, whatever the order above becomes
+FORBIDDEN = {"twophase.models": ["twophase.config"]}     # the loaders take a ModelSource value
+
+
+def _covers(name: str, module: str, root: str = ROOT.name) -> bool:
+    return module == name or (name != root and module.startswith(name + "."))
 
 
 def layer(module: str) -> int:
-    """The layer of the longest prefix of ``module`` that LAYERS names."""
+    """The layer of the longest name in LAYERS that covers ``module``."""
     best, found = -1, None
     for i, names in enumerate(LAYERS):
         for name in names:
-            if (module == name or module.startswith(name + ".")) and len(name) > best:
+            if _covers(name, module) and len(name) > best:
                 best, found = len(name), i
     assert found is not None, f"{module} is in no layer: add it to LAYERS"
     return found
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
-def runtime_imports(path: Path) -> list[tuple[int, str]]:
-    """``(line, module)`` of every twophase import outside ``if TYPE_CHECKING:`` blocks."""
-    tree = ast.parse(path.read_text(), str(path))
+def _annotation_only(tree: ast.AST) -> set[int]:
     skip = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             skip |= {id(n) for child in node.body for n in ast.walk(child)}
+    return skip
+
+
+def runtime_imports(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
+    """``(line, module)`` of every import of ``root``'s package outside ``if TYPE_CHECKING:``
+    blocks, at module level or in a function (``from a import b`` names ``a.b`` where that is a
+    module). Relative imports are resolved against ``path``."""
+    tree = ast.parse(path.read_text(), str(path))
+    skip = _annotation_only(tree)
+    pkg = root.name
+    me = module_name(path, root) if path.is_relative_to(root) else pkg
+    here = me if path.name == "__init__.py" else me.rpartition(".")[0]
     out = []
     for node in ast.walk(tree):
         if id(node) in skip:
             continue
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            base = node.module
-            out += [(node.lineno, f"{base}.{a.name}" if _is_module(f"{base}.{a.name}") else base)
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                up = here.split(".")[: len(here.split(".")) - node.level + 1]
+                base = ".".join(up + ([node.module] if node.module else []))
+            elif node.module:
+                base = node.module
+            else:
+                continue
+            out += [(node.lineno, f"{base}.{a.name}" if _is_module(f"{base}.{a.name}", root) else base)
                     for a in node.names]
         elif isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names]
-    return [(line, m) for line, m in out if m == "twophase" or m.startswith("twophase.")]
+    return [(line, m) for line, m in out if m == pkg or m.startswith(pkg + ".")]
 
 
-def _is_module(name: str) -> bool:
+def _is_module(name: str, root: Path = ROOT) -> bool:
     rel = Path(*name.split("."))
-    return (ROOT.parent / rel).with_suffix(".py").exists() or (ROOT.parent / rel / "__init__.py").exists()
+    return (root.parent / rel).with_suffix(".py").exists() or (root.parent / rel / "__init__.py").exists()
+
+
+def violations(me: str, imports: list[tuple[int, str]]) -> list[str]:
+    """What of ``imports`` (made by module ``me``) the layers or FORBIDDEN refuse."""
+    mine = layer(me)
+    bad = [f"line {line}: {m} (layer {layer(m)}, above {mine})" for line, m in imports if layer(m) > mine]
+    for src, targets in FORBIDDEN.items():
+        if _covers(src, me):
+            bad += [f"line {line}: {m} ({src} never imports {t})" for line, m in imports
+                    for t in targets if _covers(t, m)]
+    return bad
 
 
 SOURCES = sorted(ROOT.rglob("*.py"))
 
 
+def test_every_module_is_in_a_named_layer() -> None:
+    unlisted = []
+    for path in SOURCES:
+        try:
+            layer(module_name(path))
+        except AssertionError:
+            unlisted.append(module_name(path))
+    assert not unlisted, f"in no layer (add them to LAYERS): {unlisted}"
+
+
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT.parent)))
 def test_no_module_imports_a_higher_layer(path: Path) -> None:
     me = module_name(path)
-    mine = layer(me)
-    bad = [f"line {line}: {m} (layer {layer(m)})" for line, m in runtime_imports(path)
-           if layer(m) > mine]
-    assert not bad, f"{me} (layer {mine}) imports a higher layer: " + "; ".join(bad)
+    bad = violations(me, runtime_imports(path))
+    assert not bad, f"{me} (layer {layer(me)}) imports what it may not: " + "; ".join(bad)
 
 
 def test_the_check_sees_a_violation_and_skips_annotations(tmp_path: Path) -> None:
@@ -92,3 +138,136 @@ def test_the_check_sees_a_violation_and_skips_annotations(tmp_path: Path) -> Non
     found = runtime_imports(src)
     assert found == [(5, "twophase.server.app")]
     assert layer("twophase.server.app") > layer("twophase.core.engine")
+    assert violations("twophase.core.engine", found) == ["line 5: twophase.server.app (layer 8, above 2)"]
+
+
+def test_the_model_never_reads_the_config(tmp_path: Path) -> None:
+    """``twophase.models`` importing ``twophase.config``, even inside a function, is refused."""
+    assert layer("twophase.config") > layer("twophase.models.loader")
+    src = tmp_path / "loader.py"
+    src.write_text("def resolve(cfg):\n    from twophase.config import ModelConfig\n")
+    bad = violations("twophase.models.loader", runtime_imports(src))
+    assert bad and all("twophase.config" in b for b in bad)
+
+
+def test_an_unlisted_module_is_caught() -> None:
+    """No catch-all: a new top-level module or package is in no layer until it is named; the root
+    package's name covers the root package alone."""
+    assert layer("twophase") == len(LAYERS) - 1
+    assert layer("twophase.core.scheduler") == layer("twophase.core")
+    for name in ("twophase.newthing", "twophase.newpackage.mod", "twophasex"):
+        with pytest.raises(AssertionError, match="is in no layer"):
+            layer(name)
+
+
+# -- cycles ----------------------------------------------------------------------------------
+def import_graph(root: Path) -> dict[str, dict[str, int]]:
+    """``{module: {imported module: line}}`` over the modules of ``root``'s package, counting
+    every import but annotations (``from a import name`` counts as importing ``a``, or ``a.name``
+    where that is a module; a module's parent packages are not counted)."""
+    modules = {module_name(p, root): p for p in sorted(root.rglob("*.py"))}
+    graph: dict[str, dict[str, int]] = {}
+    for me, path in modules.items():
+        edges = graph.setdefault(me, {})
+        for line, target in runtime_imports(path, root):
+            while target and target not in modules:          # a name in a module: that module
+                target = target.rpartition(".")[0]
+            if target and target != me:
+                edges.setdefault(target, line)
+    return graph
+
+
+def cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Each group of modules that import one another (strongly connected, two or more), as one
+    cycle through it: ``[a, b, ..., a]``."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return [_a_cycle(graph, g) for g in sorted(groups)]
+
+
+def _a_cycle(graph: dict[str, dict[str, int]], group: list[str]) -> list[str]:
+    """The shortest way from the group's first module back to itself, inside the group."""
+    start, inside = group[0], set(group)
+    came: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v]):
+                if w == start:
+                    path = [v]
+                    while path[-1] != start:
+                        path.append(came[path[-1]])
+                    return [start, *reversed(path[:-1]), start]
+                if w in inside and w not in came:
+                    came[w] = v
+                    nxt.append(w)
+        frontier = nxt
+    raise AssertionError(f"no cycle through {group}")
+
+
+def _describe(graph: dict[str, dict[str, int]], cycle: list[str]) -> str:
+    return " -> ".join(f"{a} (line {graph[a][b]})" for a, b in zip(cycle, cycle[1:])) + f" -> {cycle[-1]}"
+
+
+def test_no_import_cycles() -> None:
+    """No module imports one that imports it back (directly or through others), not even inside
+    a function: cut a cycle by moving what both need below both, or by passing it in."""
+    graph = import_graph(ROOT)
+    found = cycles(graph)
+    assert not found, "import cycles:\n" + "\n".join(_describe(graph, c) for c in found)
+
+
+def test_the_cycle_check_sees_a_planted_cycle(tmp_path: Path) -> None:
+    """Two modules that import each other, one of them inside a function, are caught (and so is
+    a longer cycle); a cycle closed only by annotations is not."""
+    pkg = tmp_path / "twophase"
+    (pkg / "sub").mkdir(parents=True)
+    files = {
+        "__init__.py": "",
+        "a.py": "def f():\n    from twophase import b\n    return b\n",
+        "b.py": "from twophase.a import f\n",
+        "c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from twophase.d import D\n",
+        "d.py": "from twophase.c import *\nclass D: ...\n",
+        "sub/__init__.py": "",
+        "sub/x.py": "from .y import g\n",
+        "sub/y.py": "import twophase.sub.z\ndef g(): ...\n",
+        "sub/z.py": "def h():\n    from twophase.sub.x import g\n",
+    }
+    for name, text in files.items():
+        (pkg / name).write_text(text)
+    graph = import_graph(pkg)
+    assert graph["twophase.a"] == {"twophase.b": 2} and graph["twophase.b"] == {"twophase.a": 1}
+    assert graph["twophase.c"] == {}
+    assert cycles(graph) == [["twophase.a", "twophase.b", "twophase.a"],
+                             ["twophase.sub.x", "twophase.sub.y", "twophase.sub.z", "twophase.sub.x"]]
+    assert _describe(graph, cycles(graph)[0]) == \
+        "twophase.a (line 2) -> twophase.b (line 1) -> twophase.a"
