@@ -18,6 +18,13 @@ _user_cache = os.environ.get("TWOPHASE_CACHE") or os.path.join(os.path.expanduse
 os.environ["TWOPHASE_CACHE"] = (os.environ.get("TWOPHASE_TEST_CACHE")
                                 or os.path.normpath(_user_cache) + "-tests")
 
+# Under pytest-xdist (the README's ``-n auto``) the workers share the machine's cores: each
+# computes on one thread (every backend's default follows torch's), so two workers on two cores
+# trace, export and compute side by side instead of fighting over both cores. Tests of
+# multi-threaded paths set their threads themselves.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
 # CI replays the same examples every run (a landing must not depend on luck); locally every run
 # explores new ones
 settings.register_profile("ci", derandomize=True)

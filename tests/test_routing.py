@@ -157,7 +157,7 @@ def test_a_first_run_routes_by_the_stored_table_and_says_so_without_timing(monke
     cfg = {"model": TINY, "backend": {"name": "auto"}, "scheduler": {"max_num_seqs": 3, "max_num_batched_tokens": 40}}
     with caplog.at_level(logging.INFO, "twophase"):
         llm = LLM.from_config(cfg)
-    assert (llm.routing.prefill, llm.routing.decode) == ("onnxruntime", "onnxruntime")
+    assert (llm.routing.prefill, llm.routing.decode) == ("torch", "torch")
     assert "not measured here yet" in caplog.text and "twophase backends CONFIG" in caplog.text
     q4 = routing.stored(load_config({**cfg, "model": {**TINY, "quantization": "q4"}}), ["onnxruntime", "native"], {})
     assert (q4.prefill, q4.decode) == ("native", "native")

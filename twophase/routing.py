@@ -135,10 +135,11 @@ def _why_not(cls, config: Config, device: str) -> str | None:
     return None
 
 
-# Before this machine is measured: what ``twophase backends`` measured on this project's CPUs
-# (docs/measurements.md, "what auto measured here"), by device and weight format, fastest first.
-# A first run starts at once on these, instead of timing every backend for minutes.
-STORED = {("cpu", "none"): ("onnxruntime", "torch", "native"),
+# Before this machine is measured, by device and weight format, in order of preference: the
+# fastest backend that builds nothing first (float32 on onnxruntime decodes 3x faster than on
+# torch here, docs/measurements.md, but its first run exports the model for minutes), so a first
+# run starts at once; ``twophase backends CONFIG`` builds and times them all.
+STORED = {("cpu", "none"): ("torch", "onnxruntime", "native"),
           ("cpu", "q4"): ("native", "onnxruntime", "torch"),
           ("cuda", "none"): ("torch", "onnxruntime"),
           ("cuda", "q4"): ("torch", "onnxruntime")}

@@ -169,6 +169,7 @@ def test_module_compiles_for_cuda(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive        # the tiny model's tests check the same module; this compiles 30 layers
 def test_default_model_greedy_equals_torch(default_llm, default_prompts):
     """Single requests, then a mixed batch with chunked prefill under a small token budget."""
     llm = LLM.from_config({"backend": {"name": "iree"}, "cache": {"num_blocks": 64},

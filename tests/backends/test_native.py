@@ -29,6 +29,16 @@ def _needs_native():
     _native_or_skip()
 
 
+@pytest.fixture(autouse=True)
+def _two_threads():
+    """The kernel's threads split every op and meet at barriers: the tests run two, also in a
+    test worker that computes on one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(2, before))
+    yield
+    torch.set_num_threads(before)
+
+
 def _all_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
     """Logits at every position of ``prompts``, prefilled as one batch of chunks."""
     eng = llm.engine

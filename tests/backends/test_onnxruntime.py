@@ -144,6 +144,7 @@ def test_split_phases_must_share_a_device_and_pool():
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive        # the tiny model's tests check the same graph to 1e-4; this exports 30 layers
 def test_default_model_greedy_equals_torch(default_llm, default_prompts):
     """Chunked mixed batches under a pool small enough to preempt, then again with prefix hits."""
     ort = LLM.from_config({"backend": {"name": "onnxruntime"}, "cache": {"num_blocks": 8},

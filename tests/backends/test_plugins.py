@@ -149,28 +149,40 @@ def test_a_backend_hidden_by_twophase_plugins_is_named_in_the_error(tmp_path):
     assert "TWOPHASE_PLUGINS" in ran.stderr and "hidden_plugin (from hidden-plugin)" in ran.stderr
 
 
-def test_conformance_kit_passes_the_builtin_backends(tmp_path):
-    """From a directory outside the repository, as a plugin author would run it. The iree
-    modules come from the cache the iree tests filled; tensorrt cannot run here and is skipped
-    with its reason. iree runs twice: over the engine's pool, and keeping its own; the q4
-    backends (int8 activations) in the kit's tolerance mode. The default-model check runs on
-    torch and iree over the engine's pool; the others have their own (test_onnxruntime,
-    test_native, test_quant: CI time)."""
+def _kit_runs(with_default_model: tuple[tuple[str, str], ...]):
     from twophase.backends.registry import Registry
 
     runs = [("torch", "{}", "none"), ("onnxruntime", "{}", "none"), ("iree", "{}", "none"),
             ("iree", '{"pool": "owned"}', "none"), ("onnxruntime", "{}", "q4")]
     if not Registry().availability("native", "cpu"):
         runs.append(("native", "{}", "q4"))
-    for name, options, quantization in runs:
-        full = (name, options) in (("torch", "{}"), ("iree", "{}"))
+    return [(n, o, q, (n, o) in with_default_model) for n, o, q in runs]
+
+
+def test_conformance_kit_passes_the_builtin_backends(tmp_path):
+    """From a directory outside the repository, as a plugin author would run it. The iree
+    modules come from the cache the iree tests filled; tensorrt cannot run here and is skipped
+    with its reason. iree runs twice: over the engine's pool, and keeping its own; the q4
+    backends (int8 activations) in the kit's tolerance mode. The default-model check runs on
+    torch; on iree in the exhaustive lane; the others have their own (test_onnxruntime,
+    test_native, test_quant: CI time)."""
+    _run_kit(tmp_path, _kit_runs(with_default_model=(("torch", "{}"),)))
+    run = _run(sys.executable, *KIT, "--backend", "tensorrt", "-rs", cwd=tmp_path)
+    assert run.returncode == 0 and "8 skipped" in run.stdout and "TensorRT" in run.stdout
+
+
+@pytest.mark.exhaustive        # compiles the default model's 30 layers for IREE
+def test_conformance_kit_runs_the_default_model_on_iree(tmp_path):
+    _run_kit(tmp_path, [("iree", "{}", "none", True)])
+
+
+def _run_kit(tmp_path, runs) -> None:
+    for name, options, quantization, full in runs:
         quality = [] if full else ["--skip-default-model"]
         run = _run(sys.executable, *KIT, "--backend", name, "--backend-options", options,
                    "--quantization", quantization, *quality, cwd=tmp_path)
         assert run.returncode == 0, f"{name} {options} {quantization}:\n{run.stdout[-3000:]}"
         assert ("8 passed" if not quality else "7 passed, 1 skipped") in run.stdout, run.stdout[-500:]
-    run = _run(sys.executable, *KIT, "--backend", "tensorrt", "-rs", cwd=tmp_path)
-    assert run.returncode == 0 and "8 skipped" in run.stdout and "TensorRT" in run.stdout
 
 
 def test_conformance_kit_passes_the_numpy_plugin(venv, tmp_path):

@@ -56,10 +56,17 @@ def aligned_zeros(shape, dtype, device):
 
 @pytest.fixture
 def standin(monkeypatch, tmp_path):
-    """TensorRT replaced by the stand-in, the GPU by the CPU, the cache by a temporary folder."""
+    """TensorRT replaced by the stand-in, the GPU by the CPU, the engine cache by a temporary
+    folder; the ONNX graphs the engines are built from stay the suite's (exported once, by
+    manifest, not once a test)."""
     pytest.importorskip("onnxruntime")
     import twophase.llm
     from twophase.backends.tensorrt import TensorRTBackend
+    from twophase.paths import cache_dir
+
+    shared_onnx = cache_dir() / "onnx"
+    shared_onnx.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "onnx").symlink_to(shared_onnx, target_is_directory=True)
 
     monkeypatch.setattr(twophase.llm, "zeros", aligned_zeros)
     monkeypatch.setattr(fake_tensorrt, "allocated", [0])

@@ -182,6 +182,7 @@ def test_backends_without_q4_refuse_it_by_name():
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive        # two exports of 30 layers; the default lane checks q4 quality on native
 def test_perplexity_of_the_gguf_weights_in_q4(tmp_path):
     """The GGUF's own blocks: at accuracy level 1 (fp32 activations) perplexity equals the
     dequantised model's (the centred zero points and float32 outlier channels are exact); at

@@ -21,7 +21,7 @@ from twophase.models import hub
 from twophase.models.shapes import SHAPES, LlamaArch, named_shape
 from twophase.models.source import ModelSource
 from twophase.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
-from twophase.paths import cache_dir
+from twophase.paths import build_lock, cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -95,11 +95,17 @@ def gguf_folder(gguf: Path, name: str, folder: Path | None = None) -> Path:
     key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     folder = folder or cache_dir() / "models" / f"{name}-{key}"
     stamp = folder / "source.json"
-    if stamp.exists() and json.loads(stamp.read_text()).get("key") == key:
+
+    def converted() -> bool:
+        return stamp.exists() and json.loads(stamp.read_text()).get("key") == key
+
+    if converted():
         return folder
-    log.info("converting %s into %s (once)", gguf, folder)
-    gguf_convert.convert(gguf, folder)
-    stamp.write_text(json.dumps({"gguf": str(gguf.resolve()), "key": key}))
+    with build_lock(folder):
+        if not converted():                       # or another process converted it meanwhile
+            log.info("converting %s into %s (once)", gguf, folder)
+            gguf_convert.convert(gguf, folder)
+            stamp.write_text(json.dumps({"gguf": str(gguf.resolve()), "key": key}))
     return folder
 
 
