@@ -15,8 +15,10 @@ from twophase import LLM, SamplingParams
 # cache of their own beside the user's, never into it: $TWOPHASE_TEST_CACHE, else
 # "<$TWOPHASE_CACHE or ~/.cache/twophase>-tests". Set before any twophase module reads it.
 _user_cache = os.environ.get("TWOPHASE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "twophase")
-os.environ["TWOPHASE_CACHE"] = (os.environ.get("TWOPHASE_TEST_CACHE")
-                                or os.path.normpath(_user_cache) + "-tests")
+# Named in TWOPHASE_TEST_CACHE too, so test workers (pytest-xdist) that inherit this environment
+# take the same folder rather than deriving "<...>-tests-tests" from the changed TWOPHASE_CACHE.
+os.environ["TWOPHASE_TEST_CACHE"] = os.environ.get("TWOPHASE_TEST_CACHE") or os.path.normpath(_user_cache) + "-tests"
+os.environ["TWOPHASE_CACHE"] = os.environ["TWOPHASE_TEST_CACHE"]
 
 # Under pytest-xdist (the README's ``-n auto``) the workers share the machine's cores: each
 # computes on one thread (every backend's default follows torch's), so two workers on two cores
