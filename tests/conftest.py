@@ -34,6 +34,10 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 def pytest_collection_modifyitems(config, items):
+    # files that load the default model first: test workers take files in this order, so the
+    # long ones start early and the short ones fill the end (stable: an order within each kind)
+    slow_files = {i.path for i in items if "slow" in i.keywords}
+    items.sort(key=lambda i: i.path not in slow_files)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -159,6 +159,7 @@ def _kit_runs(with_default_model: tuple[tuple[str, str], ...]):
     return [(n, o, q, (n, o) in with_default_model) for n, o, q in runs]
 
 
+@pytest.mark.slow              # the kit's default-model check, on torch
 def test_conformance_kit_passes_the_builtin_backends(tmp_path):
     """From a directory outside the repository, as a plugin author would run it. The iree
     modules come from the cache the iree tests filled; tensorrt cannot run here and is skipped

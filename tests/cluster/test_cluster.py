@@ -23,6 +23,7 @@ from twophase.server.app import build_app
 from twophase.server.metrics import ServerMetrics
 
 openai = pytest.importorskip("openai")
+pytestmark = pytest.mark.slow          # replicas and workers load the default model
 from helpers.server import serving_app  # noqa: E402
 
 MODEL = "smollm2"

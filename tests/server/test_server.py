@@ -14,6 +14,7 @@ from twophase import LLM, SamplingParams
 from twophase.testing import logprob_gaps
 
 openai = pytest.importorskip("openai")
+pytestmark = pytest.mark.slow          # the server serves the default model
 pytest.importorskip("uvicorn")
 from helpers.server import all_blocks_free as _all_blocks_free  # noqa: E402
 from helpers.server import serving  # noqa: E402
