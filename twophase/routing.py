@@ -288,7 +288,9 @@ def calibrate(config: Config, names: list[str], make_engine: EngineFactory) -> d
     from twophase.phase_timing import decode_round, prefill_round
 
     n, batches = _prefill_tokens(config), _batches(config)
-    log.info("backend auto: timing %s on this machine (once; cached)", ", ".join(names))
+    log.info("backend auto: timing %s on this machine (once; cached): each is loaded first (an "
+             "export or a compile can take minutes on a first run), then %d timing runs with a "
+             "progress bar", ", ".join(names), ROUNDS * len(names) * (1 + len(batches)))
     llms: dict[str, TimedEngine] = {}
     failed: dict[str, str] = {}
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -16,6 +17,8 @@ from pathlib import Path
 from twophase.backends.base import BackendUnavailable
 from twophase.device import cpu_flags, cpu_signature
 from twophase.paths import build_lock, cache_dir
+
+log = logging.getLogger(__name__)
 
 # -ffp-contract=off: the compiler may not fuse a*b + c on its own, so results do not depend on
 # where it chose to (with int8 activations, one ulp can flip a rounding: such a choice moved the
@@ -111,6 +114,7 @@ def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
 
 
 def _compile(cc: str, extra_flags: tuple[str, ...], source: bytes, lib: Path) -> None:
+    log.info("compiling the native kernels for this CPU with %s (once; 20-30 s on a 2-core Zen 3)", cc)
     lib.parent.mkdir(parents=True, exist_ok=True)
     src = lib.with_name(f"{lib.stem}.{os.getpid()}.c")
     src.write_bytes(source)
