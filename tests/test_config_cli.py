@@ -27,7 +27,6 @@ from twophase.config import (
     BackendSection,
     CacheConfig,
     ModelConfig,
-    SamplingConfig,
     SchedulerConfig,
     WorkloadConfig,
     load_config,
@@ -250,7 +249,7 @@ def test_only_model_section_gets_every_default(tmp_path):
     assert cfg.backend == BackendSection()
     assert cfg.scheduler == SchedulerConfig()
     assert cfg.cache == CacheConfig()
-    assert cfg.sampling == SamplingConfig()
+    assert cfg.sampling == SamplingParams()
     assert cfg.workload == WorkloadConfig()
     assert cfg.workload.synthetic is None
     assert (cfg.backend.name, cfg.backend.device) == ("torch", "cpu")

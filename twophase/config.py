@@ -19,6 +19,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from twophase.core.params import SamplingParams
 from twophase.errors import ConfigError, InvalidSamplingParam
 from twophase.models.source import ModelSource
 
@@ -70,24 +71,6 @@ class CacheConfig:
     prefix_caching: bool = True
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"   # auto: the model's
     prefault: bool = False                 # CPU: back every page of the pool at start (servers)
-
-
-@dataclass
-class SamplingConfig:
-    max_tokens: int = 64
-    min_tokens: int = 0
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = None
 
 
 @dataclass
@@ -202,7 +185,7 @@ class Config:
     backend: BackendSection = field(default_factory=BackendSection)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    sampling: SamplingParams = field(default_factory=SamplingParams)   # request defaults
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -339,10 +322,10 @@ def _check_limits(cfg: Config) -> None:
 
 
 def _check_sampling(cfg: Config) -> None:
-    from twophase.core.params import SamplingParams
-
+    """``[sampling]`` was built unchecked (``_unchecked``): its values are checked here, after the
+    limits, and the section becomes the checked ``SamplingParams``."""
     try:
-        SamplingParams(**dataclasses.asdict(cfg.sampling))
+        cfg.sampling = SamplingParams(**dataclasses.asdict(cfg.sampling))
     except InvalidSamplingParam as exc:
         raise ConfigError(f"sampling.{exc.name}", exc.message) from None
 
@@ -447,7 +430,28 @@ def _build(cls: type, data: Any, path: str):
         raise ConfigError(key, f"unknown key; allowed keys here: {', '.join(fields)}")
     values = {name: _value(hints[name], data[name], f"{path}.{name}" if path else name)
               for name in fields if name in data}
+    if cls in _CHECKED_LATER:
+        return _unchecked(cls, values)
     return cls(**values)
+
+
+# sections whose own constructor checks their values: built without that check, which their
+# ``_check_*`` makes in its turn, so a config's errors are reported in the order of ``_check``
+_CHECKED_LATER = (SamplingParams,)
+
+
+def _unchecked(cls: type, values: dict[str, Any]):
+    """A ``cls`` of ``values`` (every other field its default) without running ``__post_init__``."""
+    obj = object.__new__(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in values:
+            v = values[f.name]
+        elif f.default_factory is not dataclasses.MISSING:
+            v = f.default_factory()
+        else:
+            v = f.default
+        object.__setattr__(obj, f.name, v)
+    return obj
 
 
 def _union_value(args: tuple[Any, ...], v: Any, path: str):
