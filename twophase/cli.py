@@ -180,12 +180,17 @@ def cmd_bench(args) -> int:
 def cmd_serve(args) -> int:
     import os
 
-    from twophase.server.serve import serve
+    from twophase.server.serve import AppFactory, local_app, serve
 
     cfg = flags.load(args)
     sv = cfg.server
     key = args.api_key or sv.api_key or os.environ.get("TWOPHASE_API_KEY")
-    return serve(cfg, args.host or sv.host, args.port if args.port is not None else sv.port, key)
+    make_app: AppFactory = local_app           # one engine in this process
+    if cfg.cluster.enabled:                     # engines on Ray behind the same app
+        from twophase.cluster.app import cluster_app
+        make_app = cluster_app
+    return serve(cfg, args.host or sv.host, args.port if args.port is not None else sv.port, key,
+                 make_app)
 
 
 def cmd_chat(args) -> int:

@@ -1,19 +1,28 @@
 """``twophase serve``: the port taken before the model loads, uvicorn over the app, a shutdown
-deadline, and a non-zero exit if the engine stops for good."""
+deadline, and a non-zero exit if the engine stops for good. The app and its engine loop come
+from the factory the caller gives (``AppFactory``): ``local_app`` is one engine in this process;
+the command line chooses it or the Ray cluster's."""
 
 from __future__ import annotations
 
 import ipaddress
 import logging
-import signal
 import socket
 import threading
+from collections.abc import Callable
+from typing import Any
 
 from twophase.config import Config
 from twophase.errors import TwophaseError
 
 log = logging.getLogger("twophase")
 SHUTDOWN_MESSAGE = "the server is shutting down"
+
+# (cfg, api_key, on_fatal) -> (app, served name, close(stopped)): the app's ``state.loop`` is the
+# engine loop; ``on_fatal`` is called if the engine stops for good; ``close`` runs after the loop's
+# close, told whether it stopped
+AppFactory = Callable[[Config, str | None, Callable[[BaseException], None]],
+                      tuple[Any, str, Callable[[bool], None]]]
 
 
 def check_installed() -> None:
@@ -53,7 +62,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def serve(cfg: Config, host: str, port: int, api_key: str | None) -> int:
+def serve(cfg: Config, host: str, port: int, api_key: str | None, make_app: AppFactory) -> int:
     check_installed()
     import uvicorn
 
@@ -70,7 +79,7 @@ def serve(cfg: Config, host: str, port: int, api_key: str | None) -> int:
         if server is not None:
             server.should_exit = True
 
-    app, name, close = (_cluster_app if cfg.cluster.enabled else _local_app)(cfg, api_key, on_fatal)
+    app, name, close = make_app(cfg, api_key, on_fatal)
     stopped = True
     try:
         config = uvicorn.Config(app, log_level="warning",
@@ -91,7 +100,7 @@ def serve(cfg: Config, host: str, port: int, api_key: str | None) -> int:
     return 0
 
 
-def _local_app(cfg: Config, api_key: str | None, on_fatal):
+def local_app(cfg: Config, api_key: str | None, on_fatal: Callable[[BaseException], None]):
     """One engine in this process: the app, the served name, and how to close it."""
     from twophase.llm import LLM
     from twophase.server.app import create_app
@@ -113,30 +122,6 @@ def _local_app(cfg: Config, api_key: str | None, on_fatal):
             log.warning("the engine is still in a step; its backends are left to the process exit")
 
     return app, name, close
-
-
-def _cluster_app(cfg: Config, api_key: str | None, on_fatal):
-    """Engines on Ray (``[cluster]``) behind the same app."""
-    from twophase.cluster import launch
-
-    launch.check_installed()               # the cluster extra, named, before anything imports Ray
-    from twophase.cluster.frontend import ClusterLoop
-    from twophase.server.app import build_app
-    from twophase.server.metrics import ServerMetrics
-
-    sv = cfg.server
-    cluster = launch.start(cfg)
-    signal.signal(signal.SIGINT, signal.default_int_handler)   # Ray's own would print a traceback
-    try:
-        info = cluster.info
-        name = sv.model_name or info["model_id"]
-        loop = ClusterLoop(cluster, cluster.tokenizer(), info["max_model_len"], sv.max_queue)
-        app = build_app(loop, loop.tokenizer, ServerMetrics(extra=cluster.metrics_text), name,
-                        api_key, sv.default_max_tokens, sv.max_body_bytes)
-    except BaseException:
-        cluster.shutdown()
-        raise
-    return app, name, lambda stopped: cluster.shutdown()
 
 
 def _server(config, loop, deadline_s: float):
