@@ -167,9 +167,19 @@ def test_conformance_kit_passes_the_builtin_backends(tmp_path):
     backends (int8 activations) in the kit's tolerance mode. The default-model check runs on
     torch; on iree in the exhaustive lane; the others have their own (test_onnxruntime,
     test_native, test_quant: CI time)."""
-    _run_kit(tmp_path, _kit_runs(with_default_model=(("torch", "{}"),)))
+    _run_kit(tmp_path, [r for r in _kit_runs(with_default_model=(("torch", "{}"),)) if r[:3] not in VARIANTS])
     run = _run(sys.executable, *KIT, "--backend", "tensorrt", "-rs", cwd=tmp_path)
     assert run.returncode == 0 and "8 skipped" in run.stdout and "TensorRT" in run.stdout
+
+
+# second settings of a backend the kit also runs plainly; each has its own tests beside its
+# backend's (the owned pool in test_iree, q4 graphs in test_onnxruntime and test_quant)
+VARIANTS = {("iree", '{"pool": "owned"}', "none"), ("onnxruntime", "{}", "q4")}
+
+
+@pytest.mark.exhaustive
+def test_conformance_kit_passes_the_builtin_backends_second_settings(tmp_path):
+    _run_kit(tmp_path, [r for r in _kit_runs(with_default_model=()) if r[:3] in VARIANTS])
 
 
 @pytest.mark.exhaustive        # compiles the default model's 30 layers for IREE
