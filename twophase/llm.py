@@ -84,7 +84,8 @@ class LLM:
                               f"prefill runs on {pcfg.device!r} and decode on {dcfg.device!r}: both "
                               f"phases read and write one KV pool, so they must share a device")
         device = pcfg.device
-        self.model = loader.resolve(mc.source(), device)
+        source = mc.source()
+        self.model = loader.resolve(source, device)
         lap("model files")
         self._draft_config(config)                # refuse a bad draft before any weights load
         self.draft: LLM | None = None             # loaded by the first engine that drafts with it
@@ -96,7 +97,7 @@ class LLM:
         self._check_fits(device)
         if isinstance(config.cache.num_blocks, int):         # known before any weights load
             self._fit_context(config.cache.num_blocks * config.cache.block_size)
-        self.spec = spec = loader.model_spec(self.model, mc.source())
+        self.spec = spec = loader.model_spec(self.model, source)
         if torch.device(device).type == "cpu":
             return_freed_memory()                 # a model loaded and closed before this one
         used = [memcheck.in_use(device)]
