@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from twophase import LLM, SamplingParams
-from twophase.backends.base import DecodeBatch
+from twophase.contract import DecodeBatch
 from twophase.core import batch
 
 

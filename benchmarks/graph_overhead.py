@@ -22,10 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from twophase.backends.base import PrefillBatch
+from twophase.contract import PrefillBatch
 from twophase.exporters.onnx import INPUTS, PagedStep, _example
 from twophase.graph.inputs import step_inputs
-from twophase.models.llama import Llama, apply_rope
+from twophase.models.decoder import Decoder
+from twophase.models.layers.rotary import apply_rope
 from twophase.models.shapes import named_shape
 from twophase.models.weights import build_model
 
@@ -34,14 +35,14 @@ class ContiguousDecode(nn.Module):
     """One decode token per sequence over contiguous past K/V ``[L, B, KVH, S, hd]`` (+ a mask
     of the valid past), the layout of Optimum's exported decoders."""
 
-    def __init__(self, model: Llama):
+    def __init__(self, model: Decoder):
         super().__init__()
         self.model = model
 
     def forward(self, input_ids, positions, past_k, past_v, past_mask):
         m = self.model
         x = m.embed(input_ids)
-        freqs = positions.float()[:, None] * m.inv_freq[None, :]
+        freqs = positions.float()[:, None] * m.inv_freq[0][None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         cos, sin = emb.cos(), emb.sin()
         B = input_ids.shape[0]

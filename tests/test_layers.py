@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1] / "twophase"
 
 LAYERS = [
     ["twophase.errors", "twophase.paths", "twophase.device", "twophase.data"],   # machine facts, errors
-    ["twophase.backends.base", "twophase.backends.hookspecs"],     # the plugin contract
+    ["twophase.arch", "twophase.formats", "twophase.contract",
+     "twophase.backends.hookspecs"],                                # the plugin contract
     ["twophase.core"],                                              # scheduling, KV, sampling
     ["twophase.models", "twophase.graph"],                          # the model; graph signature, inputs
     ["twophase.config"],                                            # the TOML schema (above the model)

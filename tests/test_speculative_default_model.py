@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from twophase import LLM, SamplingParams
-from twophase.backends.base import BackendUnavailable
+from twophase.contract import BackendUnavailable
 from twophase.quality import shipped_text
 from twophase.testing import assert_greedy_match, logprob_gaps
 

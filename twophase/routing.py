@@ -26,9 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from twophase.arch import ModelArch
 from twophase.config import BackendSection, CacheConfig, Config, SchedulerConfig, SpeculativeConfig
 from twophase.errors import BackendUnavailable, ConfigError, TwophaseError
 from twophase.paths import cache_dir
+from twophase.plan.model_source import planned_model
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +98,7 @@ def candidates(config: Config, registry) -> tuple[list[str], dict[str, str]]:
     if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
         raise ConfigError("backend.options.candidates", f"must be a non-empty list of backend names; got {names!r}")
     chosen, left_out = [], {}
+    arch = planned_model(config.model).arch
     for name in names:
         if name not in registry.backends:
             if "candidates" in sec.options:
@@ -103,7 +106,7 @@ def candidates(config: Config, registry) -> tuple[list[str], dict[str, str]]:
                                                                 f"{', '.join(sorted(registry.backends))}")
             left_out[name] = "not installed"
             continue
-        why = _why_not(registry.get(name), config, sec.device)
+        why = _why_not(registry.get(name), config, sec.device, arch)
         if why:
             left_out[name] = why
         else:
@@ -114,7 +117,7 @@ def candidates(config: Config, registry) -> tuple[list[str], dict[str, str]]:
     return chosen, left_out
 
 
-def _why_not(cls, config: Config, device: str) -> str | None:
+def _why_not(cls, config: Config, device: str, arch: ModelArch) -> str | None:
     try:
         cls.check_available(device)
     except BackendUnavailable as exc:
@@ -127,6 +130,9 @@ def _why_not(cls, config: Config, device: str) -> str | None:
         return None
     if not caps.shares_kv_pool:
         return "keeps its own KV pool"
+    refused = cls().supports(arch)
+    if refused:
+        return refused.removeprefix(f"{cls.name}: ")
     from twophase.models.loader import resolve_dtype
 
     dtype = resolve_dtype(config.model.dtype, device)

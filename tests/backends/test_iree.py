@@ -16,7 +16,7 @@ from helpers.models import (
 )
 
 from twophase import LLM, SamplingParams
-from twophase.backends.base import BackendConfig, BackendUnavailable, KVCache
+from twophase.contract import BackendConfig, BackendUnavailable, KVCache
 from twophase.core.batch import decode_batch, prefill_batch
 from twophase.testing import assert_greedy_match
 

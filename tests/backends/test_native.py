@@ -9,7 +9,7 @@ import torch
 from helpers.models import PREEMPTING, dequantised_reference, random_prompts, tiny_llm
 
 from twophase import LLM, SamplingParams
-from twophase.backends.base import BackendUnavailable
+from twophase.contract import BackendUnavailable
 from twophase.core.batch import decode_batch, prefill_batch
 
 Q4 = {"quantization": "q4"}
@@ -143,17 +143,18 @@ def test_native_refuses_float_weights_and_bad_options():
 def test_native_refuses_shapes_it_does_not_compute():
     from dataclasses import replace
 
-    from twophase.backends.native import check_arch
-    from twophase.errors import ConfigError
-    from twophase.models.shapes import LlamaArch
+    from twophase.arch import uniform_layers
+    from twophase.backends.native import NativeBackend
 
-    arch = LlamaArch.from_dict(tiny_llm(model=Q4, backend={"name": "native"}).backend.arch.to_dict())
-    check_arch(arch)
-    for bad, why in ((replace(arch, attention_bias=True), "bias"),
+    arch = tiny_llm(model=Q4, backend={"name": "native"}).backend.arch
+    native = NativeBackend()
+    assert native.supports(arch) is None
+    wider = uniform_layers(arch.num_layers, arch.intermediate_size + 8, arch.rope_theta)
+    for bad, why in ((replace(arch, qkv_bias=True), "native: q/k/v biases are not implemented"),
+                     (replace(arch, qk_norm=True), "native: QK-norm is not implemented"),
                      (replace(arch, head_dim=arch.head_dim * 2), "head_dim"),
-                     (replace(arch, intermediate_size=arch.intermediate_size + 8), "multiples of 32")):
-        with pytest.raises(ConfigError, match=why):
-            check_arch(bad)
+                     (replace(arch, layers=wider), "multiples of 32")):
+        assert why in (native.supports(bad) or ""), bad
 
 
 @pytest.mark.slow

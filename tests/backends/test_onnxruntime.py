@@ -17,7 +17,7 @@ from helpers.models import (
 )
 
 from twophase import LLM, SamplingParams
-from twophase.backends.base import BackendUnavailable
+from twophase.contract import BackendUnavailable
 from twophase.core.batch import decode_batch, prefill_batch
 from twophase.exporters import onnx as exporter
 from twophase.exporters.cache import is_fresh
@@ -45,7 +45,7 @@ def test_logits_match_torch_on_the_same_pool(case):
     """Both backends run the same batch on copies of one pool: logits within 1e-4 relative."""
     llm = tiny_llm(cache={"num_blocks": 128, "block_size": 4})
     ort = llm.registry.get("onnxruntime")()
-    from twophase.backends.base import BackendConfig, KVCache
+    from twophase.contract import BackendConfig, KVCache
 
     ort.load(llm.spec, BackendConfig("onnxruntime"))
     eng = llm.engine
@@ -77,7 +77,7 @@ def test_logits_match_torch_on_the_same_pool(case):
 def test_stale_and_corrupt_exports_are_rebuilt(tmp_path, caplog):
     import shutil
 
-    from twophase.backends.base import BackendConfig
+    from twophase.contract import BackendConfig
 
     llm = tiny_llm()
     spec = llm.spec
@@ -117,8 +117,8 @@ def test_a_pool_past_the_cuda_gather_limit_is_refused_without_64_bit_offsets(mon
     it, which an onnxruntime whose CUDA Gather offsets are 32-bit reads out of bounds."""
     import onnxruntime
 
-    from twophase.backends.base import KVCache
     from twophase.backends.onnxruntime import OnnxRuntimeBackend
+    from twophase.contract import KVCache
     from twophase.errors import ConfigError
 
     backend = OnnxRuntimeBackend()

@@ -14,7 +14,7 @@ from helpers import fake_tensorrt
 from helpers.models import random_prompts, tiny_llm
 
 from twophase import LLM, SamplingParams
-from twophase.backends.base import BackendUnavailable, EngineLimits
+from twophase.contract import BackendUnavailable, EngineLimits
 from twophase.errors import ConfigError
 from twophase.exporters import tensorrt as exporter
 from twophase.exporters.trt_profiles import MAX_POOL_BLOCKS
@@ -174,7 +174,7 @@ def test_engine_is_cached_and_one_for_another_gpu_is_refused(standin, tmp_path):
     assert manifest["gpu"] == "Stand-in GPU" and manifest["tensorrt"] == fake_tensorrt.__version__
     llm = tiny_llm(**cfg)
     sc = llm.config.scheduler
-    want = exporter.profile_shapes(llm.model.arch.to_dict(), EngineLimits(
+    want = exporter.profile_shapes(llm.model.arch, EngineLimits(
         sc.max_num_seqs, llm.engine.scheduler.budget, llm.max_model_len), 4, 32)
     assert manifest["profiles"] == json.loads(json.dumps(want))
     # the user's own engine folder, built on another GPU: refused with the reason

@@ -8,28 +8,31 @@ from helpers import fake_tensorrt
 from hypothesis import given
 from hypothesis import strategies as st
 
-from twophase.backends.base import EngineLimits
+from twophase.arch import ModelArch
 from twophase.backends.trt_calls import plan_calls
+from twophase.contract import EngineLimits
 from twophase.errors import ConfigError
 from twophase.exporters import trt_profiles
 from twophase.exporters.trt_profiles import ELEMENT_LIMIT, profile_memory, profile_shapes, rung_tensors, rungs
+from twophase.models.families.llama import arch as llama_arch
+from twophase.models.params import num_params
 from twophase.models.shapes import SHAPES
 
 H200 = 141 * 10**9
-LLAMA3_8B = SHAPES["llama3-8b"].to_dict()
+LLAMA3_8B = SHAPES["llama3-8b"]
 DEFAULTS = EngineLimits(64, 4096, 131072)     # on CUDA: max_num_seqs, the token budget, the model's context
 POOL_BLOCKS = 50_000                          # llama3-8b: 105 GB of 16-token blocks beside its weights
 
 
-def fake_arch(arch: dict) -> dict:
-    return {"H": arch["num_heads"], "KVH": arch["num_kv_heads"], "hd": arch["head_dim"],
-            "F": arch["intermediate_size"], "vocab": arch["vocab_size"], "hidden": arch["hidden_size"],
+def fake_arch(arch: ModelArch) -> dict:
+    return {"H": arch.num_heads, "KVH": arch.num_kv_heads, "hd": arch.head_dim,
+            "F": arch.intermediate_size, "vocab": arch.vocab_size, "hidden": arch.hidden_size,
             "itemsize": 2}
 
 
 def test_llama3_8b_profiles_fit_an_h200_with_the_default_limits():
     need = profile_memory(LLAMA3_8B, DEFAULTS, POOL_BLOCKS, 16, "bfloat16")
-    weights = 2 * SHAPES["llama3-8b"].num_params()
+    weights = 2 * num_params(SHAPES["llama3-8b"])
     pool = POOL_BLOCKS * 16 * 32 * 2 * 8 * 128 * 2
     assert need + weights + pool < H200
     assert need < 10 * 2**30                  # activations: a few GiB, not terabytes
@@ -71,7 +74,8 @@ def test_a_huge_config_is_refused_with_the_figures():
         trt_profiles.check_fits(need, 2**30)
 
 
-TINY = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 8}
+TINY = llama_arch(vocab_size=10, hidden_size=32, intermediate_size=16, num_layers=1, num_heads=4,
+                  num_kv_heads=2, head_dim=8)
 
 
 @given(st.lists(st.tuples(st.integers(0, 300), st.integers(1, 90)), min_size=1, max_size=12),
@@ -81,7 +85,7 @@ def test_calls_cover_each_chunk_in_order_within_their_rungs(seqs, tile):
     limits = EngineLimits(12, 1100, 400)
     try:
         trt_profiles.TILE, saved = tile, trt_profiles.TILE
-        ladder = rungs({**TINY, "intermediate_size": 16, "vocab_size": 10}, limits, 200, 4)
+        ladder = rungs(TINY, limits, 200, 4)
     finally:
         trt_profiles.TILE = saved
     seen = {s: 0 for s in range(len(seqs))}

@@ -15,7 +15,8 @@ from helpers.models import tiny_llm
 
 from twophase.bench import serving
 from twophase.bench.roofline import CostModel
-from twophase.models.shapes import LlamaArch, named_shape
+from twophase.models.families.llama import arch as llama_arch
+from twophase.models.shapes import named_shape
 
 
 class FakeClock:
@@ -68,8 +69,8 @@ def test_poisson_arrivals_follow_the_rate():
     assert {r.offset_s for r in serving.synthetic(5, None, [1, 4], [1, 2], 100)} == {0.0}
 
 
-TOY = LlamaArch(vocab_size=10, hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2,
-                num_kv_heads=1, head_dim=4)
+TOY = llama_arch(vocab_size=10, hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2,
+                 num_kv_heads=1, head_dim=4)
 
 
 def test_cost_model_matches_a_hand_count():

@@ -8,6 +8,7 @@ import pytest
 from helpers.models import tiny_llm
 
 from twophase import SamplingParams
+from twophase.models.params import num_params
 from twophase.testing import assert_greedy_match
 
 
@@ -195,4 +196,4 @@ def test_the_memory_figures_say_what_the_pool_holds():
     per_token = a.num_layers * 2 * a.num_kv_heads * a.head_dim * 4          # float32 K and V
     assert m["kv_tokens"] == 64 * 16 and m["max_concurrency"] == 64 // (256 // 16)
     assert m["kv_cache_bytes"] >= 64 * 16 * per_token
-    assert m["weight_bytes"] == a.num_params() * 4 and m["headroom_bytes"] > 0
+    assert m["weight_bytes"] == num_params(a) * 4 and m["headroom_bytes"] > 0

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from twophase.backends.base import (
+from twophase.contract import (
     Backend,
     BackendConfig,
     Capabilities,

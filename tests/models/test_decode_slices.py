@@ -7,7 +7,7 @@ import torch
 from helpers.models import random_prompts, tiny_llm
 
 from twophase import SamplingParams
-from twophase.models import llama
+from twophase.models.layers import attention
 
 
 def _decode_logits(llm, prompts):
@@ -34,9 +34,9 @@ def test_sliced_decode_equals_the_whole_batch(monkeypatch):
     prompts = random_prompts(9, seed=3, longest=60)
     whole = _decode_logits(tiny_llm(), prompts)
     rows = []
-    real = llama.decode_rows
-    monkeypatch.setattr(llama, "DECODE_GATHER_BYTES", 2 * 64 * 2 * 16 * 4 * 2)   # two rows of 64 tokens
-    monkeypatch.setattr(llama, "decode_rows", lambda *a: rows.append(real(*a)) or rows[-1])
+    real = attention.decode_rows
+    monkeypatch.setattr(attention, "DECODE_GATHER_BYTES", 2 * 64 * 2 * 16 * 4 * 2)   # two rows of 64 tokens
+    monkeypatch.setattr(attention, "decode_rows", lambda *a: rows.append(real(*a)) or rows[-1])
     sliced = _decode_logits(tiny_llm(), prompts)
     assert rows and max(rows) < len(prompts), rows           # the batch was cut
     torch.testing.assert_close(sliced, whole, rtol=0, atol=1e-6)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from twophase.backends.base import DecodeBatch, KVCache
+from twophase.contract import DecodeBatch, KVCache
 
 
 def bucket(n: int) -> int:

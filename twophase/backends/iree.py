@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from twophase.backends.base import (
+from twophase.backends.hookspecs import hookimpl
+from twophase.contract import (
     Backend,
     BackendConfig,
     BackendUnavailable,
@@ -40,11 +41,10 @@ from twophase.backends.base import (
     PrefillBatch,
     parse_device,
 )
-from twophase.backends.hookspecs import hookimpl
 from twophase.device import require_device, threads_option
 from twophase.errors import ConfigError
 from twophase.graph.inputs import step_inputs, write_new_kv
-from twophase.models.shapes import LlamaArch
+from twophase.models.graph_attention import TRACED_FEATURES
 
 log = logging.getLogger(__name__)
 OPTIONS = {"threads", "export_dir", "pool"}
@@ -85,7 +85,7 @@ class IreeBackend(Backend):
 
     def capabilities(self) -> Capabilities:
         owned = getattr(self, "pool_mode", "shared") == "owned"
-        return Capabilities(devices=tuple(DRIVERS), dtypes=(torch.float32,),
+        return Capabilities(features=TRACED_FEATURES, devices=tuple(DRIVERS), dtypes=(torch.float32,),
                             shares_kv_pool=not owned, own_threads=True)
 
     def load(self, model: ModelSpec, cfg: BackendConfig) -> None:
@@ -99,7 +99,7 @@ class IreeBackend(Backend):
         if mode not in ("shared", "owned"):
             raise ConfigError("backend.options.pool", f'must be "shared" or "owned"; got {mode!r}')
         self.model, self.cfg, self.threads, self.pool_mode = model, cfg, threads, mode
-        self.arch = LlamaArch.from_dict(model.arch)
+        self.arch = model.arch
 
     def kv_cache_spec(self) -> KVCacheSpec:
         a = self.arch

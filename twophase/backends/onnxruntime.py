@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from twophase.backends.base import (
+from twophase.backends.hookspecs import hookimpl
+from twophase.contract import (
     Backend,
     BackendConfig,
     BackendUnavailable,
@@ -40,11 +41,10 @@ from twophase.backends.base import (
     PrefillBatch,
     parse_device,
 )
-from twophase.backends.hookspecs import hookimpl
 from twophase.device import require_device, threads_option
 from twophase.errors import ConfigError
 from twophase.graph.inputs import decode_graph_inputs, step_inputs, verify_graph_inputs, write_new_kv
-from twophase.models.shapes import LlamaArch
+from twophase.models.graph_attention import TRACED_FEATURES
 
 log = logging.getLogger(__name__)
 OPTIONS = {"threads", "inter_op_threads", "graph_optimization_level", "spinning", "export_dir",
@@ -89,7 +89,7 @@ class OnnxRuntimeBackend(Backend):
     def capabilities(self) -> Capabilities:
         cuda = getattr(self, "device", None) is not None and self.device.type == "cuda"
         old_gather = cuda and _release(_ort().__version__) < GATHER_FIXED
-        return Capabilities(devices=("cpu", "cuda"), dtypes=(torch.float32, torch.float16),
+        return Capabilities(features=TRACED_FEATURES, devices=("cpu", "cuda"), dtypes=(torch.float32, torch.float16),
                             own_threads=True, max_pool_elements=GATHER_LIMIT if old_gather else None)
 
     def load(self, model: ModelSpec, cfg: BackendConfig) -> None:
@@ -105,7 +105,7 @@ class OnnxRuntimeBackend(Backend):
         from twophase.exporters import onnx as exporter
 
         self.device = torch.device(cfg.device)
-        self.arch = LlamaArch.from_dict(model.arch)
+        self.arch = model.arch
         self.dtype = model.dtype
         out = cfg.options.get("export_dir")
         path = exporter.export(model, out)

@@ -19,7 +19,7 @@ from importlib.metadata import entry_points
 import pluggy
 
 from twophase.backends import hookspecs
-from twophase.backends.base import Backend, BackendUnavailable
+from twophase.contract import Backend, BackendUnavailable
 from twophase.errors import ConfigError
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,9 @@ import math
 
 import torch
 
-from twophase.backends.base import (
+from twophase.backends.hookspecs import hookimpl
+from twophase.backends.trt_calls import last_rows, plan_calls, sub_batch
+from twophase.contract import (
     Backend,
     BackendConfig,
     BackendUnavailable,
@@ -38,13 +40,11 @@ from twophase.backends.base import (
     PrefillBatch,
     parse_device,
 )
-from twophase.backends.hookspecs import hookimpl
-from twophase.backends.trt_calls import last_rows, plan_calls, sub_batch
 from twophase.device import available_memory, require_device
 from twophase.errors import ConfigError
 from twophase.graph.inputs import step_inputs, write_new_kv
 from twophase.graph.signature import STEP
-from twophase.models.shapes import LlamaArch
+from twophase.models.graph_attention import TRACED_FEATURES
 
 log = logging.getLogger(__name__)
 OPTIONS = {"engine_dir", "rebuild"}
@@ -66,7 +66,7 @@ class TensorRTBackend(Backend):
 
     def capabilities(self) -> Capabilities:
         lim = self.limits
-        return Capabilities(devices=("cuda",), dtypes=DTYPES, max_num_seqs=lim.max_num_seqs,
+        return Capabilities(features=TRACED_FEATURES, devices=("cuda",), dtypes=DTYPES, max_num_seqs=lim.max_num_seqs,
                             max_num_tokens=lim.max_num_batched_tokens)
 
     def load(self, model: ModelSpec, cfg: BackendConfig) -> None:
@@ -76,8 +76,8 @@ class TensorRTBackend(Backend):
             raise ConfigError("model.dtype", f"TensorRT runs {', '.join(map(str, DTYPES))}, "
                                              f"not {model.dtype}")
         self.model, self.cfg = model, cfg
-        self.limits = cfg.limits or EngineLimits(64, 2048, model.arch["max_position_embeddings"])
-        self.arch = LlamaArch.from_dict(model.arch)
+        self.limits = cfg.limits or EngineLimits(64, 2048, model.arch.max_position_embeddings)
+        self.arch = model.arch
         self.device = torch.device(cfg.device)
 
     def kv_cache_spec(self) -> KVCacheSpec:

@@ -1,4 +1,4 @@
-"""The eager PyTorch backend (CPU and CUDA): runs ``twophase.models.llama`` directly.
+"""The eager PyTorch backend (CPU and CUDA): runs ``twophase.models.decoder`` directly.
 
 On CUDA, pure-decode steps replay CUDA graphs captured per (batch-size, context-blocks) bucket:
 an eager decode of a large model is bound by kernel launches, not by memory bandwidth.
@@ -13,7 +13,9 @@ from pathlib import Path
 
 import torch
 
-from twophase.backends.base import (
+from twophase.arch import FEATURES
+from twophase.backends.hookspecs import hookimpl
+from twophase.contract import (
     Backend,
     BackendConfig,
     BackendUnavailable,
@@ -24,10 +26,8 @@ from twophase.backends.base import (
     ModelSpec,
     PrefillBatch,
 )
-from twophase.backends.hookspecs import hookimpl
 from twophase.device import require_device, threads_option
-from twophase.models.llama import AttnMeta, Llama
-from twophase.models.shapes import LlamaArch
+from twophase.models.decoder import AttnMeta, Decoder
 from twophase.models.weights import build_model
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ class TorchBackend(Backend):
     name = "torch"
 
     def __init__(self) -> None:
-        self.model: Llama | None = None
+        self.model: Decoder | None = None
         self.kv: KVCache | None = None
         self.graphs = None
 
@@ -54,7 +54,7 @@ class TorchBackend(Backend):
             raise BackendUnavailable(f"device {device!r}: the torch backend runs on cpu or cuda")
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(devices=("cpu", "cuda"),
+        return Capabilities(devices=("cpu", "cuda"), features=frozenset(FEATURES),
                             dtypes=(torch.float32, torch.bfloat16, torch.float16))
 
     def load(self, model: ModelSpec, cfg: BackendConfig) -> None:
@@ -65,7 +65,7 @@ class TorchBackend(Backend):
         if torch.device(cfg.device).type == "cpu" and cfg.options.get("keep_freed_memory", True):
             keep_freed_memory()
         self.device = torch.device(cfg.device)
-        self.arch = LlamaArch.from_dict(model.arch)
+        self.arch = model.arch
         folder = None if model.weights == "random" else Path(model.weights)
         self.model = build_model(self.arch, model.dtype, self.device, folder, model.seed)
         self.dtype = model.dtype

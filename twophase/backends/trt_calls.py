@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from twophase.backends.base import PrefillBatch
+from twophase.contract import PrefillBatch
 from twophase.exporters.trt_profiles import Rung
 
 Piece = tuple[int, int, int]        # (sequence, first token within its chunk, tokens)

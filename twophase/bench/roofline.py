@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from twophase.models.shapes import LlamaArch
+from twophase.arch import ModelArch
+from twophase.models.params import active_layer_params
 
 
 @dataclass(frozen=True)
@@ -32,15 +33,14 @@ class Cost:
 
 @dataclass(frozen=True)
 class CostModel:
-    arch: LlamaArch
+    arch: ModelArch
     weight_bytes: float          # per parameter (4 for fp32, 2 for bf16)
     kv_bytes: float              # per K or V element
 
     @property
-    def layer_params(self) -> int:
-        a = self.arch
-        q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        return a.hidden_size * (q + 2 * kv) + q * a.hidden_size + 3 * a.hidden_size * a.intermediate_size
+    def layer_params(self) -> float:
+        """Matrix weights a token multiplies in a layer (a MoE's routed experts only)."""
+        return active_layer_params(self.arch)
 
     @property
     def head_params(self) -> int:

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from twophase.backends.base import ModelSpec
+from twophase.contract import ModelSpec
 from twophase.paths import build_lock, cache_dir
 
 log = logging.getLogger(__name__)

@@ -34,8 +34,9 @@ MS = "com.microsoft"
 
 
 def supported(arch) -> bool:
-    """The graph has no bias terms: models with them keep the exported graph for decodes."""
-    return not (arch.attention_bias or arch.mlp_bias)
+    """The graph computes the plain Llama block: models using any architecture feature (biases,
+    QK-norm, ...) keep the exported step graph for decodes."""
+    return not arch.features()
 
 
 def build(torch_model, path: Path, qweights: dict[str, QWeight] | None = None,
@@ -73,7 +74,7 @@ def build(torch_model, path: Path, qweights: dict[str, QWeight] | None = None,
         tied = key == "lm_head.weight" and a.tie_word_embeddings
         return op("Gemm", [x, "embed" if tied else const(key, sd[key])], [y], transB=1)
 
-    freqs = np.arange(a.max_position_embeddings, dtype=np.float32)[:, None] * torch_model.inv_freq.numpy()[None]
+    freqs = np.arange(a.max_position_embeddings, dtype=np.float32)[:, None] * torch_model.inv_freq[0].numpy()[None]
     const("cos_cache", np.cos(freqs))
     const("sin_cache", np.sin(freqs))
     for name, value in _shapes(a, verify).items():

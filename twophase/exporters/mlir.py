@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from twophase.backends.base import ModelSpec
+from twophase.contract import ModelSpec
 from twophase.device import cpu_name
 from twophase.exporters.cache import build_cached, cache_folder, weights_digest
 from twophase.exporters.onnx import PagedStep, quiet_exporter_logs
@@ -103,7 +103,7 @@ def target_flags(device: str) -> list[str]:
 
 
 def manifest_for(model: ModelSpec, device: str, block_size: int) -> dict[str, Any]:
-    return {"format": FORMAT, "model_id": model.model_id, "arch": model.arch,
+    return {"format": FORMAT, "model_id": model.model_id, "arch": model.arch.to_dict(),
             "dtype": str(model.dtype).removeprefix("torch."), "block_size": block_size,
             "target": target_flags(device), "host_cpu": cpu_name() if device == "cpu" else None,
             "exporter": f"torch {torch.__version__}", **iree_versions(),

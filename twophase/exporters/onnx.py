@@ -1,4 +1,4 @@
-"""torch → ONNX: the project's own Llama, traced with its static-dataflow paged attention.
+"""torch → ONNX: the project's own decoder, traced with its static-dataflow paged attention.
 
 One graph serves both phases and any mix: a batch of one-token decodes, prefill chunks after
 cached tokens, or both at once (``twophase.models.graph_attention``). Every dimension is dynamic
@@ -24,12 +24,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from twophase.backends.base import ModelSpec
+from twophase.contract import ModelSpec
 from twophase.exporters import decode_graph
 from twophase.exporters.cache import build_cached, cache_folder, weights_digest
 from twophase.graph.signature import STEP
+from twophase.models.decoder import Decoder
 from twophase.models.graph_attention import GraphMeta
-from twophase.models.llama import Llama
 from twophase.models.q4_weights import (
     calibration_digest,
     calibration_ids,
@@ -38,7 +38,6 @@ from twophase.models.q4_weights import (
     outlier_channels,
     source_gguf,
 )
-from twophase.models.shapes import LlamaArch
 
 INPUTS = STEP.names
 OUTPUTS = list(STEP.outputs)
@@ -49,7 +48,7 @@ class PagedStep(nn.Module):
     """The function every graph backend runs: one step over packed tokens (its arguments are
     ``STEP``'s inputs, in order: checked below)."""
 
-    def __init__(self, model: Llama):
+    def __init__(self, model: Decoder):
         super().__init__()
         self.model = model
 
@@ -88,7 +87,7 @@ FORMAT = "twophase-onnx/15"
 def manifest_for(model: ModelSpec) -> dict[str, Any]:
     import onnx
 
-    return {"format": FORMAT, "model_id": model.model_id, "arch": model.arch,
+    return {"format": FORMAT, "model_id": model.model_id, "arch": model.arch.to_dict(),
             "dtype": str(model.dtype).removeprefix("torch."), "opset": OPSET,
             "exporter": f"torch {torch.__version__}", "onnx": onnx.__version__,
             "weights_sha256": weights_digest(model), "inputs": INPUTS, "outputs": OUTPUTS,
@@ -141,7 +140,7 @@ def _quantize_to(model: ModelSpec, float_graph: Path, folder: Path) -> None:
 
     gguf = source_gguf(model)
     torch_model = cpu_model(model)
-    weights = model_qweights(torch_model, LlamaArch.from_dict(model.arch), gguf)
+    weights = model_qweights(torch_model, model.arch, gguf)
     outliers = outlier_channels(torch_model, calibration_ids(model), model.outlier_channels)
     n = q4.quantize_graph(float_graph, folder / "model.onnx", weights, model.accuracy_level,
                           outliers)

@@ -20,7 +20,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from twophase.backends.base import EngineLimits, ModelSpec
+from twophase.contract import EngineLimits, ModelSpec
 from twophase.errors import BackendUnavailable, TwophaseError
 from twophase.exporters.trt_profiles import WORKSPACE_BYTES, Profile, profile_shapes
 

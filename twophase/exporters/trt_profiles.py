@@ -21,7 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from twophase.backends.base import EngineLimits
+from twophase.arch import ModelArch
+from twophase.contract import EngineLimits
 from twophase.errors import ConfigError
 from twophase.graph.signature import STEP
 
@@ -56,10 +57,10 @@ def itemsize(dtype: Any) -> int:
     return ITEMSIZE[name]
 
 
-def rung_tensors(arch: dict[str, Any], rung: Rung, block_size: int) -> dict[str, int]:
+def rung_tensors(arch: ModelArch, rung: Rung, block_size: int) -> dict[str, int]:
     """Elements of the largest tensors the step graph computes at ``rung``'s maxima, one layer's
     worth (TensorRT reuses activation memory from layer to layer)."""
-    H, KVH, hd = arch["num_heads"], arch["num_kv_heads"], arch["head_dim"]
+    H, KVH, hd = arch.num_heads, arch.num_kv_heads, arch.head_dim
     keys = rung.blocks * block_size
     if rung.phase == "decode":
         attention = {"kv_gather": rung.rows * keys * KVH * hd, "scores": rung.rows * keys * H}
@@ -67,11 +68,11 @@ def rung_tensors(arch: dict[str, Any], rung: Rung, block_size: int) -> dict[str,
         attention = {"kv_gather": rung.rows * (keys + rung.chunk) * KVH * hd,
                      "scores": rung.rows * H * rung.chunk * (keys + rung.chunk)}
     T = rung.tokens
-    return {**attention, "qkv": T * (H + 2 * KVH) * hd, "mlp": T * 2 * arch["intermediate_size"],
-            "logits": T * arch["vocab_size"]}
+    return {**attention, "qkv": T * (H + 2 * KVH) * hd, "mlp": T * 2 * arch.intermediate_size,
+            "logits": T * arch.vocab_size}
 
 
-def rung_bytes(arch: dict[str, Any], rung: Rung, block_size: int, size: int) -> int:
+def rung_bytes(arch: ModelArch, rung: Rung, block_size: int, size: int) -> int:
     """Activation bytes at ``rung``'s maxima: K and V gathered and laid out for the matmul (four
     copies), scores and probabilities in float32 and the probabilities cast back, the
     projections' and the MLP's outputs, the logits before their cast to float32 (an output the
@@ -89,13 +90,13 @@ def _widths(width: int) -> list[int]:
     return out
 
 
-def rungs(arch: dict[str, Any], limits: EngineLimits, num_blocks: int, block_size: int) -> list[Rung]:
+def rungs(arch: ModelArch, limits: EngineLimits, num_blocks: int, block_size: int) -> list[Rung]:
     """The prefill rungs, widest context first, then the decode rungs, widest first: each as
     many rows as keep its tensors within ``TILE``, no more than the scheduler ever sends. A
     width has a rung for chunks as long as fit and, where that holds few, one for many chunks
     of a fair share of the token budget; narrowing stops once the context is shorter than the
     longest chunk and the decodes are all in one call."""
-    H, KVH, hd = arch["num_heads"], arch["num_kv_heads"], arch["head_dim"]
+    H, KVH, hd = arch.num_heads, arch.num_kv_heads, arch.head_dim
     budget, seqs = limits.max_num_batched_tokens, limits.max_num_seqs
     width = max(1, min(-(-limits.max_model_len // block_size), num_blocks))
     per_key = max(H, KVH * hd)                   # a cached token's largest footprint in a row
@@ -138,13 +139,13 @@ def _longest_chunk(keys: int, heads: int, per_key: int) -> int:
     return lo
 
 
-def profile_shapes(arch: dict[str, Any], limits: EngineLimits, block_size: int,
+def profile_shapes(arch: ModelArch, limits: EngineLimits, block_size: int,
                    num_blocks: int) -> list[Profile]:
     """The min/opt/max shape of every graph input in each rung's profile, in ``rungs`` order.
     The pool's block count is dynamic (1 to ``MAX_POOL_BLOCKS``): a pool sized by the free
     memory of the day reuses the engine; only maxima that depend on it (a context wider than the
     pool) rebuild it."""
-    fixed = {"L": arch["num_layers"], "KVH": arch["num_kv_heads"], "hd": arch["head_dim"],
+    fixed = {"L": arch.num_layers, "KVH": arch.num_kv_heads, "hd": arch.head_dim,
              "BS": block_size}
     profiles = []
     for r in rungs(arch, limits, num_blocks, block_size):
@@ -162,7 +163,7 @@ def profile_shapes(arch: dict[str, Any], limits: EngineLimits, block_size: int,
     return profiles
 
 
-def profile_memory(arch: dict[str, Any], limits: EngineLimits, num_blocks: int, block_size: int,
+def profile_memory(arch: ModelArch, limits: EngineLimits, num_blocks: int, block_size: int,
                    dtype: Any) -> int:
     """Bytes of device memory the engine's activations need: the largest over its profiles, as
     the backend's execution contexts share one buffer. Refuses a config whose tensors would

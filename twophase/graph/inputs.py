@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from twophase.backends.base import DecodeBatch, PrefillBatch
+from twophase.contract import DecodeBatch, PrefillBatch
 
 
 def step_inputs(batch: PrefillBatch, block_size: int, decodes: bool = True) -> dict[str, torch.Tensor]:

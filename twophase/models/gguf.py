@@ -12,30 +12,25 @@ from pathlib import Path
 import numpy as np
 
 from twophase.errors import ModelError
+from twophase.models.families import by_gguf_architecture
+from twophase.models.families.family import TOP_NAMES, Family
 from twophase.models.gguf_file import GGUFFile
 
 log = logging.getLogger(__name__)
 
-_LAYER_MAP = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_TOP_MAP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-
-
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, fam: Family) -> str:
+    """A GGUF tensor's HF name, by the family's weight-name table."""
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
     if m:
-        return f"model.layers.{m[1]}.{_LAYER_MAP[m[2]]}.{m[3]}"
+        for hf_parts, gguf_parts in fam.layer_names.values():
+            if m[2] in gguf_parts:
+                return f"model.layers.{m[1]}.{hf_parts[gguf_parts.index(m[2])]}.{m[3]}"
+        raise ModelError(f"GGUF tensor {gguf_name!r} has no place in a {fam.name} model")
     base, kind = gguf_name.rsplit(".", 1)
-    return f"{_TOP_MAP[base]}.{kind}"
+    for hf, gguf_base in TOP_NAMES.values():
+        if base == gguf_base:
+            return f"{hf}.{kind}"
+    raise ModelError(f"GGUF tensor {gguf_name!r} has no place in a {fam.name} model")
 
 
 def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -48,27 +43,27 @@ def hf_config(header: GGUFFile) -> dict:
     """The HF ``config.json`` a GGUF's header describes."""
     f = header.get
     arch = f("general.architecture")
-    if arch != "llama":
-        raise ModelError(f"GGUF architecture {arch!r} is not supported; only 'llama' models load")
+    fam = by_gguf_architecture(arch, str(header.path))
     p = f"{arch}."
     heads = int(f(p + "attention.head_count"))
     hidden = int(f(p + "embedding_length"))
     names = set(header.tensors)
     tokens = f("tokenizer.ggml.tokens") or []      # a LongArray: its length
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [fam.hf_architecture],
+        "model_type": fam.hf_model_types[0],
         "vocab_size": int(f(p + "vocab_size", len(tokens))),
         "hidden_size": hidden,
         "intermediate_size": int(f(p + "feed_forward_length")),
         "num_hidden_layers": int(f(p + "block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(f(p + "attention.head_count_kv", heads)),
-        "head_dim": int(f(p + "rope.dimension_count", hidden // heads)),
+        "head_dim": int(f(p + "attention.key_length", f(p + "rope.dimension_count", hidden // heads))),
         "max_position_embeddings": int(f(p + "context_length", 4096)),
         "rope_theta": float(f(p + "rope.freq_base", 10000.0)),
         "rms_norm_eps": float(f(p + "attention.layer_norm_rms_epsilon", 1e-5)),
         "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_output.bias" in names,
         "bos_token_id": f("tokenizer.ggml.bos_token_id"),
         "eos_token_id": f("tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
@@ -83,16 +78,17 @@ def convert(gguf_path: Path, out_dir: Path) -> None:
 
     header = GGUFFile(gguf_path)
     config = hf_config(header)
+    fam = by_gguf_architecture(header.get("general.architecture"), str(gguf_path))
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, np.ndarray] = {}
     for t in tqdm(header.tensors.values(), desc=f"dequantising {gguf_path.name}", unit="tensor"):
         w = gguf.quants.dequantize(header.data(t.name), t.ggml_type).astype(np.float32)
         w = w.reshape(t.shape)
-        name = hf_name(t.name)
-        if name.endswith("q_proj.weight"):
+        name = hf_name(t.name, fam)
+        if fam.gguf_rope_permuted and name.endswith("q_proj.weight"):
             w = unpermute_rope(w, config["num_attention_heads"])
-        elif name.endswith("k_proj.weight"):
+        elif fam.gguf_rope_permuted and name.endswith("k_proj.weight"):
             w = unpermute_rope(w, config["num_key_value_heads"])
         tensors[name] = np.ascontiguousarray(w)
     save_file(tensors, str(tmp / "model.safetensors"))

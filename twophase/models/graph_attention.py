@@ -19,6 +19,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from twophase.arch import FEATURES
+
+# what a graph traced from the decoder computes: everything outside attention traces as it is;
+# this attention has no soft-capping or window yet, and routing to experts is not a static graph
+TRACED_FEATURES = frozenset(FEATURES) - {"attn_softcap", "sliding_window", "moe"}
+
 
 @dataclass
 class GraphMeta:

@@ -6,6 +6,7 @@ into the cache), a local HF folder (used in place), or a named shape with random
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -15,10 +16,12 @@ from pathlib import Path
 
 import torch
 
-from twophase.backends.base import ModelSpec
+from twophase.arch import ModelArch
+from twophase.contract import ModelSpec
 from twophase.errors import ConfigError, ModelError
 from twophase.models import hub
-from twophase.models.shapes import SHAPES, LlamaArch, named_shape
+from twophase.models.families import by_model_type
+from twophase.models.shapes import SHAPES, named_shape
 from twophase.models.source import ModelSource
 from twophase.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from twophase.paths import build_lock, cache_dir
@@ -31,7 +34,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @dataclass
 class ResolvedModel:
     model_id: str
-    arch: LlamaArch
+    arch: ModelArch
     weights: str                     # a folder, or "random"
     tokenizer: Tokenizer | None
     dtype: torch.dtype
@@ -43,7 +46,7 @@ def model_spec(m: ResolvedModel, cfg: ModelSource) -> ModelSpec:
     from twophase.models.weights import hf_weights
 
     folder = None if m.weights == "random" else Path(m.weights)
-    return ModelSpec(m.arch.to_dict(), m.weights, m.dtype, m.model_id, cfg.seed, cfg.quantization,
+    return ModelSpec(m.arch, m.weights, m.dtype, m.model_id, cfg.seed, cfg.quantization,
                      cfg.accuracy_level, cfg.outlier_channels,
                      weight_loader=functools.partial(hf_weights, m.arch, folder, cfg.seed))
 
@@ -114,15 +117,14 @@ def load_folder(folder: Path, model_id: str, dtype: torch.dtype) -> ResolvedMode
     if not cfg_path.exists() or not list(folder.glob("*.safetensors")):
         raise ModelError(f"{folder} is not an HF model folder (needs config.json and *.safetensors)")
     config = json.loads(cfg_path.read_text())
-    if config.get("model_type", "llama") != "llama":
-        raise ModelError(f"{folder}: model_type {config.get('model_type')!r} is not supported; "
-                         f"only Llama-family models load")
-    arch = LlamaArch.from_hf_config(config)
+    arch = by_model_type(config.get("model_type"), str(folder)).arch_from_hf(config)
     tok = HFTokenizer(folder) if (folder / "tokenizer.json").exists() else None
     if tok is not None and tok.eos_token_ids and not arch.eos_token_ids:
-        arch = LlamaArch.from_dict({**arch.to_dict(), "eos_token_ids": tok.eos_token_ids})
+        arch = dataclasses.replace(arch, eos_token_ids=tok.eos_token_ids)
     return ResolvedModel(model_id, arch, str(folder), tok, dtype)
 
 
-def weight_bytes(arch: LlamaArch, dtype: torch.dtype) -> int:
-    return arch.num_params() * torch.empty((), dtype=dtype).element_size()
+def weight_bytes(arch: ModelArch, dtype: torch.dtype) -> int:
+    from twophase.models.params import num_params
+
+    return num_params(arch) * torch.empty((), dtype=dtype).element_size()

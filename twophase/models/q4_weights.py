@@ -8,17 +8,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from importlib.resources import files
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from twophase.backends.base import ModelSpec
-from twophase.models.llama import Llama
+from twophase.arch import ModelArch
+from twophase.contract import ModelSpec
+from twophase.models.decoder import Decoder
 from twophase.models.quant import QWeight
-from twophase.models.shapes import LlamaArch
 
+log = logging.getLogger(__name__)
 PROJECTIONS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")
 
 
@@ -39,7 +41,7 @@ def calibration_ids(model: ModelSpec) -> list[int]:
         from twophase.models.tokenizer import HFTokenizer
 
         return HFTokenizer(folder).encode(text)
-    return [b % model.arch["vocab_size"] for b in text.encode()]
+    return [b % model.arch.vocab_size for b in text.encode()]
 
 
 def source_gguf(model: ModelSpec) -> Path | None:
@@ -53,19 +55,19 @@ def source_gguf(model: ModelSpec) -> Path | None:
     return path if path.is_file() else None
 
 
-def cpu_model(model: ModelSpec) -> Llama:
+def cpu_model(model: ModelSpec) -> Decoder:
     """The float model on the CPU: what every exporter traces and quantises from."""
     from twophase.models.weights import build_model
 
     folder = None if model.weights == "random" else Path(model.weights)
-    return build_model(LlamaArch.from_dict(model.arch), model.dtype, torch.device("cpu"), folder,
+    return build_model(model.arch, model.dtype, torch.device("cpu"), folder,
                        model.seed)
 
 
 def outlier_channels(model, ids: list[int], count: int) -> dict[str, np.ndarray]:
     """The ``count`` input channels of each projection with the largest activations (max
     ``|x|``) over one prefill of ``ids`` through the float model, sorted, keyed by weight name."""
-    from twophase.models.llama import AttnMeta
+    from twophase.models.decoder import AttnMeta
 
     if count <= 0:
         return {}
@@ -108,42 +110,50 @@ def model_qweights(model, arch, gguf_path: Path | None) -> dict[str, QWeight]:
     return out
 
 
-def gguf_qweights(path: Path, arch) -> dict[str, QWeight]:
+def gguf_qweights(path: Path, arch: ModelArch) -> dict[str, QWeight]:
     """The GGUF's quantised blocks as they are, fused the way the model fuses its projections
-    (Q/K rows un-permuted as in the float conversion). Tensor types other than Q4_1 and Q8_0 are
-    dequantised and requantised to 4 bits."""
-    import gguf
-
+    (Q/K rows un-permuted as in the float conversion, for the families llama.cpp permutes).
+    ``quantization = "q4"`` holds Q4_1 and Q8_0 blocks: a tensor stored in another format is
+    converted to Q4_1 because the setting asks for it, and the log says which ones were."""
+    from twophase.formats import by_ggml_type
+    from twophase.models.families import family
     from twophase.models.gguf import unpermute_rope
     from twophase.models.gguf_file import GGUFFile
     from twophase.models.quant import from_q4_1, from_q8_0, quantize_q4
 
     header = GGUFFile(path)
-    T = gguf.GGMLQuantizationType
     tensors = header.tensors
+    fam = family(arch.family)
+    converted: dict[str, int] = {}
 
     def q(name: str) -> QWeight:
+        import gguf
+
         t, data = tensors[name], header.data(name)
         k, n = t.dims
-        if t.ggml_type == T.Q4_1:
+        fmt = by_ggml_type(t.ggml_type)
+        kind = fmt.name if fmt else f"GGML type {t.ggml_type}"
+        if kind == "Q4_1":
             return from_q4_1(data, n, k)
-        if t.ggml_type == T.Q8_0:
+        if kind == "Q8_0":
             return from_q8_0(data, n, k)
+        converted[kind] = converted.get(kind, 0) + 1
         return quantize_q4(gguf.quants.dequantize(data, t.ggml_type).reshape(n, k).astype(np.float32))
 
-    def unpermuted(qw: QWeight, heads: int) -> QWeight:
-        order = unpermute_rope(np.arange(qw.shape[0]), heads)
-        return qw.rows(order)
+    def part(i: int, gguf_part: str, heads: int | None) -> QWeight:
+        qw = q(f"blk.{i}.{gguf_part}.weight")
+        if heads is None or not fam.gguf_rope_permuted:
+            return qw
+        return qw.rows(unpermute_rope(np.arange(qw.shape[0]), heads))
 
+    rope_heads = {"attn_q": arch.num_heads, "attn_k": arch.num_kv_heads}
     out = {}
     for i in range(arch.num_layers):
-        b = f"blk.{i}."
-        out[f"layers.{i}.attn.qkv.weight"] = QWeight.stack([
-            unpermuted(q(b + "attn_q.weight"), arch.num_heads),
-            unpermuted(q(b + "attn_k.weight"), arch.num_kv_heads), q(b + "attn_v.weight")])
-        out[f"layers.{i}.attn.o.weight"] = q(b + "attn_output.weight")
-        out[f"layers.{i}.mlp.gate_up.weight"] = QWeight.stack([q(b + "ffn_gate.weight"),
-                                                               q(b + "ffn_up.weight")])
-        out[f"layers.{i}.mlp.down.weight"] = q(b + "ffn_down.weight")
+        for ours in PROJECTIONS:
+            parts = [part(i, g, rope_heads.get(g)) for g in fam.layer_names[ours][1]]
+            out[f"layers.{i}.{ours}.weight"] = parts[0] if len(parts) == 1 else QWeight.stack(parts)
     out["lm_head.weight"] = q("output.weight" if "output.weight" in tensors else "token_embd.weight")
+    if converted:
+        log.warning("%s: quantization = \"q4\" holds Q4_1 blocks; converted to them the tensors "
+                    "stored as %s", path.name, ", ".join(f"{k} ({n})" for k, n in sorted(converted.items())))
     return out

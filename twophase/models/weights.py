@@ -1,4 +1,4 @@
-"""Building a ``Llama`` on a device from HF-named safetensors or random numbers.
+"""Building a family's ``Decoder`` on a device from HF-named safetensors or random numbers.
 
 The model is built on the meta device and its parameters assigned or initialised in place, so
 nothing is allocated twice and a 16 GB random model never touches host memory on CUDA.
@@ -6,72 +6,61 @@ nothing is allocated twice and a 16 GB random model never touches host memory on
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from twophase.models.llama import Llama, rope_inv_freq
-from twophase.models.shapes import LlamaArch
-
-_RENAMES = [
-    (r"model\.embed_tokens\.", "embed."),
-    (r"model\.norm\.", "norm."),
-    (r"model\.layers\.(\d+)\.input_layernorm\.", r"layers.\1.attn_norm."),
-    (r"model\.layers\.(\d+)\.post_attention_layernorm\.", r"layers.\1.mlp_norm."),
-    (r"model\.layers\.(\d+)\.self_attn\.o_proj\.", r"layers.\1.attn.o."),
-    (r"model\.layers\.(\d+)\.mlp\.down_proj\.", r"layers.\1.mlp.down."),
-]
-_FUSED = {"qkv": ("self_attn", ["q_proj", "k_proj", "v_proj"], "attn"),
-          "gate_up": ("mlp", ["gate_proj", "up_proj"], "mlp")}
+from twophase.arch import ModelArch
+from twophase.models.decoder import Decoder, rope_inv_freq
+from twophase.models.families import family
+from twophase.models.families.family import TOP_NAMES
 
 
-def from_hf_state_dict(hf: dict[str, torch.Tensor], arch: LlamaArch) -> dict[str, torch.Tensor]:
-    """HF Llama names → ours; q/k/v and gate/up concatenated into one matrix each."""
+def part_rows(ours: str, arch: ModelArch, parts: int) -> list[int] | None:
+    """How a fused matrix's rows split into the checkpoint's parts (None: one part)."""
+    if parts == 1:
+        return None
+    if ours == "attn.qkv":
+        kv = arch.num_kv_heads * arch.head_dim
+        return [arch.num_heads * arch.head_dim, kv, kv]
+    return [arch.intermediate_size] * parts
+
+
+def from_hf_state_dict(hf: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, torch.Tensor]:
+    """HF names → ours, by the family's table; parts of a fused matrix concatenated."""
     out: dict[str, torch.Tensor] = {}
-    for name, t in hf.items():
-        for pat, rep in _RENAMES:
-            if re.fullmatch(pat + r"(weight|bias)", name):
-                out[re.sub(pat, rep, name)] = t
-                break
-    if "lm_head.weight" in hf and not arch.tie_word_embeddings:
-        out["lm_head.weight"] = hf["lm_head.weight"]
+    for ours, (name, _) in TOP_NAMES.items():
+        if f"{name}.weight" in hf and not (ours == "lm_head" and arch.tie_word_embeddings):
+            out[f"{ours}.weight"] = hf[f"{name}.weight"]
     for i in range(arch.num_layers):
-        for ours, (group, parts, mod) in _FUSED.items():
+        for ours, (parts, _) in family(arch.family).layer_names.items():
             for kind in ("weight", "bias"):
-                names = [f"model.layers.{i}.{group}.{p}.{kind}" for p in parts]
+                names = [f"model.layers.{i}.{p}.{kind}" for p in parts]
                 if all(n in hf for n in names):
-                    out[f"layers.{i}.{mod}.{ours}.{kind}"] = torch.cat([hf[n] for n in names])
+                    out[f"layers.{i}.{ours}.{kind}"] = (hf[names[0]] if len(names) == 1
+                                                         else torch.cat([hf[n] for n in names]))
     return out
 
 
-def to_hf_state_dict(sd: dict[str, torch.Tensor], arch: LlamaArch) -> dict[str, torch.Tensor]:
-    """Ours → HF Llama names: the inverse of ``from_hf_state_dict`` (fused matrices split)."""
-    out = {"model.embed_tokens.weight": sd["embed.weight"], "model.norm.weight": sd["norm.weight"]}
-    if not arch.tie_word_embeddings:
-        out["lm_head.weight"] = sd["lm_head.weight"]
-    q, kv, ffn = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.intermediate_size
-    # ours -> (HF group, HF parts, rows of each part)
-    parts = {"attn.qkv": ("self_attn", ("q_proj", "k_proj", "v_proj"), [q, kv, kv]),
-             "attn.o": ("self_attn", ("o_proj",), None),
-             "mlp.gate_up": ("mlp", ("gate_proj", "up_proj"), [ffn, ffn]),
-             "mlp.down": ("mlp", ("down_proj",), None)}
+def to_hf_state_dict(sd: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, torch.Tensor]:
+    """Ours → HF names: the inverse of ``from_hf_state_dict`` (fused matrices split)."""
+    out = {f"{name}.weight": sd[f"{ours}.weight"] for ours, (name, _) in TOP_NAMES.items()
+           if not (ours == "lm_head" and arch.tie_word_embeddings)}
     for i in range(arch.num_layers):
-        ours, hf = f"layers.{i}.", f"model.layers.{i}."
-        out[hf + "input_layernorm.weight"] = sd[ours + "attn_norm.weight"]
-        out[hf + "post_attention_layernorm.weight"] = sd[ours + "mlp_norm.weight"]
-        for mod, (group, names, rows) in parts.items():
+        for ours, (parts, _) in family(arch.family).layer_names.items():
             for kind in ("weight", "bias"):
-                t = sd.get(f"{ours}{mod}.{kind}")
-                if t is not None:
-                    for name, piece in zip(names, torch.split(t, rows) if rows else [t]):
-                        out[f"{hf}{group}.{name}.{kind}"] = piece
+                t = sd.get(f"layers.{i}.{ours}.{kind}")
+                if t is None:
+                    continue
+                rows = part_rows(ours, arch, len(parts))
+                for name, piece in zip(parts, torch.split(t, rows) if rows else [t]):
+                    out[f"model.layers.{i}.{name}.{kind}"] = piece
     return out
 
 
-def hf_weights(arch: LlamaArch, folder: Path | None, seed: int) -> dict[str, torch.Tensor]:
+def hf_weights(arch: ModelArch, folder: Path | None, seed: int) -> dict[str, torch.Tensor]:
     """The model's float32 CPU weights under HF names, exactly as the torch backend holds them
     (random ones drawn from ``seed`` by ``build_model``): what ``ModelSpec.state_dict`` gives
     a backend."""
@@ -80,7 +69,7 @@ def hf_weights(arch: LlamaArch, folder: Path | None, seed: int) -> dict[str, tor
 
 
 @contextmanager
-def _no_init() -> Iterator[None]:
+def no_init() -> Iterator[None]:
     """Modules built without their default initialisation: on the meta device it computes
     nothing, yet its first call imports ``torch._dynamo`` (3-11 s of a load on a Zen 3 core);
     every parameter is assigned or drawn below anyway."""
@@ -95,10 +84,10 @@ def _no_init() -> Iterator[None]:
             setattr(torch.nn.init, n, f)
 
 
-def build_model(arch: LlamaArch, dtype: torch.dtype, device: torch.device,
-                folder: Path | None = None, seed: int = 0) -> Llama:
-    with torch.device("meta"), _no_init():
-        model = Llama(arch)
+def build_model(arch: ModelArch, dtype: torch.dtype, device: torch.device,
+                folder: Path | None = None, seed: int = 0) -> Decoder:
+    with torch.device("meta"), no_init():
+        model = Decoder(arch)
     if folder is not None:
         from safetensors.torch import load_file
 
@@ -125,7 +114,7 @@ def build_model(arch: LlamaArch, dtype: torch.dtype, device: torch.device,
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
-                    p.fill_(1.0)
+                    p.fill_(1.0 - arch.norm_offset)     # an effective scale of 1
                 elif name.endswith("bias"):
                     p.zero_()
                 else:

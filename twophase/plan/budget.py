@@ -22,8 +22,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from twophase.arch import ModelArch
 from twophase.config import BackendSection, Config
-from twophase.models.shapes import LlamaArch
 from twophase.plan import weights as layouts
 from twophase.plan.devices import DeviceProfile
 from twophase.plan.model_source import PlannedModel, planned_model
@@ -105,7 +105,7 @@ def model_dtype(config: Config, device_kind: str) -> str:
     return d if d != "auto" else ("bfloat16" if device_kind == "cuda" else "float32")
 
 
-def kv_bytes_per_token(arch: LlamaArch, itemsize: int) -> int:
+def kv_bytes_per_token(arch: ModelArch, itemsize: int) -> int:
     return arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * itemsize
 
 
@@ -117,11 +117,11 @@ def token_budget(config: Config, device_kind: str, max_model_len: int) -> int:
                                          if sc.chunked_prefill else max_model_len)
 
 
-def ort_graphs(section: BackendSection, arch: LlamaArch, dtype: str, device_kind: str) -> int:
+def ort_graphs(section: BackendSection, arch: ModelArch, dtype: str, device_kind: str) -> int:
     """ONNX Runtime's sessions that each hold the weights: the step graph, and on the CPU for
     float32 models without biases the decode and verify graphs."""
     extra = (device_kind == "cpu" and dtype == "float32" and section.options.get("decode_graph", True)
-             and not (arch.attention_bias or arch.mlp_bias))
+             and not arch.features())
     return 3 if extra else 1
 
 
@@ -157,12 +157,12 @@ def weight_items(config: Config, model: PlannedModel, device_kind: str, routed: 
     return items
 
 
-def activation_peak(arch: LlamaArch, tokens: int, seqs: int, context: int, e: int) -> tuple[int, str]:
+def activation_peak(arch: ModelArch, tokens: int, seqs: int, context: int, e: int) -> tuple[int, str]:
     """The larger of a prefill step of ``tokens`` (the MLP's ``2f`` and ``f`` wide temporaries,
     or q/k/v with float32 RoPE, the context's K/V gathered twice and its mask) and a decode step
     of ``seqs`` sequences padded to ``context`` (their K/V gathered and float32 scores, a slice
-    of sequences at a time: ``twophase.models.llama.decode_rows``)."""
-    from twophase.models.llama import decode_rows
+    of sequences at a time: ``twophase.models.layers.attention.decode_rows``)."""
+    from twophase.models.layers.attention import decode_rows
 
     h, f, H, KV, hd = arch.hidden_size, arch.intermediate_size, arch.num_heads, arch.num_kv_heads, arch.head_dim
     T, C, B = tokens, context, seqs
@@ -204,7 +204,7 @@ def runtime_items(config: Config, model: PlannedModel, device: DeviceProfile, ma
     return items
 
 
-def cuda_graph_item(arch: LlamaArch, seqs: int, context: int, block_size: int, e: int) -> Item:
+def cuda_graph_item(arch: ModelArch, seqs: int, context: int, block_size: int, e: int) -> Item:
     """The captured decode steps' pool: the largest bucket's activations, and the logits each
     (batch, context-blocks) bucket keeps as its output."""
     pow2 = lambda n: 1 << max(0, (n - 1).bit_length())  # noqa: E731
@@ -217,20 +217,20 @@ def cuda_graph_item(arch: LlamaArch, seqs: int, context: int, block_size: int, e
                 f"{len(batches)} batch × {contexts} context buckets")
 
 
-def tensorrt_item(config: Config, arch: LlamaArch, tokens: int, context: int, dtype: str) -> Item:
+def tensorrt_item(config: Config, arch: ModelArch, tokens: int, context: int, dtype: str) -> Item:
     """TensorRT's activation memory: the largest of its profiles (its contexts share one buffer),
     for a pool of ``max_num_seqs`` full contexts."""
-    from twophase.backends.base import EngineLimits
+    from twophase.contract import EngineLimits
     from twophase.exporters.trt_profiles import profile_memory
 
     bs, cc = config.cache.block_size, config.cache
     blocks = int(cc.num_blocks) if cc.num_blocks != "auto" else config.scheduler.max_num_seqs * -(-context // bs)
     limits = EngineLimits(config.scheduler.max_num_seqs, tokens, context)
-    return Item("workspace", "TensorRT profiles", int(profile_memory(arch.to_dict(), limits, blocks, bs, dtype)),
+    return Item("workspace", "TensorRT profiles", int(profile_memory(arch, limits, blocks, bs, dtype)),
                 "the largest profile's activations and builder workspace")
 
 
-def max_model_len_of(config: Config, arch: LlamaArch) -> int:
+def max_model_len_of(config: Config, arch: ModelArch) -> int:
     return min(config.model.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
 
 

@@ -12,10 +12,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from twophase.arch import ModelArch
 from twophase.config import ModelConfig
 from twophase.errors import ConfigError, ModelError
 from twophase.models import hub
-from twophase.models.shapes import SHAPES, LlamaArch, named_shape
+from twophase.models.families import by_model_type
+from twophase.models.shapes import SHAPES, named_shape
 from twophase.models.source import ModelSource
 from twophase.paths import cache_dir
 
@@ -26,7 +28,7 @@ SHIPPED_SHAPES = {hub.DEFAULT_MODEL: "smollm2-135m"}
 @dataclass(frozen=True)
 class PlannedModel:
     model_id: str
-    arch: LlamaArch
+    arch: ModelArch
     head_bits: int              # the q4 layouts' head: 8 unless a GGUF keeps it at 4
     source: str                 # where the shapes were read
 
@@ -55,11 +57,12 @@ def planned_model(model: ModelSource | ModelConfig) -> PlannedModel:
     return PlannedModel(cfg.name, SHAPES[SHIPPED_SHAPES[cfg.name]], 8, "shape table (not fetched yet)")
 
 
-def _from_folder(folder: Path) -> LlamaArch:
+def _from_folder(folder: Path) -> ModelArch:
     path = folder / "config.json"
     if not path.exists():
         raise ModelError(f"{folder} has no config.json: the planner reads a model's shapes there")
-    return LlamaArch.from_hf_config(json.loads(path.read_text()))
+    config = json.loads(path.read_text())
+    return by_model_type(config.get("model_type"), str(folder)).arch_from_hf(config)
 
 
 def _from_gguf(path: Path, model_id: str) -> PlannedModel:
@@ -71,5 +74,7 @@ def _from_gguf(path: Path, model_id: str) -> PlannedModel:
     header = GGUFFile(path)            # a ModelError if it is not a GGUF, or truncated
     head = header.tensors.get("output.weight", header.tensors.get("token_embd.weight"))
     four = head is not None and head.ggml_type == gguf.GGMLQuantizationType.Q4_1
-    return PlannedModel(model_id, LlamaArch.from_hf_config(hf_config(header)), 4 if four else 8,
+    config = hf_config(header)
+    arch = by_model_type(config["model_type"], str(path)).arch_from_hf(config)
+    return PlannedModel(model_id, arch, 4 if four else 8,
                         f"{path.name} header")

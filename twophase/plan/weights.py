@@ -11,42 +11,32 @@ the figures are exact to the byte for the tensors and leave out only runtime boo
 
 from __future__ import annotations
 
-from twophase.models.shapes import LlamaArch
+from twophase.arch import ModelArch
+from twophase.models import params
 
 BLOCK = 32
-GROUPS = ("embedding", "attention", "mlp", "norms", "head")
+GROUPS = params.GROUPS
 
 
-def projections(arch: LlamaArch) -> dict[str, list[tuple[int, int]]]:
-    """Each group's matrices as (out, in) shapes, for all layers."""
-    h, hd, f, L = arch.hidden_size, arch.head_dim, arch.intermediate_size, arch.num_layers
-    qkv = ((arch.num_heads + 2 * arch.num_kv_heads) * hd, h)
-    return {"attention": [qkv, (h, arch.num_heads * hd)] * L, "mlp": [(2 * f, h), (h, f)] * L}
+def projections(arch: ModelArch) -> dict[str, list[tuple[int, int]]]:
+    """Each group's matrices as (out, in) shapes, for all layers (from the model itself)."""
+    return params.matrices(arch)
 
 
-def _biases(arch: LlamaArch) -> dict[str, int]:
-    """Bias elements per group (kept in float in every layout)."""
-    hd, h, L = arch.head_dim, arch.hidden_size, arch.num_layers
-    attn = ((arch.num_heads + 2 * arch.num_kv_heads) * hd + h) * L if arch.attention_bias else 0
-    mlp = (2 * arch.intermediate_size + h) * L if arch.mlp_bias else 0
-    return {"attention": attn, "mlp": mlp}
+def _biases(arch: ModelArch) -> dict[str, int]:
+    return params.biases(arch)
 
 
-def dense(arch: LlamaArch, itemsize: int) -> dict[str, int]:
+def dense(arch: ModelArch, itemsize: int) -> dict[str, int]:
     """Every tensor in one dtype; a tied head shares the embedding's bytes."""
-    out = {g: sum(n * k for n, k in mats) * itemsize for g, mats in projections(arch).items()}
-    for g, n in _biases(arch).items():
-        out[g] += n * itemsize
-    emb = arch.vocab_size * arch.hidden_size * itemsize
-    return {"embedding": emb, **out, "norms": (2 * arch.num_layers + 1) * arch.hidden_size * itemsize,
-            "head": 0 if arch.tie_word_embeddings else emb}
+    return {g: n * itemsize for g, n in params.group_params(arch).items()}
 
 
 def _outliers(k: int, count: int) -> int:
     return min(count, k // 2) if count > 0 else 0
 
 
-def blocks(arch: LlamaArch, outlier_channels: int, head_bits: int = 8) -> dict[str, int]:
+def blocks(arch: ModelArch, outlier_channels: int, head_bits: int = 8) -> dict[str, int]:
     """The native backend's files: 20-byte Q4_1 blocks and a zero-point byte each, float32
     outlier columns and their int32 indices, Q8_0 head (34 bytes a block), float32 rest."""
     out = {}
@@ -58,10 +48,10 @@ def blocks(arch: LlamaArch, outlier_channels: int, head_bits: int = 8) -> dict[s
         out[g] = total + _biases(arch)[g] * 4
     V, h = arch.vocab_size, arch.hidden_size
     head = V * (h // BLOCK) * (34 if head_bits == 8 else 21)
-    return {"embedding": V * h * 4, **out, "norms": (2 * arch.num_layers + 1) * h * 4, "head": head}
+    return {"embedding": V * h * 4, **out, "norms": params.group_params(arch)["norms"] * 4, "head": head}
 
 
-def matmulnbits(arch: LlamaArch, outlier_channels: int, head_bits: int = 8) -> dict[str, int]:
+def matmulnbits(arch: ModelArch, outlier_channels: int, head_bits: int = 8) -> dict[str, int]:
     """ONNX Runtime's q4 graph: per projection ``N*K/2`` code bytes, ``N*K/32`` float32 scales,
     ``N*ceil(K/64)`` zero-point bytes, the ``[K/32 + c, N]`` float32 term (minimums and outlier
     columns), the ``K`` float32 keep mask and ``c`` int64 indices; the head's 8-bit codes and
@@ -81,4 +71,4 @@ def matmulnbits(arch: LlamaArch, outlier_channels: int, head_bits: int = 8) -> d
         head = V * h + V * nb * 4 + V * nb
     else:
         head = V * h // 2 + V * nb * 4 + V * -(-nb // 2) + nb * V * 4 + 24
-    return {"embedding": V * h * 4, **out, "norms": (2 * arch.num_layers + 1) * h * 4, "head": head}
+    return {"embedding": V * h * 4, **out, "norms": params.group_params(arch)["norms"] * 4, "head": head}

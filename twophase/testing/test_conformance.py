@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from twophase import LLM, SamplingParams
-from twophase.backends.base import (
+from twophase.contract import (
     BackendConfig,
     Capabilities,
     EngineLimits,

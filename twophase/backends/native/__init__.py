@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from twophase.backends.base import (
+from twophase.arch import ModelArch
+from twophase.backends.hookspecs import hookimpl
+from twophase.contract import (
     Backend,
     BackendConfig,
     BackendUnavailable,
@@ -27,29 +29,10 @@ from twophase.backends.base import (
     PrefillBatch,
     parse_device,
 )
-from twophase.backends.hookspecs import hookimpl
 from twophase.device import threads_option
 from twophase.errors import ConfigError
-from twophase.models.shapes import LlamaArch
 
 OPTIONS = {"threads"}
-
-
-def check_arch(arch: LlamaArch) -> None:
-    """Refuse, naming why, the shapes ``step.c`` does not compute: biases, heads that do not
-    tile the hidden size, widths that are not whole blocks of 32."""
-    why = []
-    if arch.attention_bias or arch.mlp_bias:
-        why.append("bias terms")
-    if arch.num_heads * arch.head_dim != arch.hidden_size:
-        why.append(f"heads x head_dim ({arch.num_heads} x {arch.head_dim}) != hidden size {arch.hidden_size}")
-    if arch.num_heads % arch.num_kv_heads:
-        why.append(f"{arch.num_heads} query heads over {arch.num_kv_heads} KV heads")
-    if arch.hidden_size % 32 or arch.intermediate_size % 32:
-        why.append("hidden or intermediate sizes that are not multiples of 32")
-    if why:
-        raise ConfigError("backend.name", f"the native backend does not run models with {'; '.join(why)}; "
-                                          f"use onnxruntime")
 
 
 class NativeBackend(Backend):
@@ -65,7 +48,22 @@ class NativeBackend(Backend):
         check_machine()
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(devices=("cpu",), dtypes=(torch.float32,), own_threads=True)
+        # step.c computes the plain Llama block: no architecture feature beyond it
+        return Capabilities(devices=("cpu",), dtypes=(torch.float32,), own_threads=True,
+                            features=frozenset())
+
+    def supports(self, arch: ModelArch) -> str | None:
+        """Also the shapes ``step.c`` does not tile: heads that do not make up the hidden
+        size, query heads that do not group over the KV heads, widths not whole blocks of 32."""
+        why = [r.removeprefix("native: ") for r in [super().supports(arch)] if r]
+        if arch.num_heads * arch.head_dim != arch.hidden_size:
+            why.append(f"heads x head_dim ({arch.num_heads} x {arch.head_dim}) != hidden size "
+                       f"{arch.hidden_size} is not implemented")
+        if arch.num_heads % arch.num_kv_heads:
+            why.append(f"{arch.num_heads} query heads over {arch.num_kv_heads} KV heads is not implemented")
+        if arch.hidden_size % 32 or any(s.mlp.intermediate_size % 32 for s in arch.layers):
+            why.append("hidden or intermediate sizes that are not multiples of 32 are not implemented")
+        return f"native: {'; '.join(why)}" if why else None
 
     def load(self, model: ModelSpec, cfg: BackendConfig) -> None:
         self.check_available(cfg.device)
@@ -73,8 +71,7 @@ class NativeBackend(Backend):
         threads = threads_option(cfg.options)
         if model.dtype != torch.float32:
             raise ConfigError("model.dtype", f"the native backend runs float32, not {model.dtype}")
-        self.arch = LlamaArch.from_dict(model.arch)
-        check_arch(self.arch)
+        self.arch = model.arch
         from twophase.backends.native import kernel
         from twophase.backends.native.weights import NativeWeights
 

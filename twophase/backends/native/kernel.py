@@ -14,7 +14,7 @@ from ctypes import POINTER, c_float, c_int, c_long, c_void_p
 from importlib.resources import files
 from pathlib import Path
 
-from twophase.backends.base import BackendUnavailable
+from twophase.contract import BackendUnavailable
 from twophase.device import cpu_flags, cpu_signature
 from twophase.paths import build_lock, cache_dir
 

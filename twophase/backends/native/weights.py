@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from twophase.backends.base import ModelSpec
 from twophase.backends.native.kernel import Model, ProjQ4, ProjQ8
+from twophase.contract import ModelSpec
 from twophase.models.q4_weights import (
     PROJECTIONS,
     calibration_digest,
@@ -95,23 +95,21 @@ FORMAT = "twophase-native/4"     # 4: groups of 16 blocks (3: of 8)
 def manifest(spec: ModelSpec) -> dict:
     from twophase.exporters.cache import weights_digest
 
-    return {"format": FORMAT, "model_id": spec.model_id, "arch": spec.arch,
+    return {"format": FORMAT, "model_id": spec.model_id, "arch": spec.arch.to_dict(),
             "weights_sha256": weights_digest(spec), "from_gguf": source_gguf(spec) is not None,
             "outlier_channels": spec.outlier_channels, "calibration_sha256": calibration_digest()}
 
 
 def pack(spec: ModelSpec, folder: Path) -> None:
     """Write the model's arrays to ``folder``, one ``.npy`` each (layers stacked)."""
-    from twophase.models.shapes import LlamaArch
-
-    arch = LlamaArch.from_dict(spec.arch)
+    arch = spec.arch
     torch_model = cpu_model(spec)
     qweights = model_qweights(torch_model, arch, source_gguf(spec))
     outliers = outlier_channels(torch_model, calibration_ids(spec), spec.outlier_channels)
     sd = {k: v.detach().float().numpy() for k, v in torch_model.state_dict().items()}
     L = arch.num_layers
     out = {"embed": sd["embed.weight"], "final_norm": sd["norm.weight"],
-           "inv_freq": torch_model.inv_freq.float().numpy(),
+           "inv_freq": torch_model.inv_freq[0].float().numpy(),
            "attn_norm": np.stack([sd[f"layers.{i}.attn_norm.weight"] for i in range(L)]),
            "mlp_norm": np.stack([sd[f"layers.{i}.mlp_norm.weight"] for i in range(L)])}
     for name in PROJECTIONS:
@@ -152,7 +150,6 @@ class NativeWeights:
     def build(cls, spec: ModelSpec) -> "NativeWeights":
         """The model's arrays, packed once (``$TWOPHASE_CACHE/native``) and mapped from there."""
         from twophase.exporters.cache import build_cached, cache_folder
-        from twophase.models.shapes import LlamaArch
 
         man = manifest(spec)
         folder = cache_folder("native", man)
@@ -161,7 +158,7 @@ class NativeWeights:
         for name, arr in a.items():
             if name != "embed":         # read every step: fault them in now, not in the first steps
                 populate(arr)
-        arch = LlamaArch.from_dict(spec.arch)
+        arch = spec.arch
         L = arch.num_layers
 
         def ptr(name: str, *index) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from twophase.backends.base import (Backend, BackendConfig, BackendUnavailable, Capabilities,
+from twophase.contract import (Backend, BackendConfig, BackendUnavailable, Capabilities,
                                     DecodeBatch, KVCache, KVCacheSpec, ModelSpec, PrefillBatch)
 from twophase.errors import ConfigError
 
@@ -22,7 +22,7 @@ def numpy_weights(model: ModelSpec) -> dict[str, np.ndarray]:
     names = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
              "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
              "down": "mlp.down_proj"}
-    for i in range(model.arch["num_layers"]):
+    for i in range(model.arch.num_layers):
         p, hf = f"layers.{i}.", f"model.layers.{i}."
         w[p + "attn_norm"] = sd[hf + "input_layernorm.weight"]
         w[p + "mlp_norm"] = sd[hf + "post_attention_layernorm.weight"]
@@ -42,7 +42,8 @@ class NumpyBackend(Backend):
             raise BackendUnavailable(f"the numpy backend runs on cpu only, not {device!r}")
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(devices=("cpu",), dtypes=(torch.float32,))
+        # the plain Llama block only: a model with any architecture feature is refused by name
+        return Capabilities(devices=("cpu",), dtypes=(torch.float32,), features=frozenset())
 
     def load(self, model: ModelSpec, cfg: BackendConfig) -> None:
         self.check_available(cfg.device)
@@ -54,7 +55,7 @@ class NumpyBackend(Backend):
 
     def kv_cache_spec(self) -> KVCacheSpec:
         a = self.arch
-        return KVCacheSpec(a["num_layers"], a["num_kv_heads"], a["head_dim"], torch.float32,
+        return KVCacheSpec(a.num_layers, a.num_kv_heads, a.head_dim, torch.float32,
                            torch.device("cpu"))
 
     def bind_kv_cache(self, kv: KVCache) -> None:

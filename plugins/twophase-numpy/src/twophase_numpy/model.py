@@ -11,6 +11,8 @@ import math
 
 import numpy as np
 
+from twophase.contract import ModelArch
+
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return weight * (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps))
@@ -20,11 +22,11 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
-def rope_frequencies(arch: dict) -> np.ndarray:
+def rope_frequencies(arch: ModelArch) -> np.ndarray:
     """Per pair of dimensions, radians per position; Llama-3 scaling blends long wavelengths."""
-    hd = arch["head_dim"]
-    inv = 1.0 / arch["rope_theta"] ** (np.arange(0, hd, 2, dtype=np.float64) / hd)
-    s = arch.get("rope_scaling")
+    hd = arch.head_dim
+    inv = 1.0 / arch.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd)
+    s = arch.rope_scaling
     if not s:
         return inv
     factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
@@ -53,7 +55,7 @@ def rotate(x: np.ndarray, positions: np.ndarray, freqs: np.ndarray) -> np.ndarra
 
 
 class NumpyLlama:
-    def __init__(self, arch: dict, weights: dict[str, np.ndarray]):
+    def __init__(self, arch: ModelArch, weights: dict[str, np.ndarray]):
         self.arch, self.w = arch, weights
         self.freqs = rope_frequencies(arch)
 
@@ -63,12 +65,12 @@ class NumpyLlama:
         token index, new tokens, tokens cached before them, block table). Writes each new
         token's K/V into ``pool`` at its slot."""
         a, w = self.arch, self.w
-        H, KVH, hd = a["num_heads"], a["num_kv_heads"], a["head_dim"]
+        H, KVH, hd = a.num_heads, a.num_kv_heads, a.head_dim
         bs = pool.shape[4]
         x = w["embed"][tokens]
-        for i in range(a["num_layers"]):
+        for i in range(a.num_layers):
             p = f"layers.{i}."
-            h = rms_norm(x, w[p + "attn_norm"], a["rms_norm_eps"])
+            h = rms_norm(x, w[p + "attn_norm"], a.rms_norm_eps)
             q = (h @ w[p + "q"].T + w.get(p + "q_bias", 0)).reshape(-1, H, hd)
             k = (h @ w[p + "k"].T + w.get(p + "k_bias", 0)).reshape(-1, KVH, hd)
             v = (h @ w[p + "v"].T + w.get(p + "v_bias", 0)).reshape(-1, KVH, hd)
@@ -79,11 +81,11 @@ class NumpyLlama:
             for first, n, cached, table in seqs:
                 out[first:first + n] = self._attend(q[first:first + n], pool[i], table, cached)
             x = x + out.reshape(len(tokens), H * hd) @ w[p + "o"].T + w.get(p + "o_bias", 0)
-            h = rms_norm(x, w[p + "mlp_norm"], a["rms_norm_eps"])
+            h = rms_norm(x, w[p + "mlp_norm"], a.rms_norm_eps)
             gate = h @ w[p + "gate"].T + w.get(p + "gate_bias", 0)
             up = h @ w[p + "up"].T + w.get(p + "up_bias", 0)
             x = x + (silu(gate) * up) @ w[p + "down"].T + w.get(p + "down_bias", 0)
-        return rms_norm(x, w["norm"], a["rms_norm_eps"])
+        return rms_norm(x, w["norm"], a.rms_norm_eps)
 
     def _attend(self, q: np.ndarray, kv: np.ndarray, table: np.ndarray, cached: int) -> np.ndarray:
         """q: [n, H, hd] at positions cached..cached+n-1; kv: one layer of the pool."""

@@ -1,27 +1,26 @@
-"""The Llama family in one file (RMSNorm, RoPE with Llama-3 scaling, GQA, SwiGLU, tied
-embeddings), with attention that reads and writes core's paged KV pool.
+"""Attention over core's paged KV pool, with what the families add: q/k/v and output
+biases, per-head QK-norm, a query scale, logit soft-capping and sliding windows.
 
 The pool is ``[layers, 2, num_blocks, kv_heads, block_size, head_dim]``. Each forward first
 writes the new tokens' K/V at their slots, then attends over the cached context. For a chunk that
 follows cached tokens the causal mask is built from positions (key ``j`` is visible to a query at
-position ``p`` iff ``j <= p``): ``is_causal=True`` aligns its mask top-left and would hide the
-cached prefix, so it is used only for a chunk with nothing cached before it.
-
-Tokens arrive packed (``[T]``); the q/k/v, o and MLP projections run once over all of them,
-whatever mix of prefill chunks and decodes the step holds: one read of the weights a step.
+position ``p`` iff ``j <= p``, and ``j > p - window`` in a sliding layer): ``is_causal=True``
+aligns its mask top-left and would hide the cached prefix, so it is used only for a chunk with
+nothing cached before it in a full-attention layer without soft-capping.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from twophase.arch import AttentionSpec, ModelArch
 from twophase.models.graph_attention import GraphMeta, flat_gather, graph_attention
-from twophase.models.shapes import LlamaArch
+from twophase.models.layers.norm import RMSNorm
+from twophase.models.layers.rotary import apply_rope
 
 
 @dataclass
@@ -39,63 +38,31 @@ class AttnMeta:
     chunks: list[tuple[int, int, int, torch.Tensor]]
 
 
-def rope_inv_freq(arch: LlamaArch) -> torch.Tensor:
-    """On the CPU always (a few floats), also inside a meta-device build, where arithmetic would
-    run through torch's Python reference ops and import ``torch._dynamo`` (seconds)."""
-    hd = arch.head_dim
-    inv = 1.0 / (arch.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device="cpu").float() / hd))
-    s = arch.rope_scaling
-    if not s:
-        return inv
-    # Llama-3: long wavelengths are divided by `factor`, short ones kept, a smooth blend between.
-    factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-    old = s["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv
-    scaled = torch.where(wavelen > old / lo, inv / factor, inv)
-    smooth = (old / wavelen - lo) / (hi - lo)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old / hi) & (wavelen <= old / lo)
-    return torch.where(medium, blended, scaled)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, hd]; cos/sin: [T, 1, hd] (HF's rotate-half convention)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]          # slices, not chunk(): fewer graph nodes
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-
 class Attention(nn.Module):
-    def __init__(self, arch: LlamaArch):
+    def __init__(self, arch: ModelArch, spec: AttentionSpec):
         super().__init__()
         self.h, self.kvh, self.hd = arch.num_heads, arch.num_kv_heads, arch.head_dim
         # q, k and v in one matmul: one weight read and one kernel call for all three
-        self.qkv = nn.Linear(arch.hidden_size, (self.h + 2 * self.kvh) * self.hd,
-                             bias=arch.attention_bias)
-        self.o = nn.Linear(self.h * self.hd, arch.hidden_size, bias=arch.attention_bias)
-        self.scale = self.hd ** -0.5
+        self.qkv = nn.Linear(arch.hidden_size, (self.h + 2 * self.kvh) * self.hd, bias=arch.qkv_bias)
+        self.o = nn.Linear(self.h * self.hd, arch.hidden_size, bias=arch.o_bias)
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(self.hd, arch.rms_norm_eps, arch.norm_offset)
+            self.k_norm = RMSNorm(self.hd, arch.rms_norm_eps, arch.norm_offset)
+        self.qk_norm = arch.qk_norm
+        self.scale = arch.scale
+        self.softcap = arch.attn_softcap
+        self.window = spec.window
 
     def forward(self, x, cos, sin, kv_layer: torch.Tensor, meta: AttnMeta | GraphMeta) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv(x)
         nq, nkv = self.h * self.hd, self.kvh * self.hd
-        q, k, v = qkv[:, :nq], qkv[:, nq:nq + nkv], qkv[:, nq + nkv:]
-        q = apply_rope(q.view(T, self.h, self.hd), cos, sin)
-        k = apply_rope(k.view(T, self.kvh, self.hd), cos, sin)
-        v = v.view(T, self.kvh, self.hd)
+        q = qkv[:, :nq].view(T, self.h, self.hd)
+        k = qkv[:, nq:nq + nkv].view(T, self.kvh, self.hd)
+        v = qkv[:, nq + nkv:].view(T, self.kvh, self.hd)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if isinstance(meta, GraphMeta):        # traced for export: K/V are outputs, not writes
             meta.new_kv.append((k, v))
             return self.o(graph_attention(q, k, v, kv_layer, meta, self.scale).reshape(T, -1))
@@ -114,19 +81,34 @@ class Attention(nn.Module):
             out[first:first + n] = self._prefill(qs, ks, vs, start)
         return self.o(out.view(T, self.h * self.hd))
 
+    def _scores(self, s: torch.Tensor) -> torch.Tensor:
+        """Scaled scores, soft-capped where the family caps them."""
+        s = s.float() * self.scale
+        return s if self.softcap is None else self.softcap * torch.tanh(s / self.softcap)
+
     def _prefill(self, q, k, v, start: int) -> torch.Tensor:
         """q: [n, H, hd]; k, v: [S, KVH, hd] with S = start + n. Mask from positions."""
         n, S = q.shape[0], k.shape[0]
         dt = q.dtype
         q, k, v = (t.transpose(0, 1).unsqueeze(0).to(dt) for t in (q, k, v))
-        if start == 0:      # no cache before the chunk: plain causal, so fused kernels apply
+        if start == 0 and self.window is None and self.softcap is None:
+            # plain causal, so fused kernels apply
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
                                                enable_gqa=True)
-        else:
-            qpos = torch.arange(start, start + n, device=q.device)
-            mask = torch.arange(S, device=q.device)[None, :] <= qpos[:, None]    # [n, S]
+            return o[0].transpose(0, 1)
+        qpos = torch.arange(start, start + n, device=q.device)[:, None]
+        kpos = torch.arange(S, device=q.device)[None, :]
+        mask = kpos <= qpos                                                      # [n, S]
+        if self.window is not None:
+            mask = mask & (kpos > qpos - self.window)
+        if self.softcap is None:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
                                                enable_gqa=True)
+            return o[0].transpose(0, 1)
+        g = self.h // self.kvh
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+        s = self._scores(q @ k.transpose(-1, -2)).masked_fill(~mask, torch.finfo(torch.float32).min)
+        o = torch.softmax(s, dim=-1).to(dt) @ v
         return o[0].transpose(0, 1)
 
     def _decode(self, q, kv_layer, meta: AttnMeta) -> torch.Tensor:
@@ -152,9 +134,12 @@ class Attention(nn.Module):
         kv = flat_gather(kv_layer, tables)                               # [2, B, nb, KVH, BS, hd]
         qg = q.view(B, 1, kvh, self.h // kvh, hd)
         kv = kv.to(q.dtype)                                              # (a cache.dtype override)
-        s = (qg @ kv[0].transpose(-1, -2)).float() * self.scale        # [B, nb, KVH, g, BS]
+        s = self._scores(qg @ kv[0].transpose(-1, -2))                  # [B, nb, KVH, g, BS]
         pos = torch.arange(nb * bs, device=q.device).view(1, nb, 1, 1, bs)
-        s = s.masked_fill(pos >= lens.view(B, 1, 1, 1, 1), torch.finfo(s.dtype).min)
+        hidden = pos >= lens.view(B, 1, 1, 1, 1)
+        if self.window is not None:          # the query sits at lens - 1
+            hidden = hidden | (pos <= lens.view(B, 1, 1, 1, 1) - 1 - self.window)
+        s = s.masked_fill(hidden, torch.finfo(s.dtype).min)
         p = (s - s.amax(dim=(1, 4), keepdim=True)).exp()
         den = p.sum(dim=(1, 4)).unsqueeze(-1)                            # [B, KVH, g, 1]
         o = (p.to(kv.dtype) @ kv[1]).sum(1).float() / den                # [B, KVH, g, hd]
@@ -186,60 +171,3 @@ def gather_kv(kv_layer: torch.Tensor, tables: torch.Tensor, length: int):
     kv = flat_gather(kv_layer, tables)
     kv = kv.permute(0, 1, 3, 2, 4, 5).reshape(2, B, kvh, nb * bs, hd)[:, :, :, :length]
     return kv[0], kv[1]
-
-
-class MLP(nn.Module):
-    def __init__(self, arch: LlamaArch):
-        super().__init__()
-        self.f = arch.intermediate_size
-        self.gate_up = nn.Linear(arch.hidden_size, 2 * self.f, bias=arch.mlp_bias)
-        self.down = nn.Linear(self.f, arch.hidden_size, bias=arch.mlp_bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up(x)
-        gate, up = gate_up[:, :self.f], gate_up[:, self.f:]
-        return self.down(F.silu(gate) * up)
-
-
-class Block(nn.Module):
-    def __init__(self, arch: LlamaArch):
-        super().__init__()
-        self.attn_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.attn = Attention(arch)
-        self.mlp_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = MLP(arch)
-
-    def forward(self, x, cos, sin, kv_layer, meta):
-        x = x + self.attn(self.attn_norm(x), cos, sin, kv_layer, meta)
-        return x + self.mlp(self.mlp_norm(x))
-
-
-class Llama(nn.Module):
-    def __init__(self, arch: LlamaArch):
-        super().__init__()
-        self.arch = arch
-        self.embed = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(Block(arch) for _ in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
-        if arch.tie_word_embeddings:
-            self.lm_head.weight = self.embed.weight
-        self.register_buffer("inv_freq", rope_inv_freq(arch), persistent=False)
-
-    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, kv_pool: torch.Tensor,
-                meta: AttnMeta) -> torch.Tensor:
-        """Hidden states ``[T, hidden]`` after the final norm; writes K/V into ``kv_pool``."""
-        x = self.embed(token_ids)
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        cos, sin = emb.cos(), emb.sin()
-        for i, layer in enumerate(self.layers):
-            if isinstance(meta, GraphMeta):     # graphs index the whole pool (see pool_gather)
-                meta.layer = i
-                x = layer(x, cos, sin, kv_pool, meta)
-            else:
-                x = layer(x, cos, sin, kv_pool[i], meta)
-        return self.norm(x)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()

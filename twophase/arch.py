@@ -1,0 +1,161 @@
+"""A model's architecture as typed values: what every backend computes from, layer by layer.
+
+A backend reads the architecture from these fields only, never from a family's config, and
+``ModelArch.features()`` names every departure from the plain Llama block. A backend declares the
+features it computes (``Capabilities.features``); one that meets a feature it does not know
+refuses the model by the feature's name rather than computing another model without a word.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Literal
+
+# feature key -> the name a refusal uses ("native: QK-norm is not implemented")
+FEATURES: dict[str, str] = {
+    "qkv_bias": "q/k/v biases",
+    "o_bias": "an attention output bias",
+    "mlp_bias": "MLP biases",
+    "qk_norm": "QK-norm",
+    "norm_offset": "(1 + w) RMSNorm",
+    "post_norms": "post-attention and post-MLP norms",
+    "gelu_tanh": "the tanh-GELU MLP",
+    "embed_scale": "a scaled embedding",
+    "attn_softcap": "attention logit soft-capping",
+    "final_softcap": "final logit soft-capping",
+    "query_scale": "a query scale other than 1/sqrt(head_dim)",
+    "partial_rotary": "partial rotary embeddings",
+    "rope_per_layer": "a RoPE base per layer type",
+    "sliding_window": "sliding-window attention",
+    "moe": "mixture-of-experts MLPs",
+}
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """One layer's attention: over every earlier token, or over the last ``window`` of them."""
+
+    window: int | None = None        # sliding window in tokens (the query's own included)
+    rope_theta: float = 10000.0
+
+    @property
+    def kind(self) -> Literal["full", "sliding"]:
+        return "sliding" if self.window else "full"
+
+
+@dataclass(frozen=True)
+class MLPSpec:
+    """One layer's MLP: a gated dense MLP, or ``num_experts`` of them with a router."""
+
+    intermediate_size: int           # the dense MLP's width, or each expert's
+    num_experts: int = 0             # 0: dense
+    top_k: int = 0                   # experts each token is routed to
+    norm_topk_prob: bool = True      # renormalise the top-k router weights to sum to 1
+    shared_intermediate_size: int = 0   # an always-on shared expert's width (0: none)
+
+    @property
+    def kind(self) -> Literal["dense", "moe"]:
+        return "moe" if self.num_experts else "dense"
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    attention: AttentionSpec
+    mlp: MLPSpec
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """A decoder-only transformer: embedding, ``layers`` blocks (pre-norm attention and MLP,
+    residual), final norm, head. Defaults are Llama's; every other value is a named feature."""
+
+    family: str                      # the family file that made it ("llama", "qwen3", ...)
+    vocab_size: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    layers: tuple[LayerSpec, ...]
+    max_position_embeddings: int = 8192
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False            # RMSNorm over each head of q and k, before RoPE
+    norm_offset: float = 0.0         # RMSNorm scales by (offset + w): Gemma's 1
+    post_norms: bool = False         # Gemma: a norm on the attention's and the MLP's output too
+    activation: Literal["silu", "gelu_tanh"] = "silu"
+    embed_scale: float = 1.0         # Gemma: sqrt(hidden_size)
+    attn_softcap: float | None = None     # scores -> cap * tanh(scores / cap)
+    final_softcap: float | None = None    # logits -> cap * tanh(logits / cap)
+    query_scale: float | None = None      # None: head_dim ** -0.5
+    rotary_dim: int | None = None         # None: all of head_dim rotates
+    # Llama-3 RoPE scaling: {"factor", "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"}; None for plain RoPE.
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def intermediate_size(self) -> int:
+        """The first layer's MLP width (each expert's, for a MoE)."""
+        return self.layers[0].mlp.intermediate_size
+
+    @property
+    def rope_theta(self) -> float:
+        return self.layers[0].attention.rope_theta
+
+    @property
+    def scale(self) -> float:
+        return self.query_scale if self.query_scale is not None else self.head_dim ** -0.5
+
+    def features(self) -> frozenset[str]:
+        """The keys of ``FEATURES`` this architecture uses."""
+        on = {k for k in ("qkv_bias", "o_bias", "mlp_bias", "qk_norm", "post_norms") if getattr(self, k)}
+        checks = {
+            "norm_offset": self.norm_offset != 0.0,
+            "gelu_tanh": self.activation == "gelu_tanh",
+            "embed_scale": self.embed_scale != 1.0,
+            "attn_softcap": self.attn_softcap is not None,
+            "final_softcap": self.final_softcap is not None,
+            "query_scale": self.query_scale is not None and abs(self.scale - self.head_dim ** -0.5) > 1e-12,
+            "partial_rotary": self.rotary_dim is not None and self.rotary_dim != self.head_dim,
+            "rope_per_layer": len({s.attention.rope_theta for s in self.layers}) > 1,
+            "sliding_window": any(s.attention.window for s in self.layers),
+            "moe": any(s.mlp.num_experts for s in self.layers),
+        }
+        return frozenset(on | {k for k, v in checks.items() if v})
+
+    def with_layers(self, num_layers: int) -> ModelArch:
+        """The same model cut (or repeated, by its layer pattern) to ``num_layers`` layers."""
+        pattern = self.layers
+        return replace(self, layers=tuple(pattern[i % len(pattern)] for i in range(num_layers)))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelArch:
+        d = dict(d)
+        d["layers"] = tuple(LayerSpec(AttentionSpec(**s["attention"]), MLPSpec(**s["mlp"]))
+                            for s in d["layers"])
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+        return cls(**d)
+
+
+def describe(features: frozenset[str] | set[str]) -> str:
+    """``"QK-norm and q/k/v biases"``: the refusal's wording for missing features."""
+    names = [FEATURES.get(f, f) for f in sorted(features)]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def uniform_layers(num_layers: int, intermediate_size: int, rope_theta: float = 10000.0,
+                   window: int | None = None) -> tuple[LayerSpec, ...]:
+    """``num_layers`` identical layers: the dense, full-attention case of most families."""
+    spec = LayerSpec(AttentionSpec(window, rope_theta), MLPSpec(intermediate_size))
+    return (spec,) * num_layers

@@ -1,0 +1,267 @@
+"""The contract between core and a backend: the whole surface a plugin author implements
+(``twophase.backends.base`` re-exports it for plugins written against that name).
+
+Core owns scheduling and the paged KV pool; a backend owns two operations over it:
+``prefill`` (chunks of tokens after whatever is already cached, compute-bound) and ``decode``
+(one token per sequence, memory-bound). Both write the new tokens' K/V into the pool at the
+given slots and return logits; core samples.
+
+KV pool layout (one tensor per engine):
+    ``[num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]``
+``2`` is K then V. A token's *slot* is ``block_id * block_size + offset``. Heads-major inside a
+block, so exported graphs attend per block without a transpose.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+import torch
+
+from twophase.arch import ModelArch, describe
+from twophase.device import parse_device
+from twophase.errors import BackendUnavailable, ConfigError
+
+__all__ = [
+    "Backend",
+    "BackendConfig",
+    "BackendUnavailable",
+    "Capabilities",
+    "DecodeBatch",
+    "EngineLimits",
+    "KVCache",
+    "KVCacheSpec",
+    "ModelArch",
+    "ModelSpec",
+    "PrefillBatch",
+    "parse_device",
+]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What to load: the architecture, and where its weights come from."""
+
+    arch: ModelArch               # the typed architecture, layer by layer (twophase.arch)
+    weights: str                  # "random" or a path to a folder with model.safetensors
+    dtype: torch.dtype            # weights' and activations' dtype
+    model_id: str                 # a name for reports and caches
+    seed: int = 0                 # for random weights
+    quantization: str = "none"    # "none", or "q4": 4-bit block weights (backends that declare it)
+    accuracy_level: int = 4       # q4: ORT MatMulNBits' accuracy level (4: int8 activations)
+    outlier_channels: int = 8     # q4: input channels per projection multiplied in float32
+    # what ``state_dict()`` calls: set by core where the spec is made
+    weight_loader: Callable[[], dict[str, torch.Tensor]] | None = field(
+        default=None, compare=False, repr=False)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights, float32 on the CPU, under the HF names of a Llama-style checkpoint
+        (``model.embed_tokens.weight``, ``model.layers.{i}.self_attn.{q,k,v,o}_proj.weight``,
+        ``model.layers.{i}.mlp.{gate,up,down}_proj.weight``, ``model.layers.{i}.input_layernorm
+        .weight``, ``model.layers.{i}.post_attention_layernorm.weight``, ``model.norm.weight``,
+        ``lm_head.weight`` unless ``tie_word_embeddings``; ``.bias`` entries where the arch has
+        biases). Random weights come out as the very numbers the torch reference draws from
+        ``seed``, so a backend compares with it exactly, as the conformance kit does."""
+        if self.weight_loader is None:
+            raise BackendUnavailable("this ModelSpec carries no weights: make it with "
+                                     "twophase.models.loader.model_spec (as the engine does)")
+        return self.weight_loader()
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """The scheduler's bounds on any one call, for backends that compile shapes ahead of time
+    (TensorRT's optimisation profiles)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """One backend's TOML section: ``[backend]`` or ``[backend.prefill]`` / ``[backend.decode]``."""
+
+    name: str = "torch"
+    device: str = "cpu"
+    options: dict[str, Any] = field(default_factory=dict)
+    limits: EngineLimits | None = None
+
+    def check_options(self, allowed: set[str]) -> None:
+        """Refuse an option this backend does not know, naming the key and the allowed ones."""
+        unknown = sorted(set(self.options) - allowed)
+        if unknown:
+            raise ConfigError(f"backend.options.{unknown[0]}", f"unknown option for the {self.name} "
+                              f"backend; allowed: {', '.join(sorted(allowed))}")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do; the scheduler and engine respect it."""
+
+    devices: tuple[str, ...] = ("cpu",)
+    dtypes: tuple[torch.dtype, ...] = (torch.float32,)
+    max_num_seqs: int | None = None          # None: no limit of its own
+    max_num_tokens: int | None = None        # tokens in one prefill call
+    chunked_prefill: bool = True             # can it prefill a chunk after cached tokens?
+    mixed_batches: bool = True               # can one prefill() carry decodes too?
+    # does it read/write core's pool in place? (else it keeps its own: see bind_kv_cache)
+    shares_kv_pool: bool = True
+    # does it compute on its own CPU threads (a runtime's pool, not torch's)? Then torch in
+    # this process only does the step's glue, which the engine runs on one thread: an OpenMP
+    # team woken for a 49k-logit argmax keeps spinning into the runtime's next call
+    own_threads: bool = False
+    # the most elements a pool it reads may have (a runtime indexing it with 32-bit offsets);
+    # core sizes an automatic pool within it
+    max_pool_elements: int | None = None
+    # the architecture features it computes (keys of ``twophase.arch.FEATURES``); a model
+    # using any other is refused by its name before load (see ``Backend.supports``)
+    features: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """The shape of one block of the pool, from which core sizes the pool."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    # extra blocks at the end of the pool that core never hands out: a backend that must write
+    # somewhere for padding rows (CUDA graphs replay a fixed batch size) writes there
+    scratch_blocks: int = 0
+
+    def bytes_per_block(self, block_size: int) -> int:
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.num_kv_heads * block_size * self.head_dim * itemsize
+
+
+@dataclass
+class KVCache:
+    """The pool core allocated: ``[layers, 2, num_blocks, kv_heads, block_size, head_dim]``."""
+
+    pool: torch.Tensor
+    block_size: int
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.shape[2]
+
+
+@dataclass
+class PrefillBatch:
+    """Chunks of several sequences, packed token after token (sequence ``i`` owns
+    ``token_ids[query_start[i]:query_start[i+1]]``). A chunk may follow cached tokens
+    (``start_positions[i] > 0``: an earlier chunk or a prefix-cache hit); a decode is a chunk of
+    one token, so one batch may mix both phases. All tensors are int64 on the CPU."""
+
+    token_ids: torch.Tensor        # [T] the chunks' tokens
+    positions: torch.Tensor        # [T] each token's position in its sequence
+    slot_mapping: torch.Tensor     # [T] pool slot where each token's K/V goes
+    block_tables: torch.Tensor     # [B, max_blocks] block ids; padding entries are 0
+    context_lens: torch.Tensor     # [B] tokens in the cache after this call (start + chunk)
+    query_lens: list[int]          # [B] chunk lengths
+    start_positions: list[int]     # [B] tokens already cached before the chunk
+    logits: Literal["last", "all"] = "last"   # one row per sequence, or one per token
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def query_start(self) -> list[int]:
+        out = [0]
+        for n in self.query_lens:
+            out.append(out[-1] + n)
+        return out
+
+
+@dataclass
+class DecodeBatch:
+    """One new token per sequence (the pure-decode fast path). All tensors int64 on the CPU."""
+
+    token_ids: torch.Tensor        # [B]
+    positions: torch.Tensor        # [B] == context_lens - 1
+    slot_mapping: torch.Tensor     # [B]
+    block_tables: torch.Tensor     # [B, max_blocks]
+    context_lens: torch.Tensor     # [B] tokens in the cache after this call
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    def as_prefill(self) -> PrefillBatch:
+        """The same work as a batch of one-token chunks (for backends with one code path)."""
+        lens = self.context_lens.tolist()
+        return PrefillBatch(self.token_ids, self.positions, self.slot_mapping, self.block_tables,
+                            self.context_lens, [1] * len(lens), [n - 1 for n in lens])
+
+
+class Backend(ABC):
+    """Implements ``prefill`` and ``decode`` for one model on one device.
+
+    Lifecycle: ``__init__()`` (cheap, no arguments), ``load(model, cfg)`` (raise
+    ``BackendUnavailable`` if it cannot run here), ``kv_cache_spec()``, ``bind_kv_cache(kv)``,
+    then any number of ``prefill``/``decode`` calls.
+    """
+
+    name: ClassVar[str]
+    # the weight formats it runs (``model.quantization``); core refuses the others before load
+    quantizations: ClassVar[tuple[str, ...]] = ("none",)
+
+    @classmethod
+    def check_available(cls, device: str = "cpu") -> None:
+        """Raise ``BackendUnavailable`` with the reason if this backend cannot run on ``device``."""
+
+    @abstractmethod
+    def capabilities(self) -> Capabilities: ...
+
+    def supports(self, arch: ModelArch) -> str | None:
+        """None if this backend computes ``arch``, else why not, naming what it lacks
+        (``"native: QK-norm is not implemented"``). Called before ``load``; a backend with
+        limits beyond ``Capabilities.features`` (shapes it cannot tile) adds them here."""
+        missing = arch.features() - self.capabilities().features
+        if not missing:
+            return None
+        what = describe(missing)
+        return f"{self.name}: {what} {'are' if what.endswith('s') else 'is'} not implemented"
+
+    @abstractmethod
+    def load(self, model: ModelSpec, cfg: BackendConfig) -> None:
+        """Build or load the model's weights on ``cfg.device``."""
+
+    @abstractmethod
+    def kv_cache_spec(self) -> KVCacheSpec: ...
+
+    @abstractmethod
+    def bind_kv_cache(self, kv: KVCache) -> None:
+        """Use this pool for every later call (core allocated it on ``kv_cache_spec().device``).
+
+        A backend that keeps its own pool (``shares_kv_pool = False``) allocates one of
+        ``kv.pool``'s shape instead: zeroed when ``kv.pool`` is on the ``meta`` device (what the
+        engine passes it, so memory is not spent twice), else a copy of its contents."""
+
+    @abstractmethod
+    def prefill(self, batch: PrefillBatch) -> torch.Tensor:
+        """Logits ``[num_seqs, vocab]`` (``logits="last"``) or ``[num_tokens, vocab]`` ("all"),
+        float32 on any device. Afterwards the pool holds every chunk token's K/V at its slot."""
+
+    @abstractmethod
+    def decode(self, batch: DecodeBatch) -> torch.Tensor:
+        """Logits ``[num_seqs, vocab]``. Afterwards the pool holds the new tokens' K/V."""
+
+    def read_kv_pool(self) -> torch.Tensor | None:
+        """A copy of the pool a backend keeps itself (``shares_kv_pool = False``), for tests and
+        the conformance kit; ``None`` for a backend that writes core's pool."""
+        return None
+
+    def close(self) -> None:
+        """Release device resources (optional)."""

@@ -1,0 +1,92 @@
+"""The decoder-only transformer every family builds: embedding, blocks, final norm, head,
+composed from the layers kit by a ``ModelArch`` (one block per ``LayerSpec``), with attention
+that reads and writes core's paged KV pool.
+
+Tokens arrive packed (``[T]``); the q/k/v, o and MLP projections run once over all of them,
+whatever mix of prefill chunks and decodes the step holds: one read of the weights a step.
+A family whose block differs from this one (another residual order, parallel attention and
+MLP) defines its block in its own file and builds it here by ``arch.family``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from twophase.arch import LayerSpec, ModelArch
+from twophase.models.graph_attention import GraphMeta
+from twophase.models.layers.attention import Attention, AttnMeta
+from twophase.models.layers.mlp import GatedMLP
+from twophase.models.layers.moe import MoE
+from twophase.models.layers.norm import RMSNorm
+from twophase.models.layers.rotary import cos_sin, inv_freq
+
+__all__ = ["AttnMeta", "Block", "Decoder", "rope_inv_freq"]
+
+
+def rope_thetas(arch: ModelArch) -> list[float]:
+    """The distinct RoPE bases, in order of first use (one for most families)."""
+    return list(dict.fromkeys(s.attention.rope_theta for s in arch.layers))
+
+
+def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
+    """``[bases, rotary_dim / 2]``: each RoPE base's frequencies (float32, on the CPU)."""
+    rot = arch.rotary_dim or arch.head_dim
+    return torch.stack([inv_freq(rot, t, arch.rope_scaling) for t in rope_thetas(arch)])
+
+
+class Block(nn.Module):
+    def __init__(self, arch: ModelArch, spec: LayerSpec):
+        super().__init__()
+        h, eps, off = arch.hidden_size, arch.rms_norm_eps, arch.norm_offset
+        self.attn_norm = RMSNorm(h, eps, off)
+        self.attn = Attention(arch, spec.attention)
+        self.mlp_norm = RMSNorm(h, eps, off)
+        self.mlp: nn.Module = (MoE(h, spec.mlp, arch.activation) if spec.mlp.num_experts else
+                               GatedMLP(h, spec.mlp.intermediate_size, arch.mlp_bias, arch.activation))
+        self.post_norms = arch.post_norms
+        if arch.post_norms:
+            self.post_attn_norm = RMSNorm(h, eps, off)
+            self.post_mlp_norm = RMSNorm(h, eps, off)
+
+    def forward(self, x, cos, sin, kv_layer, meta):
+        a = self.attn(self.attn_norm(x), cos, sin, kv_layer, meta)
+        x = x + (self.post_attn_norm(a) if self.post_norms else a)
+        m = self.mlp(self.mlp_norm(x))
+        return x + (self.post_mlp_norm(m) if self.post_norms else m)
+
+
+class Decoder(nn.Module):
+    def __init__(self, arch: ModelArch):
+        super().__init__()
+        self.arch = arch
+        self.embed = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(Block(arch, spec) for spec in arch.layers)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.norm_offset)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        thetas = rope_thetas(arch)
+        self.rope_index = [thetas.index(s.attention.rope_theta) for s in arch.layers]
+        self.register_buffer("inv_freq", rope_inv_freq(arch), persistent=False)
+
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, kv_pool: torch.Tensor,
+                meta: AttnMeta | GraphMeta) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` after the final norm; writes K/V into ``kv_pool``."""
+        x = self.embed(token_ids)
+        if self.arch.embed_scale != 1.0:
+            x = x * torch.tensor(self.arch.embed_scale, dtype=x.dtype)
+        rope = [cos_sin(positions, self.inv_freq[j]) for j in range(self.inv_freq.shape[0])]
+        for i, layer in enumerate(self.layers):
+            cos, sin = rope[self.rope_index[i]]
+            if isinstance(meta, GraphMeta):     # graphs index the whole pool (see pool_gather)
+                meta.layer = i
+                x = layer(x, cos, sin, kv_pool, meta)
+            else:
+                x = layer(x, cos, sin, kv_pool[i], meta)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = self.lm_head(hidden).float()
+        cap = self.arch.final_softcap
+        return out if cap is None else cap * torch.tanh(out / cap)

@@ -1,0 +1,39 @@
+"""The model families that load, by HF ``model_type`` and GGUF ``general.architecture``.
+
+A new family is one file beside these (its config reading and weight names) and one line here.
+"""
+
+from __future__ import annotations
+
+from twophase.errors import ModelError
+from twophase.models.families import llama, mistral, qwen2, qwen3
+from twophase.models.families.family import Family
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, mistral.FAMILY)}
+
+
+def _known() -> str:
+    return ", ".join(sorted({t for f in FAMILIES.values() for t in f.hf_model_types}))
+
+
+def by_model_type(model_type: str | None, where: str) -> Family:
+    """The family of an HF ``config.json``'s ``model_type`` (a missing one reads as Llama)."""
+    for f in FAMILIES.values():
+        if (model_type or "llama") in f.hf_model_types:
+            return f
+    raise ModelError(f"{where}: model_type {model_type!r} is not supported; the families that "
+                     f"load: {_known()}")
+
+
+def by_gguf_architecture(name: str | None, where: str) -> Family:
+    for f in FAMILIES.values():
+        if name in f.gguf_architectures:
+            return f
+    known = ", ".join(sorted({a for f in FAMILIES.values() for a in f.gguf_architectures}))
+    raise ModelError(f"{where}: GGUF architecture {name!r} is not supported; the architectures "
+                     f"that load: {known}")
+
+
+def family(name: str) -> Family:
+    """The family that made an arch (``ModelArch.family``)."""
+    return FAMILIES[name]

@@ -1,0 +1,82 @@
+"""What a family file declares: how its HF config reads as a ``ModelArch``, which HF
+``model_type``s and GGUF architectures it loads, and its one table of weight names.
+
+The table maps each of our parameters (``attn.qkv``, ``mlp.gate_up``, ...) to its HF and GGUF
+names, several of them where we fuse a matrix the checkpoint stores in parts; the HF loader,
+the GGUF converter and the q4 loader all read it, so a name is spelled once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from twophase.arch import AttentionSpec, LayerSpec, MLPSpec, ModelArch, uniform_layers
+from twophase.models.layers.rotary import check_scaling
+
+# ours -> (HF names, GGUF names), per layer under "model.layers.{i}." / "blk.{i}."
+LayerNames = dict[str, tuple[tuple[str, ...], tuple[str, ...]]]
+
+TOP_NAMES = {"embed": ("model.embed_tokens", "token_embd"), "norm": ("model.norm", "output_norm"),
+             "lm_head": ("lm_head", "output")}
+
+LLAMA_LAYER: LayerNames = {
+    "attn_norm": (("input_layernorm",), ("attn_norm",)),
+    "mlp_norm": (("post_attention_layernorm",), ("ffn_norm",)),
+    "attn.qkv": (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("attn_q", "attn_k", "attn_v")),
+    "attn.o": (("self_attn.o_proj",), ("attn_output",)),
+    "attn.q_norm": (("self_attn.q_norm",), ("attn_q_norm",)),
+    "attn.k_norm": (("self_attn.k_norm",), ("attn_k_norm",)),
+    "mlp.gate_up": (("mlp.gate_proj", "mlp.up_proj"), ("ffn_gate", "ffn_up")),
+    "mlp.down": (("mlp.down_proj",), ("ffn_down",)),
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    hf_model_types: tuple[str, ...]
+    gguf_architectures: tuple[str, ...]
+    arch_from_hf: Callable[[dict[str, Any]], ModelArch]
+    layer_names: LayerNames
+    # llama.cpp reorders Q/K rows (interleaved RoPE pairs) for this family's GGUF files
+    gguf_rope_permuted: bool = False
+    hf_architecture: str = ""            # written into a converted GGUF's config.json
+
+
+def common_fields(c: dict[str, Any]) -> dict[str, Any]:
+    """The ``ModelArch`` fields every family reads the same way from an HF ``config.json``."""
+    heads = c["num_attention_heads"]
+    eos = c.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    params = c.get("rope_parameters") or {}
+    return {
+        "vocab_size": c["vocab_size"],
+        "hidden_size": c["hidden_size"],
+        "num_heads": heads,
+        "num_kv_heads": c.get("num_key_value_heads") or heads,
+        "head_dim": c.get("head_dim") or c["hidden_size"] // heads,
+        "max_position_embeddings": c.get("max_position_embeddings", 8192),
+        "rms_norm_eps": float(c.get("rms_norm_eps", 1e-5)),
+        "tie_word_embeddings": bool(c.get("tie_word_embeddings", False)),
+        "rope_scaling": check_scaling(c.get("rope_scaling") or params),
+        "bos_token_id": c.get("bos_token_id"),
+        "eos_token_ids": eos_ids,
+    }
+
+
+def rope_theta(c: dict[str, Any]) -> float:
+    return float(c.get("rope_theta", (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)))
+
+
+def layers_from_hf(c: dict[str, Any]) -> tuple[LayerSpec, ...]:
+    """Dense layers; sliding ones where ``layer_types`` says so (or every layer, when only
+    ``sliding_window`` is set and the family slides everywhere, as Mistral's)."""
+    n, f, theta = c["num_hidden_layers"], c["intermediate_size"], rope_theta(c)
+    window = c.get("sliding_window")
+    types = c.get("layer_types")
+    if not window or not types:
+        return uniform_layers(n, f, theta)
+    return tuple(LayerSpec(AttentionSpec(window if t == "sliding_attention" else None, theta), MLPSpec(f))
+                 for t in types[:n])

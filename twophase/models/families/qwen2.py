@@ -1,0 +1,18 @@
+"""Qwen2 and Qwen2.5: Llama's block with biases on q, k and v (not on the output)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twophase.arch import ModelArch
+from twophase.models.families.family import LLAMA_LAYER, Family, common_fields, layers_from_hf
+
+
+def arch_from_hf(c: dict[str, Any]) -> ModelArch:
+    if not c.get("use_sliding_window"):
+        c = {**c, "sliding_window": None}
+    return ModelArch("qwen2", layers=layers_from_hf(c), qkv_bias=True, **common_fields(c))
+
+
+FAMILY = Family("qwen2", ("qwen2",), ("qwen2",), arch_from_hf, LLAMA_LAYER,
+                hf_architecture="Qwen2ForCausalLM")

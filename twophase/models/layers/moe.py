@@ -1,0 +1,44 @@
+"""A mixture-of-experts MLP: a router picks ``top_k`` experts a token (softmax over all
+experts, then the top k, renormalised or not), an optional shared expert runs for every token.
+
+Experts' weights are stacked (``[E, 2f, h]`` and ``[E, h, f]``), so a GGUF's ``*_exps`` tensors
+map onto them as stored. Eagerly each expert reads its weights once for all the tokens routed to
+it, and experts no token chose are not read at all.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from twophase.arch import MLPSpec
+from twophase.models.layers.mlp import GatedMLP, activation
+
+
+class MoE(nn.Module):
+    def __init__(self, hidden: int, spec: MLPSpec, act: str = "silu"):
+        super().__init__()
+        E, f = spec.num_experts, spec.intermediate_size
+        self.top_k, self.norm_topk, self.f, self.act = spec.top_k, spec.norm_topk_prob, f, act
+        self.router = nn.Linear(hidden, E, bias=False)
+        self.gate_up = nn.Parameter(torch.empty(E, 2 * f, hidden))
+        self.down = nn.Parameter(torch.empty(E, hidden, f))
+        self.shared: GatedMLP | None = None
+        if spec.shared_intermediate_size:
+            self.shared = GatedMLP(hidden, spec.shared_intermediate_size, act=act)
+            self.shared_gate = nn.Linear(hidden, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.router(x).float(), dim=-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)           # [T, k]
+        if self.norm_topk:
+            weights = weights / weights.sum(-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for e in experts.unique().tolist():
+            rows, slot = (experts == e).nonzero(as_tuple=True)
+            gate_up = x[rows] @ self.gate_up[e].T
+            h = activation(self.act, gate_up[:, :self.f]) * gate_up[:, self.f:]
+            out.index_add_(0, rows, (h @ self.down[e].T) * weights[rows, slot, None].to(x.dtype))
+        if self.shared is not None:
+            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+        return out
