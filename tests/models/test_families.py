@@ -22,6 +22,10 @@ CONFIGS = {
     "qwen2": lambda: transformers.Qwen2Config(**BASE),
     "qwen3": lambda: transformers.Qwen3Config(**{**BASE, "head_dim": 24}),
     "mistral": lambda: transformers.MistralConfig(**BASE, sliding_window=24),
+    "mixtral": lambda: transformers.MixtralConfig(**BASE, num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**BASE, num_experts=6, num_experts_per_tok=2,
+                                                     moe_intermediate_size=32, norm_topk_prob=True,
+                                                     mlp_only_layers=[1]),
 }
 PROMPT = 80           # longer than Mistral's window, so the window shows
 
@@ -49,7 +53,7 @@ def test_the_family_loads_as_itself(hf_model):
     arch = llm.model.arch
     assert arch.family == name
     want = {"llama": {"qkv_bias", "o_bias"}, "qwen2": {"qkv_bias"}, "qwen3": {"qk_norm"},
-            "mistral": {"sliding_window"}}[name]
+            "mistral": {"sliding_window"}, "mixtral": {"moe"}, "qwen3_moe": {"qk_norm", "moe"}}[name]
     assert arch.features() == want
 
 

@@ -18,14 +18,15 @@ from twophase.models.families import family
 from twophase.models.families.family import TOP_NAMES
 
 
-def part_rows(ours: str, arch: ModelArch, parts: int) -> list[int] | None:
-    """How a fused matrix's rows split into the checkpoint's parts (None: one part)."""
+def part_rows(ours: str, arch: ModelArch, parts: int, width: int) -> list[int] | None:
+    """How a fused matrix's rows split into the checkpoint's parts (None: one part); ``width``
+    is the layer's MLP width."""
     if parts == 1:
         return None
     if ours == "attn.qkv":
         kv = arch.num_kv_heads * arch.head_dim
         return [arch.num_heads * arch.head_dim, kv, kv]
-    return [arch.intermediate_size] * parts
+    return [width] * parts
 
 
 def from_hf_state_dict(hf: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, torch.Tensor]:
@@ -34,29 +35,42 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], arch: ModelArch) -> dict[str
     for ours, (name, _) in TOP_NAMES.items():
         if f"{name}.weight" in hf and not (ours == "lm_head" and arch.tie_word_embeddings):
             out[f"{ours}.weight"] = hf[f"{name}.weight"]
-    for i in range(arch.num_layers):
+    for i, spec in enumerate(arch.layers):
         for ours, (parts, _) in family(arch.family).layer_names.items():
             for kind in ("weight", "bias"):
-                names = [f"model.layers.{i}.{p}.{kind}" for p in parts]
-                if all(n in hf for n in names):
-                    out[f"layers.{i}.{ours}.{kind}"] = (hf[names[0]] if len(names) == 1
-                                                         else torch.cat([hf[n] for n in names]))
+                if "{e}" not in parts[0]:
+                    t = _fused(hf, [f"model.layers.{i}.{p}.{kind}" for p in parts])
+                else:                         # one tensor an expert: stacked, [E, out, in]
+                    each = [_fused(hf, [f"model.layers.{i}.{p.format(e=e)}.{kind}" for p in parts])
+                            for e in range(spec.mlp.num_experts)]
+                    t = torch.stack(each) if each and all(x is not None for x in each) else None
+                if t is not None:
+                    out[f"layers.{i}.{ours}.{kind}"] = t
     return out
+
+
+def _fused(hf: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor | None:
+    """The parts concatenated along rows (None unless all are there)."""
+    if not all(n in hf for n in names):
+        return None
+    return hf[names[0]] if len(names) == 1 else torch.cat([hf[n] for n in names])
 
 
 def to_hf_state_dict(sd: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, torch.Tensor]:
     """Ours → HF names: the inverse of ``from_hf_state_dict`` (fused matrices split)."""
     out = {f"{name}.weight": sd[f"{ours}.weight"] for ours, (name, _) in TOP_NAMES.items()
            if not (ours == "lm_head" and arch.tie_word_embeddings)}
-    for i in range(arch.num_layers):
+    for i, spec in enumerate(arch.layers):
         for ours, (parts, _) in family(arch.family).layer_names.items():
             for kind in ("weight", "bias"):
                 t = sd.get(f"layers.{i}.{ours}.{kind}")
                 if t is None:
                     continue
-                rows = part_rows(ours, arch, len(parts))
-                for name, piece in zip(parts, torch.split(t, rows) if rows else [t]):
-                    out[f"model.layers.{i}.{name}.{kind}"] = piece
+                rows = part_rows(ours, arch, len(parts), spec.mlp.intermediate_size)
+                stacked = "{e}" in parts[0]
+                for e, te in enumerate(t if stacked else [t]):
+                    for name, piece in zip(parts, torch.split(te, rows) if rows else [te]):
+                        out[f"model.layers.{i}.{name.format(e=e) if stacked else name}.{kind}"] = piece
     return out
 
 

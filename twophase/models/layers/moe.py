@@ -15,14 +15,22 @@ from twophase.arch import MLPSpec
 from twophase.models.layers.mlp import GatedMLP, activation
 
 
+class Experts(nn.Module):
+    """``weight [E, out, in]``: every expert's matrix, stacked."""
+
+    def __init__(self, experts: int, out: int, inp: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, out, inp))
+
+
 class MoE(nn.Module):
     def __init__(self, hidden: int, spec: MLPSpec, act: str = "silu"):
         super().__init__()
         E, f = spec.num_experts, spec.intermediate_size
         self.top_k, self.norm_topk, self.f, self.act = spec.top_k, spec.norm_topk_prob, f, act
         self.router = nn.Linear(hidden, E, bias=False)
-        self.gate_up = nn.Parameter(torch.empty(E, 2 * f, hidden))
-        self.down = nn.Parameter(torch.empty(E, hidden, f))
+        self.experts_gate_up = Experts(E, 2 * f, hidden)
+        self.experts_down = Experts(E, hidden, f)
         self.shared: GatedMLP | None = None
         if spec.shared_intermediate_size:
             self.shared = GatedMLP(hidden, spec.shared_intermediate_size, act=act)
@@ -36,9 +44,9 @@ class MoE(nn.Module):
         out = torch.zeros_like(x)
         for e in experts.unique().tolist():
             rows, slot = (experts == e).nonzero(as_tuple=True)
-            gate_up = x[rows] @ self.gate_up[e].T
+            gate_up = x[rows] @ self.experts_gate_up.weight[e].T
             h = activation(self.act, gate_up[:, :self.f]) * gate_up[:, self.f:]
-            out.index_add_(0, rows, (h @ self.down[e].T) * weights[rows, slot, None].to(x.dtype))
+            out.index_add_(0, rows, (h @ self.experts_down.weight[e].T) * weights[rows, slot, None].to(x.dtype))
         if self.shared is not None:
             out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
         return out
