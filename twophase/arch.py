@@ -159,3 +159,29 @@ def uniform_layers(num_layers: int, intermediate_size: int, rope_theta: float = 
     """``num_layers`` identical layers: the dense, full-attention case of most families."""
     spec = LayerSpec(AttentionSpec(window, rope_theta), MLPSpec(intermediate_size))
     return (spec,) * num_layers
+
+
+def with_feature(arch: ModelArch, key: str) -> ModelArch:
+    """``arch`` changed to use one feature of ``FEATURES``: how tests and the conformance kit
+    ask a backend about each feature it does not claim."""
+    hd, f = arch.head_dim, arch.intermediate_size
+    simple: dict[str, dict[str, Any]] = {
+        "qkv_bias": {"qkv_bias": True}, "o_bias": {"o_bias": True}, "mlp_bias": {"mlp_bias": True},
+        "qk_norm": {"qk_norm": True}, "norm_offset": {"norm_offset": 1.0}, "post_norms": {"post_norms": True},
+        "gelu_tanh": {"activation": "gelu_tanh"}, "embed_scale": {"embed_scale": 2.0},
+        "attn_softcap": {"attn_softcap": 50.0}, "final_softcap": {"final_softcap": 30.0},
+        "query_scale": {"query_scale": 0.5 * hd ** -0.5}, "partial_rotary": {"rotary_dim": hd // 2},
+    }
+    if key in simple:
+        return replace(arch, **simple[key])
+    layers = list(arch.layers)
+    for i, s in enumerate(layers):
+        if key == "rope_per_layer" and i % 2:
+            layers[i] = replace(s, attention=replace(s.attention, rope_theta=s.attention.rope_theta * 10))
+        elif key == "sliding_window":
+            layers[i] = replace(s, attention=replace(s.attention, window=16))
+        elif key == "moe":
+            layers[i] = replace(s, mlp=MLPSpec(f, num_experts=4, top_k=2))
+    if key not in FEATURES:
+        raise KeyError(key)
+    return replace(arch, layers=tuple(layers))

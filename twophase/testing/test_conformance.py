@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from twophase import LLM, SamplingParams
+from twophase.arch import FEATURES, with_feature
 from twophase.contract import (
     BackendConfig,
     Capabilities,
@@ -101,6 +102,21 @@ def test_capabilities_are_declared(backend_name, backend_device, backend_options
     spec, a = b.kv_cache_spec(), llm.model.arch
     assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (a.num_layers, a.num_kv_heads, a.head_dim)
     assert torch.device(spec.device).type == torch.device(backend_device).type
+
+
+def test_it_refuses_by_name_each_feature_it_does_not_claim(backend_name, backend_device, backend_options,
+                                                          quantization):
+    """``Capabilities.features`` names only known features; ``supports`` accepts the plain
+    model and, for every feature not claimed, refuses a model using it with the feature's name
+    (a backend computing a Qwen3 as a Llama without a word is the failure this prevents)."""
+    llm = _reference()
+    b = llm.registry.get(backend_name)()
+    claimed = b.capabilities().features
+    assert isinstance(claimed, frozenset) and claimed <= set(FEATURES), sorted(claimed - set(FEATURES))
+    assert b.supports(llm.model.arch) is None, b.supports(llm.model.arch)
+    for key in sorted(set(FEATURES) - claimed):
+        why = b.supports(with_feature(llm.model.arch, key))
+        assert why and FEATURES[key] in why, f"{key}: supports() said {why!r}"
 
 
 @pytest.mark.parametrize("logits", ["last", "all"])
