@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.hf_models import BASE, FAMILIES, tiny_hf_model
 
 from twophase import LLM, SamplingParams
 from twophase.core.batch import prefill_batch
@@ -13,33 +14,13 @@ from twophase.errors import ModelError
 
 transformers = pytest.importorskip("transformers")
 
-BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-            tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-
-CONFIGS = {
-    "llama": lambda: transformers.LlamaConfig(**BASE, attention_bias=True),
-    "qwen2": lambda: transformers.Qwen2Config(**BASE),
-    "qwen3": lambda: transformers.Qwen3Config(**{**BASE, "head_dim": 24}),
-    "mistral": lambda: transformers.MistralConfig(**BASE, sliding_window=24),
-    "mixtral": lambda: transformers.MixtralConfig(**BASE, num_local_experts=4, num_experts_per_tok=2),
-    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**BASE, num_experts=6, num_experts_per_tok=2,
-                                                     moe_intermediate_size=32, norm_topk_prob=True,
-                                                     mlp_only_layers=[1]),
-}
 PROMPT = 80           # longer than Mistral's window, so the window shows
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
+@pytest.fixture(scope="module", params=FAMILIES)
 def hf_model(request, tmp_path_factory):
-    cfg = CONFIGS[request.param]()
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():                     # larger weights: sharper logits, fewer near-ties
-        for p in model.parameters():
-            p.mul_(4.0) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
     folder = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(folder)
+    model = tiny_hf_model(request.param, folder)
     llm = LLM.from_config({"model": {"path": str(folder)}, "cache": {"num_blocks": 64, "block_size": 8}})
     return request.param, model, llm
 

@@ -1,0 +1,43 @@
+"""Tiny HF checkpoints of each family, built by transformers from a config with seeded random
+weights: the independent reference every family is checked against."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+            tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+
+
+def hf_config(family: str):
+    import transformers as t
+
+    return {
+        "llama": lambda: t.LlamaConfig(**BASE, attention_bias=True),
+        "qwen2": lambda: t.Qwen2Config(**BASE),
+        "qwen3": lambda: t.Qwen3Config(**{**BASE, "head_dim": 24}),
+        "mistral": lambda: t.MistralConfig(**BASE, sliding_window=24),
+        "mixtral": lambda: t.MixtralConfig(**BASE, num_local_experts=4, num_experts_per_tok=2),
+        "qwen3_moe": lambda: t.Qwen3MoeConfig(**BASE, num_experts=6, num_experts_per_tok=2,
+                                              moe_intermediate_size=32, norm_topk_prob=True,
+                                              mlp_only_layers=[1]),
+    }[family]()
+
+
+FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
+
+
+def tiny_hf_model(family: str, folder: Path):
+    """The model, saved to ``folder`` (safetensors and config.json)."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(family)).eval()
+    with torch.no_grad():                     # larger weights: sharper logits, fewer near-ties
+        for p in model.parameters():
+            p.mul_(4.0) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(folder)
+    return model
