@@ -7,6 +7,7 @@ load."""
 from __future__ import annotations
 
 import math
+import sys
 from collections import Counter
 
 import pytest
@@ -14,7 +15,8 @@ import torch
 from helpers.models import PREEMPTING, random_prompts, tiny_llm
 
 from twophase import SamplingParams
-from twophase.core import sampler
+from twophase.core import draft_proposer, sampler
+from twophase.core.request import Request
 from twophase.errors import ConfigError
 from twophase.models import loader
 from twophase.paths import cache_dir
@@ -135,6 +137,47 @@ def test_seeded_sampling_is_reproducible_with_a_draft():
     fresh = [o.token_ids for o in _draft_llm(SHALLOW).generate(prompts, params)]
     assert llm.report()["speculative"]["draft_tokens"] > 0
     assert first == again == fresh
+    _assert_nothing_held(llm)
+
+
+def test_the_draft_proposer_never_writes_a_request(monkeypatch):
+    """The scheduler is the only writer of request state: while the proposer drafts (syncing,
+    evicting and rebuilding its shadows, drawing seeded drafts), no ``Request`` is built or
+    assigned to."""
+    written, by_proposer = Counter(), []
+    setattr_ = object.__setattr__
+
+    def spy(req, name, value):
+        written[name] += 1
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_globals.get("__name__") == draft_proposer.__name__:
+                by_proposer.append(f"{name} by {frame.f_code.co_name}")
+                break
+            frame = frame.f_back
+        setattr_(req, name, value)
+
+    monkeypatch.setattr(Request, "__setattr__", spy)
+    prompts = random_prompts()
+    params = [GREEDY if i % 2 else SamplingParams(max_tokens=16, temperature=0.8, seed=i,
+                                                  ignore_eos=True) for i in range(len(prompts))]
+    llm = _draft_llm({**SHALLOW, "num_blocks": 6})
+    proposer = llm.engine.scheduler.proposer
+    propose, changed = proposer.propose, []
+
+    def propose_spy(reqs, ks):              # nor changed in place (a list it shares)
+        before = [(list(r.token_ids), r.num_computed_tokens) for r in reqs]
+        proposals = propose(reqs, ks)
+        changed.extend(r.request_id for r, b in zip(reqs, before)
+                       if b != (r.token_ids, r.num_computed_tokens))
+        return proposals
+
+    proposer.propose = propose_spy
+    rep = llm.report(llm.generate(prompts, params))
+    assert rep["preemptions"] > 0 and rep["speculative"]["draft_tokens"] > 0
+    assert written["num_computed_tokens"] > 0                    # the scheduler's own writes
+    assert not by_proposer, f"the draft proposer wrote requests: {Counter(by_proposer)}"
+    assert not changed, f"drafting changed requests {changed}"
     _assert_nothing_held(llm)
 
 

@@ -2,14 +2,15 @@
 K/V goes in the pool (its slot), and which blocks each sequence reads (its block table).
 
 Public: the conformance kit, quality measurements and tests build batches with these functions,
-exactly as the engine does. Reads request and KV state; writes nothing.
+exactly as the engine does. Reads sequence and KV state (a ``Seq``: a request, or the draft
+model's copy of one); writes nothing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Generic, Literal, TypeVar
 
 import torch
 
@@ -17,56 +18,67 @@ from twophase.backends.base import DecodeBatch, PrefillBatch
 from twophase.core.kv_manager import KVManager
 from twophase.core.request import Request
 from twophase.core.scheduler import SchedulerOutput
+from twophase.core.seq_state import Seq
 
-Chunk = tuple[Request, int, int]        # (request, first position, number of tokens)
+Chunk = tuple[Seq, int, int]        # (sequence, first position, number of tokens)
+S = TypeVar("S", bound=Seq)
 
 
 Call = Literal["prefill", "decode", "verify"]
 
 
 @dataclass
-class StepBatches:
+class StepBatches(Generic[S]):
     """One step's backend calls, in order: ``prefill`` (the prefill backend's ``prefill``),
     ``decode`` (the decode backend's ``decode``), ``verify`` (the decode backend's ``prefill``
-    over decodes and their drafts, logits at every position). ``rows[i] = (request, tokens
+    over decodes and their drafts, logits at every position). ``rows[i] = (sequence, tokens
     computed, logits rows)`` says whose rows of the step's logits come next."""
 
     calls: list[tuple[Call, PrefillBatch | DecodeBatch]]
-    rows: list[tuple[Request, int, int]]
+    rows: list[tuple[S, int, int]]
 
 
-def build(out: SchedulerOutput, kv: KVManager, one_call: bool) -> StepBatches:
+def build(out: SchedulerOutput, kv: KVManager, one_call: bool) -> StepBatches[Request]:
     """The calls for ``out``: with ``one_call`` (one backend serves both phases and takes mixed
     batches) a step with any prefill is ONE ``PrefillBatch`` carrying the decodes as one-token
     chunks; otherwise the chunks go in a ``PrefillBatch`` and the decodes in a ``DecodeBatch``.
     A step that verifies drafts sends its decodes as chunks (each its token and its drafts) in
     one ``verify`` call."""
+    if not out.drafts:
+        return build_phases(out.decodes, out.prefills, kv, one_call)
     chunks = [(r, r.num_computed_tokens, n) for r, n in out.prefills]
+    items = [(r, r.num_computed_tokens, out.tokens_of(r)) for r in out.decodes]
+    verify = prefill_batch(items, kv, {k: p.token_ids for k, p in out.drafts.items()})
+    verify.logits = "all"
+    calls: list[tuple[Call, PrefillBatch | DecodeBatch]] = \
+        [("prefill", prefill_batch(chunks, kv))] if chunks else []
+    return StepBatches(calls + [("verify", verify)],
+                       [(r, n, 1) for r, _, n in chunks] + [(r, n, n) for r, _, n in items])
+
+
+def build_phases(decodes: Sequence[S], prefills: Sequence[tuple[S, int]], kv: KVManager,
+                 one_call: bool) -> StepBatches[S]:
+    """``build`` for a step with no drafts to verify, over any sequences: the draft model's
+    steps are built here too, from its own copies of the requests."""
+    chunks = [(r, r.num_computed_tokens, n) for r, n in prefills]
     chunk_rows = [(r, n, 1) for r, _, n in chunks]
-    if out.drafts:
-        items = [(r, r.num_computed_tokens, out.tokens_of(r)) for r in out.decodes]
-        verify = prefill_batch(items, kv, {k: p.token_ids for k, p in out.drafts.items()})
-        verify.logits = "all"
-        calls: list[tuple[Call, PrefillBatch | DecodeBatch]] = \
-            [("prefill", prefill_batch(chunks, kv))] if chunks else []
-        return StepBatches(calls + [("verify", verify)], chunk_rows + [(r, n, n) for r, _, n in items])
-    decodes = [(r, r.num_computed_tokens, 1) for r in out.decodes]
     if one_call and chunks:
-        items = decodes + chunks
+        items = [(r, r.num_computed_tokens, 1) for r in decodes] + chunks
         return StepBatches([("prefill", prefill_batch(items, kv))], [(r, n, 1) for r, _, n in items])
-    calls = [("prefill", prefill_batch(chunks, kv))] if chunks else []
+    calls: list[tuple[Call, PrefillBatch | DecodeBatch]] = \
+        [("prefill", prefill_batch(chunks, kv))] if chunks else []
     if decodes:
-        calls.append(("decode", decode_batch(out.decodes, kv)))
-    return StepBatches(calls, chunk_rows + [(r, 1, 1) for r in out.decodes])
+        calls.append(("decode", decode_batch(decodes, kv)))
+    return StepBatches(calls, chunk_rows + [(r, 1, 1) for r in decodes])
 
 
-def slots(kv: KVManager, req: Request, start: int, n: int) -> list[int]:
+def slots(kv: KVManager, req: Seq, start: int, n: int) -> list[int]:
     """Pool slots of ``req``'s positions ``start .. start + n - 1``."""
     table, bs = kv.block_table(req), kv.block_size
     return [table[p // bs] * bs + p % bs for p in range(start, start + n)]
 
 
-def block_tables(kv: KVManager, reqs: Sequence[Request]) -> torch.Tensor:
+def block_tables(kv: KVManager, reqs: Sequence[Seq]) -> torch.Tensor:
     """``[len(reqs), widest table]`` block ids, padded with 0."""
     tables = [kv.block_table(r) for r in reqs]
     width = max(len(t) for t in tables)
@@ -75,7 +87,7 @@ def block_tables(kv: KVManager, reqs: Sequence[Request]) -> torch.Tensor:
 
 def prefill_batch(items: Sequence[Chunk], kv: KVManager,
                   drafts: Mapping[str, list[int]] | None = None) -> PrefillBatch:
-    """Chunks ``(request, start, n)``: each request's tokens ``start .. start + n - 1``, where
+    """Chunks ``(sequence, start, n)``: each sequence's tokens ``start .. start + n - 1``, where
     those past its own tokens are its ``drafts`` (speculative tokens, by request id)."""
     tokens: list[int] = []
     positions: list[int] = []
@@ -97,7 +109,7 @@ def prefill_batch(items: Sequence[Chunk], kv: KVManager,
         start_positions=[s for _, s, _ in items])
 
 
-def decode_batch(reqs: Sequence[Request], kv: KVManager) -> DecodeBatch:
+def decode_batch(reqs: Sequence[Seq], kv: KVManager) -> DecodeBatch:
     """Each request's next uncomputed token (its position is ``num_computed_tokens``)."""
     pos = [r.num_computed_tokens for r in reqs]
     return DecodeBatch(

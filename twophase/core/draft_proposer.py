@@ -1,14 +1,16 @@
 """Drafts from a second model (``method = "draft"``): a cheaper model with the target's
 vocabulary, on its own backend(s) and its own KV pool, proposes the next ``k`` tokens.
 
-Each request has a shadow ``Request`` in the draft's pool: the tokens the draft has seen and how
-many of them it holds K/V for. Before drafting, the shadow is synced to the target's tokens: the
-K/V of the tokens both agree on is kept (drafts the target rejected are truncated away, exactly
-as in the target's pool), the rest (the target's last token, a kept draft the draft never
-computed, or at first the whole prompt) is one chunk whose last row gives the first draft; each
-further draft is one batched decode step. Drafts are sampled from the request's own distribution
-(temperature, top-k/p, min-p, penalties) applied to the draft's logits, which is the ``q`` the
-verifier corrects for; a greedy request's drafts are the draft's argmax.
+Each request has a shadow in the draft's pool, the proposer's own ``Shadow`` (never a
+``Request``, whose only writer is the scheduler): the tokens the draft has seen, how many of
+them it holds K/V for, and the random stream its drafts draw from. Before drafting, the shadow
+is synced to the target's tokens: the K/V of the tokens both agree on is kept (drafts the target
+rejected are truncated away, exactly as in the target's pool), the rest (the target's last
+token, a kept draft the draft never computed, or at first the whole prompt) is one chunk whose
+last row gives the first draft; each further draft is one batched decode step. Drafts are
+sampled from the request's own distribution (temperature, top-k/p, min-p, penalties) applied to
+the draft's logits, which is the ``q`` the verifier corrects for; a greedy request's drafts are
+the draft's argmax.
 
 Limits: a step's catch-up chunks share the target's token budget (a long prompt is caught up
 over several steps, without drafts meanwhile); a draft pool that runs short evicts the shadows
@@ -21,6 +23,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -30,8 +33,8 @@ from twophase.core.distribution import distribution, is_greedy, processed
 from twophase.core.executor import Executor
 from twophase.core.kv_manager import KVManager
 from twophase.core.request import Request
-from twophase.core.scheduler import SchedulerOutput
 from twophase.core.seams import Proposal
+from twophase.core.seq_state import SeqState
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +48,13 @@ def draft_generator(req: Request) -> torch.Generator | None:
     if seed is None:
         return None
     return torch.Generator().manual_seed((seed * 6364136223846793005 + 1442695040888963407) % 2**63)
+
+
+@dataclass(eq=False)
+class Shadow(SeqState):
+    """A request's sequence in the draft's pool, written by the proposer alone."""
+
+    generator: torch.Generator | None = None
 
 
 def common_prefix(a: list[int], b: list[int], limit: int) -> int:
@@ -62,7 +72,7 @@ class DraftProposer:
         self.kv = kv
         self.eos_ids = eos_ids
         self.max_tokens_per_step = max_tokens_per_step
-        self.shadows: OrderedDict[str, Request] = OrderedDict()   # least recently drafted first
+        self.shadows: OrderedDict[str, Shadow] = OrderedDict()   # least recently drafted first
         self.failures = 0
 
     def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> list[Proposal]:
@@ -102,9 +112,10 @@ class DraftProposer:
         if not work:
             return [Proposal([]) for _ in reqs]
         # the catch-up chunks, whose last rows give the first drafts
-        out = SchedulerOutput(decodes=[s for _, _, s, n, _ in work if n == 1],
-                              prefills=[(s, n) for _, _, s, n, _ in work if n > 1])
-        batches = batch.build(out, self.kv, self.executor.one_call(len(out.decodes)))
+        decodes = [s for _, _, s, n, _ in work if n == 1]
+        prefills = [(s, n) for _, _, s, n, _ in work if n > 1]
+        batches = batch.build_phases(decodes, prefills, self.kv,
+                                     self.executor.one_call(len(decodes)))
         logits = self.executor.run(batches)
         last, row = {}, 0
         for shadow, n, k in batches.rows:
@@ -132,7 +143,7 @@ class DraftProposer:
             proposals[i] = Proposal(drafts[i], torch.stack(probs[i]) if probs[i] else None)
         return proposals
 
-    def _draw(self, row: torch.Tensor, req: Request, shadow: Request,
+    def _draw(self, row: torch.Tensor, req: Request, shadow: Shadow,
               drafted: list[int]) -> tuple[int, torch.Tensor | None]:
         """A draft token for ``req`` after ``drafted``, and the distribution ``q`` it was drawn
         from (None: greedy, the argmax)."""
@@ -142,12 +153,11 @@ class DraftProposer:
         q = distribution(row, req).cpu()
         return int(torch.multinomial(q, 1, generator=shadow.generator)), q
 
-    def _sync(self, req: Request) -> Request:
+    def _sync(self, req: Request) -> Shadow:
         """``req``'s shadow, holding the target's tokens and the K/V the draft can keep."""
         shadow = self.shadows.get(req.request_id)
         if shadow is None:
-            shadow = Request(req.request_id, req.token_ids, req.params, 0.0)
-            shadow.generator = draft_generator(req)
+            shadow = Shadow(req.request_id, list(req.token_ids), generator=draft_generator(req))
             self.shadows[req.request_id] = shadow
             return shadow
         self.shadows.move_to_end(req.request_id)
@@ -157,7 +167,7 @@ class DraftProposer:
         self.kv.truncate(shadow, keep)
         return shadow
 
-    def _allocate(self, shadow: Request, n: int, busy: set[str]) -> bool:
+    def _allocate(self, shadow: Shadow, n: int, busy: set[str]) -> bool:
         """Blocks for ``n`` more tokens of ``shadow``, evicting idle shadows (least recently
         drafted first) while the pool is short."""
         while not self.kv.allocate(shadow, n):
@@ -168,7 +178,7 @@ class DraftProposer:
             self._drop_kv(idle)
         return True
 
-    def _drop_kv(self, shadow: Request) -> None:
+    def _drop_kv(self, shadow: Shadow) -> None:
         """Free ``shadow``'s blocks; it keeps its random stream (a seeded request's draws
         must not start over) and computes its tokens again when it drafts next."""
         self.kv.free(shadow)

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from typing import TypeVar
 
 import torch
 
 from twophase.backends.base import Backend, DecodeBatch
 from twophase.core.batch import StepBatches
+from twophase.core.seq_state import Seq
+
+S = TypeVar("S", bound=Seq)
 
 
 @contextlib.contextmanager
@@ -61,7 +65,7 @@ class Executor:
         """The thread setting for the step's torch work around the backends' calls."""
         return torch_threads(self.glue_threads)
 
-    def run(self, batches: StepBatches) -> torch.Tensor:
+    def run(self, batches: StepBatches[S]) -> torch.Tensor:
         """Logits, one row per ``batches.rows`` entry's logits rows, in order."""
         parts = []
         for call, batch in batches.calls:

@@ -12,7 +12,7 @@ from array import array
 from collections.abc import Sequence
 
 from twophase.core.block_pool import BlockPool
-from twophase.core.request import Request
+from twophase.core.seq_state import Seq
 
 
 def cdiv(a: int, b: int) -> int:
@@ -45,10 +45,10 @@ class KVManager:
     def blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def block_table(self, req: Request) -> list[int]:
+    def block_table(self, req: Seq) -> list[int]:
         return self.tables.get(req.request_id, [])
 
-    def _chain(self, req: Request, num_blocks: int) -> list[bytes]:
+    def _chain(self, req: Seq, num_blocks: int) -> list[bytes]:
         hashes = self._hashes.setdefault(req.request_id, [])
         bs, toks = self.block_size, req.token_ids
         while len(hashes) < num_blocks:
@@ -58,7 +58,7 @@ class KVManager:
             hashes.append(h.digest())      # sha256: a collision would silently reuse others' K/V
         return hashes[:num_blocks]
 
-    def computed_blocks(self, req: Request) -> list[int]:
+    def computed_blocks(self, req: Seq) -> list[int]:
         """Cached blocks holding a prefix of ``req``'s tokens. At least one token is always left
         to compute, since its logits are needed to sample."""
         if not self.prefix_caching:
@@ -75,13 +75,13 @@ class KVManager:
         self.queries += num_tokens
         self.hits += num_hit_tokens
 
-    def blocks_needed(self, req: Request, num_new_tokens: int, computed: Sequence[int] = ()) -> int:
+    def blocks_needed(self, req: Seq, num_new_tokens: int, computed: Sequence[int] = ()) -> int:
         """New blocks ``req`` needs for ``num_new_tokens`` more tokens (after ``computed`` hits)."""
         have = len(self.tables.get(req.request_id, [])) + len(computed)
         cached_tokens = len(computed) * self.block_size
         return self.blocks_for(req.num_computed_tokens + cached_tokens + num_new_tokens) - have
 
-    def allocate(self, req: Request, num_new_tokens: int, computed: Sequence[int] = ()) -> bool:
+    def allocate(self, req: Seq, num_new_tokens: int, computed: Sequence[int] = ()) -> bool:
         """Give ``req`` blocks for ``num_new_tokens`` more tokens (after ``computed`` hits, on
         admission). False, with nothing changed, if the pool cannot."""
         table = self.tables.get(req.request_id, [])
@@ -94,7 +94,7 @@ class KVManager:
         self.tables[req.request_id] = table
         return True
 
-    def cache_computed(self, req: Request) -> None:
+    def cache_computed(self, req: Seq) -> None:
         """Publish ``req``'s blocks that are full and computed, so later requests can hit them."""
         if not self.prefix_caching:
             return
@@ -105,7 +105,7 @@ class KVManager:
             self.pool.cache(block, h)
         self._published[req.request_id] = max(done, n)
 
-    def truncate(self, req: Request, num_tokens: int) -> None:
+    def truncate(self, req: Seq, num_tokens: int) -> None:
         """Keep only the blocks that hold ``req``'s first ``num_tokens`` tokens (a rollback:
         speculative tokens rejected). Slots past the new length are simply overwritten later;
         a block wholly past it goes back to the pool. Only computed tokens were ever published
@@ -124,7 +124,7 @@ class KVManager:
         if hashes is not None:
             del hashes[full:]
 
-    def free(self, req: Request) -> None:
+    def free(self, req: Seq) -> None:
         table = self.tables.pop(req.request_id, [])
         self._hashes.pop(req.request_id, None)
         self._published.pop(req.request_id, None)
