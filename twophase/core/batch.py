@@ -14,7 +14,7 @@ from typing import Generic, Literal, TypeVar
 
 import torch
 
-from twophase.backends.base import DecodeBatch, PrefillBatch
+from twophase.contract import DecodeBatch, PrefillBatch
 from twophase.core.kv_manager import KVManager
 from twophase.core.request import Request
 from twophase.core.scheduler import SchedulerOutput

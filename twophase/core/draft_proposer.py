@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from twophase.backends.base import Backend
+from twophase.contract import Backend
 from twophase.core import batch
 from twophase.core.distribution import distribution, is_greedy, processed
 from twophase.core.executor import Executor

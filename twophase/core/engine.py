@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from twophase.backends.base import Backend
+from twophase.contract import Backend
 from twophase.core import batch
 from twophase.core.executor import Executor
 from twophase.core.kv_manager import KVManager

@@ -14,7 +14,7 @@ from typing import TypeVar
 
 import torch
 
-from twophase.backends.base import Backend, DecodeBatch
+from twophase.contract import Backend, DecodeBatch
 from twophase.core.batch import StepBatches
 from twophase.core.seq_state import Seq
 
