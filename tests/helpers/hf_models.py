@@ -12,6 +12,10 @@ BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_lay
             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 
 
+GEMMA3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+               "full_attention": {"rope_type": "default", "rope_theta": 1e6}}
+
+
 def hf_config(family: str):
     import transformers as t
 
@@ -20,6 +24,12 @@ def hf_config(family: str):
         "qwen2": lambda: t.Qwen2Config(**BASE),
         "qwen3": lambda: t.Qwen3Config(**{**BASE, "head_dim": 24}),
         "mistral": lambda: t.MistralConfig(**BASE, sliding_window=24),
+        "gemma2": lambda: t.Gemma2Config(**BASE, sliding_window=24, query_pre_attn_scalar=20,
+                                         attn_logit_softcapping=5.0, final_logit_softcapping=8.0),
+        "gemma3": lambda: t.Gemma3TextConfig(**{**BASE, "num_hidden_layers": 4}, sliding_window=24,
+                                             query_pre_attn_scalar=20,
+                                             layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                                             rope_parameters=GEMMA3_ROPE),
         "mixtral": lambda: t.MixtralConfig(**BASE, num_local_experts=4, num_experts_per_tok=2),
         "qwen3_moe": lambda: t.Qwen3MoeConfig(**BASE, num_experts=6, num_experts_per_tok=2,
                                               moe_intermediate_size=32, norm_topk_prob=True,
@@ -27,7 +37,7 @@ def hf_config(family: str):
     }[family]()
 
 
-FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
+FAMILIES = ("gemma2", "gemma3", "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
 
 
 def tiny_hf_model(family: str, folder: Path):

@@ -14,6 +14,7 @@ from twophase.errors import ModelError
 
 transformers = pytest.importorskip("transformers")
 
+GEMMA = {"norm_offset", "post_norms", "gelu_tanh", "embed_scale", "query_scale", "sliding_window"}
 PROMPT = 80           # longer than Mistral's window, so the window shows
 
 
@@ -34,7 +35,8 @@ def test_the_family_loads_as_itself(hf_model):
     arch = llm.model.arch
     assert arch.family == name
     want = {"llama": {"qkv_bias", "o_bias"}, "qwen2": {"qkv_bias"}, "qwen3": {"qk_norm"},
-            "mistral": {"sliding_window"}, "mixtral": {"moe"}, "qwen3_moe": {"qk_norm", "moe"}}[name]
+            "mistral": {"sliding_window"}, "mixtral": {"moe"}, "qwen3_moe": {"qk_norm", "moe"},
+            "gemma2": GEMMA | {"attn_softcap", "final_softcap"}, "gemma3": GEMMA | {"qk_norm", "rope_per_layer"}}[name]
     assert arch.features() == want
 
 
@@ -79,3 +81,24 @@ def test_an_unimplemented_rope_scaling_is_refused_not_ignored():
     cfg = {**BASE, "model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
     with pytest.raises(ModelError, match="RoPE scaling 'yarn' is not implemented"):
         by_model_type("llama", "here").arch_from_hf(cfg)
+
+
+@pytest.mark.exhaustive          # an export a family
+@pytest.mark.parametrize("backend", ["onnxruntime", "iree"])
+def test_graph_backends_trace_each_family_they_claim(hf_model, backend):
+    """ONNX and IREE trace the same decoder: a family whose features they claim gives torch's
+    greedy tokens; one they do not is refused before any export."""
+    from twophase.errors import BackendUnavailable
+    from twophase.models.graph_attention import TRACED_FEATURES
+
+    _, _, llm = hf_model
+    cfg = {"model": {"path": llm.model.weights}, "cache": {"num_blocks": 64, "block_size": 8},
+           "backend": {"name": backend}}
+    prompt = list(range(5, 45))
+    if not llm.model.arch.features() <= TRACED_FEATURES:
+        with pytest.raises(BackendUnavailable, match=f"{backend}: .* not implemented"):
+            LLM.from_config(cfg)
+        return
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    want = llm.generate([prompt], params)[0].token_ids
+    assert LLM.from_config(cfg).generate([prompt], params)[0].token_ids == want

@@ -1,0 +1,52 @@
+"""Gemma 2 and Gemma 3: ``(1 + w)`` norms, four a layer (after attention and after the MLP
+too), an embedding scaled by sqrt(hidden), a tanh-GELU gate, a query scale from
+``query_pre_attn_scalar``, sliding and global layers by ``layer_types``; Gemma 2 soft-caps
+scores and logits, Gemma 3 has QK-norm and a RoPE base per layer type."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twophase.arch import AttentionSpec, LayerSpec, MLPSpec, ModelArch
+from twophase.errors import ModelError
+from twophase.models.families.family import LLAMA_LAYER, Family, LayerNames, common_fields
+from twophase.models.layers.rotary import check_scaling
+
+GEMMA_LAYER: LayerNames = {
+    **LLAMA_LAYER,
+    "post_attn_norm": (("post_attention_layernorm",), ("post_attention_norm",)),
+    "mlp_norm": (("pre_feedforward_layernorm",), ("ffn_norm",)),
+    "post_mlp_norm": (("post_feedforward_layernorm",), ("post_ffw_norm",)),
+}
+
+
+def _thetas(c: dict[str, Any]) -> dict[str, float]:
+    """The RoPE base of each layer type; a scaling other than plain is refused by name."""
+    params = c.get("rope_parameters") or {}
+    if "full_attention" in params:              # transformers 5: one entry a layer type
+        for p in params.values():
+            check_scaling(p)
+        return {t: float(p["rope_theta"]) for t, p in params.items()}
+    check_scaling(c.get("rope_scaling") or params)
+    full = float(c.get("rope_theta", params.get("rope_theta", 10000.0)))
+    return {"full_attention": full, "sliding_attention": float(c.get("rope_local_base_freq", full))}
+
+
+def arch_from_hf(c: dict[str, Any], family: str) -> ModelArch:
+    if c.get("hidden_activation", c.get("hidden_act")) not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ModelError(f"{family}: activation {c.get('hidden_activation')!r} is not implemented")
+    thetas, window, n = _thetas(c), c.get("sliding_window"), c["num_hidden_layers"]
+    types = c.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    layers = tuple(LayerSpec(AttentionSpec(window if t == "sliding_attention" else None, thetas[t]),
+                             MLPSpec(c["intermediate_size"])) for t in types[:n])
+    fields = {**common_fields(c), "rope_scaling": None}
+    return ModelArch(family, layers=layers, norm_offset=1.0, post_norms=True, activation="gelu_tanh",
+                     embed_scale=c["hidden_size"] ** 0.5, qk_norm=family == "gemma3",
+                     attn_softcap=c.get("attn_logit_softcapping"), final_softcap=c.get("final_logit_softcapping"),
+                     query_scale=float(c.get("query_pre_attn_scalar", fields["head_dim"])) ** -0.5, **fields)
+
+
+GEMMA2 = Family("gemma2", ("gemma2",), ("gemma2",), lambda c: arch_from_hf(c, "gemma2"), GEMMA_LAYER,
+                hf_architecture="Gemma2ForCausalLM")
+GEMMA3 = Family("gemma3", ("gemma3_text",), ("gemma3",), lambda c: arch_from_hf(c, "gemma3"), GEMMA_LAYER,
+                hf_architecture="Gemma3ForCausalLM")
