@@ -30,6 +30,9 @@ def hf_config(family: str):
                                              query_pre_attn_scalar=20,
                                              layer_types=["sliding_attention"] * 3 + ["full_attention"],
                                              rope_parameters=GEMMA3_ROPE),
+        "phi3": lambda: t.Phi3Config(**{**BASE, "pad_token_id": 0},
+                                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                      "partial_rotary_factor": 0.5}),
         "mixtral": lambda: t.MixtralConfig(**BASE, num_local_experts=4, num_experts_per_tok=2),
         "qwen3_moe": lambda: t.Qwen3MoeConfig(**BASE, num_experts=6, num_experts_per_tok=2,
                                               moe_intermediate_size=32, norm_topk_prob=True,
@@ -37,7 +40,7 @@ def hf_config(family: str):
     }[family]()
 
 
-FAMILIES = ("gemma2", "gemma3", "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
+FAMILIES = ("gemma2", "gemma3", "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe")
 
 
 def tiny_hf_model(family: str, folder: Path):

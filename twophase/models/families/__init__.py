@@ -6,12 +6,12 @@ A new family is one file beside these (its config reading and weight names) and 
 from __future__ import annotations
 
 from twophase.errors import ModelError
-from twophase.models.families import gemma, llama, mistral, moe, qwen2, qwen3
+from twophase.models.families import gemma, llama, mistral, moe, phi3, qwen2, qwen3
 from twophase.models.families.family import Family
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
-    llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, mistral.FAMILY, gemma.GEMMA2, gemma.GEMMA3, moe.MIXTRAL,
-    moe.QWEN3_MOE)}
+    llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, mistral.FAMILY, phi3.FAMILY, gemma.GEMMA2, gemma.GEMMA3,
+    moe.MIXTRAL, moe.QWEN3_MOE)}
 
 
 def _known() -> str:
