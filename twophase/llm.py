@@ -13,15 +13,15 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from twophase import draft, routing
 from twophase import plan as planner
-from twophase.backends.base import BackendConfig, EngineLimits, KVCache, ModelSpec
 from twophase.backends.registry import Registry
-from twophase.config import Config, SchedulerConfig, load_config
+from twophase.config import BackendSection, Config, SchedulerConfig, load_config
+from twophase.contract import BackendConfig, EngineLimits, KVCache, ModelSpec
 from twophase.core.draft_proposer import DraftProposer
 from twophase.core.engine import Engine
 from twophase.core.kv_manager import KVManager
@@ -39,6 +39,9 @@ from twophase.models import loader
 from twophase.plan import check as memcheck
 from twophase.plan.model_source import planned_model
 from twophase.report import load_line
+
+if TYPE_CHECKING:
+    from twophase.models.source import ModelSource
 
 log = logging.getLogger(__name__)
 GiB = 1 << 30
@@ -60,22 +63,50 @@ class _Laps:
 
 class LLM:
     def __init__(self, config: Config, registry: Registry | None = None):
-        t0 = time.perf_counter()
-        lap = _Laps()
+        t0, lap = time.perf_counter(), _Laps()
         self.registry = registry or Registry()
         self.routing: routing.Routing | None = None
         if routing.wanted(config):                # [backend] name = "auto": measured, or cached
-            self.routing = routing.resolve(config, self.registry, make_engine=LLM, measure=False)
-            config = routing.apply(config, self.routing)
-            log.info("backend auto: %s", self.routing.describe())
-            if "stored" in self.routing.table:
-                log.info("backend auto: `twophase backends CONFIG` times the backends on this "
-                         "machine once (minutes, with progress); later runs route by that table")
+            config = self._route_backends(config)
             lap("backend auto")
         self.config = config
-        mc = config.model
-        pcfg, dcfg = config.phases()
-        split = config.backend.prefill is not None
+        device = self._check_devices()
+        source = config.model.source()            # built once a load: the model and its spec read it
+        self.model = loader.resolve(source, device)
+        lap("model files")
+        self._draft_config(config)                # refuse a bad draft before any weights load
+        self.draft: LLM | None = None             # loaded by the first engine that drafts with it
+        self.max_model_len = self._model_context()
+        self.plan = self._plan(device)
+        lap("memory plan")
+        self._check_fits(device)
+        used = self._load_backends(device, source)
+        lap("backend load")
+        used += self._allocate_and_bind_pool(device)
+        lap("KV pool and bind")
+        self.engine = self._build_engine()
+        lap("engine")
+        self.load_time_s = time.perf_counter() - t0
+        self.load_breakdown_s = lap.laps
+        self._log_load(device)
+        self.memory = self._check_memory(device, used)
+
+    # -- load steps, in the order __init__ takes them -----------------------------------------
+    def _route_backends(self, config: Config) -> Config:
+        """``config`` with its ``auto`` phases named by the routing (cached, or the stored table)."""
+        self.routing = routing.resolve(config, self.registry, make_engine=LLM, measure=False)
+        config = routing.apply(config, self.routing)
+        log.info("backend auto: %s", self.routing.describe())
+        if "stored" in self.routing.table:
+            log.info("backend auto: `twophase backends CONFIG` times the backends on this "
+                     "machine once (minutes, with progress); later runs route by that table")
+        return config
+
+    def _check_devices(self) -> str:
+        """The device both phases run on, once each backend says it can run there: the phases
+        read and write one KV pool, so they must share it."""
+        pcfg, dcfg = self.config.phases()
+        split = self.config.backend.prefill is not None
         for key, sec in ((("backend.prefill", pcfg), ("backend.decode", dcfg)) if split
                          else (("backend", pcfg),)):
             self.registry.get(sec.name, f"{key}.name").check_available(sec.device)
@@ -83,58 +114,66 @@ class LLM:
             raise ConfigError("backend.decode.device",
                               f"prefill runs on {pcfg.device!r} and decode on {dcfg.device!r}: both "
                               f"phases read and write one KV pool, so they must share a device")
-        device = pcfg.device
-        source = mc.source()
-        self.model = loader.resolve(source, device)
-        lap("model files")
-        self._draft_config(config)                # refuse a bad draft before any weights load
-        self.draft: LLM | None = None             # loaded by the first engine that drafts with it
-        arch = self.model.arch
-        self.max_model_len = min(mc.max_model_len or arch.max_position_embeddings,
-                                 arch.max_position_embeddings)
-        self.plan = self._plan(device)
-        lap("memory plan")
-        self._check_fits(device)
-        if isinstance(config.cache.num_blocks, int):         # known before any weights load
-            self._fit_context(config.cache.num_blocks * config.cache.block_size)
+        return pcfg.device
+
+    def _model_context(self) -> int:
+        """The longest request: the model's context, or less where ``model.max_model_len`` asks
+        (the pool may lower it further, see ``_fit_context``)."""
+        limit = self.model.arch.max_position_embeddings
+        return min(self.config.model.max_model_len or limit, limit)
+
+    def _load_backends(self, device: str, source: ModelSource) -> list[int]:
+        """The prefill and decode backends (one instance where the phases agree) and those
+        ``auto`` routes smaller decode batches to; returns the bytes in use before them, which
+        the plan's check reads."""
         self.spec = spec = loader.model_spec(self.model, source)
         if torch.device(device).type == "cpu":
             return_freed_memory()                 # a model loaded and closed before this one
         used = [memcheck.in_use(device)]
+        pcfg, dcfg = self.config.phases()
         self.prefill_backend = self._load_backend(pcfg, spec)
-        same = (pcfg.name, pcfg.device, pcfg.options) == (dcfg.name, dcfg.device, dcfg.options)
+        same = _one_backend(pcfg, dcfg)
         self.decode_backend = self.prefill_backend if same else self._load_backend(dcfg, spec)
         if not same:
             self._check_pool_sharing(pcfg, dcfg)
         self.decode_routes = self._load_routes(pcfg, dcfg, spec)
-        lap("backend load")
+        return used
+
+    def _allocate_and_bind_pool(self, device: str) -> list[int]:
+        """The KV pool, allocated and bound to every backend, the context lowered to what it
+        holds; returns the bytes in use before the pool, after it and after bind (the plan's
+        check)."""
         self.backend = self.prefill_backend
         if torch.device(device).type == "cpu":
             return_freed_memory()
-        used.append(memcheck.in_use(device))
+        used = [memcheck.in_use(device)]
         self.kv_cache = self._allocate_pool(device)
-        if config.cache.prefault:
+        if self.config.cache.prefault:
             prefault(self.kv_cache.pool)
         used.append(memcheck.in_use(device))
-        self._fit_context(self.num_blocks * config.cache.block_size)
+        self._fit_context(self.num_blocks * self.config.cache.block_size)
         routed = [b for _, b in self.decode_routes]
         for b in {id(b): b for b in (self.prefill_backend, self.decode_backend, *routed)}.values():
             b.bind_kv_cache(self.kv_cache)      # TensorRT and IREE load their engines here
         used.append(memcheck.in_use(device))
-        lap("KV pool and bind")
-        self.engine = self._build_engine()
-        lap("engine")
-        self.load_time_s = time.perf_counter() - t0
-        self.load_breakdown_s = lap.laps
-        names = pcfg.name if same else f"{pcfg.name} prefill + {dcfg.name} decode"
+        return used
+
+    def _log_load(self, device: str) -> None:
+        pcfg, dcfg = self.config.phases()
+        names = pcfg.name if _one_backend(pcfg, dcfg) else f"{pcfg.name} prefill + {dcfg.name} decode"
         log.info("loaded %s on %s/%s in %s (%d KV blocks of %d tokens)", self.model.model_id, names,
-                 device, load_line({"load_time_s": self.load_time_s, "load_breakdown_s": lap.laps}),
-                 self.num_blocks, config.cache.block_size)
-        m = self.memory = self._memory(device)
+                 device, load_line({"load_time_s": self.load_time_s,
+                                    "load_breakdown_s": self.load_breakdown_s}),
+                 self.num_blocks, self.config.cache.block_size)
+
+    def _check_memory(self, device: str, used: list[int]) -> dict[str, Any]:
+        """What the load holds (``_memory``) and the plan checked against what it measured, logged."""
+        m = self._memory(device)
         m["check"] = self._check_plan(device, used)
         log.info("KV cache %.2f GiB = %d tokens; max concurrency %d at %d tokens; weights %.2f GiB; "
                  "headroom %.2f GiB", m["kv_cache_bytes"] / GiB, m["kv_tokens"], m["max_concurrency"],
                  self.max_model_len, m["weight_bytes"] / GiB, m["headroom_bytes"] / GiB)
+        return m
 
     def _plan(self, device: str) -> planner.Plan:
         """The memory plan for this config on this device (``twophase plan``): the budget the
@@ -263,6 +302,8 @@ class LLM:
         self.max_model_len = pool_tokens
 
     def _check_fits(self, device: str) -> None:
+        """Refuse, before any weights load, weights the device cannot hold and a fixed pool
+        too small for one request."""
         need = self.plan.total("weights")
         have = available_memory(device)
         if need > 0.9 * have:
@@ -271,6 +312,9 @@ class LLM:
                 f"({self.plan.items[0].how}) but {device} has "
                 f"{have / GiB:.1f} GiB available; choose a smaller shape, fewer layers "
                 f"(model.num_layers) or a smaller dtype")
+        cc = self.config.cache
+        if isinstance(cc.num_blocks, int):        # known before any weights load
+            self._fit_context(cc.num_blocks * cc.block_size)
 
     def _allocate_pool(self, device: str) -> KVCache:
         cc = self.config.cache
@@ -457,6 +501,11 @@ class LLM:
     def reset_stats(self) -> None:
         self.engine.steps.clear()
         self.engine.kv.queries = self.engine.kv.hits = 0
+
+
+def _one_backend(pcfg: BackendSection, dcfg: BackendSection) -> bool:
+    """Whether the phases name one backend, device and options: then one instance runs both."""
+    return (pcfg.name, pcfg.device, pcfg.options) == (dcfg.name, dcfg.device, dcfg.options)
 
 
 def prefault(t: torch.Tensor) -> None:
