@@ -34,7 +34,7 @@ from twophase.core.scheduler import Scheduler
 from twophase.core.seams import Proposer
 from twophase.core.spec_control import SpecController
 from twophase.device import available_memory, return_freed_memory, same_device
-from twophase.errors import ConfigError, ModelError, RequestRejected
+from twophase.errors import BackendUnavailable, ConfigError, ModelError, RequestRejected
 from twophase.models import loader
 from twophase.plan import check as memcheck
 from twophase.plan.model_source import planned_model
@@ -73,6 +73,7 @@ class LLM:
         device = self._check_devices()
         source = config.model.source()            # built once a load: the model and its spec read it
         self.model = loader.resolve(source, device)
+        self._check_backends_compute()            # before any of them loads or exports
         lap("model files")
         self._draft_config(config)                # refuse a bad draft before any weights load
         self.draft: LLM | None = None             # loaded by the first engine that drafts with it
@@ -115,6 +116,25 @@ class LLM:
                               f"prefill runs on {pcfg.device!r} and decode on {dcfg.device!r}: both "
                               f"phases read and write one KV pool, so they must share a device")
         return pcfg.device
+
+    def _check_backends_compute(self) -> None:
+        """Each phase's backend computes this architecture, or the run stops here with what it
+        lacks, by name ("native: QK-norm is not implemented")."""
+        for sec in dict.fromkeys(s.name for s in self.config.phases()):
+            why = self.registry.get(sec)().supports(self.model.arch)
+            if why:
+                raise BackendUnavailable(f"{why}; backends that compute every feature of this "
+                                         f"{self.model.arch.family} model: {', '.join(self._computing())}")
+
+    def _computing(self) -> list[str]:
+        out = []
+        for name, info in sorted(self.registry.backends.items()):
+            try:
+                if info.cls is not None and info.cls().supports(self.model.arch) is None:
+                    out.append(name)
+            except Exception:          # a plugin whose capabilities need a load: not listed
+                continue
+        return out or ["none installed"]
 
     def _model_context(self) -> int:
         """The longest request: the model's context, or less where ``model.max_model_len`` asks

@@ -1,0 +1,51 @@
+"""A backend that does not compute a model's architecture refuses it by the feature's name,
+before anything loads or exports; ``auto`` leaves it out with the same reason."""
+
+from __future__ import annotations
+
+import pytest
+from helpers.hf_models import tiny_hf_model
+
+from twophase import LLM
+from twophase.backends.registry import Registry
+from twophase.config import load_config
+from twophase.errors import BackendUnavailable
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    out = {}
+    for family in ("qwen3", "mistral"):
+        out[family] = tmp_path_factory.mktemp(family)
+        tiny_hf_model(family, out[family])
+    return out
+
+
+def _cfg(folder, backend: str, quantization: str = "none") -> dict:
+    return {"model": {"path": str(folder), "quantization": quantization}, "cache": {"num_blocks": 32},
+            "backend": {"name": backend}}
+
+
+def test_a_run_on_a_backend_without_the_feature_names_it(folders):
+    with pytest.raises(BackendUnavailable, match="native: QK-norm is not implemented"):
+        LLM.from_config(_cfg(folders["qwen3"], "native", "q4"))
+    with pytest.raises(BackendUnavailable, match="onnxruntime: sliding-window attention is not implemented"):
+        LLM.from_config(_cfg(folders["mistral"], "onnxruntime"))
+
+
+def test_each_phase_is_asked(folders):
+    cfg = _cfg(folders["mistral"], "torch")
+    cfg["backend"] = {"prefill": {"name": "torch"}, "decode": {"name": "onnxruntime"}}
+    with pytest.raises(BackendUnavailable, match="onnxruntime: sliding-window"):
+        LLM.from_config(cfg)
+
+
+def test_auto_leaves_out_a_backend_that_refuses_the_model(folders):
+    from twophase import routing
+
+    config = load_config(_cfg(folders["qwen3"], "auto", "q4"))
+    chosen, left_out = routing.candidates(config, Registry())
+    assert "native" not in chosen and left_out["native"].startswith("QK-norm is not implemented")
+    assert "onnxruntime" in chosen
