@@ -4,10 +4,11 @@ A kernel change is measured against the code before it on the same machine in on
 revision is checked out once (``git worktree``, under a temporary folder), and every round runs
 each in a fresh process (its own compiled kernel, keyed by its source), alternating, so drift on a
 busy machine hits both alike. Figures: tokens/s of a 512-token prefill and of decode steps at
-batch 1 and 32 (context 128) on the default model's q4 blocks; medians over rounds.
+batch 1 and 32 (context 128) on the default model (its q4 blocks, or float32 with
+``--quantization none``); medians over rounds.
 
     python benchmarks/revisions.py HEAD~1 [--against WORKTREE_OR_REV] [--rounds 3] [--backend native]
-                                          [--threads N]
+                                          [--quantization q4|none] [--threads N]
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ import json, sys
 from twophase import LLM
 from twophase.phase_timing import decode_round, prefill_round
 backend = {"name": sys.argv[1]}
-if len(sys.argv) > 2:
-    backend["options"] = {"threads": int(sys.argv[2])}
-llm = LLM.from_config({"model": {"name": "smollm2-135m-instruct", "quantization": "q4"},
+if len(sys.argv) > 3:
+    backend["options"] = {"threads": int(sys.argv[3])}
+llm = LLM.from_config({"model": {"name": "smollm2-135m-instruct", "quantization": sys.argv[2]},
                        "backend": backend,
                        "scheduler": {"policy": "prefill-first", "max_num_batched_tokens": 512,
                                      "max_num_seqs": 32}, "cache": {"num_blocks": 1024}})
@@ -57,11 +58,11 @@ def tree(rev: str, tmp: Path) -> Path:
     return path
 
 
-def one_round(path: Path, backend: str, threads: int | None = None) -> dict[str, float]:
+def one_round(path: Path, backend: str, quantization: str, threads: int | None = None) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": str(path)}
     # run in the checkout: ``python -c`` puts the working directory first on sys.path, so run
     # from the repository root both sides had imported the working tree's package
-    args = [backend] + ([str(threads)] if threads else [])
+    args = [backend, quantization] + ([str(threads)] if threads else [])
     out = subprocess.run([sys.executable, "-c", ROUND + PROVENANCE, *args], env=env, capture_output=True,
                          text=True, cwd=path)
     if out.returncode:
@@ -79,6 +80,7 @@ def main() -> None:
     ap.add_argument("--against", default=".", help="the other side: '.' (the working tree) or a revision")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--backend", default="native")
+    ap.add_argument("--quantization", default="q4", choices=("q4", "none"))
     ap.add_argument("--threads", type=int, help="the backend's threads option (default: its own)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -87,7 +89,7 @@ def main() -> None:
             got: dict[str, list[dict[str, float]]] = {k: [] for k in sides}
             for r in range(args.rounds):
                 for name, path in sides.items():
-                    got[name].append(one_round(path, args.backend, args.threads))
+                    got[name].append(one_round(path, args.backend, args.quantization, args.threads))
                     print(f"round {r + 1}: {name}: {got[name][-1]}", file=sys.stderr)
         finally:
             for path in sides.values():
