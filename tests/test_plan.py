@@ -181,6 +181,32 @@ def test_q4_weights_on_onnxruntime_count_each_graph(tmp_path):
     assert np.isclose(one.total("weights"), 232_775_424, rtol=1e-4)      # the exported graph's data
 
 
+def test_the_plan_counts_what_a_backend_says_it_holds():
+    """A plugin describes its own memory (``Backend.memory``): two copies of the weights, its
+    embedding mapped, its activations in a workspace of its own."""
+    from twophase.backends.registry import BackendInfo, Registry
+    from twophase.backends.torch_eager import TorchBackend
+    from twophase.contract import BackendMemory, Workspace
+
+    class TwoCopies(TorchBackend):
+        name = "two-copies"
+
+        @classmethod
+        def memory(cls, query):
+            return BackendMemory(weight_copies=2, mapped_embedding=True, step_activations=False,
+                                 workspace=Workspace("its buffers", 5 * MiB, "fixed"))
+
+    registry = Registry()
+    registry.backends["two-copies"] = BackendInfo("two-copies", "a test", TwoCopies)
+    p = plan(load_config({"model": TINY, "backend": {"name": "two-copies"}}), profile("cpu", 8),
+             registry=registry)
+    plain = plan(load_config({"model": TINY}), profile("cpu", 8), registry=registry)
+    assert weights(p) == {g: 2 * n for g, n in weights(plain).items()}
+    assert [i.name for i in p.items if not i.resident] == ["embedding (two-copies ×2 graphs)"]
+    assert p.total("activations") == 0 < plain.total("activations")
+    assert [(i.name, i.bytes) for i in p.items if i.kind == "workspace"] == [("its buffers", 5 * MiB)]
+
+
 class _Caps:
     shares_kv_pool = True
 

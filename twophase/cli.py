@@ -208,6 +208,7 @@ def cmd_plan(args) -> int:
     from rich.console import Console
 
     from twophase import plan as planner
+    from twophase.backends.registry import Registry
     from twophase.plan import render
 
     for flag in ("context", "users"):
@@ -218,8 +219,9 @@ def cmd_plan(args) -> int:
     cfg = flags.load(args)
     if device.kind == "cuda":                 # plan for the GPU whatever device the config names
         cfg = flags.on_device(cfg, "cuda")
-    cfg, routed, note = _plan_routing(cfg, device)
-    p = planner.plan(cfg, device, args.context, args.users, routed=routed)
+    registry = Registry()
+    cfg, routed, note = _plan_routing(cfg, device, registry)
+    p = planner.plan(cfg, device, args.context, args.users, routed=routed, registry=registry)
     if note:
         p.notes.insert(0, note)
     console = Console()
@@ -237,17 +239,16 @@ def cmd_plan(args) -> int:
     return 0 if p.fits else 1
 
 
-def _plan_routing(cfg, device):
+def _plan_routing(cfg, device, registry):
     """``[backend] name = "auto"`` as it was timed on this machine (if it was, and the plan is for
     this machine), else on torch with a note saying so."""
     from twophase import routing
-    from twophase.backends.registry import Registry
 
     if not routing.wanted(cfg):
         return cfg, (), None
     here = device.source.startswith("free on this machine")
     try:
-        r = routing.cached(cfg, Registry()) if here else None
+        r = routing.cached(cfg, registry) if here else None
     except ConfigError:
         r = None
     if r is not None:

@@ -28,15 +28,18 @@ from twophase.errors import BackendUnavailable, ConfigError
 __all__ = [
     "Backend",
     "BackendConfig",
+    "BackendMemory",
     "BackendUnavailable",
     "Capabilities",
     "DecodeBatch",
     "EngineLimits",
     "KVCache",
     "KVCacheSpec",
+    "MemoryQuery",
     "ModelArch",
     "ModelSpec",
     "PrefillBatch",
+    "Workspace",
     "parse_device",
 ]
 
@@ -120,6 +123,54 @@ class Capabilities:
     # the architecture features it computes (keys of ``twophase.arch.FEATURES``); a model
     # using any other is refused by its name before load (see ``Backend.supports``)
     features: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class MemoryQuery:
+    """What the memory planner (``twophase plan``) asks a backend about, before anything loads."""
+
+    arch: ModelArch
+    dtype: str                    # the model's: "float32", "bfloat16" or "float16"
+    quantization: str             # ``model.quantization``: "none" or "q4"
+    device_kind: str              # "cpu" or "cuda": the device the plan is for
+    options: dict[str, Any]       # the backend's TOML options
+    limits: EngineLimits          # the scheduler's bounds on one call
+    num_blocks: int               # the pool planned for: ``cache.num_blocks``, else max_num_seqs full contexts
+    block_size: int
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """Device memory a backend sizes itself beside its weights (TensorRT's profiles)."""
+
+    name: str                     # as the plan lists it
+    bytes: int
+    how: str                      # how it was counted, in a few words
+
+
+@dataclass(frozen=True)
+class BackendMemory:
+    """What a backend holds beside core's KV pool, as the planner counts it (``Backend.memory``)."""
+
+    # the weights as it holds them (``twophase.plan.weights``): "dense", every tensor in the
+    # model's dtype; "blocks", the GGUF's q4 blocks as they are (native); "matmulnbits", ONNX
+    # Runtime's MatMulNBits inputs for q4
+    layout: Literal["dense", "blocks", "matmulnbits"] = "dense"
+    # graphs (sessions, engines) that each hold their own copy of the weights: ONNX Runtime's
+    # decode and verify graphs beside its step graph
+    weight_copies: int = 1
+    # the embedding mapped from its file, its rows resident as tokens use them (native)
+    mapped_embedding: bool = False
+    # a tied head (``tie_word_embeddings``) packed as its own copy beside the embedding (ONNX
+    # Runtime prepacks the head's MatMul apart from the embedding's Gather)
+    tied_head_apart: bool = False
+    # the generic peak of one step's activations applies; False where a workspace of its own
+    # holds them (TensorRT's profiles)
+    step_activations: bool = True
+    # captures decode steps as CUDA graphs, whose private pool is counted (torch on CUDA)
+    cuda_graphs: bool = False
+    # device memory it sizes itself from ``MemoryQuery.limits`` and the pool (TensorRT's profiles)
+    workspace: Workspace | None = None
 
 
 @dataclass(frozen=True)
@@ -220,6 +271,14 @@ class Backend(ABC):
     @classmethod
     def check_available(cls, device: str = "cpu") -> None:
         """Raise ``BackendUnavailable`` with the reason if this backend cannot run on ``device``."""
+
+    @classmethod
+    def memory(cls, query: MemoryQuery) -> BackendMemory:
+        """What it holds for ``query``'s model: the planner sizes the KV pool from it before
+        anything loads. The default is a plain backend: one copy of the weights, in the model's
+        dtype (q4 counted as MatMulNBits lays it out: 4-bit codes, and a scale, a zero point
+        and a minimum's term each block of 32), and one step's activations."""
+        return BackendMemory(layout="matmulnbits" if query.quantization == "q4" else "dense")
 
     @abstractmethod
     def capabilities(self) -> Capabilities: ...

@@ -20,6 +20,7 @@ machines (none has ``onnxruntime-gpu`` and a GPU together).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import re
@@ -32,11 +33,13 @@ from twophase.backends.hookspecs import hookimpl
 from twophase.contract import (
     Backend,
     BackendConfig,
+    BackendMemory,
     BackendUnavailable,
     Capabilities,
     DecodeBatch,
     KVCache,
     KVCacheSpec,
+    MemoryQuery,
     ModelSpec,
     PrefillBatch,
     parse_device,
@@ -58,6 +61,14 @@ SHORT_CHUNK = 33            # the longest chunk the verify graph takes (32 draft
 GATHER_LIMIT = 2**31 - 1
 GATHER_FIXED = (1, 26)
 NP_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64}
+
+
+def weight_copies(query: MemoryQuery) -> int:
+    """The sessions that each hold the weights: the step graph, and on the CPU for float32
+    models without biases the decode and verify graphs (``decode_graph = false`` leaves them out)."""
+    extra = (query.device_kind == "cpu" and query.dtype == "float32"
+             and query.options.get("decode_graph", True) and not query.arch.features())
+    return 3 if extra else 1
 
 
 def _ort():
@@ -85,6 +96,13 @@ class OnnxRuntimeBackend(Backend):
         require_device(device)
         if kind not in ("cpu", "cuda"):
             raise BackendUnavailable(f"device {device!r}: onnxruntime runs on cpu or cuda here")
+
+    @classmethod
+    def memory(cls, query: MemoryQuery) -> BackendMemory:
+        """A copy of the weights in each session (``weight_copies``), and a float model's tied
+        head prepacked apart from the embedding's Gather."""
+        return dataclasses.replace(super().memory(query), weight_copies=weight_copies(query),
+                                   tied_head_apart=query.quantization != "q4")
 
     def capabilities(self) -> Capabilities:
         cuda = getattr(self, "device", None) is not None and self.device.type == "cuda"

@@ -20,6 +20,7 @@ TensorRT's rules (``tests/helpers/fake_tensorrt.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 
@@ -30,14 +31,17 @@ from twophase.backends.trt_calls import last_rows, plan_calls, sub_batch
 from twophase.contract import (
     Backend,
     BackendConfig,
+    BackendMemory,
     BackendUnavailable,
     Capabilities,
     DecodeBatch,
     EngineLimits,
     KVCache,
     KVCacheSpec,
+    MemoryQuery,
     ModelSpec,
     PrefillBatch,
+    Workspace,
     parse_device,
 )
 from twophase.device import available_memory, require_device
@@ -63,6 +67,16 @@ class TensorRTBackend(Backend):
             raise BackendUnavailable(f"TensorRT runs on NVIDIA GPUs: set backend.device = "
                                      f"\"cuda\", not {device!r}")
         require_device(device)
+
+    @classmethod
+    def memory(cls, query: MemoryQuery) -> BackendMemory:
+        """Its activations are its profiles' memory (the largest profile's: the contexts share
+        one buffer), so the generic step peak does not apply."""
+        from twophase.exporters.trt_profiles import profile_memory
+
+        need = profile_memory(query.arch, query.limits, query.num_blocks, query.block_size, query.dtype)
+        profiles = Workspace("TensorRT profiles", int(need), "the largest profile's activations and builder workspace")
+        return dataclasses.replace(super().memory(query), step_activations=False, workspace=profiles)
 
     def capabilities(self) -> Capabilities:
         lim = self.limits

@@ -7,6 +7,7 @@ an eager decode of a large model is bound by kernel launches, not by memory band
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -18,11 +19,13 @@ from twophase.backends.hookspecs import hookimpl
 from twophase.contract import (
     Backend,
     BackendConfig,
+    BackendMemory,
     BackendUnavailable,
     Capabilities,
     DecodeBatch,
     KVCache,
     KVCacheSpec,
+    MemoryQuery,
     ModelSpec,
     PrefillBatch,
 )
@@ -52,6 +55,12 @@ class TorchBackend(Backend):
                                      f"CUDA device(s) here")
         if kind not in ("cpu", "cuda"):
             raise BackendUnavailable(f"device {device!r}: the torch backend runs on cpu or cuda")
+
+    @classmethod
+    def memory(cls, query: MemoryQuery) -> BackendMemory:
+        """On CUDA its captured decode steps too, unless option ``cuda_graphs = false``."""
+        graphs = query.device_kind == "cuda" and bool(query.options.get("cuda_graphs", True))
+        return dataclasses.replace(super().memory(query), cuda_graphs=graphs)
 
     def capabilities(self) -> Capabilities:
         return Capabilities(devices=("cpu", "cuda"), features=frozenset(FEATURES),

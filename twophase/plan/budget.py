@@ -4,13 +4,15 @@ The engine sizes its KV pool with the same functions (``pool_blocks``), so the p
 loading is the pool the engine allocates. Items:
 
 - ``weights``: per backend that holds them, per tensor group, in the layout it holds
-  (``twophase.plan.weights``); ONNX Runtime on the CPU holds a copy in each of its graphs.
+  (``twophase.plan.weights``), as many copies as it says (``Backend.memory``: ONNX Runtime on
+  the CPU holds one in each of its graphs).
 - ``activations``: the peak of one step at the engine's limits (the token budget's prefill, or
-  ``max_num_seqs`` decodes whose context is padded to ``max_model_len``, whichever is larger).
+  ``max_num_seqs`` decodes whose context is padded to ``max_model_len``, whichever is larger),
+  unless every phase's backend holds its activations in a workspace of its own.
 - ``logits``: ``max_num_seqs × vocab × 4 B``, ``× (k+1)`` with ``k`` speculative drafts.
-- ``cuda graphs``: the torch backend's captured decode steps on CUDA (their private pool holds
-  the largest bucket's activations and every bucket's logits).
-- ``workspace``: TensorRT's activation memory for its profiles; cuBLAS's on CUDA.
+- ``cuda graphs``: captured decode steps, for a backend that captures them (torch on CUDA):
+  their private pool holds the largest bucket's activations and every bucket's logits.
+- ``workspace``: what a backend sizes itself (TensorRT's profiles); cuBLAS's on CUDA.
 - ``runtime``: the CUDA context and libraries, or the Python process on the CPU.
 - ``reserve``: what the engine leaves free (``1 - cache.memory_utilization`` of a GPU; on the CPU
   all but the pool's share of the free memory).
@@ -23,7 +25,9 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from twophase.arch import ModelArch
+from twophase.backends.registry import Registry
 from twophase.config import BackendSection, Config
+from twophase.contract import BackendMemory, EngineLimits, MemoryQuery
 from twophase.plan import weights as layouts
 from twophase.plan.devices import DeviceProfile
 from twophase.plan.model_source import PlannedModel, planned_model
@@ -117,39 +121,44 @@ def token_budget(config: Config, device_kind: str, max_model_len: int) -> int:
                                          if sc.chunked_prefill else max_model_len)
 
 
-def ort_graphs(section: BackendSection, arch: ModelArch, dtype: str, device_kind: str) -> int:
-    """ONNX Runtime's sessions that each hold the weights: the step graph, and on the CPU for
-    float32 models without biases the decode and verify graphs."""
-    extra = (device_kind == "cpu" and dtype == "float32" and section.options.get("decode_graph", True)
-             and not arch.features())
-    return 3 if extra else 1
+def backend_memory(registry: Registry, sec: BackendSection, config: Config, arch: ModelArch, device_kind: str,
+                   max_model_len: int) -> BackendMemory:
+    """What ``sec``'s backend says it holds (``Backend.memory``) for this config at its limits."""
+    cc, sc = config.cache, config.scheduler
+    blocks = int(cc.num_blocks) if cc.num_blocks != "auto" else sc.max_num_seqs * -(-max_model_len // cc.block_size)
+    limits = EngineLimits(sc.max_num_seqs, token_budget(config, device_kind, max_model_len), max_model_len)
+    query = MemoryQuery(arch, model_dtype(config, device_kind), config.model.quantization, device_kind,
+                        sec.options, limits, blocks, cc.block_size)
+    return registry.get(sec.name).memory(query)
 
 
-def weight_items(config: Config, model: PlannedModel, device_kind: str, routed: tuple[str, ...] = ()) -> list[Item]:
+def weight_groups(layout: str, config: Config, model: PlannedModel, dtype: str) -> tuple[dict[str, int], str]:
+    """Bytes per tensor group in ``layout`` (``BackendMemory.layout``), and its name."""
+    if layout == "blocks":
+        return layouts.blocks(model.arch, config.model.outlier_channels, model.head_bits), "q4 blocks"
+    if layout == "matmulnbits":
+        return layouts.matmulnbits(model.arch, config.model.outlier_channels, model.head_bits), "MatMulNBits q4"
+    return layouts.dense(model.arch, DTYPE_BYTES[dtype]), dtype
+
+
+def weight_items(config: Config, model: PlannedModel, device_kind: str, registry: Registry, max_model_len: int,
+                 routed: tuple[str, ...] = ()) -> list[Item]:
     """Each distinct backend's copy of the weights, per group (``routed``: backends that decode
     small batches beside the phases', ``[backend] name = "auto"``)."""
     pcfg, dcfg = config.phases()
     sections = [pcfg] if (pcfg.name, pcfg.options) == (dcfg.name, dcfg.options) else [pcfg, dcfg]
     sections += [BackendSection(name=n, device=dcfg.device) for n in dict.fromkeys(routed)
                  if n not in {s.name for s in sections}]
-    dtype, q4 = model_dtype(config, device_kind), config.model.quantization == "q4"
+    dtype, arch = model_dtype(config, device_kind), model.arch
     items = []
     for sec in sections:
-        copies, arch = 1, model.arch
-        if sec.name == "native":
-            groups, how = layouts.blocks(arch, config.model.outlier_channels, model.head_bits), "q4 blocks"
-        elif q4:
-            groups, how = (layouts.matmulnbits(arch, config.model.outlier_channels, model.head_bits),
-                           "MatMulNBits q4")
-        else:
-            groups, how = layouts.dense(arch, DTYPE_BYTES[dtype]), dtype
-        if sec.name == "onnxruntime":
-            copies = ort_graphs(sec, arch, dtype, device_kind)
-            if arch.tie_word_embeddings and not q4:      # the head's packed copy beside the Gather's
-                groups["head"] = groups["embedding"]
-                how += ", tied head prepacked apart"
+        mem = backend_memory(registry, sec, config, arch, device_kind, max_model_len)
+        groups, how = weight_groups(mem.layout, config, model, dtype)
+        if mem.tied_head_apart and arch.tie_word_embeddings:
+            groups["head"] = groups["embedding"]
+            how += ", tied head prepacked apart"
+        copies, mapped = mem.weight_copies, mem.mapped_embedding
         label = f"{sec.name}" + (f" ×{copies} graphs" if copies > 1 else "")
-        mapped = sec.name == "native"                # its embedding: rows paged in as tokens come
         items += [Item("weights", f"{g} ({label})", n * copies,
                        how + (", mapped: rows resident as used" if mapped and g == "embedding" else ""),
                        resident=not (mapped and g == "embedding"))
@@ -176,7 +185,8 @@ def activation_peak(arch: ModelArch, tokens: int, seqs: int, context: int, e: in
     return decode, f"{B} decodes padded to {C} tokens, {rows} at a time"
 
 
-def runtime_items(config: Config, model: PlannedModel, device: DeviceProfile, max_model_len: int) -> list[Item]:
+def runtime_items(config: Config, model: PlannedModel, device: DeviceProfile, max_model_len: int,
+                  registry: Registry) -> list[Item]:
     """Everything but the weights and the pool, at the engine's limits."""
     arch, kind = model.arch, device.kind
     e = DTYPE_BYTES[model_dtype(config, kind)]
@@ -185,22 +195,21 @@ def runtime_items(config: Config, model: PlannedModel, device: DeviceProfile, ma
     act, how = activation_peak(arch, T, sc.max_num_seqs, max_model_len, e)
     k = 0 if sp.method == "none" else (AUTO_MAX_DRAFTS if sp.num_tokens == "auto" else int(sp.num_tokens))
     logits = sc.max_num_seqs * arch.vocab_size * 4 * (k + 1)
-    names = {s.name for s in config.phases()}
-    # TensorRT's activations are its profiles' workspace (below)
-    items = [] if names == {"tensorrt"} else [Item("activations", "one step's peak", act, how)]
+    mems = [backend_memory(registry, s, config, arch, kind, max_model_len) for s in config.phases()]
+    items = [Item("activations", "one step's peak", act, how)] if any(m.step_activations for m in mems) else []
     items.append(Item("logits", "logits of a step", logits,
                       f"{sc.max_num_seqs} seqs × {arch.vocab_size} × 4 B" + (f" × {k + 1}" if k else "")))
     if kind == "cuda":
         items.append(Item("runtime", "CUDA context and libraries", CUDA_RUNTIME, "typical, CUDA 12"))
         items.append(Item("workspace", "cuBLAS", CUBLAS_WORKSPACE, "one stream"))
-        graphs = [s for s in config.phases() if s.name == "torch" and s.options.get("cuda_graphs", True)]
-        if graphs:
-            items.append(cuda_graph_item(arch, sc.max_num_seqs, max_model_len, config.cache.block_size, e))
     else:
         items.append(Item("runtime", "Python, torch and libraries", CPU_RUNTIME,
                           "measured: imports, the first model's threads"))
-    if "tensorrt" in names:
-        items.append(tensorrt_item(config, arch, T, max_model_len, model_dtype(config, kind)))
+    if any(m.cuda_graphs for m in mems):
+        items.append(cuda_graph_item(arch, sc.max_num_seqs, max_model_len, config.cache.block_size, e))
+    # a backend that runs both phases holds its workspace once
+    spaces = dict.fromkeys(m.workspace for m in mems if m.workspace is not None)
+    items += [Item("workspace", w.name, w.bytes, w.how) for w in spaces]
     return items
 
 
@@ -215,19 +224,6 @@ def cuda_graph_item(arch: ModelArch, seqs: int, context: int, block_size: int, e
     logits = sum(batches) * contexts * arch.vocab_size * 4
     return Item("cuda graphs", "captured decode steps", act + logits,
                 f"{len(batches)} batch × {contexts} context buckets")
-
-
-def tensorrt_item(config: Config, arch: ModelArch, tokens: int, context: int, dtype: str) -> Item:
-    """TensorRT's activation memory: the largest of its profiles (its contexts share one buffer),
-    for a pool of ``max_num_seqs`` full contexts."""
-    from twophase.contract import EngineLimits
-    from twophase.exporters.trt_profiles import profile_memory
-
-    bs, cc = config.cache.block_size, config.cache
-    blocks = int(cc.num_blocks) if cc.num_blocks != "auto" else config.scheduler.max_num_seqs * -(-context // bs)
-    limits = EngineLimits(config.scheduler.max_num_seqs, tokens, context)
-    return Item("workspace", "TensorRT profiles", int(profile_memory(arch, limits, blocks, bs, dtype)),
-                "the largest profile's activations and builder workspace")
 
 
 def max_model_len_of(config: Config, arch: ModelArch) -> int:
@@ -251,15 +247,19 @@ def pool_blocks(config: Config, free_for_pool: int, per_block: int, device_kind:
 
 
 def plan(config: Config, device: DeviceProfile, context: int | None = None, users: int | None = None,
-         model: PlannedModel | None = None, routed: tuple[str, ...] = ()) -> Plan:
+         model: PlannedModel | None = None, routed: tuple[str, ...] = (), registry: Registry | None = None) -> Plan:
+    """``config``'s budget on ``device``, item by item; each backend's share as it says
+    (``Backend.memory``, the classes found in ``registry``: the installed ones if None)."""
+    registry = registry if registry is not None else Registry()
     model = model or planned_model(config.model)
     arch, kind, cc = model.arch, device.kind, config.cache
     max_len = max_model_len_of(config, arch)
     if cc.num_blocks != "auto" and config.model.max_model_len is None:    # the engine lowers it so
         max_len = min(max_len, int(cc.num_blocks) * cc.block_size)
-    items = weight_items(config, model, kind, routed) + runtime_items(config, model, device, max_len)
+    items = (weight_items(config, model, kind, registry, max_len, routed)
+             + runtime_items(config, model, device, max_len, registry))
     per_token = kv_bytes_per_token(arch, kv_dtype_bytes(config, kind))
-    draft_items, draft_block = draft_model(config, kind)
+    draft_items, draft_block = draft_model(config, kind, registry)
     items += draft_items
     per_block = per_token * cc.block_size + draft_block
     used = sum(i.bytes for i in items)
@@ -298,7 +298,7 @@ def plan(config: Config, device: DeviceProfile, context: int | None = None, user
                 draft_block)
 
 
-def draft_model(config: Config, kind: str) -> tuple[list[Item], int]:
+def draft_model(config: Config, kind: str, registry: Registry) -> tuple[list[Item], int]:
     """``method = "draft"``: the draft's weights and the bytes of its pool per block of the
     target's (its pool holds as many blocks unless ``[speculative.draft] num_blocks`` is set)."""
     if config.speculative.method != "draft":
@@ -307,7 +307,8 @@ def draft_model(config: Config, kind: str) -> tuple[list[Item], int]:
 
     cfg = draft_config(config)
     model = planned_model(cfg.model)
-    items = [dataclasses.replace(i, name=f"draft model: {i.name}") for i in weight_items(cfg, model, kind)]
+    items = [dataclasses.replace(i, name=f"draft model: {i.name}")
+             for i in weight_items(cfg, model, kind, registry, max_model_len_of(cfg, model.arch))]
     if cfg.cache.num_blocks != "auto":
         per = kv_bytes_per_token(model.arch, kv_dtype_bytes(cfg, kind)) * cfg.cache.block_size
         items.append(Item("kv cache", "draft model's KV pool", int(cfg.cache.num_blocks) * per,

@@ -20,11 +20,13 @@ from twophase.backends.hookspecs import hookimpl
 from twophase.contract import (
     Backend,
     BackendConfig,
+    BackendMemory,
     BackendUnavailable,
     Capabilities,
     DecodeBatch,
     KVCache,
     KVCacheSpec,
+    MemoryQuery,
     ModelSpec,
     PrefillBatch,
     parse_device,
@@ -46,6 +48,12 @@ class NativeBackend(Backend):
         from twophase.backends.native.kernel import check_machine
 
         check_machine()
+
+    @classmethod
+    def memory(cls, query: MemoryQuery) -> BackendMemory:
+        """The GGUF's blocks as they are; its float32 embedding stays mapped from the packed
+        file, so only the rows of tokens seen are ever read in."""
+        return BackendMemory(layout="blocks", mapped_embedding=True)
 
     def capabilities(self) -> Capabilities:
         # step.c computes the plain Llama block: no architecture feature beyond it
