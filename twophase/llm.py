@@ -205,7 +205,8 @@ class LLM:
         else:
             dev = planner.DeviceProfile(device, "cpu", available_memory(device), "free now")
         routed = tuple(n for _, n in self.routing.routes) if self.routing else ()
-        return planner.plan(self.config, dev, model=planned_model(self.config.model), routed=routed)
+        return planner.plan(self.config, dev, model=planned_model(self.config.model), routed=routed,
+                            registry=self.registry)
 
     def _check_plan(self, device: str, used: list[int]) -> dict[str, dict[str, int]]:
         """Predicted against measured: the weights (and engines) over the backends' load and

@@ -19,9 +19,10 @@ from twophase.errors import ConfigError
 from twophase.exporters import tensorrt as exporter
 from twophase.exporters.trt_profiles import MAX_POOL_BLOCKS
 from twophase.graph.signature import STEP
+from twophase.models.families.llama import arch as llama_arch
 
-ARCH = {"num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "intermediate_size": 64,
-        "vocab_size": 100}
+ARCH = llama_arch(vocab_size=100, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8)
 
 
 def test_profile_shapes_follow_the_config():

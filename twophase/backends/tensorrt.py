@@ -79,9 +79,11 @@ class TensorRTBackend(Backend):
         return dataclasses.replace(super().memory(query), step_activations=False, workspace=profiles)
 
     def capabilities(self) -> Capabilities:
-        lim = self.limits
-        return Capabilities(features=TRACED_FEATURES, devices=("cuda",), dtypes=DTYPES, max_num_seqs=lim.max_num_seqs,
-                            max_num_tokens=lim.max_num_batched_tokens)
+        """Before load (the engine asks what it computes) the profiles' limits are not known yet."""
+        lim = getattr(self, "limits", None)
+        return Capabilities(features=TRACED_FEATURES, devices=("cuda",), dtypes=DTYPES,
+                            max_num_seqs=lim.max_num_seqs if lim else None,
+                            max_num_tokens=lim.max_num_batched_tokens if lim else None)
 
     def load(self, model: ModelSpec, cfg: BackendConfig) -> None:
         self.check_available(cfg.device)
