@@ -103,3 +103,57 @@ def test_graph_backends_trace_each_family_they_claim(hf_model, backend):
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     want = llm.generate([prompt], params)[0].token_ids
     assert LLM.from_config(cfg).generate([prompt], params)[0].token_ids == want
+
+
+def _arch(**config):
+    from twophase.models.families import arch_from_config
+
+    return arch_from_config({**BASE, **config}, "config.json")
+
+
+def test_published_config_forms_read_as_transformers_reads_them():
+    # Gemma 3 as its hub files state it: no layer_types (a pattern of 6), the head tied by default
+    del_tie = {k: v for k, v in {**BASE, "model_type": "gemma3_text", "sliding_window": 128,
+                                 "hidden_activation": "gelu_pytorch_tanh", "num_hidden_layers": 12}.items()
+               if k != "tie_word_embeddings"}
+    from twophase.models.families import arch_from_config
+
+    g = arch_from_config(del_tie, "config.json")
+    assert g.tie_word_embeddings
+    assert [s.attention.kind for s in g.layers] == (["sliding"] * 5 + ["full"]) * 2
+    # Phi-3 mini 4k: a window on every layer, without layer_types
+    p = _arch(model_type="phi3", sliding_window=200, pad_token_id=0)
+    assert {s.attention.window for s in p.layers} == {200} and "sliding_window" in p.features()
+    # a window as long as the context is full attention
+    assert "sliding_window" not in _arch(model_type="mistral", sliding_window=512).features()
+    # Qwen2 with use_sliding_window: the layers from max_window_layers on slide
+    q = _arch(model_type="qwen2", use_sliding_window=True, sliding_window=64, max_window_layers=2)
+    assert [s.attention.window for s in q.layers] == [None, None, 64]
+    assert "sliding_window" not in _arch(model_type="qwen2", sliding_window=64).features()
+
+
+def test_a_config_missing_a_key_names_it():
+    from twophase.models.families import arch_from_config
+
+    bad = {k: v for k, v in BASE.items() if k != "num_hidden_layers"}
+    with pytest.raises(ModelError, match="a qwen3 config needs 'num_hidden_layers'"):
+        arch_from_config({**bad, "model_type": "qwen3"}, "config.json")
+    with pytest.raises(ModelError, match="llama3' needs high_freq_factor"):
+        _arch(model_type="llama", rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                "original_max_position_embeddings": 64})
+
+
+def test_gguf_files_of_a_family_not_read_yet_are_refused_by_name(tmp_path):
+    import gguf
+
+    from twophase.models.gguf import hf_config
+    from twophase.models.gguf_file import GGUFFile
+
+    path = tmp_path / "g.gguf"
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelError, match="GGUF files of the gemma3 family do not load yet; its HF folder"):
+        hf_config(GGUFFile(path))

@@ -65,6 +65,18 @@ def test_a_gguf_repository_takes_a_quant_tag(hf_cache):
         hf_repo.resolve("acme/tiny-GGUF:Q4_K_M")
     with pytest.raises(ModelError, match=r"several GGUF files: name one by its quant tag, e.g. acme/tiny-GGUF:Q4_1"):
         hf_repo.resolve("acme/tiny-GGUF")
+    # a vision projector is not the model; a tag matches whole (F16 is not BF16's)
+    snap = _repo(hf_cache, "acme/vl-GGUF", {"vl-BF16.gguf": gguf, "mmproj-F16.gguf": gguf})
+    assert hf_repo.resolve("acme/vl-GGUF") == snap / "vl-BF16.gguf"
+    with pytest.raises(ModelError, match="no .gguf file tagged 'F16'; its tags: BF16"):
+        hf_repo.resolve("acme/vl-GGUF:F16")
+
+
+def test_a_cache_holding_only_the_config_says_the_weights_are_missing(hf_cache, tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    _repo(hf_cache, "acme/planned", {"config.json": tmp_path / "config.json"})
+    with pytest.raises(ModelError, match="cache holds config.json of it, not its weights"):
+        LLM.from_config({"model": {"name": "acme/planned"}})
 
 
 def test_offline_and_not_cached_is_a_clear_error(hf_cache):

@@ -21,6 +21,9 @@ log = logging.getLogger(__name__)
 def hf_name(gguf_name: str, fam: Family) -> str:
     """A GGUF tensor's HF name, by the family's weight-name table."""
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
+    if m and m[2].endswith("_exps"):
+        raise ModelError(f"GGUF tensor {gguf_name!r}: mixture-of-experts GGUF files do not load yet; "
+                         f"the model's HF folder does")
     if m:
         for hf_parts, gguf_parts in fam.layer_names.values():
             if m[2] in gguf_parts:
@@ -44,6 +47,9 @@ def hf_config(header: GGUFFile) -> dict:
     f = header.get
     arch = f("general.architecture")
     fam = by_gguf_architecture(arch, str(header.path))
+    if not fam.gguf_loads:
+        raise ModelError(f"{header.path}: GGUF files of the {fam.name} family do not load yet; its HF "
+                         f"folder (config.json and safetensors) does, through model.path or org/repo")
     p = f"{arch}."
     heads = int(f(p + "attention.head_count"))
     hidden = int(f(p + "embedding_length"))

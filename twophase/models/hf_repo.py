@@ -54,37 +54,53 @@ def resolve(name: str, config_only: bool = False) -> Path:
 def _resolve(repo: str, tag: str, config_only: bool) -> Path:
     from huggingface_hub import hf_hub_download, snapshot_download
 
-    files = _files(repo)
-    ggufs = [f for f in files if f.endswith(".gguf") and not re.search(r"-\d{5}-of-\d{5}", f)]
+    files, cached_only = _files(repo)
+    ggufs = [f for f in files if f.endswith(".gguf") and not Path(f).name.startswith("mmproj")]
+    shards = [f for f in ggufs if re.search(r"-\d{5}-of-\d{5}\.gguf$", f)]
+    ggufs = [f for f in ggufs if f not in shards]
     if not tag and "config.json" in files and any(f.endswith(".safetensors") for f in files):
         patterns = ["config.json"] if config_only else FOLDER_FILES
-        return Path(snapshot_download(repo, allow_patterns=patterns, local_files_only=offline()))
+        return Path(snapshot_download(repo, allow_patterns=patterns, ignore_patterns=["consolidated*"],
+                                      local_files_only=cached_only))
     tags = ", ".join(sorted({_tag_of(f) for f in ggufs})) or "none"
     if tag:
-        matches = [f for f in ggufs if tag.lower() in Path(f).name.lower()]
+        bounded = re.compile(rf"(?<![A-Za-z0-9]){re.escape(tag)}(?![A-Za-z0-9])", re.IGNORECASE)
+        matches = [f for f in ggufs if bounded.search(Path(f).stem)]
         exact = [f for f in matches if _tag_of(f).lower() == tag.lower()]
         if not matches:
-            raise ModelError(f"{repo} has no .gguf file tagged {tag!r}; its tags: {tags}")
+            split = " (split GGUF files are not supported yet)" if any(bounded.search(f) for f in shards) else ""
+            raise ModelError(f"{repo} has no .gguf file tagged {tag!r}{split}; its tags: {tags}")
         chosen = (exact or matches)[0]
     elif len(ggufs) == 1:
         chosen = ggufs[0]
     elif ggufs:
         raise ModelError(f"{repo} holds several GGUF files: name one by its quant tag, e.g. "
                          f"{repo}:{_tag_of(ggufs[0])} (its tags: {tags})")
+    elif cached_only:
+        raise ModelError(f"{repo}: the Hugging Face cache holds {', '.join(files[:4]) or 'nothing'} of it, "
+                         f"not its weights, and the hub is not used (HF_HUB_OFFLINE, or unreachable); "
+                         f"download it once, or set model.path")
     else:
         raise ModelError(f"{repo} has neither config.json with *.safetensors nor a .gguf file")
     log.info("model %s is %s", f"{repo}:{tag}" if tag else repo, chosen)
-    return Path(hf_hub_download(repo, chosen, local_files_only=offline()))
+    return Path(hf_hub_download(repo, chosen, local_files_only=cached_only))
 
 
-def _files(repo: str) -> list[str]:
-    """The repository's files: listed by the hub, or those in the cache when offline."""
+def _files(repo: str) -> tuple[list[str], bool]:
+    """The repository's files, and whether they are only the cache's: listed by the hub, or
+    those in the cache when offline or when the hub cannot be reached."""
     from huggingface_hub import list_repo_files, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError
 
     if not offline():
-        return list_repo_files(repo)
+        try:
+            return list_repo_files(repo), False
+        except HfHubHTTPError:
+            raise
+        except Exception as exc:          # no network: what the cache holds answers
+            log.warning("the Hugging Face hub cannot be reached (%s); using the cache", type(exc).__name__)
     folder = Path(snapshot_download(repo, local_files_only=True))
-    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() or p.is_symlink())
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() or p.is_symlink()), True
 
 
 def _tag_of(filename: str) -> str:

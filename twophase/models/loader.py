@@ -21,7 +21,7 @@ from twophase.arch import ModelArch
 from twophase.contract import ModelSpec
 from twophase.errors import ConfigError, ModelError
 from twophase.models import hf_repo, hub
-from twophase.models.families import by_model_type
+from twophase.models.families import read_config
 from twophase.models.shapes import SHAPES, named_shape
 from twophase.models.source import ModelSource
 from twophase.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
@@ -118,8 +118,7 @@ def load_folder(folder: Path, model_id: str, dtype: torch.dtype) -> ResolvedMode
     cfg_path = folder / "config.json"
     if not cfg_path.exists() or not list(folder.glob("*.safetensors")):
         raise ModelError(f"{folder} is not an HF model folder (needs config.json and *.safetensors)")
-    config = json.loads(cfg_path.read_text())
-    arch = by_model_type(config.get("model_type"), str(folder)).arch_from_hf(config)
+    arch = read_config(cfg_path)
     tok = HFTokenizer(folder) if (folder / "tokenizer.json").exists() else None
     if tok is not None and tok.eos_token_ids and not arch.eos_token_ids:
         arch = dataclasses.replace(arch, eos_token_ids=tok.eos_token_ids)

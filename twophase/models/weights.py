@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from twophase.arch import ModelArch
+from twophase.errors import ModelError
 from twophase.models.decoder import Decoder, rope_inv_freq
 from twophase.models.families import family
 from twophase.models.families.family import TOP_NAMES
@@ -118,7 +119,8 @@ def build_model(arch: ModelArch, dtype: torch.dtype, device: torch.device,
         del hf
         missing = set(model.state_dict()) - set(sd) - ({"lm_head.weight"} if arch.tie_word_embeddings else set())
         if missing:
-            raise ValueError(f"weights in {folder} lack {sorted(missing)[:5]}")
+            raise ModelError(f"weights in {folder} lack {', '.join(sorted(missing)[:5])}"
+                             f"{' and more' if len(missing) > 5 else ''}: not a complete {arch.family} checkpoint")
         model.load_state_dict(sd, strict=False, assign=True)
         if arch.tie_word_embeddings:
             model.lm_head.weight = model.embed.weight

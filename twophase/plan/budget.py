@@ -173,10 +173,13 @@ def activation_peak(arch: ModelArch, tokens: int, seqs: int, context: int, e: in
     of sequences at a time: ``twophase.models.layers.attention.decode_rows``)."""
     from twophase.models.layers.attention import decode_rows
 
-    h, f, H, KV, hd = arch.hidden_size, arch.intermediate_size, arch.num_heads, arch.num_kv_heads, arch.head_dim
+    h, H, KV, hd = arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim
+    f = max(s.mlp.intermediate_size for s in arch.layers)     # the widest layer's MLP
     T, C, B = tokens, context, seqs
     mlp = 4 * T * f * e
     attn = T * (H + 2 * KV) * hd * e + 2 * T * H * hd * 4 + T * H * hd * e + 4 * C * KV * hd * e + T * C
+    if arch.attn_softcap is not None:       # soft-capped scores are materialised: [H, T, C] float32, thrice
+        attn += 3 * H * T * C * 4
     prefill = 2 * T * h * e + max(mlp, attn)
     rows = decode_rows(B, C, KV, hd, e)
     decode = 2 * B * h * e + rows * (2 * C * KV * hd * e + 3 * H * C * 4) + (B * H * hd * e if rows < B else 0)

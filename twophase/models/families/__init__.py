@@ -5,6 +5,10 @@ A new family is one file beside these (its config reading and weight names) and 
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+from twophase.arch import ModelArch
 from twophase.errors import ModelError
 from twophase.models.families import gemma, llama, mistral, moe, phi3, qwen2, qwen3
 from twophase.models.families.family import Family
@@ -34,6 +38,28 @@ def by_gguf_architecture(name: str | None, where: str) -> Family:
     known = ", ".join(sorted({a for f in FAMILIES.values() for a in f.gguf_architectures}))
     raise ModelError(f"{where}: GGUF architecture {name!r} is not supported; the architectures "
                      f"that load: {known}")
+
+
+def read_config(path: Path) -> ModelArch:
+    """The architecture an HF ``config.json`` describes; a file that is not one, or that lacks
+    what its family reads, is a ``ModelError`` naming the file and the key."""
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"{path}: not a readable config.json ({exc})") from None
+    if not isinstance(config, dict):
+        raise ModelError(f"{path}: not a config.json (a JSON object)")
+    return arch_from_config(config, str(path))
+
+
+def arch_from_config(config: dict, where: str) -> ModelArch:
+    fam = by_model_type(config.get("model_type"), where)
+    try:
+        return fam.arch_from_hf(config)
+    except KeyError as exc:
+        raise ModelError(f"{where}: a {fam.name} config needs {exc.args[0]!r}") from None
+    except (TypeError, ValueError) as exc:
+        raise ModelError(f"{where}: a {fam.name} config with a value of the wrong kind ({exc})") from None
 
 
 def family(name: str) -> Family:

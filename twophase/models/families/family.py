@@ -43,10 +43,14 @@ class Family:
     # llama.cpp reorders Q/K rows (interleaved RoPE pairs) for this family's GGUF files
     gguf_rope_permuted: bool = False
     hf_architecture: str = ""            # written into a converted GGUF's config.json
+    # its GGUF files convert (the metadata keys and tensor layouts llama.cpp writes are read);
+    # False: refused by name rather than converted wrongly
+    gguf_loads: bool = True
 
 
-def common_fields(c: dict[str, Any]) -> dict[str, Any]:
-    """The ``ModelArch`` fields every family reads the same way from an HF ``config.json``."""
+def common_fields(c: dict[str, Any], tie_default: bool = False) -> dict[str, Any]:
+    """The ``ModelArch`` fields every family reads the same way from an HF ``config.json``
+    (``tie_default``: the family's own default where the file leaves the key out)."""
     heads = c["num_attention_heads"]
     eos = c.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -59,7 +63,7 @@ def common_fields(c: dict[str, Any]) -> dict[str, Any]:
         "head_dim": c.get("head_dim") or c["hidden_size"] // heads,
         "max_position_embeddings": c.get("max_position_embeddings", 8192),
         "rms_norm_eps": float(c.get("rms_norm_eps", 1e-5)),
-        "tie_word_embeddings": bool(c.get("tie_word_embeddings", False)),
+        "tie_word_embeddings": bool(c.get("tie_word_embeddings", tie_default)),
         "rope_scaling": check_scaling(c.get("rope_scaling") or params),
         "bos_token_id": c.get("bos_token_id"),
         "eos_token_ids": eos_ids,
@@ -70,13 +74,30 @@ def rope_theta(c: dict[str, Any]) -> float:
     return float(c.get("rope_theta", (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)))
 
 
+def window_of(c: dict[str, Any]) -> int | None:
+    """``sliding_window``, None where it is unset or covers the whole context anyway."""
+    w = c.get("sliding_window")
+    return w if w and w < c.get("max_position_embeddings", 1 << 62) else None
+
+
 def layers_from_hf(c: dict[str, Any]) -> tuple[LayerSpec, ...]:
-    """Dense layers; sliding ones where ``layer_types`` says so (or every layer, when only
-    ``sliding_window`` is set and the family slides everywhere, as Mistral's)."""
-    n, f, theta = c["num_hidden_layers"], c["intermediate_size"], rope_theta(c)
-    window = c.get("sliding_window")
-    types = c.get("layer_types")
-    if not window or not types:
+    """Dense layers; sliding ones where ``layer_types`` says so, or every layer when only
+    ``sliding_window`` is set (Mistral's and Phi-3's configs)."""
+    n, f, theta, window = c["num_hidden_layers"], c["intermediate_size"], rope_theta(c), window_of(c)
+    types = c.get("layer_types") or ["sliding_attention"] * n
+    if not window:
         return uniform_layers(n, f, theta)
     return tuple(LayerSpec(AttentionSpec(window if t == "sliding_attention" else None, theta), MLPSpec(f))
                  for t in types[:n])
+
+
+def qwen_layer_types(c: dict[str, Any]) -> dict[str, Any]:
+    """Qwen2/3: a window only with ``use_sliding_window``, and then on the layers from
+    ``max_window_layers`` on (where the file does not list ``layer_types`` itself)."""
+    if not c.get("use_sliding_window"):
+        return {**c, "sliding_window": None}
+    if c.get("layer_types"):
+        return c
+    first = c.get("max_window_layers", 0)
+    return {**c, "layer_types": ["sliding_attention" if i >= first else "full_attention"
+                                 for i in range(c["num_hidden_layers"])]}

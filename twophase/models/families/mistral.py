@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from twophase.arch import ModelArch, uniform_layers
-from twophase.models.families.family import LLAMA_LAYER, Family, common_fields, rope_theta
+from twophase.models.families.family import LLAMA_LAYER, Family, common_fields, rope_theta, window_of
 
 
 def arch_from_hf(c: dict[str, Any]) -> ModelArch:
-    window = c.get("sliding_window")           # null in Mistral 7B v0.2 on: full attention
+    window = window_of(c)                      # null in Mistral 7B v0.2 on: full attention
     layers = uniform_layers(c["num_hidden_layers"], c["intermediate_size"], rope_theta(c), window)
     return ModelArch("mistral", layers=layers, **common_fields(c))
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from twophase.arch import AttentionSpec, LayerSpec, MLPSpec, ModelArch
-from twophase.models.families.family import LLAMA_LAYER, Family, LayerNames, common_fields, rope_theta
+from twophase.models.families.family import LLAMA_LAYER, Family, LayerNames, common_fields, rope_theta, window_of
 
 _ATTENTION = {k: v for k, v in LLAMA_LAYER.items() if k.startswith(("attn", "mlp_norm"))}
 
@@ -28,7 +28,7 @@ QWEN3_MOE_LAYER: LayerNames = {
 
 def mixtral_from_hf(c: dict[str, Any]) -> ModelArch:
     mlp = MLPSpec(c["intermediate_size"], c["num_local_experts"], c["num_experts_per_tok"], True)
-    layer = LayerSpec(AttentionSpec(c.get("sliding_window"), rope_theta(c)), mlp)
+    layer = LayerSpec(AttentionSpec(window_of(c), rope_theta(c)), mlp)
     return ModelArch("mixtral", layers=(layer,) * c["num_hidden_layers"], **common_fields(c))
 
 
@@ -49,5 +49,6 @@ def qwen3_moe_from_hf(c: dict[str, Any]) -> ModelArch:
 
 MIXTRAL = Family("mixtral", ("mixtral",), (), mixtral_from_hf, MIXTRAL_LAYER, gguf_rope_permuted=True,
                  hf_architecture="MixtralForCausalLM")
+# its GGUF's stacked *_exps tensors and expert keys are not read yet: refused
 QWEN3_MOE = Family("qwen3_moe", ("qwen3_moe",), ("qwen3moe",), qwen3_moe_from_hf, QWEN3_MOE_LAYER,
-                   hf_architecture="Qwen3MoeForCausalLM")
+                   hf_architecture="Qwen3MoeForCausalLM", gguf_loads=False)

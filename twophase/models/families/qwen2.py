@@ -5,12 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from twophase.arch import ModelArch
-from twophase.models.families.family import LLAMA_LAYER, Family, common_fields, layers_from_hf
+from twophase.models.families.family import LLAMA_LAYER, Family, common_fields, layers_from_hf, qwen_layer_types
 
 
 def arch_from_hf(c: dict[str, Any]) -> ModelArch:
-    if not c.get("use_sliding_window"):
-        c = {**c, "sliding_window": None}
+    c = qwen_layer_types(c)
     return ModelArch("qwen2", layers=layers_from_hf(c), qkv_bias=True, **common_fields(c))
 
 

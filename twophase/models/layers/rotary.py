@@ -26,6 +26,9 @@ def check_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
         raise ModelError(f"RoPE scaling {kind!r} is not implemented (the rotary kit computes "
                          f"plain RoPE and 'llama3')")
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [k for k in keys if k not in scaling]
+    if missing:
+        raise ModelError(f"RoPE scaling 'llama3' needs {', '.join(missing)}")
     return {k: scaling[k] for k in keys}
 
 
