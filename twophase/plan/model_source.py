@@ -8,7 +8,6 @@ projections and a Q8_0 tied head).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from twophase.arch import ModelArch
 from twophase.config import ModelConfig
 from twophase.errors import ConfigError, ModelError
 from twophase.models import hf_repo, hub
-from twophase.models.families import by_model_type
+from twophase.models.families import arch_from_config, read_config
 from twophase.models.shapes import SHAPES, named_shape
 from twophase.models.source import ModelSource
 from twophase.paths import cache_dir
@@ -61,8 +60,7 @@ def _from_folder(folder: Path) -> ModelArch:
     path = folder / "config.json"
     if not path.exists():
         raise ModelError(f"{folder} has no config.json: the planner reads a model's shapes there")
-    config = json.loads(path.read_text())
-    return by_model_type(config.get("model_type"), str(folder)).arch_from_hf(config)
+    return read_config(path)
 
 
 def _from_gguf(path: Path, model_id: str) -> PlannedModel:
@@ -75,6 +73,6 @@ def _from_gguf(path: Path, model_id: str) -> PlannedModel:
     head = header.tensors.get("output.weight", header.tensors.get("token_embd.weight"))
     four = head is not None and head.ggml_type == gguf.GGMLQuantizationType.Q4_1
     config = hf_config(header)
-    arch = by_model_type(config["model_type"], str(path)).arch_from_hf(config)
+    arch = arch_from_config(config, str(path))
     return PlannedModel(model_id, arch, 4 if four else 8,
                         f"{path.name} header")
