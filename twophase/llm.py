@@ -415,8 +415,10 @@ class LLM:
         if sc.policy == "decode-first" and chunked and budget <= max_seqs:
             raise ConfigError("scheduler.max_num_batched_tokens",
                               f"{budget} must exceed scheduler.max_num_seqs ({max_seqs})")
-        kv = KVManager(self.num_blocks, cc.block_size, cc.prefix_caching)
         arch = self.model.arch
+        windows = {s.attention.window for s in arch.layers}      # one window on every layer: freed
+        kv = KVManager(self.num_blocks, cc.block_size, cc.prefix_caching,
+                       window=next(iter(windows)) if len(windows) == 1 else None)
         sp = self.config.speculative
         proposer: Proposer | None = None
         if sp.method == "ngram":

@@ -157,3 +157,47 @@ def test_gguf_files_of_a_family_not_read_yet_are_refused_by_name(tmp_path):
     w.close()
     with pytest.raises(ModelError, match="GGUF files of the gemma3 family do not load yet; its HF folder"):
         hf_config(GGUFFile(path))
+
+
+def test_a_sliding_window_model_gives_back_the_blocks_before_its_window(tmp_path):
+    """Mistral's window of 24 over blocks of 8: once the prompt is in, a sequence holds at most
+    ceil(24 / 8) + 1 blocks however long it grows, and its tokens stay transformers'."""
+    import torch
+
+    ref = tiny_hf_model("mistral", tmp_path)
+    llm = LLM.from_config({"model": {"path": str(tmp_path)}, "cache": {"num_blocks": 64, "block_size": 8}})
+    eng = llm.engine
+    assert eng.kv.window == 24
+    prompt = [(11 * i) % 290 + 5 for i in range(80)]
+    req = eng.add_request(prompt, SamplingParams(max_tokens=40, ignore_eos=True))
+    held = []
+    while not req.finished:
+        eng.step()
+        held.append(eng.kv.num_used_blocks)
+    assert max(held) <= 4, held            # the prompt alone fills 10
+    assert eng.kv.num_free_blocks == llm.num_blocks
+    with torch.no_grad():
+        g = ref.generate(torch.tensor([prompt]), max_new_tokens=40, min_new_tokens=40, do_sample=False,
+                         pad_token_id=0)
+    assert req.output_token_ids == g[0, len(prompt):].tolist()
+
+
+def test_window_release_keeps_tokens_through_preemption_prefix_hits_and_drafts(tmp_path):
+    tiny_hf_model("mistral", tmp_path)
+    shared = [(7 * i) % 290 + 5 for i in range(40)]
+    prompts = [shared + [100 + i] * (5 + 9 * i) for i in range(6)]
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+
+    def run(**sections):
+        cfg = {"model": {"path": str(tmp_path)}, "cache": {"num_blocks": 256, "block_size": 4}}
+        llm = LLM.from_config({**cfg, **sections})
+        outs = llm.generate(prompts, params)
+        assert llm.engine.kv.num_free_blocks == llm.num_blocks
+        return [o.token_ids for o in outs], llm.report(outs)
+
+    want, _ = run(cache={"num_blocks": 256, "block_size": 4, "prefix_caching": False})
+    tight, rep = run(cache={"num_blocks": 40, "block_size": 4},
+                     scheduler={"max_num_batched_tokens": 32, "max_num_seqs": 6})
+    assert rep["preemptions"] > 0 and rep["prefix_cache_hit_rate"] > 0 and tight == want
+    drafted, rep = run(speculative={"method": "ngram", "num_tokens": 3})
+    assert drafted == want

@@ -3,6 +3,11 @@ full blocks for prefix caching.
 
 A full block's hash covers its tokens and its parent's hash, so equal hashes mean equal
 prefixes. A block is published to the cache only after its K/V have been computed.
+
+In a model whose every layer attends over a sliding window, a block whose tokens all lie before
+the window of the next query is never read again: it goes back to the pool (still a prefix-cache
+hit for others) and its table entry points at block 0, as padding does, which attention masks.
+A sequence then holds about ``window / block_size + 1`` blocks however long it grows.
 """
 
 from __future__ import annotations
@@ -20,10 +25,13 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVManager:
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True,
+                 window: int | None = None):
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.prefix_caching = prefix_caching
+        self.window = window                          # every layer's sliding window, if all slide
+        self._dropped: dict[str, int] = {}           # leading blocks given back (window passed)
         self.tables: dict[str, list[int]] = {}
         self._hashes: dict[str, list[bytes]] = {}      # chain hashes of each request's full blocks
         self._published: dict[str, int] = {}         # how many of its blocks are in the cache
@@ -105,6 +113,22 @@ class KVManager:
             self.pool.cache(block, h)
         self._published[req.request_id] = max(done, n)
 
+    def release_outside_window(self, req: Seq) -> None:
+        """Give back the blocks wholly before the window of ``req``'s next query (at position
+        ``num_computed_tokens``: it sees keys after ``position - window``). Queries never move
+        back past it: a rollback only drops tokens computed after it."""
+        if self.window is None:
+            return
+        table = self.tables.get(req.request_id)
+        if not table:
+            return
+        dead = min(len(table), max(0, (req.num_computed_tokens - self.window + 1) // self.block_size))
+        done = self._dropped.get(req.request_id, 0)
+        if dead > done:
+            self.pool.release(table[done:dead][::-1])
+            table[done:dead] = [0] * (dead - done)
+            self._dropped[req.request_id] = dead
+
     def truncate(self, req: Seq, num_tokens: int) -> None:
         """Keep only the blocks that hold ``req``'s first ``num_tokens`` tokens (a rollback:
         speculative tokens rejected). Slots past the new length are simply overwritten later;
@@ -128,4 +152,5 @@ class KVManager:
         table = self.tables.pop(req.request_id, [])
         self._hashes.pop(req.request_id, None)
         self._published.pop(req.request_id, None)
-        self.pool.release(table[::-1])
+        dropped = self._dropped.pop(req.request_id, 0)
+        self.pool.release(table[dropped:][::-1])

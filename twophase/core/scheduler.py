@@ -147,6 +147,7 @@ class Scheduler:
                 out.accepted[req.request_id] = min(kept, appended)   # what a stop left of them
                 req.num_accepted_tokens += out.accepted[req.request_id]
             self.kv.cache_computed(req)   # after the tokens: a block hashes the tokens it holds
+            self.kv.release_outside_window(req)
             if reason is not None:
                 self.finish(req, reason, now)
             if got is not None:
