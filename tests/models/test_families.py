@@ -201,3 +201,21 @@ def test_window_release_keeps_tokens_through_preemption_prefix_hits_and_drafts(t
     assert rep["preemptions"] > 0 and rep["prefix_cache_hit_rate"] > 0 and tight == want
     drafted, rep = run(speculative={"method": "ngram", "num_tokens": 3})
     assert drafted == want
+
+
+def test_named_shapes_count_what_their_model_cards_state():
+    from twophase.config import load_config
+    from twophase.models.params import active_layer_params, group_params, num_params
+    from twophase.models.shapes import SHAPES
+    from twophase.plan import plan
+    from twophase.plan.devices import profile
+
+    cards = {"qwen3-8b": 8_190_735_360, "qwen2.5-7b": 7_615_616_512, "mistral-7b": 7_241_732_096,
+             "phi-3-mini": 3_821_079_552, "gemma2-9b": 9_241_705_984}
+    assert {n: num_params(SHAPES[n]) for n in cards} == cards
+    moe = SHAPES["qwen3-30b-a3b"]
+    g = group_params(moe)
+    active = active_layer_params(moe) * moe.num_layers + g["embedding"] + g["head"] + g["norms"]
+    assert round(num_params(moe) / 1e9, 1) == 30.5 and 3.3e9 <= active < 3.4e9     # "3.3B activated"
+    p = plan(load_config({"model": {"name": "qwen3-8b", "weights": "random"}}), profile("h200"), context=8192)
+    assert p.to_dict()["totals"]["weights"] == 2 * 8_190_735_360

@@ -38,3 +38,48 @@ SHAPES: dict[str, ModelArch] = {
 def named_shape(name: str, num_layers: int | None = None) -> ModelArch:
     arch = SHAPES[name]
     return arch.with_layers(num_layers) if num_layers else arch
+
+
+def _hf(model_type: str, **c) -> ModelArch:
+    """A shape from the fields of its published ``config.json`` (read by its family)."""
+    from twophase.models.families import arch_from_config
+
+    return arch_from_config({"model_type": model_type, **c}, f"the {model_type} shape")
+
+
+# planning shapes of other families, from their config.json; parameter counts as their model cards
+SHAPES.update({
+    "qwen2.5-7b": _hf("qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                      num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                      max_position_embeddings=32768, rope_theta=1e6, eos_token_id=151645),
+    "qwen3-8b": _hf("qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                    num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                    max_position_embeddings=40960, rope_theta=1e6, eos_token_id=151645),
+    "qwen3-30b-a3b": _hf("qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                         moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                         norm_topk_prob=True, num_hidden_layers=48, num_attention_heads=32,
+                         num_key_value_heads=4, head_dim=128, max_position_embeddings=40960,
+                         rope_theta=1e6, eos_token_id=151645),
+    "mistral-7b": _hf("mistral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                      max_position_embeddings=32768, sliding_window=4096, eos_token_id=2),
+    "mixtral-8x7b": _hf("mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                        num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=32,
+                        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768,
+                        rope_theta=1e6, eos_token_id=2),
+    "phi-3-mini": _hf("phi3", vocab_size=32064, hidden_size=3072, intermediate_size=8192,
+                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                      max_position_embeddings=4096, sliding_window=2047, eos_token_id=32000),
+    "gemma2-9b": _hf("gemma2", vocab_size=256000, hidden_size=3584, intermediate_size=14336,
+                     num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+                     max_position_embeddings=8192, sliding_window=4096, query_pre_attn_scalar=256,
+                     attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                     hidden_activation="gelu_pytorch_tanh", eos_token_id=1),
+    # its global layers' linear RoPE scaling (factor 8) left out: the kit refuses it, the plan
+    # does not need it
+    "gemma3-27b": _hf("gemma3_text", vocab_size=262208, hidden_size=5376, intermediate_size=21504,
+                      num_hidden_layers=62, num_attention_heads=32, num_key_value_heads=16, head_dim=128,
+                      max_position_embeddings=131072, sliding_window=1024, query_pre_attn_scalar=168,
+                      rope_theta=1e6, rope_local_base_freq=10000.0, hidden_activation="gelu_pytorch_tanh",
+                      eos_token_id=1),
+})
