@@ -73,6 +73,7 @@ def hf_config(header: GGUFFile) -> dict:
         "bos_token_id": f("tokenizer.ggml.bos_token_id"),
         "eos_token_id": f("tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
+        **(fam.gguf_config(f, p) if fam.gguf_config else {}),
     }
 
 
@@ -96,6 +97,8 @@ def convert(gguf_path: Path, out_dir: Path) -> None:
             w = unpermute_rope(w, config["num_attention_heads"])
         elif fam.gguf_rope_permuted and name.endswith("k_proj.weight"):
             w = unpermute_rope(w, config["num_key_value_heads"])
+        elif fam.gguf_norm_offset and name.endswith("norm.weight"):
+            w = w - fam.gguf_norm_offset
         tensors[name] = np.ascontiguousarray(w)
     save_file(tensors, str(tmp / "model.safetensors"))
     (tmp / "config.json").write_text(json.dumps(config, indent=2))

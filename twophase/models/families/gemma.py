@@ -5,6 +5,7 @@ scores and logits, Gemma 3 has QK-norm and a RoPE base per layer type."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from twophase.arch import AttentionSpec, LayerSpec, MLPSpec, ModelArch
@@ -49,9 +50,20 @@ def arch_from_hf(c: dict[str, Any], family: str) -> ModelArch:
                      query_scale=float(c.get("query_pre_attn_scalar", fields["head_dim"])) ** -0.5, **fields)
 
 
-# llama.cpp stores Gemma's norms as 1 + w and its window and soft-caps under its own keys:
-# not read yet, so their GGUF files are refused
+def gemma3_gguf(get: Callable[..., Any], p: str) -> dict[str, Any]:
+    """What llama.cpp's Gemma 3 files leave to the architecture: the tanh-GELU, the query scale
+    of head_dim, a local RoPE base of 10,000 and five sliding layers in six."""
+    out: dict[str, Any] = {"hidden_activation": "gelu_pytorch_tanh",
+                           "sliding_window": get(p + "attention.sliding_window"),
+                           "query_pre_attn_scalar": get(p + "attention.key_length"),
+                           "rope_local_base_freq": 10000.0, "sliding_window_pattern": 6}
+    if get(p + "rope.scaling.type") not in (None, "none"):
+        out["rope_scaling"] = {"rope_type": get(p + "rope.scaling.type"), "factor": get(p + "rope.scaling.factor")}
+    return out
+
+
+# Gemma 2's GGUF keys (soft-caps, its query scale) are not read yet: its files are refused
 GEMMA2 = Family("gemma2", ("gemma2",), ("gemma2",), lambda c: arch_from_hf(c, "gemma2"), GEMMA_LAYER,
                 hf_architecture="Gemma2ForCausalLM", gguf_loads=False)
 GEMMA3 = Family("gemma3", ("gemma3_text",), ("gemma3",), lambda c: arch_from_hf(c, "gemma3"), GEMMA_LAYER,
-                hf_architecture="Gemma3ForCausalLM", gguf_loads=False)
+                hf_architecture="Gemma3ForCausalLM", gguf_config=gemma3_gguf, gguf_norm_offset=1.0)
