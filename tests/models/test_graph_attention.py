@@ -69,3 +69,22 @@ def test_graph_function_handles_decodes_only_and_chunks_only():
     want = llm.backend.prefill(dec)
     got, _, _ = run_eager(PagedStep(llm.backend.model), before, step_inputs(dec, 4))
     assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+
+
+def test_graph_function_equals_eager_with_windows_and_soft_caps(tmp_path):
+    """Gemma 2's layers (a window of 24 on alternate layers, soft-capped scores and logits):
+    the static-dataflow attention equals the eager one on a mixed batch past the window."""
+    from helpers.hf_models import tiny_hf_model
+
+    from twophase import LLM
+
+    tiny_hf_model("gemma2", tmp_path)
+    llm = LLM.from_config({"model": {"path": str(tmp_path)}, "cache": {"block_size": 4, "num_blocks": 128},
+                           "scheduler": {"max_num_batched_tokens": 40, "max_num_seqs": 8}})
+    assert {"sliding_window", "attn_softcap"} <= llm.model.arch.features()
+    batch = _mixed_batch(llm)
+    before = llm.kv_cache.pool.clone()
+    batch.logits = "all"
+    want = llm.backend.prefill(batch)
+    logits, _, _ = run_eager(PagedStep(llm.backend.model), before.clone(), step_inputs(batch, 4))
+    assert float((logits - want).abs().max() / want.abs().max()) < 1e-5

@@ -21,9 +21,9 @@ import torch
 
 from twophase.arch import FEATURES
 
-# what a graph traced from the decoder computes: everything outside attention traces as it is;
-# this attention has no soft-capping or window yet, and routing to experts is not a static graph
-TRACED_FEATURES = frozenset(FEATURES) - {"attn_softcap", "sliding_window", "moe"}
+# what a graph traced from the decoder computes: everything but routing to experts, which is not
+# a static graph
+TRACED_FEATURES = frozenset(FEATURES) - {"moe"}
 
 
 @dataclass
@@ -70,8 +70,21 @@ def pool_gather(pool: torch.Tensor, layer: int, tables: torch.Tensor) -> tuple[t
             blocks.index_select(0, flat + nb_total).reshape(shape))
 
 
+@dataclass(frozen=True)
+class Scores:
+    """How a layer turns q·k into scores: the scale, a soft-cap, a sliding window (None: none)."""
+
+    scale: float
+    softcap: float | None = None
+    window: int | None = None
+
+    def __call__(self, s: torch.Tensor) -> torch.Tensor:
+        s = s.float() * self.scale
+        return s if self.softcap is None else self.softcap * torch.tanh(s / self.softcap)
+
+
 def graph_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor,
-                    m: GraphMeta, scale: float) -> torch.Tensor:
+                    m: GraphMeta, scale: Scores) -> torch.Tensor:
     """q: [T, H, hd]; k, v: [T, KVH, hd]; pool: [L, 2, NB, KVH, BS, hd] → [T, H, hd]."""
     T, H, hd = q.shape
     kvh = pool.shape[3]
@@ -87,7 +100,7 @@ def graph_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: tor
     return out[:T]
 
 
-def _decodes(q1, k1, v1, pool, m: GraphMeta, scale: float) -> torch.Tensor:
+def _decodes(q1, k1, v1, pool, m: GraphMeta, scale: Scores) -> torch.Tensor:
     """One query per sequence: cached blocks, block by block, plus the token's own new key."""
     H, hd = q1.shape[1:]
     kvh, bs = pool.shape[3], pool.shape[4]
@@ -96,13 +109,12 @@ def _decodes(q1, k1, v1, pool, m: GraphMeta, scale: float) -> torch.Tensor:
     D, Wd = m.dec_tables.shape
     qd = q1.index_select(0, m.dec_index).reshape(D, 1, kvh, g, hd)
     kd, vd = (t.to(q1.dtype) for t in pool_gather(pool, m.layer, m.dec_tables))  # [D, Wd, KVH, BS, hd]
-    s = (qd @ kd.transpose(-1, -2)).float() * scale                   # [D, Wd, KVH, g, BS]
-    invalid = m.shared("dec_invalid", lambda: torch.arange(Wd * bs, device=q1.device).reshape(
-        1, Wd, 1, 1, bs) >= m.dec_cached.reshape(D, 1, 1, 1, 1))              # [D, Wd, 1, 1, BS]
+    s = scale(qd @ kd.transpose(-1, -2))                                # [D, Wd, KVH, g, BS]
+    invalid = m.shared(f"dec_invalid_{scale.window}", lambda: _dec_invalid(m, Wd, bs, scale.window, q1.device))
     s = s.masked_fill(invalid, minf)
     k_self = k1.index_select(0, m.dec_index).reshape(D, kvh, 1, hd)
     v_self = v1.index_select(0, m.dec_index).reshape(D, kvh, 1, hd)
-    s_self = (qd.reshape(D, kvh, g, hd) * k_self).float().sum(-1) * scale    # [D, KVH, g]
+    s_self = scale((qd.reshape(D, kvh, g, hd) * k_self).float().sum(-1))     # [D, KVH, g]
     mx = torch.maximum(s.amax(dim=(1, 4)), s_self)
     p = (s - mx.reshape(D, 1, kvh, g, 1)).exp()
     p_self = (s_self - mx).exp()
@@ -111,7 +123,19 @@ def _decodes(q1, k1, v1, pool, m: GraphMeta, scale: float) -> torch.Tensor:
     return (o / den.unsqueeze(-1)).to(q1.dtype).reshape(D, H, hd)
 
 
-def _chunks(q1, k1, v1, pool, m: GraphMeta, scale: float) -> torch.Tensor:
+def _dec_invalid(m: GraphMeta, Wd: int, bs: int, window: int | None, device) -> torch.Tensor:
+    """``[D, Wd, 1, 1, BS]``: cached keys a decode does not see: past its cache, or (sliding)
+    not after ``position - window``, its position being the count of cached tokens."""
+    D = m.dec_cached.shape[0]
+    j = torch.arange(Wd * bs, device=device).reshape(1, Wd, 1, 1, bs)
+    cached = m.dec_cached.reshape(D, 1, 1, 1, 1)
+    out = j >= cached
+    if window is not None:
+        out = torch.logical_or(out, j <= cached - window)
+    return out
+
+
+def _chunks(q1, k1, v1, pool, m: GraphMeta, scale: Scores) -> torch.Tensor:
     """Padded queries over [cached tokens from the pool | the chunk's own new keys]."""
     H, hd = q1.shape[1:]
     kvh, bs = pool.shape[3], pool.shape[4]
@@ -127,16 +151,18 @@ def _chunks(q1, k1, v1, pool, m: GraphMeta, scale: float) -> torch.Tensor:
     vn = v1.index_select(0, idx).reshape(C, Q, kvh, hd).transpose(1, 2)
     keys = torch.cat([kc, kn], dim=2).unsqueeze(2)                     # [C, KVH, 1, S+Q, hd]
     vals = torch.cat([vc, vn], dim=2).unsqueeze(2)
-    s = (qc @ keys.transpose(-1, -2)).float() * scale                     # [C, KVH, g, Q, S+Q]
-    hidden = m.shared("chunk_hidden", lambda: ~_chunk_visible(m, Wc * bs, Q, q1.device))
+    s = scale(qc @ keys.transpose(-1, -2))                                # [C, KVH, g, Q, S+Q]
+    hidden = m.shared(f"chunk_hidden_{scale.window}",
+                      lambda: ~_chunk_visible(m, Wc * bs, Q, q1.device, scale.window))
     s = s.masked_fill(hidden, minf)
     p = torch.softmax(s, dim=-1).to(q1.dtype)
     return (p @ vals).permute(0, 3, 1, 2, 4).reshape(C * Q, H, hd)
 
 
-def _chunk_visible(m: GraphMeta, cached_width: int, Q: int, device) -> torch.Tensor:
+def _chunk_visible(m: GraphMeta, cached_width: int, Q: int, device, window: int | None = None) -> torch.Tensor:
     """``[C, 1, 1, Q, S+Q]``: query i of a chunk sees the cached tokens and its chunk's new
-    tokens up to itself (padding queries see only cached ones; their rows are dropped)."""
+    tokens up to itself (padding queries see only cached ones; their rows are dropped); in a
+    sliding layer only keys after ``position - window``."""
     C = m.chunk_index.shape[0]
     j = torch.arange(cached_width + Q, device=device)
     i = torch.arange(Q, device=device)
@@ -145,4 +171,8 @@ def _chunk_visible(m: GraphMeta, cached_width: int, Q: int, device) -> torch.Ten
     # logical_and/or, not & and |: IREE does not compile broadcast & on booleans
     new = torch.logical_and(torch.logical_and(jn >= 0, jn <= i.reshape(1, Q, 1)),
                             jn < m.chunk_lens.reshape(C, 1, 1))
+    if window is not None:       # query i sits at chunk_cached + i; a cached key j at j
+        pos = m.chunk_cached.reshape(C, 1, 1) + i.reshape(1, Q, 1)
+        cached = torch.logical_and(cached, j.reshape(1, 1, -1) > pos - window)
+        new = torch.logical_and(new, jn > i.reshape(1, Q, 1) - window)
     return torch.logical_or(cached, new).reshape(C, 1, 1, Q, cached_width + Q)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from twophase.arch import AttentionSpec, ModelArch
-from twophase.models.graph_attention import GraphMeta, flat_gather, graph_attention
+from twophase.models.graph_attention import GraphMeta, Scores, flat_gather, graph_attention
 from twophase.models.layers.norm import RMSNorm
 from twophase.models.layers.rotary import apply_rope
 
@@ -65,7 +65,8 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if isinstance(meta, GraphMeta):        # traced for export: K/V are outputs, not writes
             meta.new_kv.append((k, v))
-            return self.o(graph_attention(q, k, v, kv_layer, meta, self.scale).reshape(T, -1))
+            scores = Scores(self.scale, self.softcap, self.window)
+            return self.o(graph_attention(q, k, v, kv_layer, meta, scores).reshape(T, -1))
         write_kv(kv_layer, k, v, meta.slot_mapping)
 
         out = torch.empty_like(q)
