@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     out = {}
-    for family in ("qwen3", "mistral"):
+    for family in ("qwen3", "mixtral"):
         out[family] = tmp_path_factory.mktemp(family)
         tiny_hf_model(family, out[family])
     return out
@@ -31,14 +31,14 @@ def _cfg(folder, backend: str, quantization: str = "none") -> dict:
 def test_a_run_on_a_backend_without_the_feature_names_it(folders):
     with pytest.raises(BackendUnavailable, match="native: QK-norm is not implemented"):
         LLM.from_config(_cfg(folders["qwen3"], "native", "q4"))
-    with pytest.raises(BackendUnavailable, match="onnxruntime: sliding-window attention is not implemented"):
-        LLM.from_config(_cfg(folders["mistral"], "onnxruntime"))
+    with pytest.raises(BackendUnavailable, match="onnxruntime: mixture-of-experts MLPs are not implemented"):
+        LLM.from_config(_cfg(folders["mixtral"], "onnxruntime"))
 
 
 def test_each_phase_is_asked(folders):
-    cfg = _cfg(folders["mistral"], "torch")
+    cfg = _cfg(folders["mixtral"], "torch")
     cfg["backend"] = {"prefill": {"name": "torch"}, "decode": {"name": "onnxruntime"}}
-    with pytest.raises(BackendUnavailable, match="onnxruntime: sliding-window"):
+    with pytest.raises(BackendUnavailable, match="onnxruntime: mixture-of-experts"):
         LLM.from_config(cfg)
 
 
