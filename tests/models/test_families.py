@@ -150,13 +150,21 @@ def test_gguf_files_of_a_family_not_read_yet_are_refused_by_name(tmp_path):
     from twophase.models.gguf_file import GGUFFile
 
     path = tmp_path / "g.gguf"
-    w = gguf.GGUFWriter(str(path), "gemma3")
+    w = gguf.GGUFWriter(str(path), "gemma2")
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ModelError, match="GGUF files of the gemma3 family do not load yet; its HF folder"):
+    with pytest.raises(ModelError, match="GGUF files of the gemma2 family do not load yet; its HF folder"):
         hf_config(GGUFFile(path))
+    # a family that loads, from a file lacking what it must state: the key is named
+    w = gguf.GGUFWriter(str(tmp_path / "q.gguf"), "qwen3")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelError, match="lacks qwen3.attention.head_count"):
+        hf_config(GGUFFile(tmp_path / "q.gguf"))
 
 
 def test_a_sliding_window_model_gives_back_the_blocks_before_its_window(tmp_path):

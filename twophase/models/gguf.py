@@ -51,8 +51,14 @@ def hf_config(header: GGUFFile) -> dict:
         raise ModelError(f"{header.path}: GGUF files of the {fam.name} family do not load yet; its HF "
                          f"folder (config.json and safetensors) does, through model.path or org/repo")
     p = f"{arch}."
-    heads = int(f(p + "attention.head_count"))
-    hidden = int(f(p + "embedding_length"))
+
+    def need(key: str) -> int:
+        value = f(p + key)
+        if value is None:
+            raise ModelError(f"{header.path}: the GGUF header lacks {p + key}")
+        return int(value)
+
+    heads, hidden = need("attention.head_count"), need("embedding_length")
     names = set(header.tensors)
     tokens = f("tokenizer.ggml.tokens") or []      # a LongArray: its length
     return {
@@ -60,8 +66,8 @@ def hf_config(header: GGUFFile) -> dict:
         "model_type": fam.hf_model_types[0],
         "vocab_size": int(f(p + "vocab_size", len(tokens))),
         "hidden_size": hidden,
-        "intermediate_size": int(f(p + "feed_forward_length")),
-        "num_hidden_layers": int(f(p + "block_count")),
+        "intermediate_size": need("feed_forward_length"),
+        "num_hidden_layers": need("block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": int(f(p + "attention.head_count_kv", heads)),
         "head_dim": int(f(p + "attention.key_length", f(p + "rope.dimension_count", hidden // heads))),
