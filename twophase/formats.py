@@ -55,9 +55,3 @@ def by_ggml_type(ggml_type: int) -> WeightFormat | None:
     """The format of a GGUF tensor type, None for one this table does not know."""
     return next((f for f in FORMATS.values() if f.ggml_type == int(ggml_type)), None)
 
-
-# the engine's quantization settings and the formats each holds its matrices in
-QUANTIZATIONS: dict[str, tuple[str, ...]] = {
-    "none": (),                      # the model's dtype
-    "q4": ("Q4_1", "Q8_0"),          # projections in Q4_1, the head in Q8_0
-}
