@@ -9,7 +9,9 @@ given slots and return logits; core samples.
 KV pool layout (one tensor per engine):
     ``[num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]``
 ``2`` is K then V. A token's *slot* is ``block_id * block_size + offset``. Heads-major inside a
-block, so exported graphs attend per block without a transpose.
+block, so exported graphs attend per block without a transpose. A model that mixes full and
+sliding-window layers may get a pool in groups instead (``KVGroups``), for a backend that says it
+reads one (``Capabilities.kv_groups``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ __all__ = [
     "EngineLimits",
     "KVCache",
     "KVCacheSpec",
+    "KVGroups",
     "MemoryQuery",
     "ModelArch",
     "ModelSpec",
@@ -113,6 +116,9 @@ class Capabilities:
     mixed_batches: bool = True               # can one prefill() carry decodes too?
     # does it read/write core's pool in place? (else it keeps its own: see bind_kv_cache)
     shares_kv_pool: bool = True
+    # can it read a pool laid out in groups (``KVGroups``: a block table per group, layers
+    # sharing slots)? Else a model mixing full and sliding layers keeps full K/V in every layer
+    kv_groups: bool = False
     # does it compute on its own CPU threads (a runtime's pool, not torch's)? Then torch in
     # this process only does the step's glue, which the engine runs on one thread: an OpenMP
     # team woken for a 49k-logit argmax keeps spinning into the runtime's next call
@@ -191,12 +197,65 @@ class KVCacheSpec:
         return self.num_layers * 2 * self.num_kv_heads * block_size * self.head_dim * itemsize
 
 
+@dataclass(frozen=True)
+class KVGroups:
+    """Which blocks each layer's K/V live in. Layers with the same window form groups of
+    ``num_slots`` layers; each group has its own block table a sequence, all drawn from one
+    pool of blocks, and layer ``i`` keeps its K/V at ``pool[slot[i]]`` in the blocks of group
+    ``group[i]``'s table. So a sliding group gives back the blocks its window has passed while a
+    full group keeps them, and a block is ``num_slots`` layers' worth of either.
+
+    One group is the plain layout (slot ``i`` is layer ``i``); then the batches' ``slot_mapping``
+    and ``block_tables`` are ``[T]`` and ``[B, nb]``. With more, they carry the group first:
+    ``[G, T]`` and ``[G, B, nb]``, sent only to a backend whose ``Capabilities.kv_groups`` is set.
+    A table entry before a sliding group's window is 0 (the blocks are gone), as padding is."""
+
+    windows: tuple[int | None, ...]    # each group's sliding window in tokens (None: full)
+    group: tuple[int, ...]             # each layer's group
+    slot: tuple[int, ...]              # each layer's index in the pool's first dimension
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
+    @property
+    def num_slots(self) -> int:
+        return max(self.slot) + 1
+
+    @classmethod
+    def plain(cls, num_layers: int, window: int | None = None) -> KVGroups:
+        return cls((window,), (0,) * num_layers, tuple(range(num_layers)))
+
+    @classmethod
+    def of(cls, arch: ModelArch) -> KVGroups:
+        """Groups for ``arch``: plain where every layer has the same window; else each window's
+        layers cut, in order, into groups as large as the rarest window's count (vLLM's
+        grouping: Gemma 3 27B's 10 full and 52 sliding layers make 1 + 6 groups of 10 slots,
+        the last sliding group 2 layers short). Full-attention groups come first."""
+        windows = [s.attention.window for s in arch.layers]
+        kinds = sorted(set(windows), key=lambda w: (w is not None, w or 0))
+        if len(kinds) == 1:
+            return cls.plain(len(windows), windows[0])
+        size = min(windows.count(w) for w in kinds)
+        group, slot = [0] * len(windows), [0] * len(windows)
+        out: list[int | None] = []
+        for w in kinds:
+            layers = [i for i, x in enumerate(windows) if x == w]
+            for j, i in enumerate(layers):
+                if j % size == 0:
+                    out.append(w)
+                group[i], slot[i] = len(out) - 1, j % size
+        return cls(tuple(out), tuple(group), tuple(slot))
+
+
 @dataclass
 class KVCache:
-    """The pool core allocated: ``[layers, 2, num_blocks, kv_heads, block_size, head_dim]``."""
+    """The pool core allocated: ``[slots, 2, num_blocks, kv_heads, block_size, head_dim]``,
+    where slots are the layers (``groups`` plain) or ``groups.num_slots``."""
 
     pool: torch.Tensor
     block_size: int
+    groups: KVGroups | None = None       # None: plain, one slot a layer
 
     @property
     def num_blocks(self) -> int:
@@ -212,8 +271,8 @@ class PrefillBatch:
 
     token_ids: torch.Tensor        # [T] the chunks' tokens
     positions: torch.Tensor        # [T] each token's position in its sequence
-    slot_mapping: torch.Tensor     # [T] pool slot where each token's K/V goes
-    block_tables: torch.Tensor     # [B, max_blocks] block ids; padding entries are 0
+    slot_mapping: torch.Tensor     # [T] pool slot where each token's K/V goes ([G, T]: KVGroups)
+    block_tables: torch.Tensor     # [B, max_blocks] block ids, padding 0 ([G, B, nb]: KVGroups)
     context_lens: torch.Tensor     # [B] tokens in the cache after this call (start + chunk)
     query_lens: list[int]          # [B] chunk lengths
     start_positions: list[int]     # [B] tokens already cached before the chunk
@@ -241,8 +300,8 @@ class DecodeBatch:
 
     token_ids: torch.Tensor        # [B]
     positions: torch.Tensor        # [B] == context_lens - 1
-    slot_mapping: torch.Tensor     # [B]
-    block_tables: torch.Tensor     # [B, max_blocks]
+    slot_mapping: torch.Tensor     # [B] ([G, B]: KVGroups)
+    block_tables: torch.Tensor     # [B, max_blocks] ([G, B, nb]: KVGroups)
     context_lens: torch.Tensor     # [B] tokens in the cache after this call
 
     @property

@@ -21,10 +21,10 @@ from twophase import draft, routing
 from twophase import plan as planner
 from twophase.backends.registry import Registry
 from twophase.config import BackendSection, Config, SchedulerConfig, load_config
-from twophase.contract import BackendConfig, EngineLimits, KVCache, ModelSpec
+from twophase.contract import BackendConfig, EngineLimits, KVCache, KVGroups, ModelSpec
 from twophase.core.draft_proposer import DraftProposer
 from twophase.core.engine import Engine
-from twophase.core.kv_manager import KVManager
+from twophase.core.kv_manager import KVManager, concurrency, context_tokens, sequence_blocks, step_blocks
 from twophase.core.kv_transfer import KVConnector, layout_of
 from twophase.core.metrics import phase_report
 from twophase.core.ngram import NgramProposer
@@ -171,7 +171,7 @@ class LLM:
         if self.config.cache.prefault:
             prefault(self.kv_cache.pool)
         used.append(memcheck.in_use(device))
-        self._fit_context(self.num_blocks * self.config.cache.block_size)
+        self._fit_context(self._pool_tokens())
         routed = [b for _, b in self.decode_routes]
         for b in {id(b): b for b in (self.prefill_backend, self.decode_backend, *routed)}.values():
             b.bind_kv_cache(self.kv_cache)      # TensorRT and IREE load their engines here
@@ -228,13 +228,14 @@ class LLM:
         each backend holds), how many full-context sequences fit, and what the device has left."""
         pool, bs = self.kv_cache.pool, self.config.cache.block_size
         weights = self.plan.total("weights")
-        kv = pool.numel() * pool.element_size() if pool.device.type != "meta" \
-            else self.num_blocks * self.prefill_backend.kv_cache_spec().bytes_per_block(bs)
+        kv = pool.numel() * pool.element_size()          # a meta pool (IREE keeps its own) too
         free = available_memory(device)
         if torch.device(device).type == "cpu":
             free -= kv              # the pool's pages are the OS's until first written
-        return {"kv_cache_bytes": kv, "kv_tokens": self.num_blocks * bs,
-                "max_concurrency": self.num_blocks // -(-self.max_model_len // bs),
+        windows, chunk = self.kv_groups.windows, self._token_budget(self.config.scheduler.chunked_prefill)
+        return {"kv_cache_bytes": kv, "kv_tokens": min(self._pool_tokens(), self.num_blocks * bs),
+                "max_concurrency": concurrency(windows, self.num_blocks, self.max_model_len, chunk, bs),
+                "kv_groups": self.kv_groups.num_groups,
                 "weight_bytes": weights, "headroom_bytes": free}
 
     def _load_backend(self, sec, spec: ModelSpec):
@@ -334,19 +335,25 @@ class LLM:
                 f"{have / GiB:.1f} GiB available; choose a smaller shape, fewer layers "
                 f"(model.num_layers) or a smaller dtype")
         cc = self.config.cache
-        if isinstance(cc.num_blocks, int):        # known before any weights load
-            self._fit_context(cc.num_blocks * cc.block_size)
+        if isinstance(cc.num_blocks, int):        # known before any weights load (in groups if
+            chunk = self._token_budget(self.config.scheduler.chunked_prefill)    # backends allow)
+            self._fit_context(context_tokens(KVGroups.of(self.model.arch).windows, cc.num_blocks, chunk,
+                                             cc.block_size))
 
     def _allocate_pool(self, device: str) -> KVCache:
         cc = self.config.cache
         spec = self.prefill_backend.kv_cache_spec()
+        self.kv_groups = self._kv_groups()
+        spec = type(spec)(**{**spec.__dict__, "num_layers": self.kv_groups.num_slots})
         scratch = max(spec.scratch_blocks, self.decode_backend.kv_cache_spec().scratch_blocks)
         spec = type(spec)(**{**spec.__dict__, "scratch_blocks": scratch})
         if cc.dtype != "auto":
             spec = type(spec)(**{**spec.__dict__, "dtype": loader.DTYPES[cc.dtype]})
         per_block = spec.bytes_per_block(cc.block_size)
         if cc.num_blocks == "auto":
-            wanted = self.config.scheduler.max_num_seqs * -(-self.max_model_len // cc.block_size)
+            windows, chunk = self.kv_groups.windows, self._token_budget(self.config.scheduler.chunked_prefill)
+            each = sequence_blocks(windows, self.max_model_len, 1, cc.block_size)
+            wanted = self.config.scheduler.max_num_seqs * each + step_blocks(windows, chunk, cc.block_size)
             free = available_memory(device)
             if cc.memory_gb is None and torch.device(device).type == "cuda":
                 num_blocks = self._cuda_pool_blocks(free, per_block)
@@ -366,7 +373,29 @@ class LLM:
                  cc.block_size, spec.head_dim)
         shared = self.prefill_backend.capabilities().shares_kv_pool
         # a backend that keeps its own pool gets a shape without memory (see bind_kv_cache)
-        return KVCache(zeros(shape, spec.dtype, spec.device if shared else "meta"), cc.block_size)
+        return KVCache(zeros(shape, spec.dtype, spec.device if shared else "meta"), cc.block_size,
+                       self.kv_groups)
+
+    def _pool_tokens(self) -> int:
+        """The longest context one sequence can have in the pool."""
+        chunk = self._token_budget(self.config.scheduler.chunked_prefill)
+        return context_tokens(self.kv_groups.windows, self.num_blocks, chunk, self.config.cache.block_size)
+
+    def _kv_groups(self) -> KVGroups:
+        """The pool's layout: in groups where the model mixes full and sliding layers and every
+        backend reads groups (and no K/V move between engines); else a slot a layer."""
+        arch = self.model.arch
+        groups = KVGroups.of(arch)
+        if groups.num_groups == 1:
+            return groups
+        backends = [self.prefill_backend, self.decode_backend] + [b for _, b in self.decode_routes]
+        unable = sorted({b.name for b in backends if not b.capabilities().kv_groups})
+        why = (f"the {', '.join(unable)} backend reads one block table" if unable else
+               "K/V move between engines in one block table" if self.config.cluster.disaggregated else None)
+        if why is None:
+            return groups
+        log.info("K/V of every layer kept for the whole context, sliding layers too: %s", why)
+        return KVGroups.plain(arch.num_layers)
 
     def _pool_limit(self, spec, block_size: int) -> int:
         """The most blocks every backend can index (``Capabilities.max_pool_elements``)."""
@@ -416,9 +445,7 @@ class LLM:
             raise ConfigError("scheduler.max_num_batched_tokens",
                               f"{budget} must exceed scheduler.max_num_seqs ({max_seqs})")
         arch = self.model.arch
-        windows = {s.attention.window for s in arch.layers}      # one window on every layer: freed
-        kv = KVManager(self.num_blocks, cc.block_size, cc.prefix_caching,
-                       window=next(iter(windows)) if len(windows) == 1 else None)
+        kv = KVManager(self.num_blocks, cc.block_size, cc.prefix_caching, self.kv_groups.windows)
         sp = self.config.speculative
         proposer: Proposer | None = None
         if sp.method == "ngram":

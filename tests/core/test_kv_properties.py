@@ -69,7 +69,8 @@ def check_pool(eng: Engine) -> None:
     blocks; only running requests hold blocks, each enough for its computed tokens."""
     kv, pool = eng.kv, eng.kv.pool
     held: Counter[int] = Counter()
-    for rid, table in kv.tables.items():
+    for rid in kv.tables:
+        table = kv.held_blocks(rid)
         assert len(set(table)) == len(table), f"request {rid} holds a block twice: {table}"
         held.update(table)
     assert pool.ref_cnt == [held[b] for b in range(pool.num_blocks)], (
@@ -78,8 +79,8 @@ def check_pool(eng: Engine) -> None:
     running = {r.request_id: r for r in eng.scheduler.running}
     assert set(kv.tables) == set(running), (
         f"blocks held by {sorted(kv.tables)}, running {sorted(running)}")
-    for rid, r in running.items():
-        assert len(kv.tables[rid]) * kv.block_size >= r.num_computed_tokens, r
+    for r in running.values():
+        assert len(kv.block_table(r)) * kv.block_size >= r.num_computed_tokens, r
     for h, b in pool.cached.items():
         assert pool.block_hash[b] == h, f"cache maps a hash to block {b} which has another"
 

@@ -20,9 +20,13 @@ def committed(pos: int) -> int:
 
 @settings(deadline=None, max_examples=300, database=None)
 @given(bs=st.sampled_from([1, 2, 4, 8]),
-       rounds=st.lists(st.tuples(st.integers(1, 9), st.integers(0, 9)), min_size=1, max_size=25))
-def test_truncate_keeps_exactly_the_committed_blocks(bs: int, rounds: list[tuple[int, int]]) -> None:
-    kv = KVManager(num_blocks=256, block_size=bs)
+       rounds=st.lists(st.tuples(st.integers(1, 9), st.integers(0, 9)), min_size=1, max_size=25),
+       windows=st.sampled_from([(None,), (6,), (None, 6), (None, 11, 11)]))
+def test_truncate_keeps_exactly_the_committed_blocks(bs: int, rounds: list[tuple[int, int]],
+                                                     windows: tuple[int | None, ...]) -> None:
+    """Also in groups (full and sliding layers): a sliding group gives back what its window
+    passed, never what a rollback could need."""
+    kv = KVManager(num_blocks=256, block_size=bs, windows=windows)
     req = Request("r", [committed(0)], SamplingParams(max_tokens=4000), 0.0)
     for k, accept in rounds:
         accept = min(accept, k)
@@ -38,12 +42,18 @@ def test_truncate_keeps_exactly_the_committed_blocks(bs: int, rounds: list[tuple
         req.num_computed_tokens = n
         kv.truncate(req, n)
         kv.cache_computed(req)
-        table = kv.block_table(req)
-        assert len(table) == kv.blocks_for(n), "blocks past the length must be freed, the rest kept"
-        assert kv.num_free_blocks == 256 - len(table), "a block leaked or was freed twice"
+        kv.release_outside_window(req)
+        assert all(len(t) == kv.blocks_for(n) for t in kv.block_tables(req)), \
+            "blocks past the length must be freed, the rest kept"
+        held = kv.held_blocks("r")
+        assert kv.num_free_blocks == 256 - len(held) == 256 - len(set(held)), "a block leaked or was freed twice"
+        # a sliding group holds its window's blocks, no more
+        window_blocks = [len(t) - (0 if w is None else min(len(t), max(0, n - w + 1) // bs))
+                         for w, t in zip(windows, kv.block_tables(req))]
+        assert len(held) == sum(window_blocks)
     # a newcomer with the committed tokens hits every full block; one with a draft hits none past it
     probe = Request("p", list(req.token_ids) + [7], SamplingParams(), 0.0)
-    assert len(kv.computed_blocks(probe)) == req.num_computed_tokens // bs
+    assert kv.hit_tokens(kv.computed_blocks(probe)) == req.num_computed_tokens // bs * bs
     drafted = Request("d", [DRAFT] * (bs + 1), SamplingParams(), 0.0)
     assert kv.computed_blocks(drafted) == []
     kv.free(req)

@@ -131,7 +131,7 @@ def test_random_accepts_and_rejects_leave_outputs_and_the_pool_exact(seed, p_wro
         steps += 1
         assert steps < 2000, "no progress"
         pool = eng.kv.pool
-        held_blocks = sum(len(t) for t in eng.kv.tables.values())
+        held_blocks = sum(len(eng.kv.held_blocks(rid)) for rid in eng.kv.tables)
         assert pool.num_free + sum(1 for c in pool.ref_cnt if c) == pool.num_blocks
         assert held_blocks >= sum(1 for c in pool.ref_cnt if c)
         for req in eng.scheduler.running:           # rejected drafts' whole blocks went back

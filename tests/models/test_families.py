@@ -167,22 +167,27 @@ def test_gguf_files_of_a_family_not_read_yet_are_refused_by_name(tmp_path):
         hf_config(GGUFFile(tmp_path / "q.gguf"))
 
 
-def test_a_sliding_window_model_gives_back_the_blocks_before_its_window(tmp_path):
-    """Mistral's window of 24 over blocks of 8: once the prompt is in, a sequence holds at most
-    ceil(24 / 8) + 1 blocks however long it grows, and its tokens stay transformers'."""
-    import torch
-
-    ref = tiny_hf_model("mistral", tmp_path)
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_a_sliding_window_model_gives_back_the_blocks_before_its_window(tmp_path, family):
+    """A window of 24 over blocks of 8. Mistral slides in every layer: once the prompt is in, a
+    sequence holds at most ceil(24 / 8) + 1 blocks however long it grows. Gemma 3 (3 sliding
+    layers, 1 full) keeps a group a kind: the full group holds every block, each sliding group
+    its window's. Its tokens stay transformers'."""
+    ref = tiny_hf_model(family, tmp_path)
     llm = LLM.from_config({"model": {"path": str(tmp_path)}, "cache": {"num_blocks": 64, "block_size": 8}})
     eng = llm.engine
-    assert eng.kv.window == 24
+    full_groups = {"mistral": 0, "gemma3": 1}[family]
+    assert eng.kv.windows == {"mistral": (24,), "gemma3": (None, 24, 24, 24)}[family]
     prompt = [(11 * i) % 290 + 5 for i in range(80)]
     req = eng.add_request(prompt, SamplingParams(max_tokens=40, ignore_eos=True))
     held = []
     while not req.finished:
         eng.step()
-        held.append(eng.kv.num_used_blocks)
-    assert max(held) <= 4, held            # the prompt alone fills 10
+        if not req.finished:
+            ctx = eng.kv.blocks_for(req.num_computed_tokens)
+            held.append(eng.kv.num_used_blocks - full_groups * ctx)
+    sliding = len(eng.kv.windows) - full_groups
+    assert max(held) <= 4 * sliding, held            # the prompt alone fills 10 a group
     assert eng.kv.num_free_blocks == llm.num_blocks
     with torch.no_grad():
         g = ref.generate(torch.tensor([prompt]), max_new_tokens=40, min_new_tokens=40, do_sample=False,
@@ -190,8 +195,9 @@ def test_a_sliding_window_model_gives_back_the_blocks_before_its_window(tmp_path
     assert req.output_token_ids == g[0, len(prompt):].tolist()
 
 
-def test_window_release_keeps_tokens_through_preemption_prefix_hits_and_drafts(tmp_path):
-    tiny_hf_model("mistral", tmp_path)
+@pytest.mark.parametrize("family,tight_blocks", [("mistral", 24), ("gemma3", 80)])
+def test_window_release_keeps_tokens_through_preemption_prefix_hits_and_drafts(tmp_path, family, tight_blocks):
+    tiny_hf_model(family, tmp_path)
     shared = [(7 * i) % 290 + 5 for i in range(40)]
     prompts = [shared + [100 + i] * (5 + 9 * i) for i in range(6)]
     params = SamplingParams(max_tokens=30, ignore_eos=True)
@@ -204,7 +210,7 @@ def test_window_release_keeps_tokens_through_preemption_prefix_hits_and_drafts(t
         return [o.token_ids for o in outs], llm.report(outs)
 
     want, _ = run(cache={"num_blocks": 256, "block_size": 4, "prefix_caching": False})
-    tight, rep = run(cache={"num_blocks": 40, "block_size": 4},
+    tight, rep = run(cache={"num_blocks": tight_blocks, "block_size": 4},
                      scheduler={"max_num_batched_tokens": 32, "max_num_seqs": 6})
     assert rep["preemptions"] > 0 and rep["prefix_cache_hit_rate"] > 0 and tight == want
     drafted, rep = run(speculative={"method": "ngram", "num_tokens": 3})

@@ -71,12 +71,16 @@ def test_graph_function_handles_decodes_only_and_chunks_only():
     assert float((got - want).abs().max() / want.abs().max()) < 1e-5
 
 
-def test_graph_function_equals_eager_with_windows_and_soft_caps(tmp_path):
+def test_graph_function_equals_eager_with_windows_and_soft_caps(tmp_path, monkeypatch):
     """Gemma 2's layers (a window of 24 on alternate layers, soft-capped scores and logits):
-    the static-dataflow attention equals the eager one on a mixed batch past the window."""
+    the static-dataflow attention equals the eager one on a mixed batch past the window (in
+    the one-table layout the graphs read)."""
     from helpers.hf_models import tiny_hf_model
 
     from twophase import LLM
+    from twophase.contract import KVGroups
+
+    monkeypatch.setattr(KVGroups, "of", classmethod(lambda cls, arch: cls.plain(arch.num_layers)))
 
     tiny_hf_model("gemma2", tmp_path)
     llm = LLM.from_config({"model": {"path": str(tmp_path)}, "cache": {"block_size": 4, "num_blocks": 128},

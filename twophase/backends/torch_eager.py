@@ -44,6 +44,7 @@ class TorchBackend(Backend):
         self.model: Decoder | None = None
         self.kv: KVCache | None = None
         self.graphs = None
+        self.groups = None
 
     @classmethod
     def check_available(cls, device: str = "cpu") -> None:
@@ -64,7 +65,7 @@ class TorchBackend(Backend):
 
     def capabilities(self) -> Capabilities:
         return Capabilities(devices=("cpu", "cuda"), features=frozenset(FEATURES),
-                            dtypes=(torch.float32, torch.bfloat16, torch.float16))
+                            dtypes=(torch.float32, torch.bfloat16, torch.float16), kv_groups=True)
 
     def load(self, model: ModelSpec, cfg: BackendConfig) -> None:
         self.check_available(cfg.device)
@@ -86,6 +87,11 @@ class TorchBackend(Backend):
 
     def bind_kv_cache(self, kv: KVCache) -> None:
         self.kv = kv
+        self.groups = kv.groups if kv.groups is not None and kv.groups.num_groups > 1 else None
+        if self.groups is not None and self.use_graphs:
+            log.info("torch: decode runs without CUDA graphs over a pool in %d groups",
+                     self.groups.num_groups)
+            self.use_graphs = False
         if self.use_graphs:
             from twophase.backends.cuda_graphs import DecodeGraphs
 
@@ -96,7 +102,8 @@ class TorchBackend(Backend):
     def prefill(self, batch: PrefillBatch) -> torch.Tensor:
         meta = self._meta(batch)
         dev = self.device
-        hidden = self.model(batch.token_ids.to(dev), batch.positions.to(dev), self.kv.pool, meta)
+        hidden = self.model(batch.token_ids.to(dev), batch.positions.to(dev), self.kv.pool, meta,
+                            self.groups)
         if batch.logits == "last":
             last = torch.tensor(batch.query_start[1:], device=dev) - 1
             hidden = hidden[last]
@@ -113,10 +120,19 @@ class TorchBackend(Backend):
 
     def _forward_decode(self, tokens, positions, slots, tables, lens) -> torch.Tensor:
         """One token per sequence, all tensors on the device: the body a CUDA graph captures."""
-        meta = AttnMeta(slots, torch.arange(tokens.shape[0], device=tokens.device), tables, lens, [])
-        return self.model.logits(self.model(tokens, positions, self.kv.pool, meta))
+        idx = torch.arange(tokens.shape[0], device=tokens.device)
+        meta: AttnMeta | list[AttnMeta] = AttnMeta(slots, idx, tables, lens, [])
+        if self.groups is not None:
+            meta = [AttnMeta(s, idx, t, lens, []) for s, t in zip(slots, tables)]
+        return self.model.logits(self.model(tokens, positions, self.kv.pool, meta, self.groups))
 
-    def _meta(self, batch: PrefillBatch) -> AttnMeta:
+    def _meta(self, batch: PrefillBatch) -> AttnMeta | list[AttnMeta]:
+        if self.groups is None:
+            return self._group_meta(batch, batch.slot_mapping, batch.block_tables)
+        return [self._group_meta(batch, s, t) for s, t in zip(batch.slot_mapping, batch.block_tables)]
+
+    def _group_meta(self, batch: PrefillBatch, slot_mapping: torch.Tensor,
+                    block_tables: torch.Tensor) -> AttnMeta:
         dev, bs = self.device, self.kv.block_size
         ctx = batch.context_lens.tolist()
         dec = [i for i, n in enumerate(batch.query_lens) if n == 1]
@@ -125,15 +141,15 @@ class TorchBackend(Backend):
             width = -(-max(ctx[i] for i in dec) // bs)
             idx = torch.tensor(dec)
             decode_idx = (torch.tensor(batch.query_start[:-1])[idx]).to(dev)
-            decode_tables = batch.block_tables[idx, :width].to(dev)
+            decode_tables = block_tables[idx, :width].to(dev)
             decode_lens = batch.context_lens[idx].to(dev)
         chunks = []
         starts = batch.query_start
         for i, n in enumerate(batch.query_lens):
             if n > 1:
-                table = batch.block_tables[i, :-(-ctx[i] // bs)].to(dev)
+                table = block_tables[i, :-(-ctx[i] // bs)].to(dev)
                 chunks.append((starts[i], n, batch.start_positions[i], table))
-        return AttnMeta(batch.slot_mapping.to(dev), decode_idx, decode_tables, decode_lens, chunks)
+        return AttnMeta(slot_mapping.to(dev), decode_idx, decode_tables, decode_lens, chunks)
 
 
 def keep_freed_memory() -> None:

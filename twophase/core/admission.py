@@ -55,7 +55,7 @@ class Admission:
             raise RequestRejected(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
                 f"the model's context of {self.max_model_len} tokens (model.max_model_len)")
-        blocks = self.kv.blocks_for(total)
+        blocks = self.kv.peak_blocks(total, self.token_budget if self.chunked_prefill else total)
         if blocks > self.kv.pool.num_blocks:
             raise RequestRejected(
                 f"prompt + max_tokens = {total} tokens needs {blocks} KV blocks but the pool has "
@@ -78,7 +78,7 @@ class Admission:
         for r in running:
             left = r.params.max_tokens - r.num_output_tokens
             expected = r.num_tokens + int(self.ratio * left + 0.999)
-            need += max(0, self.kv.blocks_for(expected) - len(self.kv.block_table(r)))
+            need += self.kv.growth_blocks(r, expected)
         return need
 
     def idle(self) -> None:

@@ -72,17 +72,25 @@ def build_phases(decodes: Sequence[S], prefills: Sequence[tuple[S, int]], kv: KV
     return StepBatches(calls, chunk_rows + [(r, 1, 1) for r in decodes])
 
 
-def slots(kv: KVManager, req: Seq, start: int, n: int) -> list[int]:
-    """Pool slots of ``req``'s positions ``start .. start + n - 1``."""
-    table, bs = kv.block_table(req), kv.block_size
+def _slots(table: list[int], bs: int, start: int, n: int) -> list[int]:
     return [table[p // bs] * bs + p % bs for p in range(start, start + n)]
 
 
+def _group_slots(kv: KVManager, items: Sequence[tuple[Seq, int, int]]) -> torch.Tensor:
+    """``[T]`` slots of each chunk's tokens, or ``[G, T]`` in a pool of several groups."""
+    per_group = [[s for r, start, n in items for s in _slots(kv.block_tables(r)[g], kv.block_size, start, n)]
+                 for g in range(kv.num_groups)]
+    out = torch.tensor(per_group, dtype=torch.long).view(kv.num_groups, -1)
+    return out[0] if kv.num_groups == 1 else out
+
+
 def block_tables(kv: KVManager, reqs: Sequence[Seq]) -> torch.Tensor:
-    """``[len(reqs), widest table]`` block ids, padded with 0."""
-    tables = [kv.block_table(r) for r in reqs]
-    width = max(len(t) for t in tables)
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+    """``[len(reqs), widest table]`` block ids, padded with 0 (``[G, ...]`` in groups)."""
+    tables = [kv.block_tables(r) for r in reqs]
+    width = max(len(t[0]) for t in tables)
+    out = torch.tensor([[t[g] + [0] * (width - len(t[g])) for t in tables] for g in range(kv.num_groups)],
+                       dtype=torch.long)
+    return out[0] if kv.num_groups == 1 else out
 
 
 def prefill_batch(items: Sequence[Chunk], kv: KVManager,
@@ -91,18 +99,16 @@ def prefill_batch(items: Sequence[Chunk], kv: KVManager,
     those past its own tokens are its ``drafts`` (speculative tokens, by request id)."""
     tokens: list[int] = []
     positions: list[int] = []
-    slot_ids: list[int] = []
     for req, start, n in items:
         own = req.token_ids[start:start + n]
         tokens += own
         if len(own) < n:
             tokens += (drafts or {})[req.request_id][:n - len(own)]
         positions += range(start, start + n)
-        slot_ids += slots(kv, req, start, n)
     return PrefillBatch(
         token_ids=torch.tensor(tokens, dtype=torch.long),
         positions=torch.tensor(positions, dtype=torch.long),
-        slot_mapping=torch.tensor(slot_ids, dtype=torch.long),
+        slot_mapping=_group_slots(kv, items),
         block_tables=block_tables(kv, [r for r, _, _ in items]),
         context_lens=torch.tensor([s + n for _, s, n in items], dtype=torch.long),
         query_lens=[n for _, _, n in items],
@@ -115,7 +121,6 @@ def decode_batch(reqs: Sequence[Seq], kv: KVManager) -> DecodeBatch:
     return DecodeBatch(
         token_ids=torch.tensor([r.token_ids[p] for r, p in zip(reqs, pos)], dtype=torch.long),
         positions=torch.tensor(pos, dtype=torch.long),
-        slot_mapping=torch.tensor([slots(kv, r, p, 1)[0] for r, p in zip(reqs, pos)],
-                                  dtype=torch.long),
+        slot_mapping=_group_slots(kv, [(r, p, 1) for r, p in zip(reqs, pos)]),
         block_tables=block_tables(kv, reqs),
         context_lens=torch.tensor([p + 1 for p in pos], dtype=torch.long))

@@ -1,13 +1,18 @@
-"""What each request holds in the paged KV pool: its block table, and the hash chain of its
+"""What each request holds in the paged KV pool: its block tables, and the hash chain of its
 full blocks for prefix caching.
 
 A full block's hash covers its tokens and its parent's hash, so equal hashes mean equal
 prefixes. A block is published to the cache only after its K/V have been computed.
 
-In a model whose every layer attends over a sliding window, a block whose tokens all lie before
-the window of the next query is never read again: it goes back to the pool (still a prefix-cache
-hit for others) and its table entry points at block 0, as padding does, which attention masks.
-A sequence then holds about ``window / block_size + 1`` blocks however long it grows.
+The pool's layers come in groups (``KVGroups``): every layer alike is one group; a model mixing
+full and sliding-window layers has a group per window kind and share of slots. A sequence has a
+table per group, all from one ``BlockPool``. In a sliding group, a block whose tokens all lie
+before the window of the next query is never read again: it goes back to the pool (still a
+prefix-cache hit for others) and its table entry points at block 0, as padding does, which
+attention masks. Such a group then holds about ``window / block_size + 1`` blocks a sequence
+however long it grows, while a full group holds them all. A cached prefix is a hit only where
+every full group holds all its blocks and every sliding group the blocks its continuation's
+window reads (vLLM's rule for its hybrid cache).
 """
 
 from __future__ import annotations
@@ -19,24 +24,71 @@ from collections.abc import Sequence
 from twophase.core.block_pool import BlockPool
 from twophase.core.seq_state import Seq
 
+# a prefix hit: one list a group, each as long as the hit, 0 at a sliding group's passed blocks
+Hit = Sequence[Sequence[int]]
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def live_blocks(window: int | None, tokens: int, chunk: int, block_size: int) -> int:
+    """The most blocks one group holds at once for a sequence of ``tokens``, computed in chunks
+    of at most ``chunk``: all of them, or in a sliding group the window's and a chunk's."""
+    every = cdiv(tokens, block_size)
+    if window is None:
+        return every
+    return min(every, cdiv(window - 1 + min(chunk, tokens), block_size) + 1)
+
+
+def sequence_blocks(windows: Sequence[int | None], tokens: int, chunk: int, block_size: int) -> int:
+    """Blocks of the pool one sequence of ``tokens`` needs at its peak, over all its groups."""
+    return sum(live_blocks(w, tokens, chunk, block_size) for w in windows)
+
+
+def step_blocks(windows: Sequence[int | None], chunk: int, block_size: int) -> int:
+    """Blocks the sliding groups hold beyond their windows while a step's ``chunk`` tokens are
+    computed (at most a budget's worth a step, shared by the sequences prefilling in it)."""
+    return sum(cdiv(chunk, block_size) for w in windows if w is not None)
+
+
+def concurrency(windows: Sequence[int | None], num_blocks: int, context: int, chunk: int,
+                block_size: int) -> int:
+    """Sequences of ``context`` tokens the pool holds at once: each its windows' blocks (and all
+    of them in a full group), and one step's chunk on top."""
+    each = sequence_blocks(windows, context, 1, block_size)
+    return max(0, num_blocks - step_blocks(windows, chunk, block_size)) // each
+
+
+def context_tokens(windows: Sequence[int | None], num_blocks: int, chunk: int, block_size: int) -> int:
+    """The longest sequence ``num_blocks`` hold (``sequence_blocks``' inverse); without a full
+    group, any whose windows and chunk fit."""
+    if all(w is not None for w in windows) and sequence_blocks(windows, 1 << 62, chunk, block_size) <= num_blocks:
+        return 1 << 62
+    lo, hi = 0, num_blocks * block_size                # sequence_blocks grows with the length
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if sequence_blocks(windows, mid, chunk, block_size) <= num_blocks else (lo, mid - 1)
+    return lo
+
+
 class KVManager:
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True,
-                 window: int | None = None):
+                 windows: Sequence[int | None] = (None,)):
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.prefix_caching = prefix_caching
-        self.window = window                          # every layer's sliding window, if all slide
-        self._dropped: dict[str, int] = {}           # leading blocks given back (window passed)
-        self.tables: dict[str, list[int]] = {}
+        self.windows = tuple(windows)                 # each group's sliding window (None: full)
+        self._dropped: dict[str, list[int]] = {}      # a group's leading blocks given back
+        self.tables: dict[str, list[list[int]]] = {}  # a table a group, all of one length
         self._hashes: dict[str, list[bytes]] = {}      # chain hashes of each request's full blocks
         self._published: dict[str, int] = {}         # how many of its blocks are in the cache
         self.queries = 0                              # prefix-cache lookups, in tokens
         self.hits = 0
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
 
     @property
     def num_free_blocks(self) -> int:
@@ -53,8 +105,33 @@ class KVManager:
     def blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
+    def peak_blocks(self, num_tokens: int, chunk: int) -> int:
+        """Blocks a sequence of ``num_tokens`` holds at its peak, computed ``chunk`` at a time."""
+        return sequence_blocks(self.windows, num_tokens, chunk, self.block_size)
+
     def block_table(self, req: Seq) -> list[int]:
-        return self.tables.get(req.request_id, [])
+        """The first group's table (a full-attention group's, where there is one)."""
+        tables = self.tables.get(req.request_id)
+        return tables[0] if tables else []
+
+    def block_tables(self, req: Seq) -> list[list[int]]:
+        return self.tables.get(req.request_id) or [[] for _ in self.windows]
+
+    def held_blocks(self, request_id: str) -> list[int]:
+        """The blocks a request holds a reference to, over all its groups."""
+        dropped = self._dropped.get(request_id, [0] * self.num_groups)
+        return [b for g, t in enumerate(self.tables.get(request_id, [])) for b in t[dropped[g]:]]
+
+    def _key(self, h: bytes, group: int) -> bytes:
+        return h if group == 0 else h + group.to_bytes(2, "little")
+
+    def _dead(self, group: int, num_computed: int, length: int) -> int:
+        """Leading blocks no query from position ``num_computed`` on reads in ``group`` (it sees
+        keys after ``position - window``)."""
+        w = self.windows[group]
+        if w is None:
+            return 0
+        return min(length, max(0, (num_computed - w + 1) // self.block_size))
 
     def _chain(self, req: Seq, num_blocks: int) -> list[bytes]:
         hashes = self._hashes.setdefault(req.request_id, [])
@@ -66,91 +143,132 @@ class KVManager:
             hashes.append(h.digest())      # sha256: a collision would silently reuse others' K/V
         return hashes[:num_blocks]
 
-    def computed_blocks(self, req: Seq) -> list[int]:
-        """Cached blocks holding a prefix of ``req``'s tokens. At least one token is always left
-        to compute, since its logits are needed to sample."""
+    def computed_blocks(self, req: Seq) -> Hit:
+        """Cached blocks holding a prefix of ``req``'s tokens, a list a group. At least one token
+        is always left to compute, since its logits are needed to sample."""
         if not self.prefix_caching:
             return []
-        hits = []
-        for h in self._chain(req, (req.num_tokens - 1) // self.block_size):
-            block = self.pool.lookup(h)
-            if block is None:
-                break
-            hits.append(block)
-        return hits
+        chain = self._chain(req, (req.num_tokens - 1) // self.block_size)
+        found = [[self.pool.lookup(self._key(h, g)) for h in chain] for g in range(self.num_groups)]
+        k = len(chain)
+        for g, w in enumerate(self.windows):
+            if w is None:
+                k = min(k, next((i for i, b in enumerate(found[g]) if b is None), k))
+
+        def usable(k: int) -> bool:
+            return all(b is not None for g, w in enumerate(self.windows) if w is not None
+                       for b in found[g][self._dead(g, k * self.block_size, k):k])
+
+        while k and not usable(k):
+            k -= 1
+        if k == 0:
+            return []
+        return [[0 if b is None or i < self._dead(g, k * self.block_size, k) else b
+                 for i, b in enumerate(found[g][:k])] for g in range(self.num_groups)]
+
+    def hit_tokens(self, computed: Hit) -> int:
+        return len(computed[0]) * self.block_size if computed else 0
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.queries += num_tokens
         self.hits += num_hit_tokens
 
-    def blocks_needed(self, req: Seq, num_new_tokens: int, computed: Sequence[int] = ()) -> int:
-        """New blocks ``req`` needs for ``num_new_tokens`` more tokens (after ``computed`` hits)."""
-        have = len(self.tables.get(req.request_id, [])) + len(computed)
-        cached_tokens = len(computed) * self.block_size
-        return self.blocks_for(req.num_computed_tokens + cached_tokens + num_new_tokens) - have
+    def blocks_needed(self, req: Seq, num_new_tokens: int, computed: Hit = ()) -> int:
+        """New blocks ``req`` needs for ``num_new_tokens`` more tokens (after ``computed`` hits),
+        over all its groups."""
+        have = len(self.block_table(req)) + (len(computed[0]) if computed else 0)
+        total = req.num_computed_tokens + self.hit_tokens(computed) + num_new_tokens
+        return max(0, self.blocks_for(total) - have) * self.num_groups
 
-    def allocate(self, req: Seq, num_new_tokens: int, computed: Sequence[int] = ()) -> bool:
+    def growth_blocks(self, req: Seq, num_tokens: int) -> int:
+        """Blocks ``req`` takes on reaching ``num_tokens`` (admission's reserve): a sliding group
+        stops growing at its window."""
+        table, rid = self.block_table(req), req.request_id
+        dropped = self._dropped.get(rid, [0] * self.num_groups)
+        more = max(0, self.blocks_for(num_tokens) - len(table))
+        return sum(more if w is None else
+                   max(0, min(more, live_blocks(w, num_tokens, 1, self.block_size) - (len(table) - d)))
+                   for w, d in zip(self.windows, dropped))
+
+    def allocate(self, req: Seq, num_new_tokens: int, computed: Hit = ()) -> bool:
         """Give ``req`` blocks for ``num_new_tokens`` more tokens (after ``computed`` hits, on
         admission). False, with nothing changed, if the pool cannot."""
-        table = self.tables.get(req.request_id, [])
-        need = self.blocks_needed(req, num_new_tokens, computed)
-        reusable = sum(1 for b in computed if self.pool.ref_cnt[b] == 0)   # hits now in free queue
-        if need > self.pool.num_free - reusable:
+        rid = req.request_id
+        need = self.blocks_needed(req, num_new_tokens, computed) // self.num_groups
+        k = len(computed[0]) if computed else 0
+        dead = [self._dead(g, k * self.block_size, k) for g in range(self.num_groups)]
+        live = [b for g, hit in enumerate(computed) for b in hit[dead[g]:]]
+        reusable = sum(1 for b in set(live) if self.pool.ref_cnt[b] == 0)   # hits in free queue
+        if need * self.num_groups > self.pool.num_free - reusable:
             return False
-        self.pool.touch(list(computed))
-        table = table + list(computed) + self.pool.allocate(max(need, 0))
-        self.tables[req.request_id] = table
+        self.pool.touch(live)
+        tables = self.block_tables(req)
+        if computed:
+            self._dropped[rid] = dead
+        self.tables[rid] = [t + list(computed[g] if computed else ()) + self.pool.allocate(need)
+                            for g, t in enumerate(tables)]
         return True
 
     def cache_computed(self, req: Seq) -> None:
         """Publish ``req``'s blocks that are full and computed, so later requests can hit them."""
         if not self.prefix_caching:
             return
-        table = self.tables[req.request_id]
-        n = min(req.num_computed_tokens // self.block_size, len(table))
-        done = self._published.get(req.request_id, 0)
-        for block, h in zip(table[done:n], self._chain(req, n)[done:]):
-            self.pool.cache(block, h)
-        self._published[req.request_id] = max(done, n)
+        rid = req.request_id
+        tables = self.tables[rid]
+        n = min(req.num_computed_tokens // self.block_size, len(tables[0]))
+        done = self._published.get(rid, 0)
+        if n <= done:
+            return
+        chain = self._chain(req, n)
+        dropped = self._dropped.get(rid, [0] * self.num_groups)
+        for g, table in enumerate(tables):
+            for i in range(max(done, dropped[g]), n):
+                self.pool.cache(table[i], self._key(chain[i], g))
+        self._published[rid] = n
 
     def release_outside_window(self, req: Seq) -> None:
-        """Give back the blocks wholly before the window of ``req``'s next query (at position
-        ``num_computed_tokens``: it sees keys after ``position - window``). Queries never move
-        back past it: a rollback only drops tokens computed after it."""
-        if self.window is None:
+        """In each sliding group, give back the blocks wholly before the window of ``req``'s
+        next query (at position ``num_computed_tokens``). Queries never move back past it: a
+        rollback only drops tokens computed after it."""
+        tables = self.tables.get(req.request_id)
+        if not tables or all(w is None for w in self.windows):
             return
-        table = self.tables.get(req.request_id)
-        if not table:
-            return
-        dead = min(len(table), max(0, (req.num_computed_tokens - self.window + 1) // self.block_size))
-        done = self._dropped.get(req.request_id, 0)
-        if dead > done:
-            self.pool.release(table[done:dead][::-1])
-            table[done:dead] = [0] * (dead - done)
-            self._dropped[req.request_id] = dead
+        dropped = self._dropped.setdefault(req.request_id, [0] * self.num_groups)
+        for g, table in enumerate(tables):
+            dead = self._dead(g, req.num_computed_tokens, len(table))
+            if dead > dropped[g]:
+                self.pool.release(table[dropped[g]:dead][::-1])
+                table[dropped[g]:dead] = [0] * (dead - dropped[g])
+                dropped[g] = dead
 
     def truncate(self, req: Seq, num_tokens: int) -> None:
         """Keep only the blocks that hold ``req``'s first ``num_tokens`` tokens (a rollback:
         speculative tokens rejected). Slots past the new length are simply overwritten later;
         a block wholly past it goes back to the pool. Only computed tokens were ever published
         to the prefix cache, so a rolled-back block was never a hit for anyone."""
-        published = self._published.get(req.request_id, 0)
+        rid = req.request_id
+        published = self._published.get(rid, 0)
         full = num_tokens // self.block_size
         if published > full:
-            raise RuntimeError(f"truncating {req.request_id} to {num_tokens} tokens would drop "
+            raise RuntimeError(f"truncating {rid} to {num_tokens} tokens would drop "
                                f"{published - full} published (committed) blocks")
-        table = self.tables.get(req.request_id, [])
+        tables = self.tables.get(rid)
         keep = self.blocks_for(num_tokens)
-        if keep < len(table):
-            self.tables[req.request_id] = table[:keep]
-            self.pool.release(table[keep:][::-1])
-        hashes = self._hashes.get(req.request_id)
+        if tables and keep < len(tables[0]):
+            dropped = self._dropped.get(rid, [0] * self.num_groups)
+            for g, table in enumerate(tables):
+                self.pool.release(table[max(keep, dropped[g]):][::-1])
+                del table[keep:]
+                dropped[g] = min(dropped[g], keep)
+        hashes = self._hashes.get(rid)
         if hashes is not None:
             del hashes[full:]
 
     def free(self, req: Seq) -> None:
-        table = self.tables.pop(req.request_id, [])
-        self._hashes.pop(req.request_id, None)
-        self._published.pop(req.request_id, None)
-        dropped = self._dropped.pop(req.request_id, 0)
-        self.pool.release(table[dropped:][::-1])
+        rid = req.request_id
+        tables = self.tables.pop(rid, None) or []
+        self._hashes.pop(rid, None)
+        self._published.pop(rid, None)
+        dropped = self._dropped.pop(rid, [0] * self.num_groups)
+        for g, table in enumerate(tables):
+            self.pool.release(table[dropped[g]:][::-1])

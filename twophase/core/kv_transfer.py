@@ -161,6 +161,9 @@ class KVConnector:
     # -- scheduler half: decode side ---------------------------------------------------------
     def check(self, t: KVTransferParams) -> None:
         """Refuse, when it is added, a request this engine could not pull for."""
+        if (t.do_remote_prefill or t.do_remote_decode) and self.kv.num_groups > 1:
+            raise RequestRejected("kv_transfer_params: this engine's K/V are in groups of layers "
+                                  "(sliding and full), which do not move between engines")
         if t.do_remote_prefill and self.transport is None:
             raise RequestRejected("kv_transfer_params: this engine has no KV transport to pull from")
         if t.do_remote_prefill and t.layout != self.layout:

@@ -223,7 +223,7 @@ class Scheduler:
                     return
                 continue
             computed = self.kv.computed_blocks(req) if self.chunked_prefill else []
-            cached = len(computed) * self.kv.block_size
+            cached = self.kv.hit_tokens(computed)
             pending = req.num_tokens - cached
             n = min(pending, self._left)
             if n < pending and not self.chunked_prefill:

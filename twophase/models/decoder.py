@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from twophase.arch import LayerSpec, ModelArch
+from twophase.contract import KVGroups
 from twophase.models.graph_attention import GraphMeta
 from twophase.models.layers.attention import Attention, AttnMeta
 from twophase.models.layers.mlp import GatedMLP
@@ -71,8 +72,10 @@ class Decoder(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(arch), persistent=False)
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, kv_pool: torch.Tensor,
-                meta: AttnMeta | GraphMeta) -> torch.Tensor:
-        """Hidden states ``[T, hidden]`` after the final norm; writes K/V into ``kv_pool``."""
+                meta: AttnMeta | GraphMeta | list[AttnMeta], groups: KVGroups | None = None) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` after the final norm; writes K/V into ``kv_pool``. In a
+        pool of ``groups``, ``meta`` is one ``AttnMeta`` a group and layer ``i`` reads slot
+        ``groups.slot[i]`` with its group's."""
         x = self.embed(token_ids)
         if self.arch.embed_scale != 1.0:
             x = x * torch.tensor(self.arch.embed_scale, dtype=x.dtype)
@@ -82,6 +85,9 @@ class Decoder(nn.Module):
             if isinstance(meta, GraphMeta):     # graphs index the whole pool (see pool_gather)
                 meta.layer = i
                 x = layer(x, cos, sin, kv_pool, meta)
+            elif isinstance(meta, list):
+                assert groups is not None
+                x = layer(x, cos, sin, kv_pool[groups.slot[i]], meta[groups.group[i]])
             else:
                 x = layer(x, cos, sin, kv_pool[i], meta)
         return self.norm(x)

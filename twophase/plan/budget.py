@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from twophase.arch import ModelArch
 from twophase.backends.registry import Registry
 from twophase.config import BackendSection, Config
-from twophase.contract import BackendMemory, EngineLimits, MemoryQuery
+from twophase.contract import BackendMemory, EngineLimits, KVGroups, MemoryQuery
+from twophase.core.kv_manager import concurrency, context_tokens, sequence_blocks, step_blocks
 from twophase.plan import weights as layouts
 from twophase.plan.devices import DeviceProfile
 from twophase.plan.model_source import PlannedModel, planned_model
@@ -63,14 +64,29 @@ class Plan:
     users: int | None
     notes: list[str] = field(default_factory=list)
     draft_bytes_per_block: int = 0      # a draft model's pool, block for block beside the target's
+    groups: KVGroups | None = None      # the pool's layout (None: a slot a layer)
+    chunk: int = 1                      # tokens one step computes (sliding groups hold them too)
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        return self.groups.windows if self.groups else (None,)
 
     @property
     def kv_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+        """The longest context one sequence may have in the pool."""
+        return min(self.num_blocks * self.block_size,
+                   context_tokens(self.windows, self.num_blocks, self.chunk, self.block_size))
 
     def concurrency(self, context: int) -> int:
         """Sequences of ``context`` tokens the pool holds at once."""
-        return self.num_blocks // -(-context // self.block_size)
+        return concurrency(self.windows, self.num_blocks, context, self.chunk, self.block_size)
+
+    def sequence_kv_bytes(self, context: int) -> int:
+        """The K/V one sequence of ``context`` tokens holds once it is in (a sliding layer's
+        window's, a full layer's every token)."""
+        slots = self.groups.num_slots if self.groups else 1
+        per_slot_token = self.kv_bytes_per_token // (len(self.groups.group) if self.groups else 1)
+        return sequence_blocks(self.windows, context, 1, self.block_size) * self.block_size * slots * per_slot_token
 
     @property
     def fits(self) -> bool:
@@ -92,7 +108,8 @@ class Plan:
                "kv_bytes_per_token": self.kv_bytes_per_token, "block_size": self.block_size,
                "num_blocks": self.num_blocks, "kv_tokens": self.kv_tokens,
                "max_model_len": self.max_model_len, "context": self.context,
-               "max_concurrency": conc, "fits": self.fits, "notes": self.notes}
+               "max_concurrency": conc, "sequence_kv_bytes": self.sequence_kv_bytes(self.context),
+               "kv_groups": len(self.windows), "fits": self.fits, "notes": self.notes}
         if self.users is not None:
             out |= {"users": self.users, "users_fit": self.users <= conc,
                     "users_waiting": max(0, self.users - conc)}
@@ -262,13 +279,16 @@ def plan(config: Config, device: DeviceProfile, context: int | None = None, user
     items = (weight_items(config, model, kind, registry, max_len, routed)
              + runtime_items(config, model, device, max_len, registry))
     per_token = kv_bytes_per_token(arch, kv_dtype_bytes(config, kind))
+    groups = kv_groups(config, arch, registry)
+    chunk = token_budget(config, kind, max_len)
     draft_items, draft_block = draft_model(config, kind, registry)
     items += draft_items
-    per_block = per_token * cc.block_size + draft_block
+    per_block = per_token // arch.num_layers * groups.num_slots * cc.block_size + draft_block
     used = sum(i.bytes for i in items)
     reserve = int((1 - cc.memory_utilization) * device.total_bytes) if kind == "cuda" else 0
     free_for_pool = max(0, device.total_bytes - used - reserve)
-    wanted = config.scheduler.max_num_seqs * -(-max_len // cc.block_size)
+    wanted = (config.scheduler.max_num_seqs * sequence_blocks(groups.windows, max_len, 1, cc.block_size)
+              + step_blocks(groups.windows, chunk, cc.block_size))
     blocks = pool_blocks(config, free_for_pool, per_block, kind, max(0, device.total_bytes - used))
     if cc.num_blocks == "auto":
         blocks = min(blocks, wanted)
@@ -286,7 +306,7 @@ def plan(config: Config, device: DeviceProfile, context: int | None = None, user
     over = sum(i.bytes for i in items) - device.total_bytes
     if over > 0:
         notes.append(f"does not fit: {over / GiB:.2f} GiB over the device's {device.total_bytes / GiB:.2f} GiB")
-    pool_tokens = blocks * cc.block_size
+    pool_tokens = min(blocks * cc.block_size, context_tokens(groups.windows, blocks, chunk, cc.block_size))
     if blocks == 0:
         notes.append("no room for the KV cache: a smaller model, dtype or quantization, a shorter "
                      "max_model_len or fewer max_num_seqs would leave some")
@@ -298,7 +318,26 @@ def plan(config: Config, device: DeviceProfile, context: int | None = None, user
         notes.append(f"a request of {context} tokens is longer than one request may be "
                      f"({min(max_len, pool_tokens)})")
     return Plan(model, device, items, cc.block_size, per_token, blocks, max_len, context or max_len, users, notes,
-                draft_block)
+                draft_block, groups, chunk)
+
+
+def kv_groups(config: Config, arch: ModelArch, registry: Registry) -> KVGroups:
+    """The pool's layout as the engine chooses it (``LLM._kv_groups``): in groups where the model
+    mixes full and sliding layers, every phase's backend reads them and no K/V move between
+    engines."""
+    groups = KVGroups.of(arch)
+    if groups.num_groups == 1:
+        return groups
+
+    def reads_groups(name: str) -> bool:
+        try:
+            return bool(registry.get(name)().capabilities().kv_groups)
+        except Exception:                   # a backend that cannot start here: as the engine would fail
+            return False
+
+    if config.cluster.disaggregated or not all(reads_groups(s.name) for s in config.phases()):
+        return KVGroups.plain(arch.num_layers)
+    return groups
 
 
 def draft_model(config: Config, kind: str, registry: Registry) -> tuple[list[Item], int]:

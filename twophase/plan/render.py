@@ -31,10 +31,15 @@ def table(p: Plan) -> Table:
 
 
 def summary(p: Plan) -> list[str]:
-    lines = [f"KV cache: {human(p.kv_bytes_per_token * 1024)} per 1k tokens "
-             f"({p.kv_bytes_per_token:,} B a token); {p.num_blocks:,} blocks = {p.kv_tokens:,} tokens",
+    grouped = p.groups is not None and p.groups.num_groups > 1
+    lines = [f"KV cache: {human(p.kv_bytes_per_token * 1024)} per 1k tokens in every layer "
+             f"({p.kv_bytes_per_token:,} B a token); {p.num_blocks:,} blocks"
+             + (f" of {p.groups.num_slots} layers: one sequence of up to {p.kv_tokens:,} tokens"  # type: ignore[union-attr]
+                if grouped else f" = {p.kv_tokens:,} tokens"),
              f"largest max_model_len one request can use: {min(p.kv_tokens, p.max_model_len):,}"
              + ("" if p.kv_tokens >= p.max_model_len else f" (the model's is {p.max_model_len:,})"),
+             f"K/V of one sequence of {p.context:,} tokens: {human(p.sequence_kv_bytes(p.context))}"
+             + _layers(p),
              f"max concurrency at {p.context:,} tokens: {p.concurrency(p.context):,}"]
     if p.users is not None:
         conc = p.concurrency(p.context)
@@ -43,6 +48,19 @@ def summary(p: Plan) -> list[str]:
             f"{conc} run at once; {p.users - conc} wait in the queue (or, admitted while the others "
             f"grow, are preempted and recomputed)"))
     return lines + [f"note: {n}" for n in p.notes]
+
+
+def _layers(p: Plan) -> str:
+    """How the pool counts the layers: windows where sliding layers give back blocks."""
+    g = p.groups
+    if g is None or all(w is None for w in g.windows):
+        return ""
+    full = sum(1 for i in g.group if g.windows[i] is None)
+    slide = len(g.group) - full
+    w = max(x for x in g.windows if x is not None)
+    return (f" ({full} full-attention layers at every token, {slide} sliding at their {w:,}-token "
+            f"window; in {g.num_groups} groups of {g.num_slots} layers)" if full else
+            f" (every layer slides: a {w:,}-token window)")
 
 
 def contexts(p: Plan) -> list[int]:
