@@ -190,8 +190,11 @@ class LLM:
         """What the load holds (``_memory``) and the plan checked against what it measured, logged."""
         m = self._memory(device)
         m["check"] = self._check_plan(device, used)
-        log.info("KV cache %.2f GiB = %d tokens; max concurrency %d at %d tokens; weights %.2f GiB; "
-                 "headroom %.2f GiB", m["kv_cache_bytes"] / GiB, m["kv_tokens"], m["max_concurrency"],
+        g = self.kv_groups
+        grouped = (f" (in {g.num_groups} groups of {g.num_slots} layers: sliding layers hold their window)"
+                   if g.num_groups > 1 else "")
+        log.info("KV cache %.2f GiB = %d tokens%s; max concurrency %d at %d tokens; weights %.2f GiB; "
+                 "headroom %.2f GiB", m["kv_cache_bytes"] / GiB, m["kv_tokens"], grouped, m["max_concurrency"],
                  self.max_model_len, m["weight_bytes"] / GiB, m["headroom_bytes"] / GiB)
         return m
 

@@ -197,6 +197,14 @@ def test_a_prefill_worker_killed_mid_transfer_errors_within_2_s_and_comes_back(d
     assert time.monotonic() - t0 < 2.5, "the decode side waited too long on a dead peer"
     [decode] = c.workers["decode"]
     wait_for(lambda: ray.get(decode.kv_state.remote())["used_blocks"] == 0, 5, "decode blocks leaked")
-    again = client.completions.create(model=MODEL, prompt="Tell me about the sea.", max_tokens=4,
-                                      temperature=0, timeout=120)
+    deadline = time.monotonic() + 90
+    while True:                               # a 503 says the worker is restarting: retry, as told
+        try:
+            again = client.completions.create(model=MODEL, prompt="Tell me about the sea.", max_tokens=4,
+                                              temperature=0, timeout=120)
+            break
+        except openai.InternalServerError as exc:
+            assert exc.status_code == 503 and "restarting" in str(exc), exc
+            assert time.monotonic() < deadline, "the prefill worker did not come back"
+            time.sleep(1)
     assert again.choices[0].finish_reason == "length"
