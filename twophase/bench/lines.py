@@ -23,7 +23,6 @@ def bench_llm(cfg: Config, backend: str):
                2 * blocks(b.cache_depth + max(b.prompt_lens) + 2),
                sc.max_num_seqs * longest_request,
                blocks(max(b.prompt_lens) + s.output_len[1]) + max(b.batch_sizes) * longest_request)
-    num_blocks = cc.num_blocks if isinstance(cc.num_blocks, int) else need + 8
     sweep_sched = SchedulerConfig(policy="prefill-first",
                                   max_num_seqs=max(max(b.batch_sizes), sc.max_num_seqs),
                                   max_num_batched_tokens=max(max(b.prompt_lens), max(b.batch_sizes) + 1),
@@ -33,6 +32,18 @@ def bench_llm(cfg: Config, backend: str):
         cfg, backend=dataclasses.replace(cfg.backend, name=backend, device=device, prefill=None,
                                          decode=None,
                                          options=cfg.backend.options if backend == cfg.backend.name else {}),
-        scheduler=sweep_sched, cache=dataclasses.replace(cc, num_blocks=num_blocks, prefix_caching=True),
-        speculative=SpeculativeConfig())       # the sweeps measure plain steps; --speculative adds a line
+        scheduler=sweep_sched, speculative=SpeculativeConfig())   # --speculative adds a line
+    if not isinstance(cc.num_blocks, int):     # a block a group where the layers are in groups
+        need *= _kv_groups(run_cfg).num_groups
+    num_blocks = cc.num_blocks if isinstance(cc.num_blocks, int) else need + 8
+    run_cfg = dataclasses.replace(run_cfg, cache=dataclasses.replace(cc, num_blocks=num_blocks, prefix_caching=True))
     return LLM(run_cfg)
+
+
+def _kv_groups(cfg: Config):
+    """The pool's layout the engine will choose for ``cfg`` (the planner's rule)."""
+    from twophase.backends.registry import Registry
+    from twophase.plan.budget import kv_groups
+    from twophase.plan.model_source import planned_model
+
+    return kv_groups(cfg, planned_model(cfg.model).arch, Registry())
