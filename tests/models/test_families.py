@@ -145,17 +145,19 @@ def test_a_config_missing_a_key_names_it():
 
 def test_gguf_files_of_a_family_not_read_yet_are_refused_by_name(tmp_path):
     import gguf
+    import numpy as np
 
     from twophase.models.gguf import hf_config
     from twophase.models.gguf_file import GGUFFile
 
     path = tmp_path / "g.gguf"
-    w = gguf.GGUFWriter(str(path), "gemma2")
+    w = gguf.GGUFWriter(str(path), "qwen2moe")        # Qwen2-MoE's shared experts: not read
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ModelError, match="GGUF files of the gemma2 family do not load yet; its HF folder"):
+    with pytest.raises(ModelError, match="GGUF architecture 'qwen2moe' is not supported; the architectures "
+                                         "that load: gemma2, gemma3, llama, phi3, qwen2, qwen3, qwen3moe"):
         hf_config(GGUFFile(path))
     # a family that loads, from a file lacking what it must state: the key is named
     w = gguf.GGUFWriter(str(tmp_path / "q.gguf"), "qwen3")
@@ -165,6 +167,18 @@ def test_gguf_files_of_a_family_not_read_yet_are_refused_by_name(tmp_path):
     w.close()
     with pytest.raises(ModelError, match="lacks qwen3.attention.head_count"):
         hf_config(GGUFFile(tmp_path / "q.gguf"))
+    # a RoPE scaling llama.cpp stores as a tensor (Llama 3.1's rope_freqs): refused, not ignored
+    w = gguf.GGUFWriter(str(tmp_path / "l.gguf"), "llama")
+    w.add_head_count(4)
+    w.add_embedding_length(64)
+    w.add_tensor("rope_freqs.weight", np.ones(8, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelError, match="holds rope_freqs.weight, Llama 3.1's RoPE scaling as per-frequency "
+                                         "factors: not implemented"):
+        hf_config(GGUFFile(tmp_path / "l.gguf"))
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma3"])

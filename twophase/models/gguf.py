@@ -19,15 +19,17 @@ from twophase.models.gguf_file import GGUFFile
 log = logging.getLogger(__name__)
 
 def hf_name(gguf_name: str, fam: Family) -> str:
-    """A GGUF tensor's HF name, by the family's weight-name table."""
+    """A GGUF tensor's HF name, by the family's weight-name table; a stacked expert tensor
+    (``blk.N.ffn_gate_exps``) names its experts' HF tensors with ``{e}`` for the expert."""
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
-    if m and m[2].endswith("_exps"):
-        raise ModelError(f"GGUF tensor {gguf_name!r}: mixture-of-experts GGUF files do not load yet; "
-                         f"the model's HF folder does")
     if m:
         for hf_parts, gguf_parts in fam.layer_names.values():
             if m[2] in gguf_parts:
                 return f"model.layers.{m[1]}.{hf_parts[gguf_parts.index(m[2])]}.{m[3]}"
+        if m[2].endswith("_exps"):
+            raise ModelError(f"GGUF tensor {gguf_name!r}: stacked experts in a {fam.name} file, a family "
+                             f"without them (the MoE files that load: qwen3moe, and llama stating "
+                             f"llama.expert_count, Mixtral's)")
         raise ModelError(f"GGUF tensor {gguf_name!r} has no place in a {fam.name} model")
     base, kind = gguf_name.rsplit(".", 1)
     for hf, gguf_base in TOP_NAMES.values():
@@ -42,11 +44,23 @@ def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, out // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# tensors llama.cpp writes for RoPE scalings we do not implement: refused by name, not ignored
+_ROPE_FACTORS = {"rope_freqs.weight": "Llama 3.1's RoPE scaling as per-frequency factors",
+                 "rope_factors_long.weight": "Phi-3's long-context RoPE (longrope)"}
+
+
+def gguf_family(header: GGUFFile) -> Family:
+    """The family of a GGUF (by ``general.architecture``, and ``expert_count`` where a dense and
+    a mixture-of-experts family share one)."""
+    arch = header.get("general.architecture")
+    return by_gguf_architecture(arch, str(header.path), experts=bool(header.get(f"{arch}.expert_count")))
+
+
 def hf_config(header: GGUFFile) -> dict:
     """The HF ``config.json`` a GGUF's header describes."""
     f = header.get
     arch = f("general.architecture")
-    fam = by_gguf_architecture(arch, str(header.path))
+    fam = gguf_family(header)
     if not fam.gguf_loads:
         raise ModelError(f"{header.path}: GGUF files of the {fam.name} family do not load yet; its HF "
                          f"folder (config.json and safetensors) does, through model.path or org/repo")
@@ -59,8 +73,15 @@ def hf_config(header: GGUFFile) -> dict:
         return int(value)
 
     heads, hidden = need("attention.head_count"), need("embedding_length")
-    names = set(header.tensors)
+    names = frozenset(header.tensors)
+    for name, what in _ROPE_FACTORS.items():
+        if name in names:
+            raise ModelError(f"{header.path}: the file holds {name}, {what}: not implemented")
     tokens = f("tokenizer.ggml.tokens") or []      # a LongArray: its length
+    try:
+        own = fam.gguf_config(f, p, names) if fam.gguf_config else {}
+    except KeyError as exc:
+        raise ModelError(f"{header.path}: the GGUF header lacks {exc.args[0]}") from None
     return {
         "architectures": [fam.hf_architecture],
         "model_type": fam.hf_model_types[0],
@@ -79,7 +100,7 @@ def hf_config(header: GGUFFile) -> dict:
         "bos_token_id": f("tokenizer.ggml.bos_token_id"),
         "eos_token_id": f("tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
-        **(fam.gguf_config(f, p) if fam.gguf_config else {}),
+        **own,
     }
 
 
@@ -91,7 +112,7 @@ def convert(gguf_path: Path, out_dir: Path) -> None:
 
     header = GGUFFile(gguf_path)
     config = hf_config(header)
-    fam = by_gguf_architecture(header.get("general.architecture"), str(gguf_path))
+    fam = gguf_family(header)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, np.ndarray] = {}
@@ -99,13 +120,17 @@ def convert(gguf_path: Path, out_dir: Path) -> None:
         w = gguf.quants.dequantize(header.data(t.name), t.ggml_type).astype(np.float32)
         w = w.reshape(t.shape)
         name = hf_name(t.name, fam)
-        if fam.gguf_rope_permuted and name.endswith("q_proj.weight"):
+        # llama.cpp permutes q and k, weights and biases, for the Llama family's interleaved RoPE
+        if fam.gguf_rope_permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = unpermute_rope(w, config["num_attention_heads"])
-        elif fam.gguf_rope_permuted and name.endswith("k_proj.weight"):
+        elif fam.gguf_rope_permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = unpermute_rope(w, config["num_key_value_heads"])
         elif fam.gguf_norm_offset and name.endswith("norm.weight"):
             w = w - fam.gguf_norm_offset
-        tensors[name] = np.ascontiguousarray(w)
+        if "{e}" in name:                     # [experts, out, in]: one HF tensor an expert
+            tensors.update({name.format(e=e): np.ascontiguousarray(we) for e, we in enumerate(w)})
+        else:
+            tensors[name] = np.ascontiguousarray(w)
     save_file(tensors, str(tmp / "model.safetensors"))
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     _save_tokenizer(gguf_path, tmp)

@@ -31,10 +31,12 @@ def by_model_type(model_type: str | None, where: str) -> Family:
                      f"load: {_known()}")
 
 
-def by_gguf_architecture(name: str | None, where: str) -> Family:
-    for f in FAMILIES.values():
-        if name in f.gguf_architectures:
-            return f
+def by_gguf_architecture(name: str | None, where: str, experts: bool = False) -> Family:
+    """The family of a GGUF's ``general.architecture``; where two share it (Llama and Mixtral
+    both write ``llama``), ``experts`` (the header states ``{arch}.expert_count``) picks."""
+    found = [f for f in FAMILIES.values() if name in f.gguf_architectures]
+    if found:
+        return next((f for f in found if f.gguf_experts == experts), found[0])
     known = ", ".join(sorted({a for f in FAMILIES.values() for a in f.gguf_architectures}))
     raise ModelError(f"{where}: GGUF architecture {name!r} is not supported; the architectures "
                      f"that load: {known}")

@@ -46,9 +46,22 @@ class Family:
     # its GGUF files convert (the metadata keys and tensor layouts llama.cpp writes are read);
     # False: refused by name rather than converted wrongly
     gguf_loads: bool = True
-    # what the family's GGUF keeps under its own keys, as config.json entries: (get, prefix) -> dict
-    gguf_config: Callable[[Callable[..., Any], str], dict[str, Any]] | None = None
+    # what the family's GGUF keeps under its own keys, as config.json entries:
+    # (get, prefix, tensor names) -> dict
+    gguf_config: Callable[[Callable[..., Any], str, frozenset[str]], dict[str, Any]] | None = None
     gguf_norm_offset: float = 0.0        # llama.cpp stores (1 + w) norms as 1 + w: subtracted
+    # a GGUF architecture shared with a dense family (Mixtral's files say ``llama``): this family
+    # is the one for a file of that architecture that states ``{arch}.expert_count``
+    gguf_experts: bool = False
+
+
+def stated(get: Callable[..., Any], key: str) -> Any:
+    """A GGUF header's value that a family's ``gguf_config`` cannot do without (a KeyError
+    naming the key, which the converter reports as the header lacking it)."""
+    value = get(key)
+    if value is None:
+        raise KeyError(key)
+    return value
 
 
 def common_fields(c: dict[str, Any], tie_default: bool = False) -> dict[str, Any]:

@@ -50,20 +50,47 @@ def arch_from_hf(c: dict[str, Any], family: str) -> ModelArch:
                      query_scale=float(c.get("query_pre_attn_scalar", fields["head_dim"])) ** -0.5, **fields)
 
 
-def gemma3_gguf(get: Callable[..., Any], p: str) -> dict[str, Any]:
-    """What llama.cpp's Gemma 3 files leave to the architecture: the tanh-GELU, the query scale
-    of head_dim, a local RoPE base of 10,000 and five sliding layers in six."""
+# llama.cpp's query scale is 1/sqrt(head_dim) but for the 27B models (told apart by their layer
+# count), whose query_pre_attn_scalar is hidden / heads: the files themselves do not state it
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _query_pre_attn_scalar(get: Callable[..., Any], p: str, arch: str) -> float:
+    hidden, heads = get(p + "embedding_length"), get(p + "attention.head_count")
+    if get(p + "block_count") == _GEMMA_27B_LAYERS[arch] and hidden and heads:
+        return hidden // heads
+    return get(p + "attention.key_length") or (hidden // heads if hidden and heads else 256)
+
+
+def gemma2_gguf(get: Callable[..., Any], p: str, tensors: frozenset[str]) -> dict[str, Any]:
+    """What llama.cpp's Gemma 2 files state (soft-caps, the window) and what it leaves to the
+    architecture: the tanh-GELU, the query scale, its defaults of caps 50 and 30 and a window of
+    4096, and sliding and global layers alternating (sliding first, as without layer_types)."""
+    return {"hidden_activation": "gelu_pytorch_tanh",
+            "attn_logit_softcapping": float(get(p + "attn_logit_softcapping", 50.0)),
+            "final_logit_softcapping": float(get(p + "final_logit_softcapping", 30.0)),
+            "sliding_window": get(p + "attention.sliding_window", 4096),
+            "query_pre_attn_scalar": _query_pre_attn_scalar(get, p, "gemma2"),
+            "sliding_window_pattern": 2}
+
+
+def gemma3_gguf(get: Callable[..., Any], p: str, tensors: frozenset[str]) -> dict[str, Any]:
+    """What llama.cpp's Gemma 3 files leave to the architecture: the tanh-GELU, the query scale,
+    a local RoPE base of 10,000 (unless the file states one) and five sliding layers in six (none
+    where the file states no window)."""
     out: dict[str, Any] = {"hidden_activation": "gelu_pytorch_tanh",
-                           "sliding_window": get(p + "attention.sliding_window"),
-                           "query_pre_attn_scalar": get(p + "attention.key_length"),
-                           "rope_local_base_freq": 10000.0, "sliding_window_pattern": 6}
+                           "sliding_window": get(p + "attention.sliding_window") or None,
+                           "query_pre_attn_scalar": _query_pre_attn_scalar(get, p, "gemma3"),
+                           "rope_local_base_freq": float(get(p + "rope.freq_base_swa", 10000.0)),
+                           "sliding_window_pattern": 6}
+    if get(p + "final_logit_softcapping"):
+        out["final_logit_softcapping"] = float(get(p + "final_logit_softcapping"))
     if get(p + "rope.scaling.type") not in (None, "none"):
         out["rope_scaling"] = {"rope_type": get(p + "rope.scaling.type"), "factor": get(p + "rope.scaling.factor")}
     return out
 
 
-# Gemma 2's GGUF keys (soft-caps, its query scale) are not read yet: its files are refused
 GEMMA2 = Family("gemma2", ("gemma2",), ("gemma2",), lambda c: arch_from_hf(c, "gemma2"), GEMMA_LAYER,
-                hf_architecture="Gemma2ForCausalLM", gguf_loads=False)
+                hf_architecture="Gemma2ForCausalLM", gguf_config=gemma2_gguf, gguf_norm_offset=1.0)
 GEMMA3 = Family("gemma3", ("gemma3_text",), ("gemma3",), lambda c: arch_from_hf(c, "gemma3"), GEMMA_LAYER,
                 hf_architecture="Gemma3ForCausalLM", gguf_config=gemma3_gguf, gguf_norm_offset=1.0)

@@ -3,10 +3,19 @@ experts, top k, renormalised or not, QK-norm; some layers may stay dense)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from twophase.arch import AttentionSpec, LayerSpec, MLPSpec, ModelArch
-from twophase.models.families.family import LLAMA_LAYER, Family, LayerNames, common_fields, rope_theta, window_of
+from twophase.models.families.family import (
+    LLAMA_LAYER,
+    Family,
+    LayerNames,
+    common_fields,
+    rope_theta,
+    stated,
+    window_of,
+)
 
 _ATTENTION = {k: v for k, v in LLAMA_LAYER.items() if k.startswith(("attn", "mlp_norm"))}
 
@@ -47,8 +56,26 @@ def qwen3_moe_from_hf(c: dict[str, Any]) -> ModelArch:
                      qk_norm=True, qkv_bias=bias, o_bias=bias, **common_fields(c))
 
 
-MIXTRAL = Family("mixtral", ("mixtral",), (), mixtral_from_hf, MIXTRAL_LAYER, gguf_rope_permuted=True,
-                 hf_architecture="MixtralForCausalLM")
-# its GGUF's stacked *_exps tensors and expert keys are not read yet: refused
+def mixtral_gguf(get: Callable[..., Any], p: str, tensors: frozenset[str]) -> dict[str, Any]:
+    """llama.cpp writes Mixtral as ``llama`` with expert counts; each expert is as wide as
+    ``feed_forward_length``."""
+    return {"num_local_experts": int(get(p + "expert_count")),
+            "num_experts_per_tok": int(get(p + "expert_used_count", 2))}
+
+
+def qwen3_moe_gguf(get: Callable[..., Any], p: str, tensors: frozenset[str]) -> dict[str, Any]:
+    """The expert counts and width; llama.cpp renormalises the top k unless the file says
+    otherwise (``expert_weights_norm``); a layer without a router is dense (``mlp_only_layers``)."""
+    n = int(get(p + "block_count"))
+    return {"num_experts": int(stated(get, p + "expert_count")),
+            "num_experts_per_tok": int(stated(get, p + "expert_used_count")),
+            "moe_intermediate_size": int(stated(get, p + "expert_feed_forward_length")),
+            "norm_topk_prob": bool(get(p + "expert_weights_norm", True)),
+            "mlp_only_layers": [i for i in range(n) if f"blk.{i}.ffn_gate_inp.weight" not in tensors]}
+
+
+# Mixtral's files say ``llama``: it is the family for those that state an expert count
+MIXTRAL = Family("mixtral", ("mixtral",), ("llama",), mixtral_from_hf, MIXTRAL_LAYER, gguf_rope_permuted=True,
+                 hf_architecture="MixtralForCausalLM", gguf_config=mixtral_gguf, gguf_experts=True)
 QWEN3_MOE = Family("qwen3_moe", ("qwen3_moe",), ("qwen3moe",), qwen3_moe_from_hf, QWEN3_MOE_LAYER,
-                   hf_architecture="Qwen3MoeForCausalLM", gguf_loads=False)
+                   hf_architecture="Qwen3MoeForCausalLM", gguf_config=qwen3_moe_gguf, gguf_experts=True)

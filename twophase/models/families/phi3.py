@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from twophase.arch import ModelArch
@@ -23,4 +24,14 @@ def arch_from_hf(c: dict[str, Any]) -> ModelArch:
                      **fields)
 
 
-FAMILY = Family("phi3", ("phi3",), ("phi3",), arch_from_hf, PHI3_LAYER, hf_architecture="Phi3ForCausalLM")
+def phi3_gguf(get: Callable[..., Any], p: str, tensors: frozenset[str]) -> dict[str, Any]:
+    """llama.cpp's Phi-3 files state the rotary width (``rope.dimension_count``) but not the
+    head's, which is hidden / heads; a window of 0 is none (Phi-4-mini)."""
+    head_dim = get(p + "attention.key_length") or get(p + "embedding_length") // get(p + "attention.head_count")
+    return {"head_dim": head_dim,
+            "partial_rotary_factor": get(p + "rope.dimension_count", head_dim) / head_dim,
+            "sliding_window": get(p + "attention.sliding_window") or None}
+
+
+FAMILY = Family("phi3", ("phi3",), ("phi3",), arch_from_hf, PHI3_LAYER, hf_architecture="Phi3ForCausalLM",
+                gguf_config=phi3_gguf)

@@ -1,0 +1,166 @@
+"""An HF model written as a GGUF the way llama.cpp's ``convert_hf_to_gguf.py`` writes it, in F32:
+its metadata keys (``gguf.GGUFWriter``'s own ``add_*``), its tensor names (the ``gguf`` package's
+``TensorNameMap``, which is llama.cpp's table), Q/K rows permuted for the Llama converter family
+(Llama, Mistral, Mixtral: weights and biases), ``1 + w`` for Gemma's norms, experts stacked
+``[experts, out, in]``, and a byte-level BPE vocabulary that transformers' GGUF tokenizer
+conversion accepts. Written from the converter's description, independent of our reader."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+# HF model_type -> (llama.cpp architecture, the converter's permutation of q/k, norm shift)
+ARCHS = {
+    "llama": (gguf.MODEL_ARCH.LLAMA, True, 0.0),
+    "mistral": (gguf.MODEL_ARCH.LLAMA, True, 0.0),
+    "mixtral": (gguf.MODEL_ARCH.LLAMA, True, 0.0),
+    "qwen2": (gguf.MODEL_ARCH.QWEN2, False, 0.0),
+    "qwen3": (gguf.MODEL_ARCH.QWEN3, False, 0.0),
+    "qwen3_moe": (gguf.MODEL_ARCH.QWEN3MOE, False, 0.0),
+    "gemma2": (gguf.MODEL_ARCH.GEMMA2, False, 1.0),
+    "gemma3_text": (gguf.MODEL_ARCH.GEMMA3, False, 1.0),
+    "phi3": (gguf.MODEL_ARCH.PHI3, False, 0.0),
+}
+SPECIALS = ["<pad>", "<s>", "</s>"]          # ids 0, 1, 2: pad, bos, eos in the tiny configs
+
+
+def permute(w: np.ndarray, n_head: int, n_head_kv: int | None = None) -> np.ndarray:
+    """llama.cpp's ``LlamaModel.permute``: rotate-half RoPE rows into interleaved pairs."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _rope_theta(config, layer_type: str = "full_attention") -> float:
+    params = getattr(config, "rope_parameters", None) or {}
+    params = params.get(layer_type, params)
+    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+
+
+def _metadata(w: gguf.GGUFWriter, model_type: str, c) -> None:
+    """What each converter class's ``set_gguf_parameters`` writes."""
+    n_layers, heads = c.num_hidden_layers, c.num_attention_heads
+    w.add_name(model_type)
+    w.add_block_count(n_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    head_dim = getattr(c, "head_dim", None)
+    if model_type == "phi3":                  # Phi3Model: no key_length, the rotary width instead
+        factor = (c.rope_parameters or {}).get("partial_rotary_factor", 1.0)
+        w.add_rope_dimension_count(int(factor * c.hidden_size) // heads)
+        w.add_rope_freq_base(_rope_theta(c))
+        w.add_sliding_window(c.sliding_window or 0)
+        return
+    if head_dim is not None:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if model_type == "gemma2":                # Gemma2Model: no RoPE base (llama.cpp's 10,000)
+        w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        w.add_final_logit_softcapping(c.final_logit_softcapping)
+        w.add_sliding_window(c.sliding_window)
+        return
+    w.add_rope_freq_base(_rope_theta(c))
+    if model_type == "gemma3_text":
+        if c.final_logit_softcapping:
+            w.add_final_logit_softcapping(c.final_logit_softcapping)
+        w.add_sliding_window(c.sliding_window)
+    if model_type in ("llama", "mistral", "mixtral"):
+        w.add_vocab_size(c.vocab_size)
+        w.add_rope_dimension_count(head_dim or c.hidden_size // heads)
+    if model_type == "mixtral":               # the base class's num_local_experts / num_experts_per_tok
+        w.add_expert_count(c.num_local_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+    if model_type == "qwen3_moe":             # Qwen2MoeModel
+        w.add_expert_count(c.num_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+
+
+def _tokenizer(w: gguf.GGUFWriter, c) -> None:
+    """A byte-level BPE vocabulary of ``vocab_size`` tokens: three specials, the 256 byte
+    symbols, then merges of pairs of printable ones."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    symbols = list(bytes_to_unicode().values())
+    letters = [s for s in symbols if s.isalpha() and s.isascii()]
+    merges = [f"{a} {b}" for a in letters for b in letters][: c.vocab_size - len(SPECIALS) - len(symbols)]
+    tokens = SPECIALS + symbols + [m.replace(" ", "") for m in merges]
+    assert len(tokens) == c.vocab_size, len(tokens)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL] * len(SPECIALS) + [gguf.TokenType.NORMAL] * (len(tokens) - 3))
+    w.add_token_merges(merges)
+    w.add_bos_token_id(c.bos_token_id)
+    w.add_eos_token_id(c.eos_token_id if isinstance(c.eos_token_id, int) else c.eos_token_id[0])
+    w.add_pad_token_id(0)
+
+
+def _tensors(folder: Path, c) -> dict[str, np.ndarray]:
+    """The checkpoint's tensors as the converter reads them (the safetensors files), HF names
+    (experts stacked under the name without the expert index) -> F32 arrays, with its changes:
+    q/k permuted, norms shifted, lm_head dropped for Gemma 2."""
+    from safetensors.numpy import load_file
+
+    model_type = c.model_type
+    arch, permuted, shift = ARCHS[model_type]
+    sd: dict[str, np.ndarray] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        sd.update({k: v.astype(np.float32) for k, v in load_file(str(f)).items()})
+    if model_type == "gemma2":
+        sd.pop("lm_head.weight", None)         # Gemma2Model skips it: its files are tied
+    out: dict[str, np.ndarray] = {}
+    experts: dict[str, dict[int, np.ndarray]] = {}
+    for name, t in sd.items():
+        if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
+            t = permute(t, c.num_attention_heads, c.num_attention_heads)
+        elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
+            t = permute(t, c.num_attention_heads, c.num_key_value_heads)
+        if shift and name.endswith("norm.weight"):
+            t = t + shift
+        parts = name.split(".")
+        if "experts" in parts and parts[parts.index("experts") + 1].isdigit():
+            i = parts.index("experts")
+            stacked = ".".join(parts[:i + 1] + parts[i + 2:])
+            experts.setdefault(stacked, {})[int(parts[i + 1])] = t
+            continue
+        out[name] = t
+    for stacked, each in experts.items():
+        out[stacked] = np.stack([each[e] for e in sorted(each)])
+    return out
+
+
+def write_gguf(folder: Path, path: Path) -> Path:
+    """The HF checkpoint in ``folder`` (config.json, safetensors) as llama.cpp's converter
+    writes it, F32, at ``path``."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(folder)
+    model_type = c.model_type
+    arch = ARCHS[model_type][0]
+    names = gguf.get_tensor_name_map(arch, c.num_hidden_layers)
+    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    _metadata(w, model_type, c)
+    _tokenizer(w, c)
+    for name, t in _tensors(Path(folder), c).items():
+        base, suffix = name.rsplit(".", 1)
+        new = names.get_name(base)
+        if new is None:
+            raise ValueError(f"llama.cpp's table maps no {name!r} for {arch.name}")
+        if new not in [gguf.TENSOR_NAMES[k].format(bid=base.split(".")[2] if ".layers." in base else 0)
+                       for k in gguf.MODEL_TENSORS[arch]]:
+            raise ValueError(f"{new!r} is not a tensor of llama.cpp's {arch.name}")
+        w.add_tensor(f"{new}.{suffix}", np.ascontiguousarray(t, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -1,0 +1,122 @@
+"""GGUF files of each family, written as llama.cpp's ``convert_hf_to_gguf.py`` writes them
+(``helpers.gguf_writer``: F32, llama.cpp's keys and tensor names, Q/K permuted for the Llama
+converter family, ``1 + w`` Gemma norms, stacked experts), loaded through ``model.path``:
+
+* ours gives the original HF model's logits and greedy tokens, on a prompt longer than the
+  windows;
+* where transformers reads the architecture's GGUF files itself, its logits from the file are
+  the original model's: the file is laid out as an independent reader expects it.
+
+Each tiny model is ``tiny_hf_model``'s, with the config changed where llama.cpp's files cannot
+carry it (stated per family below)."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+from helpers import hf_models
+from helpers.gguf_writer import write_gguf
+from helpers.hf_models import tiny_hf_model
+
+from twophase import LLM, SamplingParams
+from twophase.core.batch import prefill_batch
+
+transformers = pytest.importorskip("transformers")
+
+PROMPT = [(7 * i) % 290 + 5 for i in range(40)]       # longer than the windows of 24
+NEW = 24
+
+# what llama.cpp's files leave to the architecture, so the model must have it for its file to
+# say what it is: Gemma's query scale is head_dim's and Gemma 2 drops lm_head (tied); Gemma 3
+# slides five layers in six; qwen3moe has no dense layers
+CHANGES = {
+    "gemma2": {"query_pre_attn_scalar": 16, "tie_word_embeddings": True},
+    "gemma3": {"query_pre_attn_scalar": 16, "num_hidden_layers": 6,
+               "layer_types": ["sliding_attention"] * 5 + ["full_attention"]},
+    "qwen3_moe": {"mlp_only_layers": []},
+}
+# what transformers' GGUF reader does not take from the file (given to it as config overrides,
+# so its load checks the tensors' layout): Llama's biases, Gemma 2's soft-caps and the Gemma
+# query scale, Qwen3's head_dim, the Phi-3 rotary fraction, Qwen3-MoE's expert width
+TRANSFORMERS_OVERRIDES = {
+    "llama": {"attention_bias": True},
+    "gemma2": {"attn_logit_softcapping": 5.0, "final_logit_softcapping": 8.0, "query_pre_attn_scalar": 16},
+    "gemma3": {"query_pre_attn_scalar": 16},
+    "qwen3": {"head_dim": 24},
+    "phi3": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
+    "qwen3_moe": {"moe_intermediate_size": 32},
+}
+FAMILIES = ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3_moe", "mixtral"]
+# the architectures transformers' GGUF reader takes (Mixtral's files say llama, which it reads
+# as a dense Llama)
+TRANSFORMERS_READS = {"llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3_moe"}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def _tiny(family: str, folder):
+    """``tiny_hf_model(family)`` with ``CHANGES[family]`` set on its config."""
+    base = hf_models.hf_config
+
+    def changed(name):
+        c = base(name)
+        for k, v in CHANGES.get(name, {}).items():
+            setattr(c, k, v)
+        return c
+
+    with mock.patch.object(hf_models, "hf_config", changed):
+        return tiny_hf_model(family, folder)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Models this small gain nothing from a second thread, and on a loaded machine OpenMP's
+    wait for it made each small ``index_add_`` of the MoE layers cost ~30 ms."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def gguf_model(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    model = _tiny(request.param, folder / "hf")
+    path = write_gguf(folder / "hf", folder / f"tiny-{request.param}.gguf")
+    return request.param, model, path
+
+
+def test_ours_from_the_gguf_gives_the_original_models_logits_and_greedy_tokens(gguf_model):
+    family, model, path = gguf_model
+    llm = LLM.from_config({"model": {"path": str(path)}, "cache": {"num_blocks": 64, "block_size": 8}})
+    assert llm.model.arch.family == family
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT])).logits[0]
+        want = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                              pad_token_id=0)[0, len(PROMPT):].tolist()
+    eng = llm.engine
+    req = eng.add_request(PROMPT, SamplingParams(max_tokens=1))
+    assert eng.kv.allocate(req, len(PROMPT))
+    batch = prefill_batch([(req, 0, len(PROMPT))], eng.kv)
+    batch.logits = "all"
+    assert _rel(llm.backend.prefill(batch), logits) < 1e-4
+    eng.abort(req.request_id)
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=NEW, ignore_eos=True))[0].token_ids
+    assert out == want
+
+
+def test_transformers_reads_the_gguf_as_the_original_model(gguf_model):
+    family, model, path = gguf_model
+    if family not in TRANSFORMERS_READS:
+        pytest.skip(f"transformers reads no {family} GGUF")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32,
+        **TRANSFORMERS_OVERRIDES.get(family, {})).eval()
+    with torch.no_grad():
+        got = ref(torch.tensor([PROMPT])).logits
+        want = model(torch.tensor([PROMPT])).logits
+    assert _rel(got, want) < 1e-4
