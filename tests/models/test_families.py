@@ -84,25 +84,31 @@ def test_an_unimplemented_rope_scaling_is_refused_not_ignored():
         by_model_type("llama", "here").arch_from_hf(cfg)
 
 
+SPLIT = {"prefill": {"name": "onnxruntime"}, "decode": {"name": "torch"}}
+
+
 @pytest.mark.exhaustive          # an export a family
-@pytest.mark.parametrize("backend", ["onnxruntime", "iree"])
+@pytest.mark.parametrize("backend", ["onnxruntime", "iree", "split"])
 def test_graph_backends_trace_each_family_they_claim(hf_model, backend):
     """ONNX and IREE trace the same decoder: a family whose features they claim gives torch's
-    greedy tokens; one they do not is refused before any export."""
+    greedy tokens, alone and batched with chunks (``split``: ONNX prefills, torch decodes over
+    the same pool); one they do not is refused before any export."""
     from twophase.errors import BackendUnavailable
     from twophase.models.graph_attention import TRACED_FEATURES
 
     _, _, llm = hf_model
     cfg = {"model": {"path": llm.model.weights}, "cache": {"num_blocks": 64, "block_size": 8},
-           "backend": {"name": backend}}
-    prompt = list(range(5, 45))
+           "backend": SPLIT if backend == "split" else {"name": backend},
+           "scheduler": {"max_num_batched_tokens": 24, "max_num_seqs": 4}}
+    prompts = [list(range(5, 45)), list(range(50, 53)), [(7 * i) % 290 + 5 for i in range(30)]]
     if not llm.model.arch.features() <= TRACED_FEATURES:
-        with pytest.raises(BackendUnavailable, match=f"{backend}: .* not implemented"):
+        name = "onnxruntime" if backend == "split" else backend
+        with pytest.raises(BackendUnavailable, match=f"{name}: .* not implemented"):
             LLM.from_config(cfg)
         return
     params = SamplingParams(max_tokens=16, ignore_eos=True)
-    want = llm.generate([prompt], params)[0].token_ids
-    assert LLM.from_config(cfg).generate([prompt], params)[0].token_ids == want
+    want = [llm.generate([p], params)[0].token_ids for p in prompts]
+    assert [o.token_ids for o in LLM.from_config(cfg).generate(prompts, params)] == want
 
 
 def _arch(**config):
