@@ -6,7 +6,6 @@ stand-in for TensorRT that keeps its rules and runs the engine's ONNX graph
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
@@ -48,36 +47,9 @@ def test_profile_shapes_follow_the_config():
     assert exporter.profile_shapes(ARCH, EngineLimits(8, 48, 100), 4, 20) != [prefill, decode]
 
 
-def aligned_zeros(shape, dtype, device):
-    """The pool at a 256-byte boundary, as CUDA's allocator gives it (the CPU's gives 64)."""
-    from twophase.backends.tensorrt import aligned_empty
-
-    return aligned_empty(tuple(shape), dtype, torch.device(device)).zero_()
-
-
 @pytest.fixture
 def standin(monkeypatch, tmp_path):
-    """TensorRT replaced by the stand-in, the GPU by the CPU, the engine cache by a temporary
-    folder; the ONNX graphs the engines are built from stay the suite's (exported once, by
-    manifest, not once a test)."""
-    pytest.importorskip("onnxruntime")
-    import twophase.llm
-    from twophase.backends.tensorrt import TensorRTBackend
-    from twophase.paths import cache_dir
-
-    shared_onnx = cache_dir() / "onnx"
-    shared_onnx.mkdir(parents=True, exist_ok=True)
-    (tmp_path / "onnx").symlink_to(shared_onnx, target_is_directory=True)
-
-    monkeypatch.setattr(twophase.llm, "zeros", aligned_zeros)
-    monkeypatch.setattr(fake_tensorrt, "allocated", [0])
-    monkeypatch.setitem(sys.modules, "tensorrt", fake_tensorrt)
-    monkeypatch.setattr(TensorRTBackend, "check_available", classmethod(lambda cls, device="cuda": None))
-    monkeypatch.setattr(exporter, "gpu_identity", lambda index=0: {"gpu": "Stand-in GPU",
-                                                                   "compute_capability": "9.0"})
-    monkeypatch.setenv("TWOPHASE_CACHE", str(tmp_path))
-    fake_tensorrt.calls.clear()
-    return fake_tensorrt.calls
+    return fake_tensorrt.install(monkeypatch, tmp_path)
 
 
 def test_call_sequence_and_tokens_through_the_standin(standin):

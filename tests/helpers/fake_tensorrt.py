@@ -272,3 +272,41 @@ class IExecutionContext:
         for meta, value in zip(sess.get_outputs(), sess.run(None, feeds)):
             _array(self.addresses[meta.name], value.shape, meta.type)[...] = value
         return True
+
+
+def aligned_zeros(shape, dtype, device):
+    """The pool at a 256-byte boundary, as CUDA's allocator gives it (the CPU's gives 64)."""
+    import torch
+
+    from twophase.backends.tensorrt import aligned_empty
+
+    return aligned_empty(tuple(shape), dtype, torch.device(device)).zero_()
+
+
+def install(monkeypatch, tmp_path) -> list:
+    """TensorRT replaced by this stand-in, the GPU by the CPU, the engine cache by ``tmp_path``;
+    the ONNX graphs the engines are built from stay the suite's (exported once, by manifest, not
+    once a test). Returns the list the calls are recorded in."""
+    import sys
+
+    import pytest
+
+    pytest.importorskip("onnxruntime")
+    import twophase.llm
+    from twophase.backends.tensorrt import TensorRTBackend
+    from twophase.exporters import tensorrt as exporter
+    from twophase.paths import cache_dir
+
+    shared_onnx = cache_dir() / "onnx"
+    shared_onnx.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "onnx").symlink_to(shared_onnx, target_is_directory=True)
+    module = sys.modules[__name__]
+    monkeypatch.setattr(twophase.llm, "zeros", aligned_zeros)
+    monkeypatch.setattr(module, "allocated", [0])
+    monkeypatch.setitem(sys.modules, "tensorrt", module)
+    monkeypatch.setattr(TensorRTBackend, "check_available", classmethod(lambda cls, device="cuda": None))
+    monkeypatch.setattr(exporter, "gpu_identity", lambda index=0: {"gpu": "Stand-in GPU",
+                                                                   "compute_capability": "9.0"})
+    monkeypatch.setenv("TWOPHASE_CACHE", str(tmp_path))
+    calls.clear()
+    return calls

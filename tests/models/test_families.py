@@ -88,17 +88,23 @@ SPLIT = {"prefill": {"name": "onnxruntime"}, "decode": {"name": "torch"}}
 
 
 @pytest.mark.exhaustive          # an export a family
-@pytest.mark.parametrize("backend", ["onnxruntime", "iree", "split"])
-def test_graph_backends_trace_each_family_they_claim(hf_model, backend):
+@pytest.mark.parametrize("backend", ["onnxruntime", "iree", "split", "tensorrt"])
+def test_graph_backends_trace_each_family_they_claim(hf_model, backend, monkeypatch, tmp_path):
     """ONNX and IREE trace the same decoder: a family whose features they claim gives torch's
     greedy tokens, alone and batched with chunks (``split``: ONNX prefills, torch decodes over
-    the same pool); one they do not is refused before any export."""
+    the same pool; ``tensorrt``: the backend's calls through the stand-in, which runs the ONNX
+    graph); one they do not is refused before any export."""
+    from helpers import fake_tensorrt
+
     from twophase.errors import BackendUnavailable
     from twophase.models.graph_attention import TRACED_FEATURES
 
     _, _, llm = hf_model
+    if backend == "tensorrt":
+        fake_tensorrt.install(monkeypatch, tmp_path)
     cfg = {"model": {"path": llm.model.weights}, "cache": {"num_blocks": 64, "block_size": 8},
-           "backend": SPLIT if backend == "split" else {"name": backend},
+           "backend": SPLIT if backend == "split" else
+           {"name": backend, "device": "cpu"} if backend == "tensorrt" else {"name": backend},
            "scheduler": {"max_num_batched_tokens": 24, "max_num_seqs": 4}}
     prompts = [list(range(5, 45)), list(range(50, 53)), [(7 * i) % 290 + 5 for i in range(30)]]
     if not llm.model.arch.features() <= TRACED_FEATURES:
@@ -109,6 +115,8 @@ def test_graph_backends_trace_each_family_they_claim(hf_model, backend):
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     want = [llm.generate([p], params)[0].token_ids for p in prompts]
     assert [o.token_ids for o in LLM.from_config(cfg).generate(prompts, params)] == want
+    if backend == "tensorrt":
+        assert any(c[0] == "IExecutionContext.execute_async_v3" for c in fake_tensorrt.calls)
 
 
 def _arch(**config):
