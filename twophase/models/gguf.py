@@ -61,9 +61,6 @@ def hf_config(header: GGUFFile) -> dict:
     f = header.get
     arch = f("general.architecture")
     fam = gguf_family(header)
-    if not fam.gguf_loads:
-        raise ModelError(f"{header.path}: GGUF files of the {fam.name} family do not load yet; its HF "
-                         f"folder (config.json and safetensors) does, through model.path or org/repo")
     p = f"{arch}."
 
     def need(key: str) -> int:

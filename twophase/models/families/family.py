@@ -43,9 +43,6 @@ class Family:
     # llama.cpp reorders Q/K rows (interleaved RoPE pairs) for this family's GGUF files
     gguf_rope_permuted: bool = False
     hf_architecture: str = ""            # written into a converted GGUF's config.json
-    # its GGUF files convert (the metadata keys and tensor layouts llama.cpp writes are read);
-    # False: refused by name rather than converted wrongly
-    gguf_loads: bool = True
     # what the family's GGUF keeps under its own keys, as config.json entries:
     # (get, prefix, tensor names) -> dict
     gguf_config: Callable[[Callable[..., Any], str, frozenset[str]], dict[str, Any]] | None = None
