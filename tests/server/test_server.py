@@ -160,8 +160,9 @@ def test_full_queue_gets_503(default_server):
     loop = app.state.loop
     loop.max_queue = 1                                   # as if server.max_queue = 1
     try:
-        # greedy: a sampled run may end early (EOS) and free the queue before the second request
-        long = {"model": MODEL, "prompt": "1, 2, 3, 4, 5,", "max_tokens": 300, "stream": True, "temperature": 0}
+        # min_tokens: an answer that reached EOS early would free the queue before the second request
+        long = {"model": MODEL, "prompt": "1, 2, 3, 4, 5,", "max_tokens": 300, "min_tokens": 300,
+                "stream": True, "temperature": 0}
         with httpx.stream("POST", url + "/v1/completions", json=long, timeout=30) as r:
             assert r.status_code == 200
             next(line for line in r.iter_lines() if line.startswith("data:"))
