@@ -5,7 +5,10 @@ input, disconnects and a full queue get the right status and leave every KV bloc
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
+import threading
+import time
 
 import httpx
 import pytest
@@ -158,18 +161,23 @@ def test_disconnecting_clients_abort_and_free_blocks(default_server):
 def test_full_queue_gets_503(default_server):
     llm, url, app = default_server
     loop = app.state.loop
+    gate = threading.Event()
     loop.max_queue = 1                                   # as if server.max_queue = 1
+    loop.call(lambda: gate.wait(30))                     # the engine thread waits: nothing finishes
     try:
-        # min_tokens: an answer that reached EOS early would free the queue before the second request
-        long = {"model": MODEL, "prompt": "1, 2, 3, 4, 5,", "max_tokens": 300, "min_tokens": 300,
-                "stream": True, "temperature": 0}
-        with httpx.stream("POST", url + "/v1/completions", json=long, timeout=30) as r:
-            assert r.status_code == 200
-            next(line for line in r.iter_lines() if line.startswith("data:"))
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            first = pool.submit(httpx.post, url + "/v1/completions", timeout=60,
+                                json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+            deadline = time.monotonic() + 30
+            while loop.in_flight < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
             busy = httpx.post(url + "/v1/completions", timeout=30,
                               json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
             assert busy.status_code == 503 and busy.json()["error"]["code"] == "overloaded"
+            gate.set()
+            assert first.result().status_code == 200      # the admitted request is still served
     finally:
+        gate.set()
         loop.max_queue = 256
     _all_blocks_free(llm, app)
 
