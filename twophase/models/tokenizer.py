@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class Tokenizer(Protocol):
@@ -16,7 +16,8 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str: ...
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
+                            **extra: Any) -> str: ...
     def vocabulary(self) -> dict[str, int]: ...
 
 
@@ -29,7 +30,8 @@ class HFTokenizer:
         cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
         template_path = folder / "chat_template.jinja"
         self.chat_template = (template_path.read_text() if template_path.exists()
-                              else cfg.get("chat_template"))
+                              else _default_template(cfg.get("chat_template")))
+        self._template: Any = None              # compiled on first use
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
         self.add_bos = bool(cfg.get("add_bos_token", False))
@@ -54,16 +56,42 @@ class HFTokenizer:
         """Every token's string and id, added tokens included."""
         return self._tok.get_vocab(with_added_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
+                            **extra: Any) -> str:
+        """The conversation rendered as HF's ``apply_chat_template(tokenize=False,
+        add_generation_prompt=True)`` renders it: same environment, globals and filters."""
         if not self.chat_template:
             raise ValueError("this model's tokenizer has no chat template")
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        if self._template is None:
+            self._template = template_environment().from_string(self.chat_template)
+        return self._template.render(
+            messages=messages, tools=tools, add_generation_prompt=True,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
 
-        # sandboxed, as HF renders them: a template from a downloaded model is untrusted code
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=True,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+def template_environment():
+    """A jinja2 sandbox set up as transformers sets up its chat templates' (``raise_exception``,
+    ``strftime_now``, a ``tojson`` that keeps non-ASCII text, loop controls): the templates
+    models ship are written against that one. Sandboxed: a downloaded template is untrusted."""
+    import datetime
+
+    import jinja2.ext
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str):
+        raise TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env
 
 
 class ByteTokenizer:
@@ -89,8 +117,18 @@ class ByteTokenizer:
     def vocabulary(self) -> dict[str, int]:
         return {"<pad>": 0, "<s>": 1, "</s>": 2} | {f"<0x{b:02X}>": b + self.OFFSET for b in range(256)}
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
+                            **extra: Any) -> str:
         return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+
+
+def _default_template(template: Any) -> str | None:
+    """A ``tokenizer_config.json`` may hold named templates (a list of ``{name, template}``):
+    the one named ``default`` is the chat template, as in transformers."""
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        return named.get("default")
+    return template
 
 
 def _token_text(tok) -> str | None:
