@@ -84,6 +84,10 @@ def _metadata(w: gguf.GGUFWriter, model_type: str, c) -> None:
         w.add_expert_feed_forward_length(c.moe_intermediate_size)
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
 def _tokenizer(w: gguf.GGUFWriter, c) -> None:
     """A byte-level BPE vocabulary of ``vocab_size`` tokens: three specials, the 256 byte
     symbols, then merges of pairs of printable ones."""
@@ -102,6 +106,7 @@ def _tokenizer(w: gguf.GGUFWriter, c) -> None:
     w.add_bos_token_id(c.bos_token_id)
     w.add_eos_token_id(c.eos_token_id if isinstance(c.eos_token_id, int) else c.eos_token_id[0])
     w.add_pad_token_id(0)
+    w.add_chat_template(CHAT_TEMPLATE)
 
 
 def _tensors(folder: Path, c) -> dict[str, np.ndarray]:

@@ -17,7 +17,7 @@ from unittest import mock
 import pytest
 import torch
 from helpers import hf_models
-from helpers.gguf_writer import write_gguf
+from helpers.gguf_writer import CHAT_TEMPLATE, write_gguf
 from helpers.hf_models import tiny_hf_model
 
 from twophase import LLM, SamplingParams
@@ -94,6 +94,7 @@ def test_ours_from_the_gguf_gives_the_original_models_logits_and_greedy_tokens(g
     family, model, path = gguf_model
     llm = LLM.from_config({"model": {"path": str(path)}, "cache": {"num_blocks": 64, "block_size": 8}})
     assert llm.model.arch.family == family
+    assert llm.tokenizer.chat_template == CHAT_TEMPLATE           # the file's, kept
     with torch.no_grad():
         logits = model(torch.tensor([PROMPT])).logits[0]
         want = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,

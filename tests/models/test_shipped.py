@@ -49,11 +49,7 @@ def test_gemma3_270m_greedy_tokens_equal_transformers_on_the_same_gguf():
     assert llm.model.arch.family == "gemma3"
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    talk = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Où est Zürich ? 日本語 🙂"},
-            {"role": "assistant", "content": "In Switzerland."}, {"role": "user", "content": "And Bern?"}]
-    for messages in (talk, talk[1:2]):        # the file's own template, rendered as HF renders it
-        want = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        assert llm.tokenizer.apply_chat_template(messages) == want
+    assert llm.tokenizer.chat_template is None      # the base model: its file holds no template
     for text in ("The capital of France is", "def fibonacci(n):", "  Où  est\tZürich ?\n日本語 🙂 <b>x</b>"):
         ids = tok(text, return_tensors="pt").input_ids
         ours = llm.tokenizer.encode(text)
