@@ -14,9 +14,9 @@ from helpers.models import random_prompts, tiny_llm
 
 from twophase import LLM, SamplingParams
 from twophase.contract import BackendUnavailable, EngineLimits
-from twophase.errors import ConfigError
+from twophase.errors import ConfigError, StepFailed
 from twophase.exporters import tensorrt as exporter
-from twophase.exporters.trt_profiles import MAX_POOL_BLOCKS
+from twophase.exporters.trt_profiles import cache_key, max_pool_blocks
 from twophase.graph.signature import STEP
 from twophase.models.families.llama import arch as llama_arch
 
@@ -26,7 +26,8 @@ ARCH = llama_arch(vocab_size=100, hidden_size=32, intermediate_size=64, num_laye
 
 def test_profile_shapes_follow_the_config():
     """A small model within the tile: one prefill and one decode profile, at the scheduler's
-    own limits; the pool's block count dynamic."""
+    own limits; the pool's block count dynamic up to TensorRT's element limit, tuned for the
+    pool bound, which the cache key leaves out."""
     prefill, decode = exporter.profile_shapes(ARCH, EngineLimits(8, 48, 100), block_size=4,
                                               num_blocks=64)
     assert set(prefill) == set(decode) == set(STEP.names)
@@ -40,11 +41,17 @@ def test_profile_shapes_follow_the_config():
     assert decode["input_ids"] == ((1,), (8,), (8,))
     assert decode["dec_tables"] == ((1, 1), (8, 12), (8, 25))
     assert decode["chunk_index"] == ((0, 1), (0, 1), (0, 1))
-    pool = ((2, 2, 1, 2, 4, 8), (2, 2, MAX_POOL_BLOCKS, 2, 4, 8), (2, 2, MAX_POOL_BLOCKS, 2, 4, 8))
+    most = max_pool_blocks(ARCH, 4)
+    assert most == (2**31 - 1) // (2 * 2 * 2 * 4 * 8)         # layers x K/V x heads x block x head_dim
+    pool = ((2, 2, 1, 2, 4, 8), (2, 2, 64, 2, 4, 8), (2, 2, most, 2, 4, 8))
     assert prefill["kv_pool"] == decode["kv_pool"] == pool
-    # a pool of another size keys the same engine; one narrower than a context does not
-    assert exporter.profile_shapes(ARCH, EngineLimits(8, 48, 100), 4, 1000) == [prefill, decode]
-    assert exporter.profile_shapes(ARCH, EngineLimits(8, 48, 100), 4, 20) != [prefill, decode]
+    # a pool of another size is tuned for, and keys the same engine; one narrower than a context does not
+    other = exporter.profile_shapes(ARCH, EngineLimits(8, 48, 100), 4, 1000)
+    assert [p["kv_pool"][1] for p in other] == [(2, 2, 1000, 2, 4, 8)] * 2
+    assert [{n: s for n, s in p.items() if n != "kv_pool"} for p in other] == \
+        [{n: s for n, s in p.items() if n != "kv_pool"} for p in (prefill, decode)]
+    assert cache_key(other) == cache_key([prefill, decode])
+    assert cache_key(exporter.profile_shapes(ARCH, EngineLimits(8, 48, 100), 4, 20)) != cache_key([prefill, decode])
 
 
 @pytest.fixture
@@ -60,9 +67,11 @@ def test_call_sequence_and_tokens_through_the_standin(standin):
     build = [c[0] for c in standin]
     assert build == ["Logger", "Builder", "Builder.create_network", "OnnxParser.parse_from_file",
                      "IBuilderConfig.set_memory_pool_limit",
+                     "IBuilderConfig.create_timing_cache", "IBuilderConfig.set_timing_cache",
                      "IBuilderConfig.add_optimization_profile",
                      "IBuilderConfig.add_optimization_profile",
-                     "Builder.build_serialized_network", "Logger", "Runtime",
+                     "Builder.build_serialized_network", "Builder.timing", "Builder.timing",
+                     "Logger", "Runtime",
                      "Runtime.deserialize_cuda_engine",
                      "ICudaEngine.create_execution_context",
                      "IExecutionContext.set_device_memory",
@@ -149,7 +158,7 @@ def test_engine_is_cached_and_one_for_another_gpu_is_refused(standin, tmp_path):
     sc = llm.config.scheduler
     want = exporter.profile_shapes(llm.model.arch, EngineLimits(
         sc.max_num_seqs, llm.engine.scheduler.budget, llm.max_model_len), 4, 32)
-    assert manifest["profiles"] == json.loads(json.dumps(want))
+    assert manifest["profiles"] == json.loads(json.dumps(cache_key(want)))
     # the user's own engine folder, built on another GPU: refused with the reason
     manifest["gpu"] = "Other GPU"
     (engine.parent / "manifest.json").write_text(json.dumps(manifest))
@@ -168,6 +177,112 @@ def test_engine_from_another_tensorrt_version_is_refused(standin, monkeypatch):
     monkeypatch.setattr(fake_tensorrt, "__version__", "11.0.0-standin")
     with pytest.raises(exporter.EngineMismatch, match="could not load"):
         tiny_llm(**llm_cfg)
+
+
+def test_the_pool_is_tuned_for_as_bound_and_another_size_reuses_the_engine(standin):
+    """The builder tunes for the opt shape: the pool's is the pool bound (not TensorRT's
+    maximum), and a pool of another size (both wider than any context) reuses the engine."""
+    cfg = {"model": {"max_model_len": 100}, "cache": {"num_blocks": 32, "block_size": 4}}
+    llm = tiny_llm(**cfg, backend={"name": "tensorrt", "device": "cpu"})
+    assert [p["kv_pool"][1][2] for p in llm.backend.engine.profiles] == [32] * len(llm.backend.rungs)
+    tiny_llm(**{**cfg, "cache": {"num_blocks": 48, "block_size": 4}}, backend={"name": "tensorrt", "device": "cpu"})
+    assert sum(c[0] == "Builder.build_serialized_network" for c in standin) == 1
+
+
+TINY_BLOCK = 2 * 2 * 2 * 4 * 16        # the tiny model's pool: layers x K/V x heads x block x head_dim
+
+
+@pytest.fixture
+def small_limit(standin, monkeypatch):
+    """TensorRT's element limit cut to 40 of the tiny model's blocks (and a tile to match), in
+    the backend and the stand-in alike."""
+    from twophase.exporters import trt_profiles
+
+    limit = 40 * TINY_BLOCK + 100
+    monkeypatch.setattr(trt_profiles, "TILE", 2**14)
+    monkeypatch.setattr(trt_profiles, "ELEMENT_LIMIT", limit)
+    monkeypatch.setattr(fake_tensorrt, "ELEMENT_LIMIT", limit)
+    return {"model": {"max_model_len": 100}, "scheduler": {"max_num_batched_tokens": 40, "max_num_seqs": 8}}
+
+
+def test_the_pool_stays_within_tensorrts_element_limit(small_limit):
+    """An automatic pool is sized within the limit (the backend declares it); a fixed pool past
+    it is refused by its block count, before any engine is built."""
+    llm = tiny_llm(**small_limit, cache={"num_blocks": "auto", "block_size": 4},
+                   backend={"name": "tensorrt", "device": "cpu"})
+    assert llm.backend.capabilities().max_pool_elements == 40 * TINY_BLOCK + 100
+    assert llm.num_blocks == 40 and llm.kv_cache.pool.numel() == 40 * TINY_BLOCK
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(out[0].token_ids) == 4
+    with pytest.raises(ConfigError, match=r"cache.num_blocks: a pool of 41 blocks holds 20,992 elements; "
+                                          r"TensorRT binds no tensor of more than 20,580 .* at most 40 blocks"):
+        tiny_llm(**small_limit, cache={"num_blocks": 41, "block_size": 4},
+                 backend={"name": "tensorrt", "device": "cpu"})
+
+
+def test_the_standin_refuses_a_pool_past_the_limit_as_tensorrt_does(small_limit, monkeypatch):
+    """Past the backend's own check: the engine's profiles stop at the limit, so TensorRT
+    refuses the larger pool's shape; a profile that reaches past it does not build."""
+    import twophase.backends.tensorrt as backend
+    from twophase.errors import TwophaseError
+    from twophase.exporters import trt_profiles
+
+    monkeypatch.setattr(backend, "check_pool_elements", lambda kv, arch: None)
+    cfg = {**small_limit, "cache": {"num_blocks": 41, "block_size": 4},
+           "backend": {"name": "tensorrt", "device": "cpu"}}
+    with pytest.raises(StepFailed, match=r"TensorRT refused shape \(2, 2, 41, 2, 4, 16\) for kv_pool"):
+        tiny_llm(**cfg).generate([[5, 6, 7]], SamplingParams(max_tokens=2))
+    monkeypatch.setattr(trt_profiles, "max_pool_blocks", lambda arch, block_size: 41)
+    with pytest.raises(TwophaseError, match="TensorRT failed to build the engine"):
+        tiny_llm(**cfg)
+    (error,) = [c for c in fake_tensorrt.calls if c[0] == "Builder.error"]
+    assert error[2] == {"kv_pool": 41 * TINY_BLOCK}
+
+
+def test_engine_refusals_are_errors_that_say_so(standin, monkeypatch):
+    """A profile TensorRT refuses (its bindings raise), and an engine whose outputs are not
+    the shapes this model's step needs (the outputs are sized as the engine says)."""
+    cfg = {"cache": {"num_blocks": 32, "block_size": 4}, "backend": {"name": "tensorrt", "device": "cpu"}}
+    real = fake_tensorrt.IExecutionContext.set_optimization_profile_async
+    with monkeypatch.context() as m, pytest.raises(exporter.EngineMismatch, match=(
+            r"refused optimisation profile 0 \(Error in set optimization profile async.\)")):
+        m.setattr(fake_tensorrt.IExecutionContext, "set_optimization_profile_async",
+                  lambda self, index, stream: real(self, index + 5, stream))
+        tiny_llm(**cfg)
+    shape = fake_tensorrt.IExecutionContext.get_tensor_shape
+    monkeypatch.setattr(fake_tensorrt.IExecutionContext, "get_tensor_shape",
+                        lambda self, name: (lambda s: (s[0], s[1] + 1) if name == "logits" else s)(shape(self, name)))
+    llm = tiny_llm(**cfg)
+    assert llm.backend.out_dtypes == {"logits": torch.float32, "new_k": torch.float32, "new_v": torch.float32}
+    with pytest.raises(StepFailed, match=r"the engine's outputs are logits \(1, 513\)"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
+
+
+def test_builds_share_a_timing_cache_beside_the_engines(standin, tmp_path, caplog):
+    cfg = {"cache": {"num_blocks": 32, "block_size": 4}}
+    tiny_llm(**cfg, backend={"name": "tensorrt", "device": "cpu"})
+    (cache,) = (tmp_path / "tensorrt").glob("timing-*.cache")
+    assert cache.name == "timing-Stand-in-GPU-sm9.0-trt11.0.0-standin.cache"
+    assert [c[2] for c in standin if c[0] == "Builder.timing"] == ["timed", "timed"]
+    standin.clear()
+    tiny_llm(**cfg, backend={"name": "tensorrt", "device": "cpu", "options": {"rebuild": True}})
+    assert [c[2] for c in standin if c[0] == "Builder.timing"] == ["cached", "cached"]
+    cache.write_bytes(b"not a timing cache")                      # corrupt: timed again, and rewritten
+    standin.clear()
+    tiny_llm(**cfg, backend={"name": "tensorrt", "device": "cpu", "options": {"rebuild": True}})
+    assert [c[2] for c in standin if c[0] == "Builder.timing"] == ["timed", "timed"]
+    assert "could not read the timing cache" in caplog.text
+    assert json.loads(cache.read_bytes())["entries"]
+
+
+def test_a_missing_onnx_package_is_named_with_the_extra(standin, monkeypatch):
+    """At load, before the pool is allocated, not as an ImportError halfway through bind."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "onnxscript", None)         # not installed
+    with pytest.raises(BackendUnavailable, match=r"needs onnxscript: pip install 'twophase\[tensorrt\]'") as got:
+        tiny_llm(cache={"num_blocks": 32, "block_size": 4}, backend={"name": "tensorrt", "device": "cpu"})
+    assert "load" in [entry.name for entry in got.traceback]
 
 
 def test_backends_lists_tensorrt_as_unavailable_with_the_reason():

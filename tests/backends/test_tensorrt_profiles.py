@@ -50,6 +50,22 @@ def test_llama3_8b_profiles_fit_an_h200_with_the_default_limits():
         assert fake_tensorrt._activation_bytes(arch, tensors) < 10 * 2**30
 
 
+def test_the_pool_is_within_the_element_limit_and_the_standin_refuses_a_larger_one():
+    """llama3-8b in 16-token blocks: a block is 2^20 elements, so TensorRT binds at most 2,047
+    (the profiles stop there, tuned for the pool bound); a profile reaching 2,048 blocks, or
+    50,000 (what an H200 would hold), is refused by the stand-in, as TensorRT's builder refuses
+    a tensor past 2^31 - 1 elements."""
+    assert trt_profiles.pool_block_elements(LLAMA3_8B, 16) == 2**20
+    assert trt_profiles.max_pool_blocks(LLAMA3_8B, 16) == 2047
+    arch = fake_arch(LLAMA3_8B)
+    for profile in profile_shapes(LLAMA3_8B, DEFAULTS, 16, 1000):
+        assert [s[2] for s in profile["kv_pool"]] == [1, 1000, 2047]
+        assert fake_tensorrt._profile_tensors(arch, profile)["kv_pool"] <= fake_tensorrt.ELEMENT_LIMIT
+        for blocks in (2048, POOL_BLOCKS):
+            wider = {**profile, "kv_pool": (*profile["kv_pool"][:2], (32, 2, blocks, 8, 16, 128))}
+            assert fake_tensorrt._profile_tensors(arch, wider)["kv_pool"] > fake_tensorrt.ELEMENT_LIMIT
+
+
 def test_the_profiles_per_dimension_maxima_did_not_fit():
     """What one profile at every limit at once implies (the earlier profiles): refused by the
     stand-in as TensorRT refuses it."""

@@ -4,11 +4,17 @@ without TensorRT or a GPU.
 It implements exactly the methods twophase calls, with their real signatures, records each call,
 and enforces what TensorRT enforces:
 
-- a new execution context starts on profile 0 and runs the profile it last selected; every
-  input's shape must lie within that profile; every I/O tensor needs a 256-byte aligned address;
+- a new execution context starts on profile 0 and runs the profile it last selected (selecting
+  one the engine lacks raises, as TensorRT's bindings do where the C++ call returns false);
+  every input's shape must lie within that profile; every I/O tensor needs a 256-byte aligned
+  address; outputs have the shapes the engine infers from the inputs set (``get_tensor_shape``)
+  and the graph's dtypes (``get_tensor_dtype``);
 - no tensor the engine computes may hold more than 2^31 - 1 elements (the builder fails): the
-  I/O tensors at each profile's maxima (the pool aside: only a Gather reads it, which indexes
-  in 64 bits since TensorRT 10) and the step graph's attention and MLP intermediates;
+  I/O tensors at each profile's maxima, the KV pool among them (a TensorRT maintainer: the limit
+  is not configurable, as many kernels address offsets in 32 bits; nothing documents an
+  exemption for a Gather's source), and the step graph's attention and MLP intermediates;
+- the builder reads and extends a timing cache it is given (``create_timing_cache``,
+  ``set_timing_cache``): a profile's tactics timed once are not timed again;
 - an engine's activation memory is sized for each profile's maxima at once; a ``STATIC`` context
   allocates the largest profile's from ``DEVICE_MEMORY`` (creation fails when it is spent), a
   ``USER_MANAGED`` one runs only once given a large enough, aligned buffer;
@@ -55,6 +61,28 @@ class MemoryPoolType:
     WORKSPACE = "WORKSPACE"
 
 
+class DataType:
+    FLOAT = "FLOAT"
+    HALF = "HALF"
+    BF16 = "BF16"
+    INT32 = "INT32"
+    INT64 = "INT64"
+
+
+_TRT_TYPES = {"tensor(float)": DataType.FLOAT, "tensor(float16)": DataType.HALF,
+              "tensor(bfloat16)": DataType.BF16, "tensor(int64)": DataType.INT64,
+              "tensor(int32)": DataType.INT32}
+TIMING_DEVICE = "Stand-in GPU"             # whose timings a cache holds: another's is a mismatch
+
+
+class ITimingCache:
+    def __init__(self, entries: dict, device: str = TIMING_DEVICE):
+        self.entries, self.device = entries, device
+
+    def serialize(self) -> memoryview:           # TensorRT returns an IHostMemory (a buffer)
+        return memoryview(json.dumps({"device": self.device, "entries": self.entries}).encode())
+
+
 class ExecutionContextAllocationStrategy:
     STATIC = 0
     ON_PROFILE_CHANGE = 1
@@ -91,6 +119,28 @@ class IOptimizationProfile:
 class IBuilderConfig:
     def __init__(self):
         self.profiles: list[IOptimizationProfile] = []
+        self.timing_cache: ITimingCache | None = None
+
+    def create_timing_cache(self, serialized_timing_cache) -> ITimingCache:
+        blob = bytes(serialized_timing_cache)
+        _record("IBuilderConfig.create_timing_cache", len(blob))
+        if not blob:
+            return ITimingCache({})
+        try:
+            data = json.loads(blob)
+            return ITimingCache(dict(data["entries"]), data["device"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise RuntimeError("Failed to deserialize the timing cache") from exc
+
+    def set_timing_cache(self, cache: ITimingCache, ignore_mismatch: bool) -> bool:
+        _record("IBuilderConfig.set_timing_cache", len(cache.entries))
+        if cache.device != TIMING_DEVICE and not ignore_mismatch:
+            return False
+        self.timing_cache = cache
+        return True
+
+    def get_timing_cache(self) -> ITimingCache | None:
+        return self.timing_cache
 
     def set_memory_pool_limit(self, pool, pool_size: int) -> None:
         _record("IBuilderConfig.set_memory_pool_limit", pool, pool_size)
@@ -126,6 +176,11 @@ class Builder:
                 _record("Builder.error", index, big)
                 return None
             memory.append(_activation_bytes(arch, tensors))
+            if config.timing_cache is not None:     # tactics timed at the profile's opt shapes
+                key = json.dumps({"arch": arch, "opt": {n: s[1] for n, s in sorted(profile.shapes.items())}})
+                hit = key in config.timing_cache.entries
+                config.timing_cache.entries.setdefault(key, 1.0)
+                _record("Builder.timing", index, "cached" if hit else "timed")
         return json.dumps({"tensorrt": __version__, "onnx": network.onnx_path, "memory": memory,
                            "profiles": [p.shapes for p in config.profiles]}).encode()
 
@@ -149,10 +204,10 @@ def _graph_arch(onnx_path: str) -> dict:
 
 
 def _profile_tensors(arch: dict, shapes: dict) -> dict[str, int]:
-    """Elements of each I/O tensor at the profile's maxima, and of the graph's largest
-    intermediates: attention scores and gathered K/V of both groups, the MLP, the logits."""
+    """Elements of each I/O tensor at the profile's maxima (the pool too), and of the graph's
+    largest intermediates: attention scores and gathered K/V of both groups, the MLP, the logits."""
     mx = {name: s[2] for name, s in shapes.items()}
-    out = {n: int(np.prod(s)) for n, s in mx.items() if n != "kv_pool"}
+    out = {n: int(np.prod(s)) for n, s in mx.items()}
     H, KVH, hd = arch["H"], arch["KVH"], arch["hd"]
     bs = mx["kv_pool"][4]
     C, Q = mx["chunk_index"]
@@ -192,6 +247,10 @@ class ICudaEngine:
         so = ort.SessionOptions()
         so.intra_op_num_threads = 1
         self.session = ort.InferenceSession(data["onnx"], so, providers=["CPUExecutionProvider"])
+        self.io = {t.name: (t.shape, t.type) for t in self.session.get_inputs() + self.session.get_outputs()}
+
+    def get_tensor_dtype(self, name: str) -> str:
+        return _TRT_TYPES[self.io[name][1]]
 
     @property
     def num_optimization_profiles(self) -> int:
@@ -245,9 +304,21 @@ class IExecutionContext:
     def set_optimization_profile_async(self, profile_index: int, stream_handle: int) -> bool:
         _record("IExecutionContext.set_optimization_profile_async", profile_index)
         if not 0 <= profile_index < self.engine.num_optimization_profiles:
-            return False
+            # the bindings turn the C++ call's false into an exception (they never return False)
+            raise RuntimeError("Error in set optimization profile async.")
         self.profile = profile_index
         return True
+
+    def get_tensor_shape(self, name: str) -> tuple[int, ...]:
+        """An input's shape as set; an output's inferred from them (-1 where one is unset)."""
+        if name in self.shapes:
+            return self.shapes[name]
+        sizes: dict[str, int] = {}
+        for inp, shape in self.shapes.items():
+            for dim, n in zip(self.engine.io[inp][0], shape):
+                if isinstance(dim, str):
+                    sizes[dim] = n
+        return tuple(d if isinstance(d, int) else sizes.get(d, -1) for d in self.engine.io[name][0])
 
     def set_input_shape(self, name: str, shape) -> bool:
         lo, _, hi = self.engine.profiles[self.profile][name]
@@ -270,6 +341,7 @@ class IExecutionContext:
         feeds = {i.name: _array(self.addresses[i.name], self.shapes[i.name], i.type)
                  for i in sess.get_inputs()}
         for meta, value in zip(sess.get_outputs(), sess.run(None, feeds)):
+            assert value.shape == self.get_tensor_shape(meta.name), (meta.name, value.shape)
             _array(self.addresses[meta.name], value.shape, meta.type)[...] = value
         return True
 

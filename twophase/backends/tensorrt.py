@@ -13,9 +13,14 @@ for torch's current stream first and which torch's waits for after, so the K/V w
 sampling are ordered after it without a host sync.
 
 The engine is built when the pool is bound (its block size is a profile shape; its block count
-a dynamic dimension). Written against TensorRT 11's Python API; no machine of this project has
-had TensorRT and a GPU together, so the calls have been checked against a stand-in that keeps
-TensorRT's rules (``tests/helpers/fake_tensorrt.py``).
+a dynamic dimension, tuned for the pool bound). TensorRT refuses a tensor of more than 2^31 - 1
+elements, the pool included (many of its kernels address offsets in 32 bits; the limit is not
+configurable), so the backend declares that limit (``Capabilities.max_pool_elements``: an
+automatic pool is sized within it) and refuses a larger pool by its block count. Each call's
+outputs are allocated as the engine says they are (``get_tensor_shape`` once the input shapes
+are set, ``get_tensor_dtype``), never as this code assumes. Written against TensorRT 11's Python
+API; no machine of this project has had TensorRT and a GPU together, so the calls have been
+checked against a stand-in that keeps TensorRT's rules (``tests/helpers/fake_tensorrt.py``).
 """
 
 from __future__ import annotations
@@ -60,9 +65,10 @@ class TensorRTBackend(Backend):
 
     @classmethod
     def check_available(cls, device: str = "cuda") -> None:
-        from twophase.exporters.tensorrt import import_tensorrt
+        from twophase.exporters.tensorrt import import_tensorrt, require_export_packages
 
         import_tensorrt()
+        require_export_packages()
         if parse_device(device).type != "cuda":
             raise BackendUnavailable(f"TensorRT runs on NVIDIA GPUs: set backend.device = "
                                      f"\"cuda\", not {device!r}")
@@ -79,14 +85,21 @@ class TensorRTBackend(Backend):
         return dataclasses.replace(super().memory(query), step_activations=False, workspace=profiles)
 
     def capabilities(self) -> Capabilities:
-        """Before load (the engine asks what it computes) the profiles' limits are not known yet."""
+        """Before load (the engine asks what it computes) the profiles' limits are not known
+        yet; the pool's limit is TensorRT's, whatever the model."""
+        from twophase.exporters import trt_profiles
+
         lim = getattr(self, "limits", None)
         return Capabilities(features=TRACED_FEATURES, devices=("cuda",), dtypes=DTYPES,
                             max_num_seqs=lim.max_num_seqs if lim else None,
-                            max_num_tokens=lim.max_num_batched_tokens if lim else None)
+                            max_num_tokens=lim.max_num_batched_tokens if lim else None,
+                            max_pool_elements=trt_profiles.ELEMENT_LIMIT)
 
     def load(self, model: ModelSpec, cfg: BackendConfig) -> None:
+        from twophase.exporters.tensorrt import require_export_packages
+
         self.check_available(cfg.device)
+        require_export_packages()
         cfg.check_options(OPTIONS)
         if model.dtype not in DTYPES:
             raise ConfigError("model.dtype", f"TensorRT runs {', '.join(map(str, DTYPES))}, "
@@ -108,6 +121,7 @@ class TensorRTBackend(Backend):
             raise ConfigError("cache.dtype", f"the tensorrt backend's engine reads a "
                               f"{self.model.dtype} pool, not {kv.pool.dtype}")
         check_aligned("kv_pool", kv.pool)
+        check_pool_elements(kv, self.arch)
         trt = exporter.import_tensorrt()
         self.rungs = trt_profiles.rungs(self.model.arch, self.limits, kv.num_blocks, kv.block_size)
         need = trt_profiles.profile_memory(self.model.arch, self.limits, kv.num_blocks,
@@ -128,6 +142,8 @@ class TensorRTBackend(Backend):
                 f"version or for another GPU?): delete it to rebuild")
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.contexts = self._contexts(trt, path)
+        self.out_dtypes = {name: torch_dtype(trt, self.engine.get_tensor_dtype(name), name)
+                           for name in STEP.outputs}
         self.kv = kv
         # a valid address for empty inputs (the decode profile's chunk group)
         self.placeholder = aligned_empty((1,), torch.long, self.device).zero_()
@@ -148,8 +164,14 @@ class TensorRTBackend(Backend):
                 raise RuntimeError(f"TensorRT could not create an execution context for {path} "
                                    f"(out of device memory?)")
             ctx.set_device_memory(self.activations.data_ptr(), size)
-            if not ctx.set_optimization_profile_async(profile, self._stream()):
-                raise exporter_mismatch(f"{path}: TensorRT refused optimisation profile {profile}")
+            try:      # TensorRT's bindings raise where the C++ call returns false
+                ok = ctx.set_optimization_profile_async(profile, self._stream())
+            except RuntimeError as exc:
+                raise exporter_mismatch(f"{path}: TensorRT refused optimisation profile {profile} "
+                                        f"({exc}): delete it to rebuild") from exc
+            if ok is False:
+                raise exporter_mismatch(f"{path}: TensorRT refused optimisation profile {profile}: "
+                                        f"delete it to rebuild")
             contexts.append(ctx)
         return contexts
 
@@ -189,12 +211,15 @@ class TensorRTBackend(Backend):
                 raise RuntimeError(f"TensorRT refused shape {tuple(t.shape)} for {name} in "
                                    f"profile {profile} (outside the engine's profile)")
             self._bind(ctx, name, t if t.numel() else self.placeholder)
-        a = self.arch
+        outs = {name: aligned_empty(self._output_shape(ctx, name, profile), self.out_dtypes[name], self.device)
+                for name in STEP.outputs}
         T, N = feeds["input_ids"].shape[0], feeds["logits_index"].shape[0]
-        dt = self.model.dtype
-        outs = {"logits": aligned_empty((N, a.vocab_size), torch.float32, self.device),
-                "new_k": aligned_empty((a.num_layers, T, a.num_kv_heads, a.head_dim), dt, self.device),
-                "new_v": aligned_empty((a.num_layers, T, a.num_kv_heads, a.head_dim), dt, self.device)}
+        a = self.arch
+        if outs["logits"].shape != (N, a.vocab_size) or outs["new_k"].shape[:2] != (a.num_layers, T):
+            raise exporter_mismatch(f"{self.engine_path}: the engine's outputs are logits "
+                                    f"{tuple(outs['logits'].shape)} and new_k {tuple(outs['new_k'].shape)} "
+                                    f"for {T} tokens and {N} logit rows: not this model's step graph; "
+                                    f"delete it to rebuild")
         for name, t in outs.items():
             self._bind(ctx, name, t)
         if self.stream is not None:
@@ -203,8 +228,18 @@ class TensorRTBackend(Backend):
             raise RuntimeError("TensorRT failed to enqueue the step")
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
-        write_new_kv(self.kv.pool, outs["new_k"], outs["new_v"], batch.slot_mapping.to(self.device))
-        return outs["logits"]
+        write_new_kv(self.kv.pool, outs["new_k"].to(self.kv.pool.dtype), outs["new_v"].to(self.kv.pool.dtype),
+                     batch.slot_mapping.to(self.device))
+        return outs["logits"].float()
+
+    @staticmethod
+    def _output_shape(ctx, name: str, profile: int) -> tuple[int, ...]:
+        """An output's shape as the engine computes it from the input shapes set."""
+        shape = tuple(int(d) for d in ctx.get_tensor_shape(name))
+        if any(d < 0 for d in shape):
+            raise RuntimeError(f"TensorRT left output {name}'s shape {shape} unresolved in profile "
+                               f"{profile} (an input shape not set?)")
+        return shape
 
     @staticmethod
     def _bind(ctx, name: str, t: torch.Tensor) -> None:
@@ -214,6 +249,32 @@ class TensorRTBackend(Backend):
 
 
 ALIGNMENT = 256           # TensorRT's requirement on every I/O tensor's address
+TORCH_DTYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16,
+                "INT64": torch.int64, "INT32": torch.int32}
+
+
+def torch_dtype(trt, dtype, name: str) -> torch.dtype:
+    """The torch dtype of a TensorRT ``DataType``, for the tensor ``name``."""
+    for key, value in TORCH_DTYPES.items():
+        if dtype == getattr(trt.DataType, key, None):
+            return value
+    raise RuntimeError(f"the engine's {name} is {dtype}, a TensorRT type this backend does not bind")
+
+
+def check_pool_elements(kv: KVCache, arch) -> None:
+    """Refuse a pool TensorRT cannot bind (more than ``ELEMENT_LIMIT`` elements), naming the
+    most blocks that fit."""
+    from twophase.exporters import trt_profiles
+
+    n, limit = kv.pool.numel(), trt_profiles.ELEMENT_LIMIT
+    if n <= limit:
+        return
+    most = limit // (n // kv.num_blocks)
+    raise ConfigError("cache.num_blocks", f"a pool of {kv.num_blocks} blocks holds {n:,} elements; "
+                      f"TensorRT binds no tensor of more than {limit:,} (its kernels address "
+                      f"offsets in 32 bits; the limit is not configurable): at most {most} blocks "
+                      f"({most * kv.block_size} tokens) of {arch.num_layers} layers, or leave "
+                      f"cache.num_blocks unset to size the pool within it")
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -9,24 +9,36 @@ the activations a few GiB, and the backend cuts each step into calls that fit th
 TensorRT 11 networks are strongly typed (the FP16/BF16 builder flags are gone): precision is the
 exported graph's, i.e. ``model.dtype``. The engine is saved with a manifest naming the GPU, its
 compute capability, the TensorRT version and the profile shapes; any difference rebuilds it. The
-pool's block count is a dynamic dimension, so a pool sized by the free memory of the day reuses
-the engine.
+pool's block count is a dynamic dimension (its opt, the pool bound at build, is not in the
+manifest), so a pool sized by the free memory of the day reuses the engine.
+
+The builder times its kernels' tactics with a timing cache kept beside the engine cache, one
+file a GPU, compute capability and TensorRT version (``timing_cache_path``): a second engine on
+the same GPU (another pool's context width, another config) reuses the first one's timings
+instead of measuring every tactic again.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
+import os
+import re
 from pathlib import Path
 from typing import Any
 
 from twophase.contract import EngineLimits, ModelSpec
 from twophase.errors import BackendUnavailable, TwophaseError
-from twophase.exporters.trt_profiles import WORKSPACE_BYTES, Profile, profile_shapes
+from twophase.exporters.trt_profiles import WORKSPACE_BYTES, Profile, cache_key, profile_shapes
 
-__all__ = ["EngineMismatch", "build_engine", "export", "import_tensorrt", "profile_shapes"]
-# 2: a ladder of profiles (rungs) and a dynamic pool block count
-FORMAT = "twophase-tensorrt/2"
+__all__ = ["EngineMismatch", "build_engine", "export", "import_tensorrt", "profile_shapes",
+           "require_export_packages"]
+# 2: a ladder of profiles (rungs) and a dynamic pool block count; 3: the pool within TensorRT's
+# element limit, its kernels tuned for the pool bound (not part of the key)
+FORMAT = "twophase-tensorrt/3"
+# what the engine is built from: the ONNX export (onnx, and onnxscript for torch's dynamo exporter)
+EXPORT_PACKAGES = ("onnx", "onnxscript")
 log = logging.getLogger(__name__)
 
 
@@ -44,7 +56,7 @@ def gpu_identity(device_index: int = 0) -> dict[str, Any]:
 def manifest_for(model: ModelSpec, profiles: list[Profile], trt_version: str,
                  gpu: dict[str, Any], onnx_manifest: dict[str, Any]) -> dict[str, Any]:
     return {"format": FORMAT, "model_id": model.model_id, "tensorrt": trt_version, **gpu,
-            "profiles": [{n: [list(s) for s in mmo] for n, mmo in p.items()} for p in profiles],
+            "profiles": cache_key(profiles),
             "onnx": {k: onnx_manifest[k] for k in ("format", "weights_sha256", "dtype", "opset")}}
 
 
@@ -65,9 +77,19 @@ def check_manifest(folder: Path, expected: dict[str, Any]) -> None:
                                  f"`twophase export --format tensorrt --force`")
 
 
-def build_engine(trt, onnx_path: Path, profiles: list[Profile], out: Path) -> None:
+def timing_cache_path(gpu: dict[str, Any], trt_version: str) -> Path:
+    """The builder's timing cache for this GPU and TensorRT version, beside the engine cache."""
+    from twophase.paths import cache_dir
+
+    name = re.sub(r"[^A-Za-z0-9.]+", "-", f"{gpu['gpu']}-sm{gpu['compute_capability']}-trt{trt_version}")
+    return cache_dir() / "tensorrt" / f"timing-{name}.cache"
+
+
+def build_engine(trt, onnx_path: Path, profiles: list[Profile], out: Path,
+                 timing_cache: Path | None = None) -> None:
     """Parse the ONNX graph into a strongly typed network and build one engine with
-    ``profiles`` in order (profile ``i`` is rung ``i``)."""
+    ``profiles`` in order (profile ``i`` is rung ``i``), its tactics timed through
+    ``timing_cache`` (read if it is there, written back after the build)."""
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     network = builder.create_network()                # strongly typed: no precision flags
@@ -77,6 +99,8 @@ def build_engine(trt, onnx_path: Path, profiles: list[Profile], out: Path) -> No
         raise TwophaseError(f"TensorRT could not parse {onnx_path}: {errors}")
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, WORKSPACE_BYTES)
+    if timing_cache is not None:
+        _use_timing_cache(config, timing_cache)
     for index, shapes in enumerate(profiles):
         profile = builder.create_optimization_profile()
         for name, (lo, opt, hi) in shapes.items():
@@ -88,6 +112,35 @@ def build_engine(trt, onnx_path: Path, profiles: list[Profile], out: Path) -> No
     if serialized is None:
         raise TwophaseError("TensorRT failed to build the engine (see its log above)")
     out.write_bytes(bytes(serialized))
+    if timing_cache is not None:
+        _save_timing_cache(config, timing_cache)
+
+
+def _use_timing_cache(config, path: Path) -> None:
+    """Give the builder the timings saved at ``path`` (an empty cache where there are none, or
+    where TensorRT refuses them: the build then times every tactic)."""
+    saved = path.read_bytes() if path.exists() else b""
+    try:
+        cache = config.create_timing_cache(saved)
+        if config.set_timing_cache(cache, False):
+            log.info("TensorRT timing cache: %s (%d bytes)", path, len(saved))
+            return
+        log.warning("TensorRT refused the timing cache %s: timing every tactic", path)
+    except Exception as exc:          # a corrupt or foreign cache: the bindings raise
+        log.warning("TensorRT could not read the timing cache %s (%s): timing every tactic", path, exc)
+    config.set_timing_cache(config.create_timing_cache(b""), False)
+
+
+def _save_timing_cache(config, path: Path) -> None:
+    """The builder's timings (the saved ones and this build's) written back, whole or not at all."""
+    try:
+        data = bytes(config.get_timing_cache().serialize())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        tmp.replace(path)                    # atomic: a concurrent build reads old or new
+    except Exception as exc:                 # the engine is built: a cache not kept costs time only
+        log.warning("could not save the TensorRT timing cache to %s: %s", path, exc)
 
 
 def export(model: ModelSpec, limits: EngineLimits, block_size: int, num_blocks: int,
@@ -99,10 +152,11 @@ def export(model: ModelSpec, limits: EngineLimits, block_size: int, num_blocks: 
     from twophase.exporters.cache import build_cached, cache_folder, is_fresh
 
     trt = import_tensorrt()
+    require_export_packages()
     profiles = profile_shapes(model.arch, limits, block_size, num_blocks)
     onnx_manifest = onnx.manifest_for(model)
-    manifest = manifest_for(model, profiles, trt.__version__, gpu_identity(device_index),
-                            onnx_manifest)
+    gpu = gpu_identity(device_index)
+    manifest = manifest_for(model, profiles, trt.__version__, gpu, onnx_manifest)
     if out_dir and (Path(out_dir) / "model.engine").exists() and not force:
         check_manifest(Path(out_dir), manifest)
         if is_fresh(Path(out_dir), manifest):
@@ -113,10 +167,20 @@ def export(model: ModelSpec, limits: EngineLimits, block_size: int, num_blocks: 
         graph = onnx.export(model)
         log.info("building a TensorRT engine for %s (%d profiles): minutes", model.model_id,
                  len(profiles))
-        build_engine(trt, graph, profiles, tmp / "model.engine")
+        build_engine(trt, graph, profiles, tmp / "model.engine", timing_cache_path(gpu, trt.__version__))
 
     build_cached(folder, manifest, build, force, "TensorRT engine")
     return folder / "model.engine"
+
+
+def require_export_packages() -> None:
+    """Refuse, naming them and the extra that installs them, the packages the engine's ONNX
+    export needs (before anything is allocated, not as an ImportError halfway through bind)."""
+    missing = [name for name in EXPORT_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise BackendUnavailable(f"the tensorrt backend builds its engine from the model's ONNX "
+                                 f"export, which needs {' and '.join(missing)}: pip install "
+                                 f"'twophase[tensorrt]' (or pip install {' '.join(missing)})")
 
 
 def import_tensorrt():

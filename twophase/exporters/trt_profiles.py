@@ -26,11 +26,12 @@ from twophase.contract import EngineLimits
 from twophase.errors import ConfigError
 from twophase.graph.signature import STEP
 
-ELEMENT_LIMIT = 2**31 - 1        # TensorRT's per-tensor volume for most layers
+# TensorRT's per-tensor volume: not configurable, since many of its kernels address offsets in
+# 32 bits. It binds the KV pool too, which only a Gather reads: no exemption is documented for it
+ELEMENT_LIMIT = 2**31 - 1
 TILE = 2**29                     # the largest tensor a rung may imply: a quarter of the limit
 WORKSPACE_BYTES = 1 << 30        # the builder's tactic scratch, part of an engine's device memory
 LADDER = 16                      # each rung's context width a sixteenth of the last one's
-MAX_POOL_BLOCKS = 1 << 24        # the pool's block count is dynamic up to this: not in the cache key
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 Shape = tuple[int, ...]
@@ -80,6 +81,17 @@ def rung_bytes(arch: ModelArch, rung: Rung, block_size: int, size: int) -> int:
     t = rung_tensors(arch, rung, block_size)
     return (4 * t["kv_gather"] * size + t["scores"] * (2 * 4 + size) + 2 * t["qkv"] * size
             + 2 * t["mlp"] * size + t["logits"] * size + WORKSPACE_BYTES)
+
+
+def pool_block_elements(arch: ModelArch, block_size: int) -> int:
+    """Elements of one block of the (plain) pool: every layer's K and V for ``block_size`` tokens."""
+    return arch.num_layers * 2 * arch.num_kv_heads * block_size * arch.head_dim
+
+
+def max_pool_blocks(arch: ModelArch, block_size: int) -> int:
+    """The most blocks a pool TensorRT binds may hold: ``ELEMENT_LIMIT`` elements at most
+    (llama3-8b in 16-token blocks: 2,047 blocks, 32,752 tokens)."""
+    return max(1, ELEMENT_LIMIT // pool_block_elements(arch, block_size))
 
 
 def _widths(width: int) -> list[int]:
@@ -142,11 +154,13 @@ def _longest_chunk(keys: int, heads: int, per_key: int) -> int:
 def profile_shapes(arch: ModelArch, limits: EngineLimits, block_size: int,
                    num_blocks: int) -> list[Profile]:
     """The min/opt/max shape of every graph input in each rung's profile, in ``rungs`` order.
-    The pool's block count is dynamic (1 to ``MAX_POOL_BLOCKS``): a pool sized by the free
-    memory of the day reuses the engine; only maxima that depend on it (a context wider than the
-    pool) rebuild it."""
+    The pool's block count is dynamic, from 1 to ``max_pool_blocks`` (the element limit), and
+    tuned for (opt) the pool bound now. The opt is left out of the engine's cache key
+    (``cache_key``): a pool sized by the free memory of the day reuses the engine; only maxima
+    that depend on it (a context wider than the pool) rebuild it."""
     fixed = {"L": arch.num_layers, "KVH": arch.num_kv_heads, "hd": arch.head_dim,
              "BS": block_size}
+    most = max_pool_blocks(arch, block_size)
     profiles = []
     for r in rungs(arch, limits, num_blocks, block_size):
         if r.phase == "prefill":
@@ -157,10 +171,20 @@ def profile_shapes(arch: ModelArch, limits: EngineLimits, block_size: int,
             dims = {"T": (1, r.rows, r.rows), "N": (1, r.rows, r.rows), "D": (1, r.rows, r.rows),
                     "Wd": (1, max(1, r.blocks // 2), r.blocks), "C": (0, 0, 0), "Q": (1, 1, 1),
                     "Wc": (1, 1, 1)}
-        dims["NB"] = (1, MAX_POOL_BLOCKS, MAX_POOL_BLOCKS)
+        dims["NB"] = (1, max(1, min(num_blocks, most)), most)
         lo, opt, hi = ({**fixed, **{d: v[i] for d, v in dims.items()}} for i in range(3))
         profiles.append({n: (STEP.shape(n, lo), STEP.shape(n, opt), STEP.shape(n, hi)) for n in STEP.names})
     return profiles
+
+
+POOL_OPT = "the bound pool's"      # what the cache key holds in place of the pool's opt shape
+
+
+def cache_key(profiles: list[Profile]) -> list[dict[str, list]]:
+    """The profiles as the engine's manifest (its cache key) holds them: every shape, except the
+    pool's opt, which only tunes the kernels for the pool of the day."""
+    return [{n: [list(lo), POOL_OPT if n == "kv_pool" else list(opt), list(hi)]
+             for n, (lo, opt, hi) in p.items()} for p in profiles]
 
 
 def profile_memory(arch: ModelArch, limits: EngineLimits, num_blocks: int, block_size: int,
