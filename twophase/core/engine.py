@@ -10,6 +10,7 @@ into ``Delta`` values (text, stop strings) that may cross threads.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -30,7 +31,9 @@ from twophase.core.params import SamplingParams
 from twophase.core.request import Request
 from twophase.core.sampler import sample_step
 from twophase.core.scheduler import Scheduler, SchedulerOutput
-from twophase.errors import RequestRejected, StepFailed
+from twophase.errors import InvalidSamplingParam, RequestRejected, StepFailed
+from twophase.structured import masks as structured_masks
+from twophase.structured.constraint import Constraint, Grammars
 
 if TYPE_CHECKING:
     from twophase.models.tokenizer import Tokenizer
@@ -71,6 +74,11 @@ class Engine:
     def max_model_len(self) -> int:
         return self.scheduler.max_model_len
 
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """Structured outputs' compiler for this model (its tokenizer and vocabulary)."""
+        return Grammars(self.tokenizer, self.vocab_size or 0, self.scheduler.eos_token_ids)
+
     # -- requests -------------------------------------------------------------------------
     @property
     def connector(self) -> KVConnector | None:
@@ -79,7 +87,8 @@ class Engine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival: float | None = None,
                     kv_transfer: KVTransferParams | None = None,
-                    first_token_ids: Sequence[int] = ()) -> Request:
+                    first_token_ids: Sequence[int] = (),
+                    constraint: Constraint | None = None) -> Request:
         """Queue a request; raises ``RequestRejected`` if it could never be served. The returned
         request is the engine's own: read it on the engine's thread only.
 
@@ -87,7 +96,10 @@ class Engine:
         blocks for a peer when the request finishes (its output carries ``kv_transfer_params``);
         with ``do_remote_prefill`` the prompt's blocks are pulled from the peer, and the request
         continues after ``first_token_ids`` (the tokens the peer sampled; its deltas and output
-        hold only the tokens sampled here)."""
+        hold only the tokens sampled here).
+
+        A request with ``params.structured`` gets its grammar state here (``constraint``: one
+        compiled already, off this thread, by ``grammars.constraint``)."""
         params = params or SamplingParams()
         if kv_transfer is not None:
             if self.connector is None:
@@ -107,8 +119,13 @@ class Engine:
         else:
             ids = [int(t) for t in prompt]
         text = prompt if isinstance(prompt, str) else None
+        if params.structured is not None and constraint is None:
+            constraint = self.compile(params)
         req = Request(request_id, ids, params, self.clock() if arrival is None else arrival, text)
         req.kv_transfer = kv_transfer
+        req.constraint = constraint
+        if constraint is not None:
+            constraint.accept_all(first_token_ids)       # a peer sampled them under the grammar
         if first_token_ids:
             req.token_ids += [int(t) for t in first_token_ids]
             state = kv_transfer.generator_state if kv_transfer is not None else None
@@ -119,6 +136,15 @@ class Engine:
         self.output.add(request_id, text, ids, params, first_token_ids,
                         hands_off=kv_transfer is not None and kv_transfer.do_remote_decode)
         return req
+
+    def compile(self, params: SamplingParams) -> Constraint:
+        """A fresh grammar state for ``params.structured`` (``RequestRejected`` naming what is
+        wrong). Thread-safe: a server compiles off the engine's thread and passes it in."""
+        assert params.structured is not None
+        try:
+            return self.grammars.constraint(params.structured)
+        except InvalidSamplingParam as exc:
+            raise RequestRejected(str(exc)) from None
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks: its output so far, or None if it is unknown
@@ -152,9 +178,11 @@ class Engine:
         try:
             with self.executor.glue():
                 batches = batch.build(out, self.kv, self.executor.one_call(len(out.decodes)))
+                masks = structured_masks.start(out)     # computed while the forward pass runs
                 logits = self.executor.run(batches)
                 now = self.clock()                      # the step's time: its tokens exist
-                sampled = sample_step(logits, batches.rows, self.scheduler.eos_token_ids, out.drafts)
+                sampled = sample_step(logits, batches.rows, self.scheduler.eos_token_ids, out.drafts,
+                                      None if masks is None else masks.result())
                 updates = self.scheduler.update_from_output(out, sampled, now)
                 deltas = ended + self.output.process(updates,
                                                      lambda rid, why: self._retire(rid, why, now))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from twophase.errors import InvalidSamplingParam
+from twophase.structured.spec import StructuredOutputs
 
 
 @dataclass
@@ -23,6 +24,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None          # top-n log-probabilities of each sampled token
+    structured: StructuredOutputs | None = None   # a schema, regex, choice or grammar to match
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -45,6 +47,8 @@ class SamplingParams:
             (self.seed is None or -(2 ** 63) <= self.seed < 2 ** 64, "seed",
              "must fit in 64 bits: [-2**63, 2**64)"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
+            (self.structured is None or self.min_tokens == 0, "min_tokens",
+             "cannot be combined with structured outputs (the grammar decides where the output ends)"),
         ]
         for ok, name, msg in checks:
             if not ok:
@@ -89,4 +93,5 @@ _KINDS = {
                        "a list of non-negative token ids"),
     "ignore_eos": (lambda v: isinstance(v, bool), "true or false"),
     "logprobs": (lambda v: v is None or _int(v), "an integer or None"),
+    "structured": (lambda v: v is None or isinstance(v, StructuredOutputs), "a StructuredOutputs or None"),
 }

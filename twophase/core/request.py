@@ -16,6 +16,7 @@ from twophase.core.params import SamplingParams
 
 if TYPE_CHECKING:
     from twophase.core.kv_params import KVTransferParams
+    from twophase.structured.constraint import Constraint
 
 
 class Status(enum.Enum):
@@ -72,6 +73,7 @@ class Request:
         self.kv_transfer: KVTransferParams | None = None         # K/V at, or kept for, a peer
         self.kv_handoff: KVTransferParams | None = None         # blocks kept for a peer at finish
         self.generator: torch.Generator | None = None
+        self.constraint: Constraint | None = None                # structured outputs' grammar state
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 
 from twophase.core.distribution import distribution, is_greedy, processed
@@ -16,16 +17,21 @@ from twophase.core.outputs import SampledTokens
 from twophase.core.request import Request
 from twophase.core.seams import Proposal
 from twophase.core.verify import verify
+from twophase.structured.masks import StepMasks
+from twophase.structured.masks import apply as apply_masks
 
 
 def sample_step(logits: torch.Tensor, rows: list[tuple[Request, int, int]],
                 eos_ids: tuple[int, ...],
-                drafts: Mapping[str, Proposal] | None = None) -> dict[str, SampledTokens]:
+                drafts: Mapping[str, Proposal] | None = None,
+                masks: StepMasks | None = None) -> dict[str, SampledTokens]:
     """A step's tokens: ``rows[i] = (request, tokens computed, logits rows)`` says whose rows
     of ``logits`` come next. Only sequences whose tokens are all computed after the step are
     sampled (a prompt's last chunk, a decode); a chunk in the middle of a prompt has no next
-    token yet. A decode with ``drafts`` is verified over its rows (``core/verify.py``)."""
-    drafts = drafts or {}
+    token yet. A decode with ``drafts`` is verified over its rows (``core/verify.py``).
+    ``masks`` (structured outputs) forbid tokens per request; log-probabilities stay the
+    model's own."""
+    drafts, masks = drafts or {}, masks or {}
     picks, spans, start = [], [], 0
     for req, n, k in rows:
         if req.request_id in drafts:
@@ -37,27 +43,36 @@ def sample_step(logits: torch.Tensor, rows: list[tuple[Request, int, int]],
     if picks:
         index = [i for _, i in picks]
         chosen = logits[index] if len(index) < logits.shape[0] else logits
-        tokens, logprobs = sample(chosen, [r for r, _ in picks], eos_ids)
+        tokens, logprobs = sample(chosen, [r for r, _ in picks], eos_ids,
+                                  [masks.get(r.request_id) for r, _ in picks])
         out = {r.request_id: SampledTokens([t], None if lp is None else [lp])
                for (r, _), t, lp in zip(picks, tokens, logprobs)}
     for req, first, k in spans:
         rows_of = logits[first:first + k]
-        tokens = verify(rows_of, req, drafts[req.request_id], eos_ids)
+        mask = masks.get(req.request_id)
+        tokens = verify(rows_of if mask is None else apply_masks(rows_of, mask), req,
+                        drafts[req.request_id], eos_ids)
         n_lp = req.params.logprobs
         lps = None if n_lp is None else [_top_logprobs(rows_of[j], t, n_lp) for j, t in enumerate(tokens)]
         out[req.request_id] = SampledTokens(tokens, lps)
     return out
 
 
-def sample(logits: torch.Tensor, reqs: list[Request],
-           eos_ids: tuple[int, ...]) -> tuple[list[int], list[dict[int, float] | None]]:
+def sample(logits: torch.Tensor, reqs: list[Request], eos_ids: tuple[int, ...],
+           masks: list[np.ndarray | None] | None = None) -> tuple[list[int], list[dict[int, float] | None]]:
     """``logits [len(reqs), vocab]`` float32 → (token ids, per-row top-n logprob dicts or None)."""
+    rows = logits
+    given = [(i, m[:1]) for i, m in enumerate(masks or []) if m is not None]
+    if given:
+        where = [i for i, _ in given]
+        rows = logits.clone()
+        rows[where] = apply_masks(logits[where], np.concatenate([m for _, m in given]))
     simple = all(r.params.greedy and not r.params.needs_penalties
                  and r.num_output_tokens >= r.params.min_tokens for r in reqs)
     if simple:
-        tokens = logits.argmax(dim=-1).tolist()
+        tokens = rows.argmax(dim=-1).tolist()
     else:
-        tokens = [_sample_row(row, r, eos_ids) for row, r in zip(logits, reqs)]
+        tokens = [_sample_row(row, r, eos_ids) for row, r in zip(rows, reqs)]
     logprobs = [_top_logprobs(logits[i], tok, r.params.logprobs) if r.params.logprobs is not None
                 else None for i, (tok, r) in enumerate(zip(tokens, reqs))]
     return tokens, logprobs

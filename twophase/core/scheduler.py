@@ -137,6 +137,8 @@ class Scheduler:
             reason, appended = None, 0
             for token in got.token_ids if got is not None else ():
                 req.token_ids.append(token)
+                if req.constraint is not None:
+                    req.constraint.accept(token)
                 req.times.token_times.append(now)
                 appended += 1
                 reason = check_stop(req, self.max_model_len, self.eos_token_ids)

@@ -8,7 +8,8 @@ from twophase.core.request import Request
 
 def check_stop(req: Request, max_model_len: int, eos_token_ids: tuple[int, ...]) -> str | None:
     """Why ``req`` ends after its last token: ``"stop"`` (a stop token or EOS, once
-    ``min_tokens`` are out), ``"length"`` (``max_tokens`` or the context is full), or None."""
+    ``min_tokens`` are out, or the end of its grammar), ``"length"`` (``max_tokens`` or the
+    context is full), or None."""
     p = req.params
     n = req.num_output_tokens
     if n == 0:
@@ -17,6 +18,8 @@ def check_stop(req: Request, max_model_len: int, eos_token_ids: tuple[int, ...])
     if n >= p.min_tokens and (last in p.stop_token_ids
                               or (not p.ignore_eos and last in eos_token_ids)):
         return "stop"
+    if req.constraint is not None and req.constraint.done:
+        return "stop"                                  # the grammar is complete
     if n >= p.max_tokens or req.num_tokens >= max_model_len:
         return "length"
     return None

@@ -52,6 +52,10 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    def to_json(self) -> str:
+        """The whole tokenizer as ``tokenizer.json`` text (what a grammar engine reads)."""
+        return self._tok.to_str()
+
     def vocabulary(self) -> dict[str, int]:
         """Every token's string and id, added tokens included."""
         return self._tok.get_vocab(with_added_tokens=True)
