@@ -7,6 +7,16 @@ anything through the host; the index inputs are built on the host each step (blo
 The graph returns the new tokens' K/V; they are written into the pool at the batch's slots
 (``index_copy_`` on the pool itself).
 
+On CUDA the session computes on a CUDA stream of the backend's own (the provider's
+``user_compute_stream``), which waits for torch's current stream before each run and which
+torch's waits for after it; the index inputs go up from pinned memory without blocking, the
+outputs stay on the device and the run does not wait for the device at its end
+(``disable_synchronize_execution_providers``). So a step never makes the host wait: the one sync
+is the engine's, when it reads the sampled tokens. bfloat16 runs on CUDA (onnxruntime >= 1.20
+binds it by its ONNX element type; a graph op without a bfloat16 CUDA kernel is refused by
+name when the session loads). q4 (``MatMulNBits`` with int8 activations, ``accuracy_level``)
+runs on the CPU only.
+
 Steps that are all decodes run a second, decode-only graph on the CPU
 (``twophase.exporters.decode_graph``): a batch-1 decode step is 1.4x faster. Batches of short
 chunks (a speculative verify pass: each decode and its drafts; at most ``SHORT_CHUNK`` tokens,
@@ -61,6 +71,9 @@ SHORT_CHUNK = 33            # the longest chunk the verify graph takes (32 draft
 GATHER_LIMIT = 2**31 - 1
 GATHER_FIXED = (1, 26)
 NP_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64}
+# numpy has no bfloat16: onnxruntime's IOBinding takes it by its ONNX element type since 1.20
+ONNX_BFLOAT16 = 16
+BF16_BINDING = (1, 20)
 
 
 def weight_copies(query: MemoryQuery) -> int:
@@ -82,7 +95,9 @@ def _ort():
 
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
-    quantizations = ("none", "q4")      # q4: MatMulNBits over the GGUF's blocks (CPU)
+    quantizations = ("none", "q4")      # q4: MatMulNBits over the GGUF's blocks (CPU only)
+    stream = None                       # CUDA: the stream its sessions compute on
+    run_options = None
 
     @classmethod
     def check_available(cls, device: str = "cpu") -> None:
@@ -107,15 +122,14 @@ class OnnxRuntimeBackend(Backend):
     def capabilities(self) -> Capabilities:
         cuda = getattr(self, "device", None) is not None and self.device.type == "cuda"
         old_gather = cuda and _release(_ort().__version__) < GATHER_FIXED
-        return Capabilities(features=TRACED_FEATURES, devices=("cpu", "cuda"), dtypes=(torch.float32, torch.float16),
+        dtypes = cuda_dtypes(_ort().__version__) if cuda else (torch.float32, torch.float16)
+        return Capabilities(features=TRACED_FEATURES, devices=("cpu", "cuda"), dtypes=dtypes,
                             own_threads=True, max_pool_elements=GATHER_LIMIT if old_gather else None)
 
     def load(self, model: ModelSpec, cfg: BackendConfig) -> None:
         self.check_available(cfg.device)
         cfg.check_options(OPTIONS)
-        if model.dtype not in NP_DTYPES or (model.dtype == torch.float16 and cfg.device == "cpu"):
-            raise ConfigError("model.dtype", f"{model.dtype} is not supported by the onnxruntime "
-                                             f"backend on {cfg.device}; use float32")
+        check_dtype(model, parse_device(cfg.device).type, _ort().__version__)
         use_decode_graph = cfg.options.get("decode_graph", True)
         if not isinstance(use_decode_graph, bool):
             raise ConfigError("backend.options.decode_graph",
@@ -125,6 +139,9 @@ class OnnxRuntimeBackend(Backend):
         self.device = torch.device(cfg.device)
         self.arch = model.arch
         self.dtype = model.dtype
+        # CUDA: the stream the sessions compute on (see the module's docstring)
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.run_options = run_options(_ort(), cuda=self.stream is not None)
         out = cfg.options.get("export_dir")
         path = exporter.export(model, out)
         try:
@@ -181,12 +198,17 @@ class OnnxRuntimeBackend(Backend):
         for key in ("session.intra_op.allow_spinning", "session.inter_op.allow_spinning"):
             so.add_session_config_entry(key, "1" if spin else "0")
         so.add_session_config_entry("session.force_spinning_stop", "1")
-        if self.device.type == "cuda":
-            providers = [("CUDAExecutionProvider", {"device_id": self.device.index or 0}),
+        if self.stream is not None:
+            providers = [("CUDAExecutionProvider", {"device_id": self.device.index or 0,
+                                                    "user_compute_stream": str(self.stream.cuda_stream)}),
                          "CPUExecutionProvider"]
         else:
             providers = ["CPUExecutionProvider"]
-        sess = ort.InferenceSession(str(path), so, providers=providers)
+        try:
+            sess = ort.InferenceSession(str(path), so, providers=providers)
+        except Exception as exc:
+            refuse_missing_kernel(exc, self.dtype, ort.__version__)
+            raise
         if self.device.type == "cuda" and "CUDAExecutionProvider" not in sess.get_providers():
             raise BackendUnavailable("onnxruntime could not start its CUDA execution provider "
                                      "(check that the CUDA and cuDNN libraries it needs load)")
@@ -241,9 +263,9 @@ class OnnxRuntimeBackend(Backend):
         io = session.io_binding()
         keep = []                                   # tensors must outlive the run
         for name, t in [("kv_pool", self.kv.pool), *inputs.items()]:
-            t = t.to(dev).contiguous()
+            t = self._to_device(t)
             keep.append(t)
-            io.bind_input(name, kind, index, NP_DTYPES[t.dtype], list(t.shape), t.data_ptr())
+            io.bind_input(name, kind, index, element_type(t.dtype), list(t.shape), t.data_ptr())
         T = inputs["input_ids"].shape[0]
         N = inputs["logits_index"].shape[0] if "logits_index" in inputs else T
         a = self.arch
@@ -251,13 +273,85 @@ class OnnxRuntimeBackend(Backend):
                 "new_k": torch.empty(a.num_layers, T, a.num_kv_heads, a.head_dim, dtype=self.dtype, device=dev),
                 "new_v": torch.empty(a.num_layers, T, a.num_kv_heads, a.head_dim, dtype=self.dtype, device=dev)}
         for name, t in outs.items():
-            io.bind_output(name, kind, index, NP_DTYPES[t.dtype], list(t.shape), t.data_ptr())
-        if dev.type == "cuda":
-            torch.cuda.current_stream(dev).synchronize()     # inputs copied before ORT reads
-        io.synchronize_inputs()
-        session.run_with_iobinding(io)
-        io.synchronize_outputs()
+            keep.append(t)
+            io.bind_output(name, kind, index, element_type(t.dtype), list(t.shape), t.data_ptr())
+        if self.stream is None:
+            io.synchronize_inputs()
+            session.run_with_iobinding(io, self.run_options)
+            io.synchronize_outputs()
+            return outs["logits"], outs["new_k"], outs["new_v"]
+        torch_stream = self._torch_stream()
+        self.stream.wait_stream(torch_stream)       # the inputs' copies, the pool's last write
+        for t in keep:                              # in use on the session's stream too
+            t.record_stream(self.stream)
+        session.run_with_iobinding(io, self.run_options)
+        torch_stream.wait_stream(self.stream)       # the K/V write-back and sampling come after
         return outs["logits"], outs["new_k"], outs["new_v"]
+
+    def _torch_stream(self):
+        return torch.cuda.current_stream(self.device)
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on the backend's device, contiguous; a host tensor copied to CUDA from pinned
+        memory without blocking (from pageable memory the copy would wait for the device)."""
+        if self.stream is not None and t.device.type == "cpu":
+            t = t.contiguous().pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device).contiguous()
+
+
+def run_options(ort, cuda: bool):
+    """Each run's options: on CUDA, no wait for the device at the run's end (the outputs stay
+    on it, and torch's stream is ordered after the session's)."""
+    options = ort.RunOptions()
+    if cuda:
+        options.add_run_config_entry("disable_synchronize_execution_providers", "1")
+    return options
+
+
+def element_type(dtype: torch.dtype):
+    """What IOBinding takes for a tensor of ``dtype``: a numpy dtype, or bfloat16's ONNX
+    element type (numpy has none)."""
+    return ONNX_BFLOAT16 if dtype == torch.bfloat16 else NP_DTYPES[dtype]
+
+
+def cuda_dtypes(version: str) -> tuple[torch.dtype, ...]:
+    """The model dtypes the CUDA path runs with onnxruntime ``version``."""
+    bf16 = (torch.bfloat16,) if _release(version) >= BF16_BINDING else ()
+    return (torch.float32, torch.float16, *bf16)
+
+
+def check_dtype(model: ModelSpec, device_kind: str, version: str) -> None:
+    """Refuse, by name and with the reason, a dtype or weight format this backend does not run
+    on ``device_kind``."""
+    if model.quantization == "q4" and device_kind == "cuda":
+        raise ConfigError("model.quantization", "q4 runs on the onnxruntime backend on the CPU "
+                          "only: its MatMulNBits rounds activations to int8 (accuracy_level), as "
+                          "measured there; the CUDA provider's MatMulNBits ignores accuracy_level "
+                          "and has not been checked against it. Use device = \"cpu\", or the "
+                          "float weights on CUDA")
+    name = str(model.dtype).removeprefix("torch.")
+    if device_kind == "cpu" and model.dtype != torch.float32:
+        raise ConfigError("model.dtype", f"{name} is not supported by the onnxruntime backend on "
+                          f"cpu (its CPU provider has no {name} kernels for most of the step "
+                          f"graph's ops); use float32")
+    if device_kind == "cuda" and model.dtype not in cuda_dtypes(version):
+        why = (f"onnxruntime {version} binds no bfloat16 tensor (numpy has no bfloat16; "
+               f"onnxruntime >= {'.'.join(map(str, BF16_BINDING))} takes its ONNX element type)"
+               if model.dtype == torch.bfloat16 else "not a dtype the step graph is exported in")
+        raise ConfigError("model.dtype", f"{name} on the onnxruntime backend on cuda: {why}; use "
+                          f"float16 or float32")
+
+
+def refuse_missing_kernel(exc: Exception, dtype: torch.dtype, version: str) -> None:
+    """A session that would not load because no provider has a kernel for one of the graph's
+    ops in ``dtype`` (onnxruntime's NOT_IMPLEMENTED): a ``ConfigError`` naming the op."""
+    found = re.search(r"Could not find an implementation for (\S+?)\(\d+\) node with name '([^']*)'", str(exc))
+    if found is None or dtype == torch.float32:
+        return
+    name = str(dtype).removeprefix("torch.")
+    raise ConfigError("model.dtype", f"onnxruntime {version} has no {name} kernel for "
+                      f"{found.group(1)} (node {found.group(2)!r}) on this device, so the step "
+                      f"graph does not load in {name}: use float16 or float32") from exc
 
 
 def _release(version: str) -> tuple[int, ...]:
