@@ -28,8 +28,9 @@ from twophase.core.handoff import first_text, first_token_params, hands_off, joi
 from twophase.core.kv_params import KVTransferParams
 from twophase.core.outputs import Delta
 from twophase.core.params import SamplingParams
-from twophase.errors import RequestRejected
+from twophase.errors import InvalidSamplingParam, RequestRejected
 from twophase.server.loop import EngineError, EngineStopped, Finished, Handle, Overloaded
+from twophase.structured.constraint import Grammars
 
 if TYPE_CHECKING:
     from twophase.cluster.launch import Cluster
@@ -45,6 +46,7 @@ class ClusterLoop:
                  max_queue: int):
         self.cluster, self.tokenizer = cluster, tokenizer
         self.max_model_len, self.max_queue = max_model_len, max_queue
+        self._grammars: Grammars | None = None
         self.fatal: BaseException | None = None
         self._closed = False
         self._in_flight = 0
@@ -94,7 +96,24 @@ class ClusterLoop:
                                   f"(model.max_model_len)")
         return list(prompt)
 
-    def submit(self, prompt: str | list[int], params: SamplingParams) -> Handle:
+    async def constrain(self, params: SamplingParams) -> None:
+        """Check the grammar here, for a 400 before any worker sees it; each worker compiles
+        its own state (a grammar state does not cross processes)."""
+        if params.structured is not None:
+            await asyncio.to_thread(self._check_grammar, params)
+
+    def _check_grammar(self, params: SamplingParams) -> None:
+        if self._grammars is None:
+            tok = self.tokenizer
+            self._grammars = Grammars(tok, len(tok.vocabulary()) if tok else 0,
+                                      getattr(tok, "eos_token_ids", ()))
+        try:
+            assert params.structured is not None
+            self._grammars.check(params.structured)
+        except InvalidSamplingParam as exc:
+            raise RequestRejected(str(exc)) from None
+
+    def submit(self, prompt: str | list[int], params: SamplingParams, constraint: Any = None) -> Handle:
         if self._closed:
             raise EngineStopped("the server is shutting down")
         if self._in_flight >= self.max_queue:

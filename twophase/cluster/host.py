@@ -93,7 +93,7 @@ class EngineHost:
     async def generate(self, job: Job) -> AsyncIterator[Any]:
         """The request's ``Delta``s (the last carries its output), or one ``Failure``."""
         try:
-            handle = self.loop.submit(job.prompt_token_ids, job.params, job.kv_transfer,
+            handle = self.loop.submit(job.prompt_token_ids, job.params, None, job.kv_transfer,
                                       job.first_token_ids)
         except Exception as exc:
             yield Failure.of(exc)

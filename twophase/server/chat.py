@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from fastapi import APIRouter, Request
 
 from twophase.core.outputs import Delta, RequestOutput
 from twophase.server import protocol as P
+from twophase.server import tools as T
 from twophase.server.state import ServerState, state_of
 from twophase.server.streaming import respond
 
@@ -15,10 +17,12 @@ router = APIRouter()
 
 
 class ChatFormat:
-    def __init__(self, server: ServerState, body: P.ChatCompletionRequest):
-        self.server, self.body = server, body
+    def __init__(self, server: ServerState, body: P.ChatCompletionRequest, tools: T.ToolPlan):
+        self.server, self.body, self.tools = server, body, tools
         self.id, self.created = P.new_id("chatcmpl"), P.now()
         self.role_sent = False
+        self.calls = T.CallStream(tools) if tools.mode in ("named", "required") else None
+        self.held = T.HeldText(tools.format) if tools.mode == "auto" and tools.format else None
 
     def _logprobs(self, token_ids, logprobs) -> dict[str, Any] | None:
         if not self.body.logprobs:
@@ -31,14 +35,26 @@ class ChatFormat:
 
     def whole(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         (output,) = outputs
-        message = {"role": "assistant", "content": output.text}
+        content, calls = T.parse(self.tools, output.text)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
         return self._object("chat.completion", [{
             "index": 0, "message": message, "logprobs": self._logprobs(output.token_ids, output.logprobs),
-            "finish_reason": output.finish_reason}],
+            "finish_reason": self._reason(output, bool(calls))}],
             P.usage(len(output.prompt_token_ids), len(output.token_ids)))
 
-    def chunk(self, delta: Delta, index: int) -> dict[str, Any]:
+    def _reason(self, output: RequestOutput, called: bool) -> str | None:
+        return "tool_calls" if called and output.finish_reason == "stop" else output.finish_reason
+
+    def chunk(self, delta: Delta, index: int) -> dict[str, Any] | None:
         content: dict[str, Any] = {"content": delta.text}
+        if self.calls is not None:
+            content = {"tool_calls": self.calls.feed(delta.text)}
+        elif self.held is not None:
+            content = {"content": self.held.feed(delta.text)}
+        if not any(content.values()) and self.role_sent and delta.logprobs is None:
+            return None
         if not self.role_sent:
             content["role"] = "assistant"
             self.role_sent = True
@@ -47,8 +63,16 @@ class ChatFormat:
             "logprobs": self._logprobs(delta.token_ids, delta.logprobs), "finish_reason": None}])
 
     def finish(self, output: RequestOutput, index: int) -> dict[str, Any]:
-        return self._object("chat.completion.chunk", [{"index": index, "delta": {}, "logprobs": None,
-                                                       "finish_reason": output.finish_reason}])
+        delta: dict[str, Any] = {}
+        called = bool(self.calls and self.calls.sent)
+        if self.held is not None:                   # auto: the held text, read for calls
+            content, calls = T.parse(self.tools, output.text)
+            rest = self.held.rest() if not calls else None
+            delta = {k: v for k, v in {"content": rest, "tool_calls": [
+                {"index": i, **c} for i, c in enumerate(calls)]}.items() if v}
+            called = bool(calls)
+        return self._object("chat.completion.chunk", [{"index": index, "delta": delta, "logprobs": None,
+                                                       "finish_reason": self._reason(output, called)}])
 
     def usage(self, outputs: list[RequestOutput]) -> dict[str, Any] | None:
         if not (self.body.stream_options and self.body.stream_options.include_usage):
@@ -66,9 +90,14 @@ async def chat(body: P.ChatCompletionRequest, request: Request):
         raise P.ApiError(400, "this model has no tokenizer or chat template: use "
                               "/v1/completions with token ids", "messages")
     params = body.params(server.default_max_tokens)
+    template = server.tokenizer.chat_template
+    tools = T.plan(body, template)
+    if tools.structured is not None:
+        params = dataclasses.replace(params, structured=tools.structured)
+    messages = T.messages_for(template, [m.for_template() for m in body.messages], tools.tools)
     try:
-        prompt = server.tokenizer.apply_chat_template([m.for_template() for m in body.messages])
+        prompt = server.tokenizer.apply_chat_template(messages, tools=tools.tools)
     except Exception as exc:            # a template may refuse a conversation (roles' order)
         raise P.ApiError(400, f"the model's chat template refused these messages: {exc}",
                          "messages") from None
-    return await respond(request, server.loop, [prompt], params, body.stream, ChatFormat(server, body))
+    return await respond(request, server.loop, [prompt], params, body.stream, ChatFormat(server, body, tools))

@@ -107,7 +107,12 @@ class Loop(Protocol):
 
     async def prepare(self, prompt: str | list[int], params: SamplingParams) -> list[int]: ...
 
-    def submit(self, prompt: str | list[int], params: SamplingParams) -> Handle: ...
+    async def constrain(self, params: SamplingParams) -> Any:
+        """A structured-output request's grammar state, compiled off the engine's thread (or
+        None where the engine compiles it itself); ``RequestRejected`` naming a bad grammar."""
+        ...
+
+    def submit(self, prompt: str | list[int], params: SamplingParams, constraint: Any = None) -> Handle: ...
 
     def fail_all(self, message: str) -> None: ...
 
@@ -183,7 +188,12 @@ class EngineLoop:
         self.engine.scheduler.admission.check(ids, params)       # reads constants only
         return ids
 
-    def submit(self, prompt: str | list[int], params: SamplingParams,
+    async def constrain(self, params: SamplingParams) -> Any:
+        if params.structured is None:
+            return None
+        return await asyncio.to_thread(self.engine.compile, params)
+
+    def submit(self, prompt: str | list[int], params: SamplingParams, constraint: Any = None,
                kv_transfer: KVTransferParams | None = None, first_token_ids: Sequence[int] = ()) -> Handle:
         """Queue a request; its deltas, then a ``Finished``, arrive through the handle. Raises
         ``Overloaded`` past the queue limit, ``EngineError`` once the engine has stopped; a
@@ -207,7 +217,7 @@ class EngineLoop:
                 pass
 
         self._commands.put(("add", handle.request_id, prompt, params, sink, kv_transfer,
-                            tuple(first_token_ids)))
+                            tuple(first_token_ids), constraint))
         return handle
 
     def call(self, fn: Callable[[], Any]) -> None:
@@ -254,10 +264,11 @@ class EngineLoop:
 
     def _handle(self, cmd: tuple) -> None:
         if cmd[0] == "add":
-            _, request_id, prompt, params, sink, kv_transfer, first = cmd
+            _, request_id, prompt, params, sink, kv_transfer, first, constraint = cmd
             try:
                 self.engine.add_request(prompt, params, request_id=request_id,
-                                        kv_transfer=kv_transfer, first_token_ids=first)
+                                        kv_transfer=kv_transfer, first_token_ids=first,
+                                        constraint=constraint)
             except RequestRejected as exc:
                 self._release_slot()
                 sink(exc)

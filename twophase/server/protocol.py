@@ -7,15 +7,17 @@ know it did not get them). Errors use OpenAI's error object.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from twophase.core.engine import check_text
 from twophase.core.params import SamplingParams
 from twophase.errors import InvalidSamplingParam, RequestRejected
+from twophase.structured import StructuredOutputs
 
 
 class ApiError(Exception):
@@ -38,6 +40,7 @@ MAX_STOP = 16                      # stop strings per request
 MAX_STOP_CHARS = 256               # characters in one (each is searched for after every token)
 MAX_MESSAGES = 1024                # chat messages per request
 MAX_PROMPTS = 64                   # prompts in one /v1/completions request
+MAX_TOOLS = 128                    # tools (and tool calls) in one chat request
 
 
 def _utf8(text: str) -> str:
@@ -55,6 +58,35 @@ TokenId = Annotated[int, Field(ge=0)]
 class StreamOptions(BaseModel):
     model_config = STRICT
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: Annotated[str, Field(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParam(BaseModel):
+    model_config = STRICT
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def model_dump(self, **kw):                    # the dataclass's field names
+        d = super().model_dump(**kw)
+        if "json_" in d:
+            d["json"] = d.pop("json_")
+        return d
 
 
 class _Common(BaseModel):
@@ -76,6 +108,28 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = 1
     user: str | None = None                  # metadata only
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParam | None = None     # vLLM's: json, regex, choice, grammar
+
+    def structured(self) -> StructuredOutputs | None:
+        """What the output must match (``response_format`` or vLLM's ``structured_outputs``)."""
+        rf, so = self.response_format, self.structured_outputs
+        if rf is not None and rf.type != "text" and so is not None:
+            raise ApiError(400, "give response_format or structured_outputs, not both", "response_format")
+        try:
+            if so is not None:
+                return StructuredOutputs(**so.model_dump(exclude_none=True))
+            if rf is None or rf.type == "text":
+                return None
+            if rf.type == "json_object":
+                return StructuredOutputs(json_object=True)
+            if rf.json_schema is None:
+                raise ApiError(400, "response_format of type json_schema needs json_schema",
+                               "response_format.json_schema")
+            return StructuredOutputs(json=rf.json_schema.schema_, strict=bool(rf.json_schema.strict))
+        except InvalidSamplingParam as exc:
+            param = "structured_outputs" if so is not None else "response_format.json_schema.schema"
+            raise ApiError(400, exc.message, param) from None
 
     def sampling(self, logprobs: int | None, default_max_tokens: int) -> SamplingParams:
         if self.n != 1:
@@ -88,7 +142,7 @@ class _Common(BaseModel):
             "top_p": self.top_p, "seed": self.seed, "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty, "logprobs": logprobs,
             "top_k": self.top_k, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
-            "min_tokens": self.min_tokens,
+            "min_tokens": self.min_tokens, "structured": self.structured(),
             "stop": [self.stop] if isinstance(self.stop, str) else self.stop}.items() if v is not None}
         try:
             return SamplingParams(**kwargs)
@@ -124,20 +178,84 @@ class TextPart(BaseModel):
     text: Text
 
 
+class ToolCallFunction(BaseModel):
+    model_config = STRICT
+    name: Text
+    arguments: Text                              # a JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = STRICT
+    id: Text
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = STRICT
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Text | Annotated[list[TextPart], Field(min_length=1)]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | Annotated[list[TextPart], Field(min_length=1)] | None = None
     name: Text | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: Text | None = None
 
-    def for_template(self) -> dict[str, str]:
-        """What a chat template reads: text content, and ``developer`` as ``system`` (OpenAI's
-        newer name for the same role; templates know the older one)."""
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        out = {"role": "system" if self.role == "developer" else self.role, "content": text}
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (only an assistant message with tool_calls may omit it)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
+
+    def for_template(self) -> dict[str, Any]:
+        """What a chat template reads: text content, ``developer`` as ``system`` (OpenAI's
+        newer name for the same role; templates know the older one), and tool calls with their
+        arguments as objects (templates write them with ``tojson``)."""
+        text = self.content if isinstance(self.content, str) or self.content is None \
+            else "".join(p.text for p in self.content)
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                               "content": text}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                for c in self.tool_calls]
         return out
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class FunctionDefinition(BaseModel):
+    model_config = STRICT
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolName(BaseModel):
+    model_config = STRICT
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    function: ToolName
 
 
 class ChatCompletionRequest(_Common):
@@ -145,6 +263,9 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     max_completion_tokens: int | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def params(self, default_max_tokens: int) -> SamplingParams:
         if self.max_completion_tokens is not None:

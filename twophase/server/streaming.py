@@ -68,10 +68,14 @@ async def _start(request: Request, loop: EngineLoop, prompts: list[str | list[in
         ids = [await loop.prepare(p, params) for p in prompts]
     except RequestRejected as exc:
         raise P.ApiError(400, str(exc), "prompt", code="prompt_rejected") from None
+    try:                                    # one grammar state a prompt (None: unconstrained)
+        constraints = [await loop.constrain(params) for _ in prompts]
+    except RequestRejected as exc:
+        raise P.ApiError(400, str(exc), "response_format", code="invalid_structured_output") from None
     handles: list[Handle] = []
     try:
-        for one in ids:
-            handles.append(loop.submit(one, params))
+        for one, constraint in zip(ids, constraints):
+            handles.append(loop.submit(one, params, constraint))
         await _unless_disconnected(request, _firsts(handles))
         return handles
     except EngineStopped as exc:
