@@ -21,6 +21,7 @@ from twophase.config import load_config
 from twophase.core.detokenizer import IncrementalDetokenizer
 from twophase.server.app import build_app
 from twophase.server.metrics import ServerMetrics
+from twophase.structured import StructuredOutputs
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow          # replicas and workers load the default model
@@ -148,6 +149,17 @@ def test_disaggregated_gives_one_engines_greedy_text(disaggregated, default_llm,
     prompt = default_llm.tokenizer.apply_chat_template(messages)
     chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=GREEDY_TOKENS)
     assert chat.choices[0].message.content == expected(default_llm, [prompt])[0]
+    # structured output: the decode worker continues the grammar from the prefill's first token
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
+                                               "why": {"type": "string", "maxLength": 40}},
+              "required": ["colour", "why"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "c", "schema": schema, "strict": True}}
+    got = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, response_format=fmt)
+    alone = default_llm.generate([prompt], SamplingParams(max_tokens=60, structured=StructuredOutputs(json=schema)))
+    assert got.choices[0].message.content == alone[0].text and got.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError, match="Invalid type"):
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, response_format={
+            "type": "json_schema", "json_schema": {"name": "c", "schema": {"type": "strin"}}})
     # a stop string made of the first token's last character and the second's first two
     out = default_llm.generate([prompts[0]], SamplingParams(max_tokens=GREEDY_TOKENS))[0]
     detok = IncrementalDetokenizer(default_llm.tokenizer)
