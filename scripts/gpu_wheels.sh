@@ -1,20 +1,34 @@
 #!/usr/bin/env bash
-# Run here, where the package registry is reachable: fetch the wheels scripts/gpu_check.sh needs
-# on a CUDA machine that has torch and nothing else (and no registry) into shared-wheels/
-# (ignored by git; carry it to that machine). Binary wheels are for this Python unless
-# GPU_PYTHONS names others ("3.10 3.12"). Transformers, tokenizers and gguf are left out (over
-# 20 MB together): the tests that need them skip.
+# Run where the package registry is reachable: download the wheels scripts/gpu_check.sh needs
+# on a CUDA machine that has torch and no registry, for that machine's Python (not this one's:
+# compiled wheels are per Python version), with everything they depend on.
+#
+#   scripts/gpu_wheels.sh [--python-version 3.12] [--dest shared-wheels]
+#
+# Then carry the folder to that machine (shared-wheels/ is ignored by git, so copy it there, or
+# name it in what travels with the tree) and run
+#   bash scripts/gpu_check.sh --wheels shared-wheels
+# The list: what the engine imports (numpy, pluggy, rich, tqdm, safetensors, tokenizers,
+# filelock), what the tests import (pytest, hypothesis) and transformers, the families' reference
+# (with huggingface_hub, regex, pyyaml, requests, ...). torch is the machine's own; onnxruntime,
+# onnx and TensorRT are left out (their tests skip, saying why).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-DEST=${WHEELS:-shared-wheels}
-# the project's imports, pytest's, hypothesis's and rich's, and setuptools for the editable install
-PKGS=(numpy pluggy tqdm rich markdown-it-py mdurl pygments safetensors jinja2 markupsafe
-      pytest iniconfig packaging hypothesis attrs sortedcontainers setuptools)
-mkdir -p "$DEST"
-pip download -q --only-binary=:all: --no-deps --dest "$DEST" "${PKGS[@]}"
-for v in ${GPU_PYTHONS:-}; do
-    pip download -q --only-binary=:all: --no-deps --dest "$DEST" --python-version "$v" \
-        --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
-        numpy safetensors markupsafe
+PYV=3.12
+DEST=shared-wheels
+while [ $# -gt 0 ]; do
+    case $1 in
+        --python-version) PYV=$2; shift 2 ;;
+        --dest) DEST=$2; shift 2 ;;
+        -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+        *) echo "gpu_wheels: unknown argument $1 (see --help)" >&2; exit 2 ;;
+    esac
 done
-du -sh "$DEST"
+PKGS=(numpy pluggy rich tqdm safetensors tokenizers filelock jinja2 pytest hypothesis transformers
+      huggingface_hub)
+mkdir -p "$DEST"
+# --only-binary: nothing to build there; the platforms: x86-64 Linux wheels as PyPI tags them
+pip download -q --only-binary=:all: --dest "$DEST" --python-version "$PYV" --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform linux_x86_64 "${PKGS[@]}"
+echo "gpu_wheels: $(ls "$DEST" | wc -l) wheels for Python $PYV in $DEST ($(du -sh "$DEST" | cut -f1))"
