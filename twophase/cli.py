@@ -84,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--json", metavar="FILE", help="write every figure, in bytes")
     plan.add_argument("--plot", metavar="FILE", default="memory-plan.png",
                       help="the stacked bar and concurrency curve (default: %(default)s; '' for none)")
+    sim = sub.add_parser("simulate", help="the engine's scheduler on a virtual clock: latency, throughput "
+                                          "and goodput of a config on a device, before renting it")
+    from twophase.simulate.command import add_arguments, cmd_simulate
+    add_arguments(sim)
     cache = sub.add_parser("cache", help="what $TWOPHASE_CACHE holds, with sizes; clear parts of it")
     cache.add_argument("action", nargs="?", choices=["list", "clear"], default="list")
     cache.add_argument("kinds", nargs="*", metavar="KIND",
@@ -94,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
     commands = {"run": cmd_run, "export": cmd_export, "bench": cmd_bench, "calibrate": cmd_calibrate,
-                "serve": cmd_serve, "chat": cmd_chat, "cache": cmd_cache, "plan": cmd_plan}
+                "serve": cmd_serve, "chat": cmd_chat, "cache": cmd_cache, "plan": cmd_plan,
+                "simulate": cmd_simulate}
     try:
         if args.command in commands:
             return commands[args.command](args)

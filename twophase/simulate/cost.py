@@ -1,0 +1,82 @@
+"""What one step costs on a device: the roofline's split of its work into FLOPs and bytes
+(``twophase.bench.roofline.CostModel``), turned into seconds.
+
+    compute  = FLOPs / (peak × compute efficiency)
+    memory   = bytes / (bandwidth × bandwidth efficiency)
+    step     = max(compute, memory) + per-step overhead
+
+FLOPs: 2 × active parameters × tokens for the matmuls, the LM head once a sequence (logits of
+its last token), and attention's QK and PV over each chunk's context (quadratic in a prefill
+chunk). Bytes: the weights once a step as stored, every sequence's cached K/V read once and the
+new K/V written. Each chunk's share of those goes to its phase: a one-token chunk after cached
+tokens is a decode, any other a prefill (the weights' read split by tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from twophase.arch import ModelArch
+from twophase.bench.roofline import CostModel
+from twophase.simulate.devices import DeviceSpec
+
+# bytes per parameter as the weights are stored: q4 is 4-bit codes with a 16-bit scale and
+# minimum each block of 32 (MatMulNBits, GGUF Q4_1): 4 + 32 / 32 bits
+WEIGHT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "q4": 0.625}
+
+
+@dataclass(frozen=True)
+class StepCost:
+    seconds: float
+    compute_s: float
+    memory_s: float
+    prefill_flops: float
+    decode_flops: float
+    prefill_bytes: float
+    decode_bytes: float
+
+    @property
+    def flops(self) -> float:
+        return self.prefill_flops + self.decode_flops
+
+    @property
+    def bytes(self) -> float:
+        return self.prefill_bytes + self.decode_bytes
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.compute_s >= self.memory_s else "memory"
+
+
+class StepCostModel:
+    def __init__(self, arch: ModelArch, device: DeviceSpec, weight_dtype: str, kv_dtype_bytes: float):
+        self.arch, self.device = arch, device
+        self.roof = CostModel(arch, WEIGHT_BYTES[weight_dtype], kv_dtype_bytes)
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.roof.weight_bytes_per_step
+
+    def step(self, chunks: Sequence[tuple[int, int]]) -> StepCost:
+        """The cost of one backend call over ``chunks``: ``(tokens, cached tokens before them)``
+        a sequence (a decode is ``(1, context - 1)``)."""
+        flops = {"prefill": 0.0, "decode": 0.0}
+        kv = {"prefill": 0.0, "decode": 0.0}
+        tokens = {"prefill": 0, "decode": 0}
+        per_token = self.roof.kv_bytes_per_token
+        for n, depth in chunks:
+            phase = "decode" if n == 1 and depth > 0 else "prefill"
+            # the roofline's prefill counts weights once; a chunk's own share is its FLOPs
+            flops[phase] += self.roof.prefill(n, depth).flops
+            kv[phase] += (depth + n) * per_token
+            tokens[phase] += n
+        total = tokens["prefill"] + tokens["decode"]
+        w = self.weight_bytes
+        moved = {p: kv[p] + (w * tokens[p] / total if total else 0.0) for p in kv}
+        d = self.device
+        compute_s = (flops["prefill"] + flops["decode"]) / (d.peak_flops * d.compute_efficiency)
+        memory_s = (moved["prefill"] + moved["decode"]) / (d.bandwidth * d.bandwidth_efficiency)
+        seconds = max(compute_s, memory_s) + d.step_overhead_s
+        return StepCost(seconds, compute_s, memory_s, flops["prefill"], flops["decode"],
+                        moved["prefill"], moved["decode"])

@@ -1,0 +1,138 @@
+"""The devices a simulation runs on: peak compute and memory bandwidth, and the share of each
+a serving engine reaches.
+
+GPU peaks are the datasheets' dense 16-bit tensor-core figures (sparsity's doubled figure is not
+what inference gets) and their HBM bandwidth:
+
+- H100 SXM 80GB: 989 TFLOP/s BF16 dense, 3.35 TB/s (NVIDIA H100 Tensor Core GPU datasheet)
+- H100 NVL 94GB: 835 TFLOP/s BF16 dense, 3.9 TB/s (same datasheet, NVL column)
+- H200 SXM 141GB: 989 TFLOP/s BF16 dense, 4.8 TB/s (NVIDIA H200 Tensor Core GPU datasheet)
+- A100 SXM 80GB: 312 TFLOP/s BF16 dense, 2.039 TB/s; A100 40GB: 312, 1.555 TB/s (NVIDIA A100
+  datasheet)
+- L40S: 362 TFLOP/s BF16 dense, 864 GB/s (NVIDIA L40S datasheet)
+- L4: 121 TFLOP/s BF16 dense, 300 GB/s (NVIDIA L4 datasheet)
+
+Efficiencies are typical published figures, not measurements of any one card: prefill GEMMs
+reach about 50-60% of dense peak end to end (model FLOPs utilization as reported for serving
+prefill and LLM training at scale, e.g. PaLM's 46-57%; cuBLAS alone reaches ~70%), so 0.55;
+decode kernels stream weights and K/V at about 70-85% of HBM bandwidth (STREAM-like copies reach
+~90% on H100), so 0.8. The per-step overhead (scheduling, batch building, sampling and kernel
+launches around the forward pass) is an assumption of 1 ms a step, of the order eager-Python
+engines with CUDA graphs show at small batch.
+
+``cpu`` is this machine: the ceilings ``twophase calibrate`` measures (and caches), with
+efficiencies fitted to the torch backend by ``twophase simulate --fit`` (cached), else defaults.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from twophase.errors import ConfigError
+from twophase.paths import cache_dir
+from twophase.plan.devices import GPUS
+
+TERA = 1e12
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    name: str
+    kind: str                   # "cpu" or "cuda": what the config's backends are put on
+    peak_flops: float           # FLOP/s, 16-bit dense (CPU: float32 as calibrated)
+    bandwidth: float            # bytes/s
+    compute_efficiency: float   # share of peak_flops a step's matmuls reach
+    bandwidth_efficiency: float  # share of bandwidth a step's weight and K/V reads reach
+    step_overhead_s: float      # fixed host time a step beyond the roofline's bound
+    source: str                 # where the figures come from
+
+
+# name: (peak FLOP/s, bytes/s)
+GPU_PEAKS: dict[str, tuple[float, float]] = {
+    "h100-80gb": (989 * TERA, 3.35 * TERA),
+    "h100-94gb": (835 * TERA, 3.9 * TERA),
+    "h200": (989 * TERA, 4.8 * TERA),
+    "a100-80gb": (312 * TERA, 2.039 * TERA),
+    "a100-40gb": (312 * TERA, 1.555 * TERA),
+    "l40s": (362 * TERA, 0.864 * TERA),
+    "l4": (121 * TERA, 0.300 * TERA),
+}
+GPU_COMPUTE_EFFICIENCY = 0.55
+GPU_BANDWIDTH_EFFICIENCY = 0.8
+GPU_STEP_OVERHEAD_S = 1e-3
+
+# the CPU's defaults before a fit: torch reaches most of the calibrated ceilings on large
+# matmuls and streaming reads; the overhead is sampling a 49k-token vocabulary and the step's
+# Python on this class of machine
+CPU_COMPUTE_EFFICIENCY = 0.8
+CPU_BANDWIDTH_EFFICIENCY = 0.8
+CPU_STEP_OVERHEAD_S = 5e-3
+
+
+def names() -> list[str]:
+    return ["cpu", *GPU_PEAKS]
+
+
+def device_spec(name: str, dtype: str = "float32") -> DeviceSpec:
+    """The figures for ``name``: a GPU from the table, or ``cpu`` from this machine's calibration
+    (measured now if none is cached: about 10 s)."""
+    key = name.lower()
+    if key == "cpu":
+        return cpu_spec(dtype)
+    if key not in GPU_PEAKS:
+        raise ConfigError("--device", f"no figures for device {name!r}; known: {', '.join(names())}")
+    assert key in GPUS, key               # the planner knows its memory
+    peak, bw = GPU_PEAKS[key]
+    if dtype == "float32":                # TF32 tensor cores: half the 16-bit rate
+        peak /= 2
+    return DeviceSpec(key, "cuda", peak, bw, GPU_COMPUTE_EFFICIENCY, GPU_BANDWIDTH_EFFICIENCY,
+                      GPU_STEP_OVERHEAD_S, "NVIDIA datasheet peaks; typical published efficiencies")
+
+
+def cpu_spec(dtype: str = "float32") -> DeviceSpec:
+    import torch
+
+    from twophase.bench.calibrate import _key, ceilings
+
+    c = ceilings("cpu", getattr(torch, dtype))
+    spec = DeviceSpec("cpu", "cpu", c.peak_flops, c.bandwidth, CPU_COMPUTE_EFFICIENCY,
+                      CPU_BANDWIDTH_EFFICIENCY, CPU_STEP_OVERHEAD_S,
+                      f"twophase calibrate ({c.measured_at}); default efficiencies")
+    fitted = _read_fits().get(_key(torch.device("cpu"), getattr(torch, dtype)))
+    if fitted:
+        spec = replace(spec, compute_efficiency=fitted["compute_efficiency"],
+                       bandwidth_efficiency=fitted["bandwidth_efficiency"],
+                       step_overhead_s=fitted["step_overhead_s"],
+                       source=f"twophase calibrate ({c.measured_at}); efficiencies fitted "
+                              f"{fitted.get('fitted_at', '')} on {fitted.get('model', '?')}")
+    return spec
+
+
+def fits_path() -> Path:
+    return cache_dir() / "simulate_fit.json"
+
+
+def _read_fits() -> dict:
+    try:
+        data = json.loads(fits_path().read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def save_fit(spec: DeviceSpec, model: str, fitted_at: str, dtype: str = "float32") -> Path:
+    """Keep fitted CPU efficiencies beside the calibration they were fitted over."""
+    import torch
+
+    from twophase.bench.calibrate import _key
+
+    data = _read_fits()
+    entry = {k: v for k, v in asdict(spec).items()
+             if k in ("compute_efficiency", "bandwidth_efficiency", "step_overhead_s")}
+    data[_key(torch.device("cpu"), getattr(torch, dtype))] = {**entry, "model": model, "fitted_at": fitted_at}
+    path = fits_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return path

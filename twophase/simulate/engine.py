@@ -1,0 +1,120 @@
+"""The engine ``LLM`` builds for a config, with simulated backends in place of loaded ones.
+
+``SimulatedLLM`` is an ``LLM`` whose load reads shapes only: the model from the planner
+(``planned_model``: a named shape, a config.json or a GGUF header; nothing downloaded), the pool
+sized by the memory plan for the simulated device (``twophase plan``'s figures, which are the
+pool the engine allocates there), and a pool tensor on the ``meta`` device. The rest is
+``LLM``'s own code: the KV layout (``_kv_groups``), the context fitted to the pool, and the
+scheduler, KV manager and admission built by ``_build_engine`` over the virtual clock.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from twophase import flags, routing
+from twophase import plan as planner
+from twophase.backends.registry import Registry
+from twophase.config import Config
+from twophase.contract import BackendConfig, KVCache, ModelSpec
+from twophase.errors import ConfigError, ModelError
+from twophase.llm import LLM
+from twophase.models import loader
+from twophase.plan.budget import kv_dtype_bytes, model_dtype
+from twophase.plan.model_source import planned_model
+from twophase.simulate.backend import SimulatedBackend, mirrored
+from twophase.simulate.clock import VirtualClock
+from twophase.simulate.cost import StepCostModel
+from twophase.simulate.devices import DeviceSpec
+
+
+def for_device(config: Config, device: DeviceSpec) -> Config:
+    """``config`` with its backends on the simulated device's kind (as ``twophase plan`` does),
+    so defaults that depend on it (the token budget, bfloat16) are that device's."""
+    if routing.wanted(config):            # auto is timed on real backends: simulate torch
+        config = routing.apply(config, routing.Routing("torch", "torch"))
+    return flags.on_device(config, "cuda") if device.kind == "cuda" else config
+
+
+class SimulatedLLM(LLM):
+    def __init__(self, config: Config, device: DeviceSpec, registry: Registry | None = None):
+        t0 = time.perf_counter()
+        config = for_device(config, device)
+        if config.speculative.method != "none":
+            raise ConfigError("speculative.method", "the simulator does not model speculative "
+                              "decoding yet; set it to \"none\"")
+        if config.cluster.disaggregated or config.cluster.replicas > 1:
+            raise ConfigError("cluster", "the simulator runs one engine: no replicas or "
+                              "disaggregated workers")
+        self.registry = registry or Registry()
+        self.routing = None
+        self.config = config
+        self.device = device
+        kind = device.kind
+        planned = planned_model(config.model)
+        dtype = model_dtype(config, kind)
+        spec_dtype = loader.DTYPES[dtype]
+        self.model = loader.ResolvedModel(planned.model_id, planned.arch, "none: shapes only", None, spec_dtype)
+        self.draft = None
+        self.max_model_len = self._model_context()
+        self.plan = planner.plan(config, planner.profile(device.name if kind == "cuda" else "cpu"),
+                                 model=planned, registry=self.registry)
+        if self.plan.num_blocks == 0:
+            raise ModelError(f"{planned.model_id} leaves no room for a KV pool on {device.name}: "
+                             f"{'; '.join(self.plan.notes) or 'see twophase plan'}")
+        self.clock = VirtualClock()
+        weights = "q4" if config.model.quantization == "q4" else dtype
+        cost = StepCostModel(planned.arch, device, weights, kv_dtype_bytes(config, kind))
+        pcfg, dcfg = config.phases()
+        self.prefill_backend = self._simulated(pcfg.name, cost)
+        same = (pcfg.name, pcfg.options) == (dcfg.name, dcfg.options)
+        self.decode_backend = self.prefill_backend if same else self._simulated(dcfg.name, cost)
+        self.backend = self.prefill_backend
+        self.decode_routes = []
+        self.spec = ModelSpec(planned.arch, "none: shapes only", spec_dtype, planned.model_id,
+                              quantization=config.model.quantization)
+        for b, sec in {id(b): (b, s) for b, s in ((self.prefill_backend, pcfg), (self.decode_backend, dcfg))}.values():
+            b.load(self.spec, BackendConfig(sec.name, sec.device))
+        self.kv_groups = self._kv_groups()
+        cc = config.cache
+        self.num_blocks = self.plan.num_blocks
+        kv_dtype = loader.DTYPES[cc.dtype] if cc.dtype != "auto" else spec_dtype
+        a = planned.arch
+        shape = (self.kv_groups.num_slots, 2, self.num_blocks, a.num_kv_heads, cc.block_size, a.head_dim)
+        self.kv_cache = KVCache(torch.empty(shape, dtype=kv_dtype, device="meta"), cc.block_size, self.kv_groups)
+        self._fit_context(self._pool_tokens())
+        for b in {id(b): b for b in (self.prefill_backend, self.decode_backend)}.values():
+            b.bind_kv_cache(self.kv_cache)
+        self.engine = self._build_engine(clock=self.clock)
+        self.load_time_s = time.perf_counter() - t0
+        self.load_breakdown_s = {"simulated load": self.load_time_s}
+        self.memory = self._planned_memory()
+
+    def _simulated(self, name: str, cost: StepCostModel) -> SimulatedBackend:
+        """A simulated backend with the batching and limits of the backend the config names."""
+        try:
+            caps = self.registry.get(name)().capabilities()
+        except Exception:          # a backend that cannot start here: plain capabilities
+            caps = SimulatedBackend().capabilities()
+        return SimulatedBackend(cost, self.clock, mirrored(caps))
+
+    def _planned_memory(self) -> dict:
+        """``LLM.memory``'s figures as the plan counts them on the simulated device."""
+        from twophase.core.kv_manager import concurrency
+
+        p, bs = self.plan, self.config.cache.block_size
+        pool = self.kv_cache.pool
+        kv = pool.numel() * pool.element_size()
+        chunk = self._token_budget(self.config.scheduler.chunked_prefill)
+        return {"kv_cache_bytes": kv, "kv_tokens": min(self._pool_tokens(), self.num_blocks * bs),
+                "max_concurrency": concurrency(self.kv_groups.windows, self.num_blocks,
+                                               self.max_model_len, chunk, bs),
+                "kv_groups": self.kv_groups.num_groups, "weight_bytes": p.total("weights"),
+                "headroom_bytes": max(0, p.device.total_bytes - p.total() + p.total("reserve")),
+                "check": {}}
+
+    @property
+    def backends(self) -> list[SimulatedBackend]:
+        return list({id(b): b for b in (self.prefill_backend, self.decode_backend)}.values())
