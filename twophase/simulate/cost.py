@@ -52,11 +52,18 @@ class StepCost:
 class StepCostModel:
     def __init__(self, arch: ModelArch, device: DeviceSpec, weight_dtype: str, kv_dtype_bytes: float):
         self.arch, self.device = arch, device
-        self.roof = CostModel(arch, WEIGHT_BYTES[weight_dtype], kv_dtype_bytes)
+        self.roof = roof = CostModel(arch, WEIGHT_BYTES[weight_dtype], kv_dtype_bytes)
+        # the roofline's terms, read once (each reading walks the model's tensors): a chunk of n
+        # tokens after d cached costs n·matmul + head + (n·d + n(n+1)/2)·attention FLOPs
+        self.weight_bytes = roof.weight_bytes_per_step
+        self.kv_bytes_per_token = roof.kv_bytes_per_token
+        self._matmul = 2 * arch.num_layers * roof.layer_params
+        self._head = 2 * roof.head_params
+        self._attention = roof._attention_flops(1.0)
 
-    @property
-    def weight_bytes(self) -> float:
-        return self.roof.weight_bytes_per_step
+    def chunk_flops(self, n: int, depth: int) -> float:
+        """``CostModel.prefill(n, depth).flops``, from the terms read once."""
+        return n * self._matmul + self._head + self._attention * (n * depth + n * (n + 1) / 2)
 
     def step(self, chunks: Sequence[tuple[int, int]]) -> StepCost:
         """The cost of one backend call over ``chunks``: ``(tokens, cached tokens before them)``
@@ -64,11 +71,10 @@ class StepCostModel:
         flops = {"prefill": 0.0, "decode": 0.0}
         kv = {"prefill": 0.0, "decode": 0.0}
         tokens = {"prefill": 0, "decode": 0}
-        per_token = self.roof.kv_bytes_per_token
+        per_token = self.kv_bytes_per_token
         for n, depth in chunks:
             phase = "decode" if n == 1 and depth > 0 else "prefill"
-            # the roofline's prefill counts weights once; a chunk's own share is its FLOPs
-            flops[phase] += self.roof.prefill(n, depth).flops
+            flops[phase] += self.chunk_flops(n, depth)
             kv[phase] += (depth + n) * per_token
             tokens[phase] += n
         total = tokens["prefill"] + tokens["decode"]
