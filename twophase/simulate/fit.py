@@ -28,13 +28,24 @@ def sweep(vocab: int) -> list[list[TimedRequest]]:
     def reqs(n: int, prompt: int, out: int) -> list[TimedRequest]:
         return [TimedRequest(0.0, [rng.randrange(3, vocab) for _ in range(prompt)], out) for _ in range(n)]
 
-    return [reqs(4, 256, 1), reqs(1, 64, 24), reqs(8, 32, 16), reqs(32, 16, 12)]
+    return [reqs(2, 256, 1), reqs(1, 64, 12), reqs(8, 32, 8), reqs(24, 16, 6)]
 
 
 def step_walls(records: list[Any]) -> list[float]:
     """Each step's time to the next step's start (the last: its own duration)."""
     out = [b.start - a.start for a, b in zip(records, records[1:])]
     return out + [records[-1].duration] if records else out
+
+
+def weighted_median(pairs: list[tuple[float, float]]) -> float:
+    """The value minimising the weighted sum of absolute deviations: (value, weight) pairs."""
+    pairs = sorted(pairs)
+    half, run = sum(w for _, w in pairs) / 2, 0.0
+    for v, w in pairs:
+        run += w
+        if run >= half:
+            return v
+    return pairs[-1][0]
 
 
 def fit_cpu(config: Config, console: Any = None) -> DeviceSpec:
@@ -67,12 +78,11 @@ def fit_cpu(config: Config, console: Any = None) -> DeviceSpec:
                          "float32", 4)
     parts = [(cost.step(c[0]).compute_s, cost.step(c[0]).memory_s) for c in chunks]
     best: tuple[float, float, float, float] | None = None
-    grid = [i / 50 for i in range(5, 51)]
+    grid = [i / 100 for i in range(2, 101)]
     for ec in grid:
         for eb in grid:
             bounds = [max(c / ec, m / eb) for c, m in parts]
-            residual = sorted(t - b for t, b in zip(measured, bounds))
-            overhead = max(0.0, residual[len(residual) // 2])
+            overhead = max(0.0, weighted_median([(t - b, 1 / t) for t, b in zip(measured, bounds)]))
             err = sum(abs(b + overhead - t) / t for b, t in zip(bounds, measured))
             if best is None or err < best[0]:
                 best = (err, ec, eb, overhead)
