@@ -53,7 +53,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         args.model, args.config = args.config, None          # CONFIG may name a model or shape
     data = {}
     if args.config:
-        import tomllib
+        from twophase.flags import tomllib
 
         data = tomllib.loads(Path(args.config).read_text(encoding="utf-8-sig"))
     base = flags.overrides(args, data)
