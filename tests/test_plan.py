@@ -363,3 +363,14 @@ def test_sliding_layers_count_their_window_not_the_context():
                  context=131072)
     assert round(every.sequence_kv_bytes(131072) / 1e9, 1) == 66.6
     assert p.concurrency(131072) > 5 * every.concurrency(131072) > 0
+
+
+def test_a_tensorrt_pool_stops_at_what_its_engine_can_index():
+    """TensorRT indexes a tensor in 32 bits: the plan caps the pool as the engine does, one
+    scratch block below 2^31 - 1 elements (llama3-8b, 16-token blocks: 2,047 blocks fit)."""
+    cfg = load_config({"model": {"name": "llama3-8b", "weights": "random"}, "backend": {"name": "tensorrt"}})
+    p = plan(cfg, profile("h200"))
+    assert p.num_blocks == (2**31 - 1) // (32 * 2 * 8 * 16 * 128) - 1 == 2046
+    assert any("max_pool_elements" in n for n in p.notes)
+    free = plan(load_config({"model": {"name": "llama3-8b", "weights": "random"}}), profile("h200"))
+    assert free.num_blocks > 20 * p.num_blocks

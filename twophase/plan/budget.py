@@ -290,9 +290,13 @@ def plan(config: Config, device: DeviceProfile, context: int | None = None, user
     wanted = (config.scheduler.max_num_seqs * sequence_blocks(groups.windows, max_len, 1, cc.block_size)
               + step_blocks(groups.windows, chunk, cc.block_size))
     blocks = pool_blocks(config, free_for_pool, per_block, kind, max(0, device.total_bytes - used))
-    if cc.num_blocks == "auto":
-        blocks = min(blocks, wanted)
     notes: list[str] = []
+    limit = pool_limit(config, arch, groups, registry)
+    if cc.num_blocks == "auto":
+        blocks = min(blocks, wanted, limit)
+        if blocks == limit:
+            notes.append(f"the pool stops at {limit} blocks: the most a backend of this config "
+                         f"can index (Capabilities.max_pool_elements)")
     if kind == "cpu":
         reserve = max(0, device.total_bytes - used - blocks * per_block)
     items.append(Item("kv cache", "KV pool", blocks * (per_block - draft_block),
@@ -319,6 +323,20 @@ def plan(config: Config, device: DeviceProfile, context: int | None = None, user
                      f"({min(max_len, pool_tokens)})")
     return Plan(model, device, items, cc.block_size, per_token, blocks, max_len, context or max_len, users, notes,
                 draft_block, groups, chunk)
+
+
+def pool_limit(config: Config, arch: ModelArch, groups: KVGroups, registry: Registry) -> int:
+    """The most blocks every phase's backend can index, as the engine caps the pool
+    (``LLM._pool_limit``; TensorRT's 2^31 - 1 elements a tensor)."""
+    per_block = groups.num_slots * 2 * arch.num_kv_heads * config.cache.block_size * arch.head_dim
+    limits = []
+    for phase in config.phases():
+        try:
+            limits.append(registry.get(phase.name)().capabilities().max_pool_elements)
+        except Exception:                   # a backend that cannot start here: no limit known
+            continue
+    known = [n // per_block - 1 for n in limits if n]         # less a scratch block, as CUDA graphs keep
+    return min(known) if known else 1 << 62
 
 
 def kv_groups(config: Config, arch: ModelArch, registry: Registry) -> KVGroups:
