@@ -18,7 +18,10 @@ class BackendUnavailable(TwophaseError):
 
 
 class RequestRejected(TwophaseError):
-    """A request that can never be served (too long for the model or the KV pool)."""
+    """A request that can never be served (too long for the model or the KV pool, a grammar
+    that does not compile); ``param`` names the request's field at fault where one is."""
+
+    param: str | None = None
 
 
 class ModelError(TwophaseError):

@@ -102,6 +102,9 @@ def test_bad_grammars_are_refused_by_name(default_llm):
         assert o.finish_reason == "rejected" and "structured" in o.error and why in o.error, o.error
     lenient = StructuredOutputs(json={"type": "string", "format": "no-such-format"}, strict=False)
     assert default_llm.generate(["hi"], SamplingParams(max_tokens=8, structured=lenient))[0].text.startswith('"')
+    (o,) = default_llm.generate(["hi"], SamplingParams(max_tokens=40, structured=StructuredOutputs(
+        grammar='start: a\na: "x" a')))                         # no end: the parser gives up
+    assert o.finish_reason in ("error", "length") and set(o.text) <= {"x"}
     with pytest.raises(InvalidSamplingParam, match="exactly one"):
         StructuredOutputs(regex="a", choice=["b"])
     with pytest.raises(InvalidSamplingParam, match="min_tokens"):

@@ -110,6 +110,11 @@ def test_required_and_named_tool_calls_validate(client):
     one = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], max_tokens=120,
                                          tool_choice="required", parallel_tool_calls=False)
     assert len(one.choices[0].message.tool_calls) == 1
+    cut = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=16,
+                                         tool_choice="required")        # as far as it got, as streamed
+    (c,) = cut.choices[0].message.tool_calls
+    assert cut.choices[0].finish_reason == "length" and c.function.name == "get_weather"
+    assert c.function.arguments.startswith('{"city":"')                # the schema's first key
 
 
 def test_streamed_tool_calls_reassemble_to_the_whole_reply(client):
@@ -153,6 +158,18 @@ def test_a_conversation_with_tool_results_continues(client):
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"response_format": {"type": "json_object"}, "min_tokens": 3}, "min_tokens"),
     ({"tool_choice": "required"}, "tool_choice"),
+    # what an attacker tries: slow, empty, too deep, contradicting, not an object
+    ({"structured_outputs": {"regex": "(a{1000}){1000}"}}, "structured_outputs"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}},
+     "response_format"),
+    ({"structured_outputs": {"json": '{"type":"array","items":' * 1000 + "{}" + "}" * 1000}}, "structured_outputs"),
+    ({"tools": [WEATHER], "tool_choice": "required", "min_tokens": 3}, "min_tokens"),
+    ({"response_format": {"type": "json_object"}, "stop": [","]}, "stop"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+      "tool_choice": "required"}, "tools.0.function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}}}], "tool_choice": "required"},
+     "tools"),
 ])
 def test_bad_structured_input_is_a_400_naming_the_part(server, body, param):
     llm, url, app = server

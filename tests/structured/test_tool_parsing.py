@@ -41,9 +41,17 @@ def test_auto_reads_each_templates_format(template, text):
     assert none == [] and "rm_rf" in unknown
 
 
-def test_auto_without_a_format_is_plain_content():
+def test_auto_reads_the_json_array_a_template_without_tools_was_asked_for():
     p = _plan("{% for m in messages %}{{ m.content }}{% endfor %}")
-    assert p.format is None and T.parse(p, '<tool_call>{"name": "get_weather"}</tool_call>')[1] == []
+    assert p.format == "json" and T.parse(p, '<tool_call>{"name": "get_weather"}</tool_call>')[1] == []
+    _, calls = T.parse(p, '[{"name": "get_weather", "arguments": {"city": "Oslo"}}]')
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+
+
+def test_auto_with_a_template_of_an_unknown_format_is_plain_content():
+    p = _plan("{{ tools }}{% for m in messages %}{{ m.content }}{% endfor %}")
+    text = '[{"name": "get_weather", "arguments": {}}]'
+    assert p.format == "unknown" and T.parse(p, text) == (text, [])
 
 
 def test_held_text_streams_content_up_to_a_call():

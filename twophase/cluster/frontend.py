@@ -30,7 +30,7 @@ from twophase.core.outputs import Delta
 from twophase.core.params import SamplingParams
 from twophase.errors import InvalidSamplingParam, RequestRejected
 from twophase.server.loop import EngineError, EngineStopped, Finished, Handle, Overloaded
-from twophase.structured.constraint import Grammars
+from twophase.structured.constraint import Grammars, rejected
 
 if TYPE_CHECKING:
     from twophase.cluster.launch import Cluster
@@ -111,7 +111,7 @@ class ClusterLoop:
             assert params.structured is not None
             self._grammars.check(params.structured)
         except InvalidSamplingParam as exc:
-            raise RequestRejected(str(exc)) from None
+            raise rejected(exc) from None
 
     def submit(self, prompt: str | list[int], params: SamplingParams, constraint: Any = None) -> Handle:
         if self._closed:

@@ -33,7 +33,7 @@ from twophase.core.sampler import sample_step
 from twophase.core.scheduler import Scheduler, SchedulerOutput
 from twophase.errors import InvalidSamplingParam, RequestRejected, StepFailed
 from twophase.structured import masks as structured_masks
-from twophase.structured.constraint import Constraint, Grammars
+from twophase.structured.constraint import Constraint, Grammars, rejected
 
 if TYPE_CHECKING:
     from twophase.models.tokenizer import Tokenizer
@@ -144,7 +144,7 @@ class Engine:
         try:
             return self.grammars.constraint(params.structured)
         except InvalidSamplingParam as exc:
-            raise RequestRejected(str(exc)) from None
+            raise rejected(exc) from None
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks: its output so far, or None if it is unknown

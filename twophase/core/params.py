@@ -49,6 +49,8 @@ class SamplingParams:
             (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
             (self.structured is None or self.min_tokens == 0, "min_tokens",
              "cannot be combined with structured outputs (the grammar decides where the output ends)"),
+            (self.structured is None or not self.stop, "stop",
+             "cannot be combined with structured outputs (a stop string would cut the answer short)"),
         ]
         for ok, name, msg in checks:
             if not ok:

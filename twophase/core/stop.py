@@ -9,12 +9,14 @@ from twophase.core.request import Request
 def check_stop(req: Request, max_model_len: int, eos_token_ids: tuple[int, ...]) -> str | None:
     """Why ``req`` ends after its last token: ``"stop"`` (a stop token or EOS, once
     ``min_tokens`` are out, or the end of its grammar), ``"length"`` (``max_tokens`` or the
-    context is full), or None."""
+    context is full), ``"error"`` (its grammar can no longer be followed), or None."""
     p = req.params
     n = req.num_output_tokens
     if n == 0:
         return None
     last = req.token_ids[-1]
+    if req.constraint is not None and req.constraint.error is not None:
+        return "error"                                 # the grammar broke or grew too slow
     if n >= p.min_tokens and (last in p.stop_token_ids
                               or (not p.ignore_eos and last in eos_token_ids)):
         return "stop"

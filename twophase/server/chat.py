@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from twophase.core.outputs import Delta, RequestOutput
+from twophase.errors import InvalidSamplingParam
 from twophase.server import protocol as P
 from twophase.server import tools as T
 from twophase.server.state import ServerState, state_of
@@ -22,7 +23,8 @@ class ChatFormat:
         self.id, self.created = P.new_id("chatcmpl"), P.now()
         self.role_sent = False
         self.calls = T.CallStream(tools) if tools.mode in ("named", "required") else None
-        self.held = T.HeldText(tools.format) if tools.mode == "auto" and tools.format else None
+        self.held = (T.HeldText(tools.format) if tools.mode == "auto" and tools.format not in (None, "unknown")
+                     else None)
 
     def _logprobs(self, token_ids, logprobs) -> dict[str, Any] | None:
         if not self.body.logprobs:
@@ -50,7 +52,7 @@ class ChatFormat:
     def chunk(self, delta: Delta, index: int) -> dict[str, Any] | None:
         content: dict[str, Any] = {"content": delta.text}
         if self.calls is not None:
-            content = {"tool_calls": self.calls.feed(delta.text)}
+            content = {k: v for k, v in {"tool_calls": self.calls.feed(delta.text)}.items() if v}
         elif self.held is not None:
             content = {"content": self.held.feed(delta.text)}
         if not any(content.values()) and self.role_sent and delta.logprobs is None:
@@ -93,7 +95,10 @@ async def chat(body: P.ChatCompletionRequest, request: Request):
     template = server.tokenizer.chat_template
     tools = T.plan(body, template)
     if tools.structured is not None:
-        params = dataclasses.replace(params, structured=tools.structured)
+        try:
+            params = dataclasses.replace(params, structured=tools.structured)
+        except InvalidSamplingParam as exc:          # min_tokens or stop beside a forced call
+            raise P.ApiError(400, f"{exc.name} {exc.message}", exc.name) from None
     messages = T.messages_for(template, [m.for_template() for m in body.messages], tools.tools)
     try:
         prompt = server.tokenizer.apply_chat_template(messages, tools=tools.tools)

@@ -118,18 +118,18 @@ class _Common(BaseModel):
             raise ApiError(400, "give response_format or structured_outputs, not both", "response_format")
         try:
             if so is not None:
-                return StructuredOutputs(**so.model_dump(exclude_none=True))
+                return StructuredOutputs(**so.model_dump(exclude_none=True), origin="structured_outputs")
             if rf is None or rf.type == "text":
                 return None
             if rf.type == "json_object":
-                return StructuredOutputs(json_object=True)
+                return StructuredOutputs(json_object=True, origin="response_format")
             if rf.json_schema is None:
                 raise ApiError(400, "response_format of type json_schema needs json_schema",
                                "response_format.json_schema")
-            return StructuredOutputs(json=rf.json_schema.schema_, strict=bool(rf.json_schema.strict))
+            return StructuredOutputs(json=rf.json_schema.schema_, strict=bool(rf.json_schema.strict),
+                                     origin="response_format.json_schema.schema")
         except InvalidSamplingParam as exc:
-            param = "structured_outputs" if so is not None else "response_format.json_schema.schema"
-            raise ApiError(400, exc.message, param) from None
+            raise ApiError(400, exc.message, exc.name) from None
 
     def sampling(self, logprobs: int | None, default_max_tokens: int) -> SamplingParams:
         if self.n != 1:

@@ -71,7 +71,8 @@ async def _start(request: Request, loop: EngineLoop, prompts: list[str | list[in
     try:                                    # one grammar state a prompt (None: unconstrained)
         constraints = [await loop.constrain(params) for _ in prompts]
     except RequestRejected as exc:
-        raise P.ApiError(400, str(exc), "response_format", code="invalid_structured_output") from None
+        raise P.ApiError(400, str(exc), exc.param or "response_format",
+                         code="invalid_structured_output") from None
     handles: list[Handle] = []
     try:
         for one, constraint in zip(ids, constraints):

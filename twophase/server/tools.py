@@ -58,31 +58,35 @@ def plan(body: P.ChatCompletionRequest, template: str | None) -> ToolPlan:
                          "response_format")
     rendered = [t.model_dump(exclude_none=True) for t in tools]
     params = {t.function.name: t.function.parameters or ANY_OBJECT for t in tools}
+    for i, t in enumerate(tools):
+        kind = params[t.function.name].get("type", "object")
+        if kind != "object":                 # arguments are a JSON object, as OpenAI's are
+            raise P.ApiError(400, f"a tool's parameters must describe a JSON object; got type {kind!r}",
+                             f"tools.{i}.function.parameters")
+    strict = any(t.function.strict for t in tools)
     if isinstance(choice, P.NamedToolChoice):
         name = choice.function.name
         if name not in params:
             raise P.ApiError(400, f"tool_choice names {name!r}, which is not among the tools "
                                   f"({', '.join(names)})", "tool_choice")
-        return ToolPlan("named", rendered, _spec(params[name], "tools"), name, names)
+        return ToolPlan("named", rendered, _spec(params[name], strict), name, names)
     if choice == "required":
         one = [{"type": "object", "properties": {"name": {"const": n}, "arguments": params[n]},
                 "required": ["name", "arguments"], "additionalProperties": False} for n in names]
         array: dict[str, Any] = {"type": "array", "items": {"anyOf": one}, "minItems": 1}
         if not body.parallel_tool_calls:
             array["maxItems"] = 1
-        return ToolPlan("required", rendered, _spec(array, "tools"), None, names)
+        return ToolPlan("required", rendered, _spec(array, strict), None, names)
     return ToolPlan("auto", rendered, None, None, names, template_format(template))
 
 
-def _spec(schema: dict, param: str) -> StructuredOutputs:
-    try:
-        return StructuredOutputs(json=schema, strict=False)
-    except Exception as exc:                          # a malformed parameters schema
-        raise P.ApiError(400, f"a tool's parameters are not a JSON schema: {exc}", param) from None
+def _spec(schema: dict, strict: bool) -> StructuredOutputs:
+    return StructuredOutputs(json=schema, strict=strict, origin="tools")
 
 
-def template_format(template: str | None) -> str | None:
-    """The tool-call format a chat template teaches its model, if it teaches one."""
+def template_format(template: str | None) -> str:
+    """The tool-call format a chat template teaches its model; ``json`` for a template that
+    knows nothing of tools (``messages_for`` then asks for a JSON array of calls)."""
     t = template or ""
     if "<tool_call>" in t:
         return "hermes"
@@ -90,7 +94,7 @@ def template_format(template: str | None) -> str | None:
         return "mistral"
     if "<|python_tag|>" in t or ("tools" in t and "<|eot_id|>" in t):
         return "llama3"
-    return None
+    return "json" if "tools" not in t else "unknown"
 
 
 def messages_for(template: str | None, messages: list[dict], tools: list[dict] | None) -> list[dict]:
@@ -121,16 +125,14 @@ def call(name: str, arguments: Any) -> dict[str, Any]:
 
 
 def parse(p: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
-    """``(content, tool_calls)`` of a finished reply."""
-    if p.mode == "named":
-        return None, [call(p.named or "", text)]
-    if p.mode == "required":
-        try:
-            return None, [call(c["name"], c["arguments"]) for c in json.loads(text)]
-        except (ValueError, KeyError, TypeError):         # cut short (max_tokens): no calls
-            return text, []
-    if p.mode == "auto" and p.format is not None:
-        return _parse_auto(p.format, text, p.names)
+    """``(content, tool_calls)`` of a finished reply. Constrained calls keep the arguments'
+    text as the model wrote it (as streamed); one cut short by ``max_tokens`` comes back as
+    far as it got, as it streams, with ``finish_reason`` "length"."""
+    if p.mode in ("named", "required"):
+        calls = [call(name, text[start:end]) for name, start, end in CallStream(p, text).spans()]
+        return (None if calls else text), calls
+    if p.mode == "auto" and p.format not in (None, "unknown"):
+        return _parse_auto(p.format or "", text, p.names)
     return text, []
 
 
@@ -150,6 +152,10 @@ def _parse_auto(fmt: str, text: str, names: tuple[str, ...]) -> tuple[str | None
         body = text.strip().removeprefix("<|python_tag|>").strip()
         if body.startswith("{"):
             found, rest = [_loads(body)], ""
+    elif fmt == "json":                             # what messages_for asked of the model
+        body = text.strip()
+        if body[:1] in ("[", "{"):
+            found, rest = _as_list(_loads(body)), ""
     calls = [call(c["name"], c.get("arguments", c.get("parameters", {})))
              for c in found if isinstance(c, dict) and c.get("name") in names]
     if not calls:
@@ -180,7 +186,7 @@ class CallStream:
     def feed(self, delta: str) -> list[dict]:
         """The ``tool_calls`` delta entries ``delta`` completes."""
         self.text += delta
-        spans = self._spans()
+        spans = self.spans()
         out = []
         for i, (name, start, end) in enumerate(spans):
             if i == len(self.sent):
@@ -193,7 +199,7 @@ class CallStream:
                 self.sent[i] = len(args)
         return out
 
-    def _spans(self) -> list[tuple[str, int, int]]:
+    def spans(self) -> list[tuple[str, int, int]]:
         """(name, arguments start, arguments end so far) of each call begun in the text."""
         if self.plan.mode == "named":
             return [(self.plan.named or "", 0, len(self.text))]
@@ -221,16 +227,16 @@ class HeldText:
     sent: int = 0
     holding: bool = False
 
-    MARKERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]"}
+    MARKERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]"}     # others: a call is the whole reply
 
     def feed(self, delta: str) -> str:
         self.text += delta
         if self.holding:
             return ""
         marker = self.MARKERS.get(self.format)
-        if marker is None:                               # llama3: a call is the whole reply
+        if marker is None:                               # llama3, json: a call is the whole reply
             head = self.text.lstrip()
-            if not head or head[0] in "{<":
+            if not head or head[0] in "{<[":
                 self.holding = bool(head)
                 return ""
             return self._send(len(self.text))

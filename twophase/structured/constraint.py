@@ -3,15 +3,20 @@
 A ``Constraint`` follows the tokens the scheduler keeps (``accept``); the masks of a step are
 computed from it without changing it (drafted tokens are tried, then rolled back), so a
 rejected draft needs no undo and a preempted request keeps its state with its tokens.
+
+Grammars are held to limits that keep every step fast: llguidance's parser limits, a first
+mask timed at compile time (a grammar slow from its first token is refused), and a request
+whose mask later takes too long ends with an error instead of holding up the batch.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -19,6 +24,28 @@ from twophase.errors import InvalidSamplingParam, RequestRejected
 from twophase.structured.spec import StructuredOutputs
 
 log = logging.getLogger(__name__)
+
+FIRST_MASK_LIMIT_S = 0.1       # a grammar whose first mask takes longer is refused at compile
+STEP_MASK_LIMIT_S = 0.25       # a request whose mask takes longer ends with an error
+CACHE_ENTRIES = 64
+CACHE_BYTES = 32 << 20         # compiled grammars kept, by the size of their text
+
+
+def parser_limits() -> Any:
+    """llguidance's limits, tighter than its defaults where a request could otherwise make one
+    step cost seconds (lexer states, a step's fuel); errors without the parser's state (which
+    would echo the schema into logs and replies)."""
+    from llguidance import LLParserLimits
+
+    return LLParserLimits(max_lexer_states=50_000, initial_lexer_fuel=500_000,
+                          step_lexer_fuel=100_000, max_grammar_size=200_000, verbose_errors=False)
+
+
+def rejected(exc: InvalidSamplingParam) -> RequestRejected:
+    """A grammar's refusal as a request's: the message, and the field at fault."""
+    out = RequestRejected(f"{exc.name}: {exc.message}")
+    out.param = exc.name
+    return out
 
 
 class StructuredOutputsUnavailable(RequestRejected):
@@ -29,11 +56,19 @@ class Constraint:
     def __init__(self, matcher: Any, words: int):
         self._m = matcher
         self.words = words              # 32-bit words of one token mask
+        self.failed: str | None = None  # why the grammar can no longer be followed
 
     @property
     def done(self) -> bool:
         """The grammar is complete and nothing may follow: the request ends ("stop")."""
-        return self._m.is_stopped()
+        return self._m.is_stopped() and not self._m.is_error()
+
+    @property
+    def error(self) -> str | None:
+        """Why the request must end with an error (the grammar broke, or grew too slow)."""
+        if self.failed is None and self._m.is_error():
+            self.failed = self._m.get_error() or "the grammar failed"
+        return self.failed
 
     def accept(self, token: int) -> bool:
         """Advance past a kept token; False (and an error state) if the grammar forbids it."""
@@ -51,7 +86,7 @@ class Constraint:
         draft in turn (all allowed past a draft the grammar refuses: verification stops at it
         anyway). The state is left as it was."""
         out = np.full((1 + len(drafts), self.words), -1, dtype=np.int32)
-        consumed = 0
+        consumed, t0 = 0, time.perf_counter()
         for j in range(len(drafts) + 1):
             if self._m.is_stopped():
                 break
@@ -61,14 +96,17 @@ class Constraint:
             consumed += 1
         if consumed:
             self._m.rollback(consumed)
+        spent = time.perf_counter() - t0
+        if spent > STEP_MASK_LIMIT_S * (1 + len(drafts)) and self.failed is None:
+            self.failed = (f"the grammar is too slow to follow: a step's mask took {spent * 1e3:.0f} ms "
+                           f"(the limit is {STEP_MASK_LIMIT_S * 1e3:.0f} ms a token)")
         return out
 
 
 class Grammars:
-    """Compiles ``StructuredOutputs`` against one model's tokenizer; compiled grammars are
-    cached by their text. Thread-safe: the server compiles off the engine's thread."""
-
-    CACHE = 256
+    """Compiles ``StructuredOutputs`` against one model's tokenizer; compiled grammars (a fresh
+    matcher each, copied for every request) are cached by their text. Thread-safe: the server
+    compiles off the engine's thread."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
@@ -76,7 +114,8 @@ class Grammars:
         self.words = (vocab_size + 31) // 32
         self._llt: Any = None
         self._lock = threading.Lock()
-        self._cache: OrderedDict[str, str] = OrderedDict()
+        self._cache: OrderedDict[str, Any] = OrderedDict()     # key -> a matcher at its start
+        self._cache_bytes = 0
 
     def _ll_tokenizer(self) -> Any:
         with self._lock:
@@ -84,42 +123,70 @@ class Grammars:
                 self._llt = ll_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids)
             return self._llt
 
-    def check(self, spec: StructuredOutputs) -> str:
-        """The checked grammar for ``spec``; ``InvalidSamplingParam`` naming what is wrong."""
+    def check(self, spec: StructuredOutputs) -> None:
+        """Compile ``spec`` (cached); ``InvalidSamplingParam`` naming what is wrong."""
+        self._compiled(spec)
+
+    def constraint(self, spec: StructuredOutputs, tokens: Sequence[int] = ()) -> Constraint:
+        """A fresh state for ``spec``, advanced past ``tokens`` (output already sampled, as
+        a decode worker continues a peer's first token)."""
+        c = Constraint(self._compiled(spec).deep_copy(), self.words)
+        c.accept_all(tokens)
+        return c
+
+    def _compiled(self, spec: StructuredOutputs) -> Any:
         key = spec.key()
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
+        matcher = self._compile(spec)
+        with self._lock:
+            if key not in self._cache:
+                self._cache[key] = matcher
+                self._cache_bytes += len(key)
+            while len(self._cache) > CACHE_ENTRIES or self._cache_bytes > CACHE_BYTES:
+                old, _ = self._cache.popitem(last=False)
+                self._cache_bytes -= len(old)
+        return matcher
+
+    def _compile(self, spec: StructuredOutputs) -> Any:
         from llguidance import LLMatcher
 
         llt = self._ll_tokenizer()
+
+        def refuse(message: str) -> NoReturn:
+            raise InvalidSamplingParam(spec.origin, f"{spec.kind}: {message}")
+
         try:
             grammar = spec.lark_or_json()
-        except (ValueError, TypeError) as exc:
-            raise InvalidSamplingParam("structured", f"{spec.kind}: {exc}") from None
-        failed, messages = LLMatcher.validate_grammar_with_warnings(grammar, llt)
+        except (ValueError, TypeError, RecursionError) as exc:
+            refuse(str(exc) or type(exc).__name__)
+        limits = parser_limits()
+        failed, messages = LLMatcher.validate_grammar_with_warnings(grammar, llt, limits=limits)
         if failed:
-            raise InvalidSamplingParam("structured", f"{spec.kind}: {messages[0]}")
+            refuse(messages[0])
         for m in messages:
             log.warning("structured output (%s): %s", spec.kind, m)
-        with self._lock:
-            self._cache[key] = grammar
-            while len(self._cache) > self.CACHE:
-                self._cache.popitem(last=False)
-        return grammar
-
-    def constraint(self, spec: StructuredOutputs, tokens: Sequence[int] = ()) -> Constraint:
-        """A fresh state for ``spec``, advanced past ``tokens`` (output already sampled, as
-        a decode worker continues a peer's first token)."""
-        from llguidance import LLMatcher
-
-        matcher = LLMatcher(self._ll_tokenizer(), self.check(spec), log_level=0)
+        matcher = LLMatcher(llt, grammar, log_level=0, limits=limits)
         if matcher.is_error():
-            raise InvalidSamplingParam("structured", f"{spec.kind}: {matcher.get_error()}")
-        c = Constraint(matcher, self.words)
-        c.accept_all(tokens)
-        return c
+            refuse(matcher.get_error())
+        self._first_step(matcher.deep_copy(), refuse)
+        return matcher
+
+    def _first_step(self, m: Any, refuse: Callable[[str], NoReturn]) -> None:
+        """Refuse a grammar that admits no output at all, or whose first mask is already slow."""
+        mask = np.zeros(self.words, dtype=np.int32)
+        t0 = time.perf_counter()
+        m.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        spent = time.perf_counter() - t0
+        if spent > FIRST_MASK_LIMIT_S:
+            refuse(f"too complex to decode at speed: its first step's mask took {spent * 1e3:.0f} ms "
+                   f"(the limit is {FIRST_MASK_LIMIT_S * 1e3:.0f} ms)")
+        allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
+        if m.is_error() or (not m.is_accepting() and set(allowed.tolist()) <= set(self.eos_token_ids)):
+            refuse("the grammar admits no output (" + (m.get_error() or "nothing can be generated")
+                   .split("\n")[0] + ")")
 
 
 def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> Any:
@@ -129,8 +196,7 @@ def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> A
         import llguidance
     except ImportError:
         raise StructuredOutputsUnavailable(
-            "structured outputs need llguidance: pip install 'twophase[structured]' "
-            "(or pip install llguidance)") from None
+            "structured outputs need llguidance: pip install llguidance") from None
     if tokenizer is None:
         raise StructuredOutputsUnavailable("structured outputs need the model's tokenizer; this "
                                            "model has none")
