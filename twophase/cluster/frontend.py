@@ -29,7 +29,7 @@ from twophase.core.kv_params import KVTransferParams
 from twophase.core.outputs import Delta
 from twophase.core.params import SamplingParams
 from twophase.errors import InvalidSamplingParam, RequestRejected
-from twophase.server.loop import EngineError, EngineStopped, Finished, Handle, Overloaded
+from twophase.server.loop import GRAMMAR_THREAD, EngineError, EngineStopped, Finished, Handle, Overloaded
 from twophase.structured.constraint import Grammars, rejected
 
 if TYPE_CHECKING:
@@ -100,7 +100,7 @@ class ClusterLoop:
         """Check the grammar here, for a 400 before any worker sees it; each worker compiles
         its own state (a grammar state does not cross processes)."""
         if params.structured is not None:
-            await asyncio.to_thread(self._check_grammar, params)
+            await asyncio.get_running_loop().run_in_executor(GRAMMAR_THREAD, self._check_grammar, params)
 
     def _check_grammar(self, params: SamplingParams) -> None:
         if self._grammars is None:

@@ -17,6 +17,7 @@ and queued request gets an error, ``alive`` turns false (``/health`` then answer
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import math
@@ -119,6 +120,9 @@ class Loop(Protocol):
     def close(self, timeout: float = 10.0) -> bool: ...
 
 
+GRAMMAR_THREAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="twophase-grammar")
+
+
 class EngineLoop:
     def __init__(self, llm, max_queue: int, on_step: Callable[[Any], None] | None = None,
                  on_finish: Callable[[Any], None] | None = None,
@@ -189,9 +193,11 @@ class EngineLoop:
         return ids
 
     async def constrain(self, params: SamplingParams) -> Any:
+        """Compiled in a thread of its own: a slow grammar waits behind other grammars, never
+        in front of prompts being tokenised (``prepare``'s threads)."""
         if params.structured is None:
             return None
-        return await asyncio.to_thread(self.engine.compile, params)
+        return await asyncio.get_running_loop().run_in_executor(GRAMMAR_THREAD, self.engine.compile, params)
 
     def submit(self, prompt: str | list[int], params: SamplingParams, constraint: Any = None,
                kv_transfer: KVTransferParams | None = None, first_token_ids: Sequence[int] = ()) -> Handle:
