@@ -54,6 +54,17 @@ def test_auto_with_a_template_of_an_unknown_format_is_plain_content():
     assert p.format == "unknown" and T.parse(p, text) == (text, [])
 
 
+def test_mistral_calls_are_read_when_the_marker_was_a_special_token():
+    p = _plan(MISTRAL)
+    p.marker_id = 5
+    dropped = '[{"name": "get_weather", "arguments": {"city": "Oslo"}}]'      # what detokenising leaves
+    assert T.parse(p, dropped)[1] == []
+    _, calls = T.parse(p, T.with_marker(p, dropped, [5, 1001, 1002]))
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    held = T.HeldText("mistral")
+    assert held.feed("[{") == "" and held.holding
+
+
 def test_held_text_streams_content_up_to_a_call():
     held = T.HeldText("hermes")
     sent = "".join(held.feed(piece) for piece in ["Let me ", "look. <to", "ol_call>", '{"name"', "}"])

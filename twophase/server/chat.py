@@ -37,7 +37,7 @@ class ChatFormat:
 
     def whole(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         (output,) = outputs
-        content, calls = T.parse(self.tools, output.text)
+        content, calls = T.parse(self.tools, T.with_marker(self.tools, output.text, output.token_ids))
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = calls
@@ -68,7 +68,7 @@ class ChatFormat:
         delta: dict[str, Any] = {}
         called = bool(self.calls and self.calls.sent)
         if self.held is not None:                   # auto: the held text, read for calls
-            content, calls = T.parse(self.tools, output.text)
+            content, calls = T.parse(self.tools, T.with_marker(self.tools, output.text, output.token_ids))
             rest = self.held.rest() if not calls else None
             delta = {k: v for k, v in {"content": rest, "tool_calls": [
                 {"index": i, **c} for i, c in enumerate(calls)]}.items() if v}
@@ -94,6 +94,8 @@ async def chat(body: P.ChatCompletionRequest, request: Request):
     params = body.params(server.default_max_tokens)
     template = server.tokenizer.chat_template
     tools = T.plan(body, template)
+    if tools.format == "mistral":
+        tools.marker_id = server.tokenizer.vocabulary().get("[TOOL_CALLS]")
     if tools.structured is not None:
         try:
             params = dataclasses.replace(params, structured=tools.structured)

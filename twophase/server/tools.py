@@ -33,6 +33,7 @@ class ToolPlan:
     named: str | None = None                   # the function a named choice calls
     names: tuple[str, ...] = ()
     format: str | None = None                  # auto: the template's tool-call format
+    marker_id: int | None = None               # the format's marker, where a special token
 
     @property
     def calls(self) -> bool:
@@ -122,6 +123,14 @@ def call(name: str, arguments: Any) -> dict[str, Any]:
     text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": name, "arguments": text}}
+
+
+def with_marker(p: ToolPlan, text: str, token_ids: list[int]) -> str:
+    """The reply's text with its format's marker where the model wrote it as a special token,
+    which detokenising drops (Mistral's ``[TOOL_CALLS]``): it comes first in a call."""
+    if p.marker_id is not None and p.marker_id in token_ids and "[TOOL_CALLS]" not in text:
+        return "[TOOL_CALLS]" + text
+    return text
 
 
 def parse(p: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
@@ -240,6 +249,9 @@ class HeldText:
                 self.holding = bool(head)
                 return ""
             return self._send(len(self.text))
+        if self.format == "mistral" and self.text.lstrip()[:1] in ("[", ""):
+            self.holding = bool(self.text.lstrip())      # its marker, dropped as a special token
+            return ""
         at = self.text.find(marker, self.sent)
         if at >= 0:
             self.holding = True
