@@ -9,6 +9,7 @@ import random
 import statistics
 
 from twophase.core.params import SamplingParams
+from twophase.errors import ConfigError
 
 
 def tokens(n: int, salt: int, vocab: int) -> list[int]:
@@ -57,5 +58,11 @@ def decode_round(llm, batch: int, context: int, steps: int, salt: int) -> float:
     times = [s.duration for s in llm.engine.steps.records
              if s.mix == "decode" and s.decode_seqs == batch]
     if not times:
-        raise RuntimeError(f"decode sweep: no step carried all {batch} sequences")
+        most = max((s.decode_seqs for s in llm.engine.steps.records), default=0)
+        raise ConfigError("cache.num_blocks", (
+            f"the decode sweep at batch {batch}, context {context}, never ran all {batch} sequences "
+            f"together (at most {most}): the KV pool ({llm.num_blocks} blocks of "
+            f"{llm.config.cache.block_size} tokens) or scheduler.max_num_seqs "
+            f"({llm.config.scheduler.max_num_seqs}) is too small for them; raise cache.num_blocks "
+            f"(or cache.memory_gb), or lower the batch size"))
     return statistics.median(times[1:] or times)        # the first one warms caches

@@ -269,3 +269,13 @@ def test_calibrate_refuses_a_device_it_cannot_measure():
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "sees no CUDA device" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_a_pool_too_small_for_the_decode_batch_says_which_key_to_raise():
+    from twophase.errors import ConfigError
+    from twophase.phase_timing import decode_round
+
+    llm = tiny_llm(cache={"num_blocks": 16, "block_size": 4})       # 64 tokens: 8 x 32 cannot fit
+    with pytest.raises(ConfigError, match="raise cache.num_blocks"):
+        decode_round(llm, batch=8, context=32, steps=2, salt=0)
+    assert decode_round(tiny_llm(), batch=2, context=32, steps=2, salt=0) > 0
