@@ -128,3 +128,17 @@ def test_an_idle_engine_jumps_to_the_next_arrival():
     assert r["simulation"]["host_s"] < 1.0
     ttft = r["simulation"]["ttft_values"]
     assert ttft[1] == pytest.approx(ttft[0], rel=0.2)         # measured from its own arrival
+
+
+def test_speculation_keeps_what_the_engines_verification_keeps_at_the_workloads_rate():
+    """Drafts kept at rate a: a mean run of 1 + a + ... + a^k tokens a verify pass (k = 4), and a
+    TPOT that falls as a rises (at 0 the verify pass only costs)."""
+    spec = {"speculative": {"method": "ngram", "num_tokens": 4}}
+    reqs = requests(24, 20.0, (64, 128), (48, 64))
+    plain = simulate(config(), H100, reqs)["report"]["tpot_s"]["p50"]
+    runs = {a: simulate(config(**spec), H100, reqs, acceptance=a)["report"] for a in (0.0, 0.5, 0.9)}
+    assert runs[0.0]["speculative"]["accepted_tokens"] == 0
+    assert runs[0.5]["speculative"]["mean_accepted_length"] == pytest.approx(1 + 0.5 + 0.25 + 0.125 + 0.0625, rel=0.1)
+    assert runs[0.5]["speculative"]["acceptance_by_position"][0] == pytest.approx(0.5, abs=0.1)
+    tpot = {a: r["tpot_s"]["p50"] for a, r in runs.items()}
+    assert tpot[0.0] > plain > tpot[0.5] > tpot[0.9]

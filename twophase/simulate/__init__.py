@@ -12,14 +12,15 @@ from twophase.simulate.report import SLO
 
 
 def simulate(config: Config, device: DeviceSpec, requests: list[TimedRequest] | None = None,
-             slo: SLO | None = None) -> dict[str, Any]:
+             slo: SLO | None = None, acceptance: float = 0.7) -> dict[str, Any]:
     """Simulate ``config`` serving ``requests`` (default: its ``[bench.serving]`` workload) on
-    ``device``: ``{"report": ..., "simulation": ...}`` (``report.simulation_report``)."""
+    ``device``: ``{"report": ..., "simulation": ...}`` (``report.simulation_report``);
+    ``acceptance``: each drafted token's chance to be kept, where the config speculates."""
     from twophase.simulate import driver
     from twophase.simulate.engine import SimulatedLLM
     from twophase.simulate.report import simulation_report
 
-    llm = SimulatedLLM(config, device)
+    llm = SimulatedLLM(config, device, acceptance=acceptance)
     if requests is None:
         s = config.bench.serving
         requests = driver.workload(s.num_requests, s.rate, s.input_len, s.output_len,

@@ -71,9 +71,9 @@ class SimulatedBackend(Backend):
             weights = "q4" if model.quantization == "q4" else dtype
             self.cost = StepCostModel(model.arch, device, weights, kv)
         eos = set(model.arch.eos_token_ids)
-        token = next(t for t in range(model.arch.vocab_size) if t not in eos)
-        row = torch.zeros(1, token + 1)                # narrow: argmax needs no full vocabulary
-        row[0, token] = 1.0
+        self.token = next(t for t in range(model.arch.vocab_size - 1) if t not in eos)
+        row = torch.zeros(1, self.token + 2)           # narrow: argmax needs no full vocabulary
+        row[0, self.token] = 1.0                       # (token + 1 is a draft it rejects)
         self._logits = row
 
     def kv_cache_spec(self) -> KVCacheSpec:

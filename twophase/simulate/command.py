@@ -34,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--search", action="append", metavar="KEY=V1,V2,...",
                    help="simulate every combination and rank by goodput (repeatable), e.g. "
                         "scheduler.max_num_seqs=16,32,64")
+    p.add_argument("--acceptance", type=float, default=0.7,
+                   help="with speculative.method = \"ngram\": the chance each drafted token is kept "
+                        "(the workload's; default 0.7)")
     p.add_argument("--fit", action="store_true",
                    help="cpu: fit the efficiencies to the torch backend on this machine first "
                         "(a short profiling sweep, cached)")
@@ -78,7 +81,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     def simulate(overrides: dict) -> dict:
         merged = search.merge(base, overrides)
         c = load_config(args.config, merged) if args.config else load_config(None, merged)
-        llm = SimulatedLLM(c, device)
+        llm = SimulatedLLM(c, device, acceptance=args.acceptance)
         reqs = driver.workload(n, rate, prompt_len, output_len, llm.model.arch.vocab_size, seed, trace)
         run = driver.drive(llm.engine, reqs, llm.clock, llm.clock.sleep)
         out = report.simulation_report(llm, run, slo)

@@ -28,6 +28,7 @@ from twophase.simulate.backend import SimulatedBackend, mirrored
 from twophase.simulate.clock import VirtualClock
 from twophase.simulate.cost import StepCostModel
 from twophase.simulate.devices import DeviceSpec
+from twophase.simulate.drafts import AcceptingProposer
 
 
 def for_device(config: Config, device: DeviceSpec) -> Config:
@@ -39,12 +40,13 @@ def for_device(config: Config, device: DeviceSpec) -> Config:
 
 
 class SimulatedLLM(LLM):
-    def __init__(self, config: Config, device: DeviceSpec, registry: Registry | None = None):
+    def __init__(self, config: Config, device: DeviceSpec, registry: Registry | None = None,
+                 acceptance: float = 0.7):
         t0 = time.perf_counter()
         config = for_device(config, device)
-        if config.speculative.method != "none":
-            raise ConfigError("speculative.method", "the simulator does not model speculative "
-                              "decoding yet; set it to \"none\"")
+        if config.speculative.method == "draft":
+            raise ConfigError("speculative.method", "the simulator does not cost a draft model's "
+                              "steps; simulate speculation as \"ngram\" with --acceptance")
         if config.cluster.disaggregated or config.cluster.replicas > 1:
             raise ConfigError("cluster", "the simulator runs one engine: no replicas or "
                               "disaggregated workers")
@@ -88,6 +90,8 @@ class SimulatedLLM(LLM):
         for b in {id(b): b for b in (self.prefill_backend, self.decode_backend)}.values():
             b.bind_kv_cache(self.kv_cache)
         self.engine = self._build_engine(clock=self.clock)
+        if config.speculative.method != "none":       # drafts at the workload's acceptance rate
+            self.engine.scheduler.proposer = AcceptingProposer(self.prefill_backend.token, acceptance)
         self.load_time_s = time.perf_counter() - t0
         self.load_breakdown_s = {"simulated load": self.load_time_s}
         self.memory = self._planned_memory()
