@@ -53,6 +53,25 @@ def default_llm() -> LLM:
 
 
 @pytest.fixture(scope="session")
+def default_server():
+    """The default model behind the real HTTP server (uvicorn on a free port): ``(llm, url, app)``,
+    shared by the files that test the server."""
+    pytest.importorskip("uvicorn")
+    from helpers.server import serving
+
+    llm = LLM.from_config({"model": {"name": "smollm2-135m-instruct"}, "cache": {"num_blocks": 256}})
+    with serving(llm) as (url, app):
+        yield llm, url, app
+
+
+@pytest.fixture(scope="session")
+def client(default_server):
+    """The real ``openai`` client of ``default_server``."""
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=default_server[1] + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="session")
 def default_prompts(default_llm) -> list[str]:
     return [default_llm.apply_chat_template(p) if kind == "chat" else p for kind, p in PROMPTS]
 

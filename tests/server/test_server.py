@@ -25,18 +25,6 @@ from helpers.server import serving  # noqa: E402
 MODEL = "smollm2"
 
 
-@pytest.fixture(scope="module")
-def default_server():
-    llm = LLM.from_config({"model": {"name": "smollm2-135m-instruct"}, "cache": {"num_blocks": 256}})
-    with serving(llm) as (url, app):
-        yield llm, url, app
-
-
-@pytest.fixture(scope="module")
-def client(default_server):
-    return openai.OpenAI(base_url=default_server[1] + "/v1", api_key="unused", max_retries=0)
-
-
 def test_completions_and_chat_equal_generate(default_server, client, default_llm):
     llm, url, app = default_server
     prompt = "The capital of France is"

@@ -11,14 +11,12 @@ from typing import Literal
 import httpx
 import pytest
 
-from twophase import LLM
-
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 pydantic = pytest.importorskip("pydantic")
 pytest.importorskip("llguidance")
 pytest.importorskip("uvicorn")
-from helpers.server import MODEL, all_blocks_free, serving  # noqa: E402
+from helpers.server import MODEL, all_blocks_free  # noqa: E402
 from pydantic import BaseModel, Field  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -55,18 +53,6 @@ TIME = {"type": "function", "function": {
                    "required": ["timezone"], "additionalProperties": False}}}
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
 ASK = [{"role": "user", "content": "What is the weather in Paris, and what time is it in Tokyo?"}]
-
-
-@pytest.fixture(scope="module")
-def server():
-    llm = LLM.from_config({"model": {"name": "smollm2-135m-instruct"}, "cache": {"num_blocks": 256}})
-    with serving(llm) as (url, app):
-        yield llm, url, app
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server[1] + "/v1", api_key="unused", max_retries=0)
 
 
 @pytest.mark.parametrize("model", [Person, Order])
@@ -171,8 +157,8 @@ def test_a_conversation_with_tool_results_continues(client):
         "type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}}}], "tool_choice": "required"},
      "tools"),
 ])
-def test_bad_structured_input_is_a_400_naming_the_part(server, body, param):
-    llm, url, app = server
+def test_bad_structured_input_is_a_400_naming_the_part(default_server, body, param):
+    llm, url, app = default_server
     r = httpx.post(url + "/v1/chat/completions", timeout=30, json={
         "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body})
     assert r.status_code == 400, r.text
