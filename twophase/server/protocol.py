@@ -82,12 +82,6 @@ class StructuredOutputsParam(BaseModel):
     choice: list[str] | None = None
     grammar: str | None = None
 
-    def model_dump(self, **kw):                    # the dataclass's field names
-        d = super().model_dump(**kw)
-        if "json_" in d:
-            d["json"] = d.pop("json_")
-        return d
-
 
 class _Common(BaseModel):
     model_config = STRICT
@@ -118,7 +112,7 @@ class _Common(BaseModel):
             raise ApiError(400, "give response_format or structured_outputs, not both", "response_format")
         try:
             if so is not None:
-                return StructuredOutputs(**so.model_dump(exclude_none=True), origin="structured_outputs")
+                return StructuredOutputs(**so.model_dump(exclude_none=True, by_alias=True), origin="structured_outputs")
             if rf is None or rf.type == "text":
                 return None
             if rf.type == "json_object":

@@ -17,21 +17,18 @@ if TYPE_CHECKING:
 
 StepMasks = Mapping[str, np.ndarray]          # request id -> [rows, words] int32 bitmasks
 
-_pool: ThreadPoolExecutor | None = None
+POOL = ThreadPoolExecutor(1, thread_name_prefix="twophase-masks")    # its thread starts on first use
 
 
 def start(out: SchedulerOutput) -> Future[StepMasks] | None:
     """Begin computing the masks of the rows this step samples; None if no row is constrained."""
-    global _pool
     # the rows the sampler samples (a prompt's last chunk, a decode, a decode's drafts)
     wanted = [(req, out.drafts[req.request_id].token_ids if req.request_id in out.drafts else ())
               for req, n in out.scheduled if req.constraint is not None and (
                   req.request_id in out.drafts or req.num_computed_tokens + n == req.num_tokens)]
     if not wanted:
         return None
-    if _pool is None:
-        _pool = ThreadPoolExecutor(1, thread_name_prefix="twophase-masks")
-    return _pool.submit(_compute, wanted)
+    return POOL.submit(_compute, wanted)
 
 
 def _compute(wanted: list[tuple[Request, list[int] | tuple]]) -> StepMasks:
