@@ -31,3 +31,11 @@ def test_split_backends_and_preemption_give_the_same_constrained_tokens():
     got = split.generate(PROMPTS, params)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert split.report(got)["steps_by_mix"].get("mixed")     # chunks beside decodes
+
+
+def test_without_llguidance_a_structured_request_is_refused_saying_what_to_install(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "llguidance", None)          # as if not installed
+    (o,) = tiny_llm().generate(["hi"], SamplingParams(max_tokens=4, structured=SPECS[0]))
+    assert o.finish_reason == "rejected" and "pip install llguidance" in o.error

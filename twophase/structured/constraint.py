@@ -151,9 +151,8 @@ class Grammars:
         return matcher
 
     def _compile(self, spec: StructuredOutputs) -> Any:
+        llt = self._ll_tokenizer()               # first: says what to install where it is missing
         from llguidance import LLMatcher
-
-        llt = self._ll_tokenizer()
 
         def refuse(message: str) -> NoReturn:
             raise InvalidSamplingParam(spec.origin, f"{spec.kind}: {message}")
