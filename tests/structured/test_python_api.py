@@ -73,10 +73,10 @@ def test_constrained_and_free_rows_share_a_batch(default_llm, chat):
 
 
 def test_chunks_preemption_and_speculation_keep_the_constrained_tokens(default_llm, chat):
-    prompts = [chat(f"Describe person number {i} as JSON, with a long address.") for i in range(4)]
-    p = SamplingParams(max_tokens=96, structured=StructuredOutputs(json=PERSON))
+    prompts = [chat(f"Describe person number {i} as JSON, with a long address.") for i in range(3)]
+    p = SamplingParams(max_tokens=64, structured=StructuredOutputs(json=PERSON))
     want = default_llm.generate(prompts, p)
-    tight = LLM.from_config({"model": {"name": "smollm2-135m-instruct"}, "cache": {"num_blocks": 20},
+    tight = LLM.from_config({"model": {"name": "smollm2-135m-instruct"}, "cache": {"num_blocks": 14},
                              "scheduler": {"max_num_batched_tokens": 32, "max_num_seqs": 4, "admission": "greedy"},
                              "speculative": {"method": "ngram", "num_tokens": 4}})
     got = tight.generate(prompts, p)
