@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from twophase.contract import PrefillBatch
+from twophase.contract import KVCache, PrefillBatch
 from twophase.exporters.onnx import INPUTS, PagedStep, _example
 from twophase.graph.inputs import step_inputs
 from twophase.models.decoder import Decoder
@@ -107,7 +107,7 @@ def main() -> None:
     batch = PrefillBatch(token_ids=torch.arange(B) % arch.vocab_size, positions=torch.full((B,), S),
                          slot_mapping=tables[:, S // bs] * bs + S % bs, block_tables=tables,
                          context_lens=ctx, query_lens=[1] * B, start_positions=[S] * B)
-    inputs = step_inputs(batch, bs)
+    inputs = step_inputs(batch, KVCache(pool, bs))
     # the same cached K/V, laid out contiguously per sequence
     blocks = pool[:, :, tables]                                   # [L, 2, B, nb, KVH, BS, hd]
     flat = blocks.permute(0, 1, 2, 4, 3, 5, 6).reshape(L, 2, B, kvh, nb * bs, hd)[..., :S, :]

@@ -34,12 +34,12 @@ def test_profile_shapes_follow_the_config():
     # prefill: up to the token budget, up to max_num_seqs chunks as long as it, no decodes
     assert prefill["input_ids"] == ((1,), (48,), (48,))
     assert prefill["chunk_index"] == ((1, 1), (8, 48), (8, 48))
-    assert prefill["chunk_tables"] == ((1, 1), (8, 12), (8, 25))      # 100 tokens = 25 blocks
-    assert prefill["dec_tables"] == ((0, 1), (0, 1), (0, 1))
+    assert prefill["chunk_blocks"] == ((2, 1, 1), (2, 8, 12), (2, 8, 25))   # 100 tokens = 25 blocks
+    assert prefill["dec_blocks"] == ((2, 0, 1), (2, 0, 1), (2, 0, 1))
     assert prefill["logits_index"] == ((1,), (48,), (48,))
     # decode: one token per sequence, 1..max_num_seqs, no chunk group
     assert decode["input_ids"] == ((1,), (8,), (8,))
-    assert decode["dec_tables"] == ((1, 1), (8, 12), (8, 25))
+    assert decode["dec_blocks"] == ((2, 1, 1), (2, 8, 12), (2, 8, 25))
     assert decode["chunk_index"] == ((0, 1), (0, 1), (0, 1))
     most = max_pool_blocks(ARCH, 4)
     assert most == (2**31 - 1) // (2 * 2 * 2 * 4 * 8)         # layers x K/V x heads x block x head_dim
@@ -232,7 +232,7 @@ def test_the_standin_refuses_a_pool_past_the_limit_as_tensorrt_does(small_limit,
            "backend": {"name": "tensorrt", "device": "cpu"}}
     with pytest.raises(StepFailed, match=r"TensorRT refused shape \(2, 2, 41, 2, 4, 16\) for kv_pool"):
         tiny_llm(**cfg).generate([[5, 6, 7]], SamplingParams(max_tokens=2))
-    monkeypatch.setattr(trt_profiles, "max_pool_blocks", lambda arch, block_size: 41)
+    monkeypatch.setattr(trt_profiles, "max_pool_blocks", lambda arch, block_size, slots=None: 41)
     with pytest.raises(TwophaseError, match="TensorRT failed to build the engine"):
         tiny_llm(**cfg)
     (error,) = [c for c in fake_tensorrt.calls if c[0] == "Builder.error"]

@@ -72,7 +72,8 @@ def test_the_profiles_per_dimension_maxima_did_not_fit():
     arch = fake_arch(LLAMA3_8B)
     width = 131072 // 16
     square = {"input_ids": [[1], [4096], [4096]], "chunk_index": [[0, 1], [1, 4096], [64, 4096]],
-              "chunk_tables": [[0, 1], [1, width], [64, width]], "dec_tables": [[0, 1], [1, width], [64, width]],
+              "chunk_blocks": [[32, 0, 1], [32, 1, width], [32, 64, width]],
+              "dec_blocks": [[32, 0, 1], [32, 1, width], [32, 64, width]],
               "logits_index": [[1], [4096], [4096]], "kv_pool": [[32, 2, 1, 8, 16, 128]] * 3}
     tensors = fake_tensorrt._profile_tensors(arch, square)
     assert tensors["chunk_scores"] > 10**12 and tensors["decode_kv"] > 8 * 10**9

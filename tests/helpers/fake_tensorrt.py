@@ -211,7 +211,7 @@ def _profile_tensors(arch: dict, shapes: dict) -> dict[str, int]:
     H, KVH, hd = arch["H"], arch["KVH"], arch["hd"]
     bs = mx["kv_pool"][4]
     C, Q = mx["chunk_index"]
-    Wc, (D, Wd), T = mx["chunk_tables"][1], mx["dec_tables"], mx["input_ids"][0]
+    Wc, (D, Wd), T = mx["chunk_blocks"][2], mx["dec_blocks"][1:], mx["input_ids"][0]
     out.update({
         "chunk_scores": C * H * Q * (Wc * bs + Q), "chunk_kv": C * (Wc * bs + Q) * KVH * hd,
         "decode_scores": D * Wd * bs * H, "decode_kv": D * Wd * bs * KVH * hd,

@@ -91,9 +91,10 @@ SPLIT = {"prefill": {"name": "onnxruntime"}, "decode": {"name": "torch"}}
 @pytest.mark.parametrize("backend", ["onnxruntime", "iree", "split", "tensorrt"])
 def test_graph_backends_trace_each_family_they_claim(hf_model, backend, monkeypatch, tmp_path):
     """ONNX and IREE trace the same decoder: a family whose features they claim gives torch's
-    greedy tokens, alone and batched with chunks (``split``: ONNX prefills, torch decodes over
-    the same pool; ``tensorrt``: the backend's calls through the stand-in, which runs the ONNX
-    graph); one they do not is refused before any export."""
+    greedy tokens, alone and batched with chunks, over a pool in groups where the family mixes
+    windows (``split``: ONNX prefills, torch decodes over the same pool; ``tensorrt``: the
+    backend's calls through the stand-in, which runs the ONNX graph); one they do not is
+    refused before any export."""
     from helpers import fake_tensorrt
 
     from twophase.errors import BackendUnavailable
@@ -114,7 +115,11 @@ def test_graph_backends_trace_each_family_they_claim(hf_model, backend, monkeypa
         return
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     want = [llm.generate([p], params)[0].token_ids for p in prompts]
-    assert [o.token_ids for o in LLM.from_config(cfg).generate(prompts, params)] == want
+    graph = LLM.from_config(cfg)
+    assert [o.token_ids for o in graph.generate(prompts, params)] == want
+    # a model mixing full and sliding layers is read in groups: its sliding layers hold their window
+    mixed = len({s.attention.window for s in llm.model.arch.layers}) > 1
+    assert graph.kv_cache.groups is not None and (graph.kv_cache.groups.num_groups > 1) == mixed
     if backend == "tensorrt":
         assert any(c[0] == "IExecutionContext.execute_async_v3" for c in fake_tensorrt.calls)
 

@@ -43,7 +43,7 @@ from twophase.contract import (
 )
 from twophase.device import require_device, threads_option
 from twophase.errors import ConfigError
-from twophase.graph.inputs import step_inputs, write_new_kv
+from twophase.graph.inputs import kv_rows, layer_blocks, step_inputs, write_rows
 from twophase.models.graph_attention import TRACED_FEATURES
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class IreeBackend(Backend):
     def capabilities(self) -> Capabilities:
         owned = getattr(self, "pool_mode", "shared") == "owned"
         return Capabilities(features=TRACED_FEATURES, devices=tuple(DRIVERS), dtypes=(torch.float32,),
-                            shares_kv_pool=not owned, own_threads=True)
+                            shares_kv_pool=not owned, own_threads=True, kv_groups=True)
 
     def load(self, model: ModelSpec, cfg: BackendConfig) -> None:
         self.check_available(cfg.device)
@@ -164,17 +164,17 @@ class IreeBackend(Backend):
     # -- the two operations -----------------------------------------------------------------
     def prefill(self, batch: PrefillBatch) -> torch.Tensor:
 
-        x = step_inputs(batch, self.kv.block_size, decodes=False)
+        x = step_inputs(batch, self.kv, decodes=False)
         return self._run("prefill", batch.slot_mapping,
                          [x["input_ids"], x["positions"], self.pool_view, x["chunk_index"],
-                          x["chunk_tables"], x["chunk_cached"], x["chunk_lens"], x["logits_index"]])
+                          x["chunk_blocks"], x["chunk_cached"], x["chunk_lens"], x["logits_index"]])
 
     def decode(self, batch: DecodeBatch) -> torch.Tensor:
         cached = batch.context_lens - 1
         width = max(1, -(-int(cached.max()) // self.kv.block_size))
-        tables = batch.block_tables[:, :width]
+        blocks = layer_blocks(batch.block_tables[..., :width], tuple(self.kv.pool.shape), self.kv.groups)
         return self._run("decode", batch.slot_mapping,
-                         [batch.token_ids, batch.positions, self.pool_view, tables, cached])
+                         [batch.token_ids, batch.positions, self.pool_view, blocks, cached])
 
     def _run(self, entry: str, slots: torch.Tensor, args: list[Any]) -> torch.Tensor:
 
@@ -182,11 +182,12 @@ class IreeBackend(Backend):
         if self.device.type == "cuda" and self.pool_mode == "shared":
             torch.cuda.current_stream(self.device).synchronize()   # the pool's last writes land
         logits, new_k, new_v = self.entry[entry](*args)
+        rows = kv_rows(tuple(self.kv.pool.shape), slots, self.kv.groups)
         if self.pool_mode == "owned":
-            self.entry["write_kv"](self.pool_view, new_k, new_v, np.ascontiguousarray(slots.numpy()))
+            self.entry["write_kv"](self.pool_view, new_k, new_v, np.ascontiguousarray(rows.numpy()))
         else:     # through the host: a step's K/V are small (23 KB a token, default model)
-            write_new_kv(self.kv.pool, torch.from_numpy(new_k.to_host()).to(self.device),
-                         torch.from_numpy(new_v.to_host()).to(self.device), slots)
+            write_rows(self.kv.pool, torch.from_numpy(new_k.to_host()).to(self.device),
+                       torch.from_numpy(new_v.to_host()).to(self.device), rows.to(self.device))
         return torch.from_numpy(logits.to_host())
 
 

@@ -124,7 +124,8 @@ class OnnxRuntimeBackend(Backend):
         old_gather = cuda and _release(_ort().__version__) < GATHER_FIXED
         dtypes = cuda_dtypes(_ort().__version__) if cuda else (torch.float32, torch.float16)
         return Capabilities(features=TRACED_FEATURES, devices=("cpu", "cuda"), dtypes=dtypes,
-                            own_threads=True, max_pool_elements=GATHER_LIMIT if old_gather else None)
+                            own_threads=True, max_pool_elements=GATHER_LIMIT if old_gather else None,
+                            kv_groups=True)
 
     def load(self, model: ModelSpec, cfg: BackendConfig) -> None:
         self.check_available(cfg.device)
@@ -230,9 +231,9 @@ class OnnxRuntimeBackend(Backend):
     def prefill(self, batch: PrefillBatch) -> torch.Tensor:
         if self.verify_session is not None and self._short_chunks(batch):
             return self._verify(batch)
-        inputs = step_inputs(batch, self.kv.block_size)
+        inputs = step_inputs(batch, self.kv)
         logits, new_k, new_v = self._run(inputs)
-        write_new_kv(self.kv.pool, new_k, new_v, batch.slot_mapping.to(self.device))
+        write_new_kv(self.kv.pool, new_k, new_v, batch.slot_mapping, self.kv.groups)
         return logits
 
     @staticmethod
@@ -242,9 +243,9 @@ class OnnxRuntimeBackend(Backend):
         return longest <= SHORT_CHUNK and longest * batch.num_seqs <= 2 * batch.num_tokens
 
     def _verify(self, batch: PrefillBatch) -> torch.Tensor:
-        inputs, rows = verify_graph_inputs(batch, self.kv.pool, self.group)
+        inputs, rows = verify_graph_inputs(batch, self.kv.pool, self.group, self.kv.groups)
         logits, new_k, new_v = self._run(inputs, self.verify_session)
-        write_new_kv(self.kv.pool, new_k[:, rows], new_v[:, rows], batch.slot_mapping)
+        write_new_kv(self.kv.pool, new_k[:, rows], new_v[:, rows], batch.slot_mapping, self.kv.groups)
         if batch.logits == "last":
             rows = rows[torch.tensor(batch.query_start[1:]) - 1]
         return logits[rows]
@@ -252,8 +253,9 @@ class OnnxRuntimeBackend(Backend):
     def decode(self, batch: DecodeBatch) -> torch.Tensor:
         if self.decode_session is None:
             return self.prefill(batch.as_prefill())
-        logits, new_k, new_v = self._run(decode_graph_inputs(batch, self.kv.pool), self.decode_session)
-        write_new_kv(self.kv.pool, new_k, new_v, batch.slot_mapping)
+        logits, new_k, new_v = self._run(decode_graph_inputs(batch, self.kv.pool, self.kv.groups),
+                                         self.decode_session)
+        write_new_kv(self.kv.pool, new_k, new_v, batch.slot_mapping, self.kv.groups)
         return logits
 
     def _run(self, inputs: dict[str, torch.Tensor], session=None):

@@ -93,7 +93,7 @@ class TensorRTBackend(Backend):
         return Capabilities(features=TRACED_FEATURES, devices=("cuda",), dtypes=DTYPES,
                             max_num_seqs=lim.max_num_seqs if lim else None,
                             max_num_tokens=lim.max_num_batched_tokens if lim else None,
-                            max_pool_elements=trt_profiles.ELEMENT_LIMIT)
+                            max_pool_elements=trt_profiles.ELEMENT_LIMIT, kv_groups=True)
 
     def load(self, model: ModelSpec, cfg: BackendConfig) -> None:
         from twophase.exporters.tensorrt import require_export_packages
@@ -131,7 +131,7 @@ class TensorRTBackend(Backend):
         opts = self.cfg.options
         path = exporter.export(self.model, self.limits, kv.block_size, kv.num_blocks,
                                opts.get("engine_dir"), force=bool(opts.get("rebuild", False)),
-                               device_index=self.device.index or 0)
+                               device_index=self.device.index or 0, slots=kv.pool.shape[0])
         self.engine_path = path
         self.trt_logger = trt.Logger(trt.Logger.WARNING)
         self.runtime = trt.Runtime(self.trt_logger)
@@ -203,7 +203,7 @@ class TensorRTBackend(Backend):
 
     def _run(self, profile: int, batch: PrefillBatch) -> torch.Tensor:
         ctx = self.contexts[profile]
-        feeds = step_inputs(batch, self.kv.block_size, decodes=self.rungs[profile].phase == "decode")
+        feeds = step_inputs(batch, self.kv, decodes=self.rungs[profile].phase == "decode")
         feeds = {n: self.kv.pool if n == "kv_pool" else aligned(feeds[n].to(self.device, non_blocking=True))
                  for n in STEP.names}
         for name, t in feeds.items():
@@ -229,7 +229,7 @@ class TensorRTBackend(Backend):
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
         write_new_kv(self.kv.pool, outs["new_k"].to(self.kv.pool.dtype), outs["new_v"].to(self.kv.pool.dtype),
-                     batch.slot_mapping.to(self.device))
+                     batch.slot_mapping, self.kv.groups)
         return outs["logits"].float()
 
     @staticmethod

@@ -80,8 +80,8 @@ def sub_batch(batch: PrefillBatch, pieces: list[Piece]) -> tuple[PrefillBatch, t
     starts = [batch.start_positions[s] + o for s, o, _ in pieces]
     lens = [n for _, _, n in pieces]
     context = torch.tensor([s + n for s, n in zip(starts, lens)], dtype=torch.long)
-    return PrefillBatch(batch.token_ids[idx], batch.positions[idx], batch.slot_mapping[idx],
-                        batch.block_tables[seqs], context, lens, starts, batch.logits), idx
+    return PrefillBatch(batch.token_ids[idx], batch.positions[idx], batch.slot_mapping[..., idx],
+                        batch.block_tables[..., seqs, :], context, lens, starts, batch.logits), idx
 
 
 def last_rows(batch: PrefillBatch, pieces: list[Piece]) -> tuple[list[int], list[int]]:

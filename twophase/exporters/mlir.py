@@ -8,12 +8,13 @@ empty, so ``decode`` contains no chunk path and ``prefill`` no decode path. The 
 explicit-softmax one the ONNX graph uses: IREE's lowering of ``scaled_dot_product_attention``
 ran about 5x slower than torch on this CPU.
 
-Entry points (int64 indices, the pool ``[L, 2, NB, KVH, BS, hd]``):
+Entry points (int64 indices, the pool ``[S, 2, NB, KVH, BS, hd]``, its layers' blocks as
+``graph.inputs.layer_blocks`` gives them, so a pool in groups is read as a plain one):
 
-- ``prefill(input_ids [T], positions [T], kv_pool, chunk_index [C, Q], chunk_tables [C, Wc],
+- ``prefill(input_ids [T], positions [T], kv_pool, chunk_index [C, Q], chunk_blocks [L, C, Wc],
   chunk_cached [C], chunk_lens [C], logits_index [N])``: chunks after cached tokens, padded to
   the longest (padding index = T); decodes in a mixed step ride along as one-token chunks.
-- ``decode(input_ids [D], positions [D], kv_pool, dec_tables [D, Wd], dec_cached [D])``: one
+- ``decode(input_ids [D], positions [D], kv_pool, dec_blocks [L, D, Wd], dec_cached [D])``: one
   token per sequence, logits for each.
 
 Both return ``logits [N, vocab]`` float32 and ``new_k``/``new_v [L, T, KVH, hd]``. Like the ONNX
@@ -22,9 +23,9 @@ DLPack), the backend writes the new K/V at the batch's slots with torch. Two mor
 the module keeps in its own device memory (the backend's ``owned`` mode, for a runtime that
 cannot import torch's memory):
 
-- ``write_kv(kv_pool, new_k, new_v, slots [T])`` writes a step's K/V into the pool, so the K/V
-  never leave the device (the argument is mutated, as shark-ai's paged models mutate
-  ``cache_state``; IREE 3.13 does it by copying the whole pool);
+- ``write_kv(kv_pool, new_k, new_v, rows [L, 2, T, KVH])`` (``graph.inputs.kv_rows``) writes a
+  step's K/V into the pool, so the K/V never leave the device (the argument is mutated, as
+  shark-ai's paged models mutate ``cache_state``; IREE 3.13 does it by copying the whole pool);
 - ``clear_kv(kv_pool)`` zeroes a freshly allocated pool in place (masked attention reads unused
   slots, and uninitialised memory could hold NaNs).
 
@@ -46,13 +47,13 @@ from torch import nn
 from twophase.contract import ModelSpec
 from twophase.device import cpu_name
 from twophase.exporters.cache import build_cached, cache_folder, weights_digest
-from twophase.exporters.onnx import PagedStep, quiet_exporter_logs
-from twophase.graph.inputs import write_new_kv
+from twophase.exporters.onnx import PagedStep, example_groups, quiet_exporter_logs
+from twophase.graph.inputs import kv_rows, layer_blocks, write_rows
 from twophase.graph.signature import DECODE, PREFILL
 from twophase.models.graph_attention import GraphMeta
 from twophase.models.q4_weights import cpu_model
 
-FORMAT = "twophase-mlir/3"      # 3: write_kv and clear_kv entry points
+FORMAT = "twophase-mlir/4"      # 3: write_kv and clear_kv entry points; 4: layers' block indices
 log = logging.getLogger(__name__)
 
 
@@ -63,18 +64,18 @@ class PhaseSteps(nn.Module):
         super().__init__()
         self.step = PagedStep(model)
 
-    def prefill(self, input_ids, positions, kv_pool, chunk_index, chunk_tables, chunk_cached,
+    def prefill(self, input_ids, positions, kv_pool, chunk_index, chunk_blocks, chunk_cached,
                 chunk_lens, logits_index):
-        meta = GraphMeta(None, None, None, chunk_index, chunk_tables, chunk_cached, chunk_lens)
+        meta = GraphMeta(None, None, None, chunk_index, chunk_blocks, chunk_cached, chunk_lens)
         return self.step.run(input_ids, positions, kv_pool, meta, logits_index)
 
-    def decode(self, input_ids, positions, kv_pool, dec_tables, dec_cached):
+    def decode(self, input_ids, positions, kv_pool, dec_blocks, dec_cached):
         index = torch.arange(input_ids.shape[0], device=input_ids.device)
-        meta = GraphMeta(index, dec_tables, dec_cached, None, None, None, None)
+        meta = GraphMeta(index, dec_blocks, dec_cached, None, None, None, None)
         return self.step.run(input_ids, positions, kv_pool, meta, index)
 
-    def write_kv(self, kv_pool, new_k, new_v, slots):
-        write_new_kv(kv_pool, new_k, new_v, slots)
+    def write_kv(self, kv_pool, new_k, new_v, rows):
+        write_rows(kv_pool, new_k, new_v, rows)
 
     def clear_kv(self, kv_pool):
         kv_pool.zero_()
@@ -137,28 +138,28 @@ def _compile_to(model: ModelSpec, device: str, block_size: int, folder: Path) ->
 
         # turbine inspects these functions' signatures: the arguments must be spelled out
         @fxb.export_program(name="prefill", args=pre_args, dynamic_shapes=pre_dyn, strict=False)
-        def prefill(module, input_ids, positions, kv_pool, chunk_index, chunk_tables,
+        def prefill(module, input_ids, positions, kv_pool, chunk_index, chunk_blocks,
                     chunk_cached, chunk_lens, logits_index):
-            return module.prefill(input_ids, positions, kv_pool, chunk_index, chunk_tables,
+            return module.prefill(input_ids, positions, kv_pool, chunk_index, chunk_blocks,
                                   chunk_cached, chunk_lens, logits_index)
 
         stages.update()
         stages.set_postfix_str("tracing decode")
 
         @fxb.export_program(name="decode", args=dec_args, dynamic_shapes=dec_dyn, strict=False)
-        def decode(module, input_ids, positions, kv_pool, dec_tables, dec_cached):
-            return module.decode(input_ids, positions, kv_pool, dec_tables, dec_cached)
+        def decode(module, input_ids, positions, kv_pool, dec_blocks, dec_cached):
+            return module.decode(input_ids, positions, kv_pool, dec_blocks, dec_cached)
 
-        pool, new_k, new_v, slots = _pool_examples(steps.step.model.arch, model.dtype, block_size)
-        t, nb = Dim("T"), Dim("NB")
+        pool, new_k, new_v, rows = _pool_examples(steps.step.model.arch, model.dtype, block_size)
+        t, nb, sl = Dim("T"), Dim("NB"), Dim("S")
 
-        @fxb.export_program(name="write_kv", args=(pool, new_k, new_v, slots), strict=False,
-                            dynamic_shapes=({2: nb}, {1: t}, {1: t}, {0: t}))
-        def write_kv(module, kv_pool, new_k, new_v, slots):
-            module.write_kv(kv_pool, new_k, new_v, slots)
+        @fxb.export_program(name="write_kv", args=(pool, new_k, new_v, rows), strict=False,
+                            dynamic_shapes=({0: sl, 2: nb}, {1: t}, {1: t}, {2: t}))
+        def write_kv(module, kv_pool, new_k, new_v, rows):
+            module.write_kv(kv_pool, new_k, new_v, rows)
             return ()                             # turbine imports no `None` result
 
-        @fxb.export_program(name="clear_kv", args=(pool,), dynamic_shapes=({2: nb},), strict=False)
+        @fxb.export_program(name="clear_kv", args=(pool,), dynamic_shapes=({0: sl, 2: nb},), strict=False)
         def clear_kv(module, kv_pool):
             module.clear_kv(kv_pool)
             return ()
@@ -178,22 +179,26 @@ def _examples(arch, dtype: torch.dtype, bs: int):
     from torch.export import Dim
 
     L, kvh, hd = arch.num_layers, arch.num_kv_heads, arch.head_dim
-    pool = torch.zeros(L, 2, 16, kvh, bs, hd, dtype=dtype)
+    pool = torch.zeros(2, 2, 16, kvh, bs, hd, dtype=dtype)
+    groups = example_groups(L)
     T = 6                                         # chunks of 2 and 4 tokens after cached ones
     pre = (torch.arange(T) % arch.vocab_size, torch.tensor([3, 4, 5, 6, 7, 8]), pool,
-           torch.tensor([[0, 1, T, T], [2, 3, 4, 5]]), torch.tensor([[0, 1], [2, 3]]),
+           torch.tensor([[0, 1, T, T], [2, 3, 4, 5]]),
+           layer_blocks(torch.tensor([[[0, 1], [2, 3]]] * 2), pool.shape, groups),
            torch.tensor([3, 5]), torch.tensor([2, 4]), torch.tensor([1, 5]))
-    t, nb, c, q, wc, n = (Dim(x) for x in ("T", "NB", "C", "Q", "Wc", "N"))
-    pre_dyn = ({0: t}, {0: t}, {2: nb}, {0: c, 1: q}, {0: c, 1: wc}, {0: c}, {0: c}, {0: n})
+    t, sl, nb, c, q, wc, n = (Dim(x) for x in ("T", "S", "NB", "C", "Q", "Wc", "N"))
+    pre_dyn = ({0: t}, {0: t}, {0: sl, 2: nb}, {0: c, 1: q}, {1: c, 2: wc}, {0: c}, {0: c}, {0: n})
     D = 3
     dec = (torch.arange(D) % arch.vocab_size, torch.tensor([5, 9, 2]), pool,
-           torch.tensor([[0, 1, 0], [2, 3, 4], [5, 0, 0]]), torch.tensor([5, 9, 2]))
-    d, wd, nb2 = Dim("D"), Dim("Wd"), Dim("NB")
-    dec_dyn = ({0: d}, {0: d}, {2: nb2}, {0: d, 1: wd}, {0: d})
+           layer_blocks(torch.tensor([[[0, 1, 0], [2, 3, 4], [5, 0, 0]]] * 2), pool.shape, groups),
+           torch.tensor([5, 9, 2]))
+    d, wd, sl2, nb2 = Dim("D"), Dim("Wd"), Dim("S"), Dim("NB")
+    dec_dyn = ({0: d}, {0: d}, {0: sl2, 2: nb2}, {1: d, 2: wd}, {0: d})
     return pre, pre_dyn, dec, dec_dyn
 
 
 def _pool_examples(arch, dtype: torch.dtype, bs: int):
     L, kvh, hd, T = arch.num_layers, arch.num_kv_heads, arch.head_dim, 3
-    return (torch.zeros(L, 2, 16, kvh, bs, hd, dtype=dtype), torch.ones(L, T, kvh, hd, dtype=dtype),
-            torch.ones(L, T, kvh, hd, dtype=dtype), torch.tensor([0, 5, 17]))
+    pool = torch.zeros(2, 2, 16, kvh, bs, hd, dtype=dtype)
+    rows = kv_rows(tuple(pool.shape), torch.tensor([[0, 5, 17]] * 2), example_groups(L))
+    return (pool, torch.ones(L, T, kvh, hd, dtype=dtype), torch.ones(L, T, kvh, hd, dtype=dtype), rows)

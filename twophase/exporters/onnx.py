@@ -24,9 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from twophase.contract import ModelSpec
+from twophase.contract import KVGroups, ModelSpec
 from twophase.exporters import decode_graph
 from twophase.exporters.cache import build_cached, cache_folder, weights_digest
+from twophase.graph.inputs import layer_blocks
 from twophase.graph.signature import STEP
 from twophase.models.decoder import Decoder
 from twophase.models.graph_attention import GraphMeta
@@ -52,9 +53,9 @@ class PagedStep(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids, positions, kv_pool, dec_index, dec_tables, dec_cached,
-                chunk_index, chunk_tables, chunk_cached, chunk_lens, logits_index):
-        meta = GraphMeta(dec_index, dec_tables, dec_cached, chunk_index, chunk_tables,
+    def forward(self, input_ids, positions, kv_pool, dec_index, dec_blocks, dec_cached,
+                chunk_index, chunk_blocks, chunk_cached, chunk_lens, logits_index):
+        meta = GraphMeta(dec_index, dec_blocks, dec_cached, chunk_index, chunk_blocks,
                          chunk_cached, chunk_lens)
         return self.run(input_ids, positions, kv_pool, meta, logits_index)
 
@@ -80,8 +81,9 @@ OPSET = 18
 Q4_FORMAT = 3                   # 2: a float model's head at 8 bits; 3: centred zero points, outlier channels
 # 2: dynamic block size; 3: no onnxscript pass; 4: flat pool gather; 5: K and V gathered apart;
 # 6: masks built once a step, slices for splits; 7: decode.onnx beside it; 9: it gathers whole
-# blocks; 13: new K/V joined once at the end; 15: verify.onnx (10 to 12, 14: unreleased trials)
-FORMAT = "twophase-onnx/15"
+# blocks; 13: new K/V joined once at the end; 15: verify.onnx; 16: each layer's block indices, a
+# pool of any slot count (10 to 12, 14: unreleased trials)
+FORMAT = "twophase-onnx/16"
 
 
 def manifest_for(model: ModelSpec) -> dict[str, Any]:
@@ -169,23 +171,31 @@ def quiet_exporter_logs():
             lg.setLevel(level)
 
 
+def example_groups(num_layers: int) -> KVGroups:
+    """A pool of 2 slots in 2 groups, layers alternating: the traced example's layout (any
+    layout traces the same graph; this one keeps the slot count apart from the layer count)."""
+    return KVGroups((None, None), tuple(i % 2 for i in range(num_layers)),
+                    tuple(i % 2 for i in range(num_layers)))
+
+
 def _example(arch, dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], dict[str, dict[int, Any]]]:
     """A small mixed batch (2 decodes, 2 chunks after cached tokens) and every dim dynamic."""
     from torch.export import Dim
 
     L, kvh, hd = arch.num_layers, arch.num_kv_heads, arch.head_dim
     bs, nb = 4, 16
-    pool = torch.zeros(L, 2, nb, kvh, bs, hd, dtype=dtype)
+    pool = torch.zeros(2, 2, nb, kvh, bs, hd, dtype=dtype)
+    groups = example_groups(L)
     T = 8                                      # 2 decode tokens + chunks of 3 and 3
     ex = {
         "input_ids": torch.arange(T) % arch.vocab_size,
         "positions": torch.tensor([5, 9, 2, 3, 4, 6, 7, 8]),
         "kv_pool": pool,
         "dec_index": torch.tensor([0, 1]),
-        "dec_tables": torch.tensor([[0, 1, 0], [2, 3, 4]]),
+        "dec_blocks": layer_blocks(torch.tensor([[[0, 1, 0], [2, 3, 4]]] * 2), pool.shape, groups),
         "dec_cached": torch.tensor([5, 9]),
         "chunk_index": torch.tensor([[2, 3, 4], [5, 6, 7]]),
-        "chunk_tables": torch.tensor([[5, 0], [6, 7]]),
+        "chunk_blocks": layer_blocks(torch.tensor([[[5, 0], [6, 7]]] * 2), pool.shape, groups),
         "chunk_cached": torch.tensor([2, 6]),
         "chunk_lens": torch.tensor([3, 3]),
         "logits_index": torch.tensor([0, 1, 4, 7]),

@@ -144,7 +144,8 @@ def _save_timing_cache(config, path: Path) -> None:
 
 
 def export(model: ModelSpec, limits: EngineLimits, block_size: int, num_blocks: int,
-           out_dir: Path | None = None, force: bool = False, device_index: int = 0) -> Path:
+           out_dir: Path | None = None, force: bool = False, device_index: int = 0,
+           slots: int | None = None) -> Path:
     """The engine for ``model`` on this GPU (``model.engine`` + ``manifest.json``), built now
     unless an up-to-date one is in the cache. A folder the user names (``out_dir``) is used as
     it is if it holds an engine, and refused if that engine was built for something else."""
@@ -153,7 +154,7 @@ def export(model: ModelSpec, limits: EngineLimits, block_size: int, num_blocks: 
 
     trt = import_tensorrt()
     require_export_packages()
-    profiles = profile_shapes(model.arch, limits, block_size, num_blocks)
+    profiles = profile_shapes(model.arch, limits, block_size, num_blocks, slots)
     onnx_manifest = onnx.manifest_for(model)
     gpu = gpu_identity(device_index)
     manifest = manifest_for(model, profiles, trt.__version__, gpu, onnx_manifest)

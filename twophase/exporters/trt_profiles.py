@@ -83,15 +83,16 @@ def rung_bytes(arch: ModelArch, rung: Rung, block_size: int, size: int) -> int:
             + 2 * t["mlp"] * size + t["logits"] * size + WORKSPACE_BYTES)
 
 
-def pool_block_elements(arch: ModelArch, block_size: int) -> int:
-    """Elements of one block of the (plain) pool: every layer's K and V for ``block_size`` tokens."""
-    return arch.num_layers * 2 * arch.num_kv_heads * block_size * arch.head_dim
+def pool_block_elements(arch: ModelArch, block_size: int, slots: int | None = None) -> int:
+    """Elements of one block of the pool: K and V for ``block_size`` tokens of each of its
+    ``slots`` (every layer in a plain pool; ``KVGroups.num_slots`` in groups)."""
+    return (slots or arch.num_layers) * 2 * arch.num_kv_heads * block_size * arch.head_dim
 
 
-def max_pool_blocks(arch: ModelArch, block_size: int) -> int:
+def max_pool_blocks(arch: ModelArch, block_size: int, slots: int | None = None) -> int:
     """The most blocks a pool TensorRT binds may hold: ``ELEMENT_LIMIT`` elements at most
     (llama3-8b in 16-token blocks: 2,047 blocks, 32,752 tokens)."""
-    return max(1, ELEMENT_LIMIT // pool_block_elements(arch, block_size))
+    return max(1, ELEMENT_LIMIT // pool_block_elements(arch, block_size, slots))
 
 
 def _widths(width: int) -> list[int]:
@@ -152,15 +153,17 @@ def _longest_chunk(keys: int, heads: int, per_key: int) -> int:
 
 
 def profile_shapes(arch: ModelArch, limits: EngineLimits, block_size: int,
-                   num_blocks: int) -> list[Profile]:
+                   num_blocks: int, slots: int | None = None) -> list[Profile]:
     """The min/opt/max shape of every graph input in each rung's profile, in ``rungs`` order.
     The pool's block count is dynamic, from 1 to ``max_pool_blocks`` (the element limit), and
     tuned for (opt) the pool bound now. The opt is left out of the engine's cache key
     (``cache_key``): a pool sized by the free memory of the day reuses the engine; only maxima
-    that depend on it (a context wider than the pool) rebuild it."""
+    that depend on it (a context wider than the pool) rebuild it. ``slots``: the pool's first
+    dimension (``KVGroups.num_slots``; default every layer), fixed in the engine."""
     fixed = {"L": arch.num_layers, "KVH": arch.num_kv_heads, "hd": arch.head_dim,
              "BS": block_size}
-    most = max_pool_blocks(arch, block_size)
+    fixed["S"] = slots or arch.num_layers
+    most = max_pool_blocks(arch, block_size, slots)
     profiles = []
     for r in rungs(arch, limits, num_blocks, block_size):
         if r.phase == "prefill":

@@ -2,8 +2,10 @@
 
 Dimension names: ``T`` packed tokens, ``N`` logits rows, ``D`` one-token (decode) sequences and
 ``Wd`` their block-table width, ``C`` chunks padded to ``Q`` tokens with block tables ``Wc``
-wide; the pool is ``[L, 2, NB, KVH, BS, hd]``. ``L``, ``KVH`` and ``hd`` are fixed by the model;
-every other name is dynamic in an export and ranges over a TensorRT profile.
+wide; the pool is ``[S, 2, NB, KVH, BS, hd]``, ``S`` slots of layers (``L`` in a plain pool, fewer
+in groups: ``KVGroups``), and graphs index it through each layer's block indices ``[L, ...]``.
+``L``, ``KVH`` and ``hd`` are fixed by the model; every other name is dynamic in an export and
+ranges over a TensorRT profile.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 Dim = str | int
 MODEL_DIMS = frozenset({"L", "KVH", "hd"})          # fixed once the model is known
-POOL: tuple[Dim, ...] = ("L", 2, "NB", "KVH", "BS", "hd")
+POOL: tuple[Dim, ...] = ("S", 2, "NB", "KVH", "BS", "hd")
 
 
 @dataclass(frozen=True)
@@ -60,22 +62,22 @@ STEP = GraphSignature((
     ("positions", ("T",)),
     ("kv_pool", POOL),
     ("dec_index", ("D",)),            # token index of each one-token sequence
-    ("dec_tables", ("D", "Wd")),
+    ("dec_blocks", ("L", "D", "Wd")),  # each layer's K blocks of each (graph.inputs.layer_blocks)
     ("dec_cached", ("D",)),           # tokens cached before it
     ("chunk_index", ("C", "Q")),      # token index of each padded query slot (padding = T)
-    ("chunk_tables", ("C", "Wc")),
+    ("chunk_blocks", ("L", "C", "Wc")),
     ("chunk_cached", ("C",)),
     ("chunk_lens", ("C",)),
     ("logits_index", ("N",)),         # rows of the packed tokens whose logits are wanted
 ))
 
 # IREE's two entry points (``exporters/mlir.py``): the step graph split by phase.
-PREFILL = STEP.only(["input_ids", "positions", "kv_pool", "chunk_index", "chunk_tables",
+PREFILL = STEP.only(["input_ids", "positions", "kv_pool", "chunk_index", "chunk_blocks",
                      "chunk_cached", "chunk_lens", "logits_index"])
-DECODE = STEP.only(["input_ids", "positions", "kv_pool", "dec_tables", "dec_cached"])
+DECODE = STEP.only(["input_ids", "positions", "kv_pool", "dec_blocks", "dec_cached"])
 
 # The hand-built decode-only ONNX graph (``exporters/decode_graph.py``): ``B`` sequences,
-# ``blocks`` each layer's K then V blocks as indices of the pool's ``L * 2 * NB`` blocks, and
+# ``blocks`` each layer's K then V blocks as indices of the pool's ``S * 2 * NB`` blocks, and
 # ``mask`` 0 or -inf over the ``P1 = W * BS + 1`` keys (cache, then the new token).
 DECODE_GRAPH = GraphSignature((
     ("input_ids", ("B",)),

@@ -31,10 +31,11 @@ class GraphMeta:
     """Inputs of the exported graph besides tokens, positions and the pool (int64 tensors)."""
 
     dec_index: torch.Tensor | None     # [D] token index of each one-token sequence
-    dec_tables: torch.Tensor | None    # [D, Wd] its blocks (cached tokens only need to be covered)
+    # [L, D, Wd] each layer's K blocks (graph.inputs.layer_blocks; cached tokens only need to be covered)
+    dec_blocks: torch.Tensor | None
     dec_cached: torch.Tensor | None    # [D] tokens cached before this step's token
     chunk_index: torch.Tensor | None   # [C, Q] token index of each padded query slot; padding = T
-    chunk_tables: torch.Tensor | None  # [C, Wc]
+    chunk_blocks: torch.Tensor | None  # [L, C, Wc]
     chunk_cached: torch.Tensor | None  # [C] tokens cached before the chunk
     chunk_lens: torch.Tensor | None    # [C] real tokens in the chunk
     new_kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
@@ -57,17 +58,18 @@ def flat_gather(kv_layer: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     return out.reshape(2, tables.shape[0], tables.shape[1], *rest)
 
 
-def pool_gather(pool: torch.Tensor, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V blocks ``[B, nb, KVH, BS, hd]`` of ``layer``, indexing the whole pool
-    ``[L, 2, NB, ...]`` as one flat array of blocks. In a graph, selecting ``pool[layer]`` first
-    becomes a Gather that copies the layer's whole slab, and gathering K and V together then
-    splitting them copies the gathered blocks a second time: two gathers copy each byte once."""
+def pool_gather(pool: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V blocks ``[B, nb, KVH, BS, hd]`` at a layer's K block indices ``blocks [B, nb]``,
+    indexing the whole pool ``[S, 2, NB, ...]`` as one flat array of blocks (V is ``NB``
+    further). In a graph, selecting the layer's slab first becomes a Gather that copies all of
+    it, and gathering K and V together then splitting them copies the gathered blocks a second
+    time: two gathers copy each byte once."""
     nb_total = pool.shape[2]
-    flat = tables.reshape(-1) + 2 * layer * nb_total
-    blocks = pool.reshape(-1, *pool.shape[3:])
-    shape = (*tables.shape, *pool.shape[3:])
-    return (blocks.index_select(0, flat).reshape(shape),
-            blocks.index_select(0, flat + nb_total).reshape(shape))
+    flat = blocks.reshape(-1)
+    shape = (*blocks.shape, *pool.shape[3:])
+    every = pool.reshape(-1, *pool.shape[3:])
+    return (every.index_select(0, flat).reshape(shape),
+            every.index_select(0, flat + nb_total).reshape(shape))
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,7 @@ class Scores:
 
 def graph_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor,
                     m: GraphMeta, scale: Scores) -> torch.Tensor:
-    """q: [T, H, hd]; k, v: [T, KVH, hd]; pool: [L, 2, NB, KVH, BS, hd] → [T, H, hd]."""
+    """q: [T, H, hd]; k, v: [T, KVH, hd]; pool: [S, 2, NB, KVH, BS, hd] → [T, H, hd]."""
     T, H, hd = q.shape
     kvh = pool.shape[3]
     # one zero row at index T: where chunk padding slots read from and write to
@@ -106,9 +108,9 @@ def _decodes(q1, k1, v1, pool, m: GraphMeta, scale: Scores) -> torch.Tensor:
     kvh, bs = pool.shape[3], pool.shape[4]
     g = H // kvh
     minf = torch.finfo(torch.float32).min
-    D, Wd = m.dec_tables.shape
+    D, Wd = m.dec_blocks.shape[1:]
     qd = q1.index_select(0, m.dec_index).reshape(D, 1, kvh, g, hd)
-    kd, vd = (t.to(q1.dtype) for t in pool_gather(pool, m.layer, m.dec_tables))  # [D, Wd, KVH, BS, hd]
+    kd, vd = (t.to(q1.dtype) for t in pool_gather(pool, m.dec_blocks[m.layer]))  # [D, Wd, KVH, BS, hd]
     s = scale(qd @ kd.transpose(-1, -2))                                # [D, Wd, KVH, g, BS]
     invalid = m.shared(f"dec_invalid_{scale.window}", lambda: _dec_invalid(m, Wd, bs, scale.window, q1.device))
     s = s.masked_fill(invalid, minf)
@@ -142,11 +144,11 @@ def _chunks(q1, k1, v1, pool, m: GraphMeta, scale: Scores) -> torch.Tensor:
     g = H // kvh
     minf = torch.finfo(torch.float32).min
     C, Q = m.chunk_index.shape
-    Wc = m.chunk_tables.shape[1]
+    Wc = m.chunk_blocks.shape[2]
     idx = m.chunk_index.reshape(-1)
     qc = q1.index_select(0, idx).reshape(C, Q, kvh, g, hd).permute(0, 2, 3, 1, 4)  # [C,KVH,g,Q,hd]
     kc, vc = (t.to(q1.dtype).transpose(1, 2).reshape(C, kvh, Wc * bs, hd)
-              for t in pool_gather(pool, m.layer, m.chunk_tables))
+              for t in pool_gather(pool, m.chunk_blocks[m.layer]))
     kn = k1.index_select(0, idx).reshape(C, Q, kvh, hd).transpose(1, 2)
     vn = v1.index_select(0, idx).reshape(C, Q, kvh, hd).transpose(1, 2)
     keys = torch.cat([kc, kn], dim=2).unsqueeze(2)                     # [C, KVH, 1, S+Q, hd]
