@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1] / "twophase"
 
 LAYERS = [
     ["twophase.errors", "twophase.paths", "twophase.device", "twophase.data"],   # machine facts, errors
-    ["twophase.arch", "twophase.formats", "twophase.contract",
+    ["twophase.arch", "twophase.formats", "twophase.kv_formats", "twophase.contract",
      "twophase.backends.hookspecs"],                                # the plugin contract
     ["twophase.structured"],                                        # grammars the sampler applies
     ["twophase.core"],                                              # scheduling, KV, sampling

@@ -26,6 +26,7 @@ import torch
 from twophase.arch import ModelArch, describe
 from twophase.device import parse_device
 from twophase.errors import BackendUnavailable, ConfigError
+from twophase.kv_formats import kv_format_of
 
 __all__ = [
     "Backend",
@@ -129,6 +130,8 @@ class Capabilities:
     # the architecture features it computes (keys of ``twophase.arch.FEATURES``); a model
     # using any other is refused by its name before load (see ``Backend.supports``)
     features: frozenset[str] = frozenset()
+    # the K/V formats (``twophase.kv_formats``) it reads and writes besides its model's dtype
+    kv_formats: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -194,7 +197,8 @@ class KVCacheSpec:
 
     def bytes_per_block(self, block_size: int) -> int:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * 2 * self.num_kv_heads * block_size * self.head_dim * itemsize
+        row = kv_format_of(self.dtype).row(self.head_dim)
+        return self.num_layers * 2 * self.num_kv_heads * block_size * row * itemsize
 
 
 @dataclass(frozen=True)

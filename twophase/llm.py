@@ -35,6 +35,7 @@ from twophase.core.seams import Proposer
 from twophase.core.spec_control import SpecController
 from twophase.device import available_memory, return_freed_memory, same_device
 from twophase.errors import BackendUnavailable, ConfigError, ModelError, RequestRejected
+from twophase.kv_formats import kv_format, kv_format_of
 from twophase.models import loader
 from twophase.plan import check as memcheck
 from twophase.plan.model_source import planned_model
@@ -351,7 +352,8 @@ class LLM:
         scratch = max(spec.scratch_blocks, self.decode_backend.kv_cache_spec().scratch_blocks)
         spec = type(spec)(**{**spec.__dict__, "scratch_blocks": scratch})
         if cc.dtype != "auto":
-            spec = type(spec)(**{**spec.__dict__, "dtype": loader.DTYPES[cc.dtype]})
+            self._check_kv_format(cc.dtype, spec.dtype)
+            spec = type(spec)(**{**spec.__dict__, "dtype": kv_format(cc.dtype).storage})
         per_block = spec.bytes_per_block(cc.block_size)
         if cc.num_blocks == "auto":
             windows, chunk = self.kv_groups.windows, self._token_budget(self.config.scheduler.chunked_prefill)
@@ -373,11 +375,26 @@ class LLM:
                              f"cache.memory_gb")
         self.num_blocks = num_blocks
         shape = (spec.num_layers, 2, num_blocks + spec.scratch_blocks, spec.num_kv_heads,
-                 cc.block_size, spec.head_dim)
+                 cc.block_size, kv_format_of(spec.dtype).row(spec.head_dim))
         shared = self.prefill_backend.capabilities().shares_kv_pool
         # a backend that keeps its own pool gets a shape without memory (see bind_kv_cache)
         return KVCache(zeros(shape, spec.dtype, spec.device if shared else "meta"), cc.block_size,
                        self.kv_groups)
+
+    def _check_kv_format(self, name: str, native: torch.dtype) -> None:
+        """Refuse, naming the backend, a K/V format a backend in the route does not read."""
+        fmt = kv_format(name)
+        try:
+            fmt.check(self.model.arch.head_dim)
+        except ValueError as exc:
+            raise ConfigError("cache.dtype", str(exc)) from None
+        backends = [self.prefill_backend, self.decode_backend] + [b for _, b in self.decode_routes]
+        for b in backends:
+            reads = b.capabilities().kv_formats
+            if fmt.storage != native and name not in reads:
+                also = f" and {', '.join(reads)}" if reads else ""
+                raise ConfigError("cache.dtype", f"the {b.name} backend reads K/V in "
+                                  f"{str(native).removeprefix('torch.')}{also}, not {name}")
 
     def _pool_tokens(self) -> int:
         """The longest context one sequence can have in the pool."""

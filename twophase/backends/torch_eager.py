@@ -30,6 +30,7 @@ from twophase.contract import (
     PrefillBatch,
 )
 from twophase.device import require_device, threads_option
+from twophase.kv_formats import KV_FORMATS
 from twophase.models.decoder import AttnMeta, Decoder
 from twophase.models.weights import build_model
 
@@ -65,7 +66,8 @@ class TorchBackend(Backend):
 
     def capabilities(self) -> Capabilities:
         return Capabilities(devices=("cpu", "cuda"), features=frozenset(FEATURES),
-                            dtypes=(torch.float32, torch.bfloat16, torch.float16), kv_groups=True)
+                            dtypes=(torch.float32, torch.bfloat16, torch.float16), kv_groups=True,
+                            kv_formats=tuple(KV_FORMATS))
 
     def load(self, model: ModelSpec, cfg: BackendConfig) -> None:
         self.check_available(cfg.device)

@@ -42,6 +42,7 @@ import torch
 from twophase.core.handoff import first_text, first_token_params, hands_off, joined, wants_decode_peer
 from twophase.core.kv_params import KVLayout, KVTransferParams
 from twophase.errors import RequestRejected
+from twophase.kv_formats import kv_format_of
 
 if TYPE_CHECKING:
     from twophase.core.kv_manager import KVManager
@@ -244,7 +245,7 @@ class KVConnector:
 
     def _check(self, blocks: torch.Tensor, n: int) -> str | None:
         want = (self.layout.num_layers, 2, n, self.layout.num_kv_heads, self.layout.block_size,
-                self.layout.head_dim)
+                tuple(self.pool.shape)[-1])
         if tuple(blocks.shape) != want:
             return f"the peer sent K/V of shape {tuple(blocks.shape)}, expected {want}"
         return None
@@ -267,8 +268,9 @@ class KVConnector:
 
 def layout_of(pool: torch.Tensor) -> KVLayout:
     """The layout of a pool ``[layers, 2, num_blocks, kv_heads, block_size, head_dim]``."""
-    layers, _, _, heads, block_size, head_dim = pool.shape
-    return KVLayout(layers, heads, head_dim, block_size, str(pool.dtype).removeprefix("torch."))
+    layers, _, _, heads, block_size, row = pool.shape
+    fmt = kv_format_of(pool.dtype)
+    return KVLayout(layers, heads, fmt.head_dim(row), block_size, fmt.name)
 
 
 class LocalTransport:

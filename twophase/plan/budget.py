@@ -29,6 +29,7 @@ from twophase.backends.registry import Registry
 from twophase.config import BackendSection, Config
 from twophase.contract import BackendMemory, EngineLimits, KVGroups, MemoryQuery
 from twophase.core.kv_manager import concurrency, context_tokens, sequence_blocks, step_blocks
+from twophase.kv_formats import kv_format
 from twophase.plan import weights as layouts
 from twophase.plan.devices import DeviceProfile
 from twophase.plan.model_source import PlannedModel, planned_model
@@ -116,9 +117,10 @@ class Plan:
         return out
 
 
-def kv_dtype_bytes(config: Config, device_kind: str) -> int:
+def kv_dtype_bytes(config: Config, device_kind: str, arch: ModelArch) -> float:
+    """Bytes the pool holds a K or V value in (``cache.dtype``; int8 counts its scales)."""
     name = config.cache.dtype if config.cache.dtype != "auto" else model_dtype(config, device_kind)
-    return DTYPE_BYTES[name]
+    return kv_format(name).bytes_per_value(arch.head_dim)
 
 
 def model_dtype(config: Config, device_kind: str) -> str:
@@ -126,8 +128,8 @@ def model_dtype(config: Config, device_kind: str) -> str:
     return d if d != "auto" else ("bfloat16" if device_kind == "cuda" else "float32")
 
 
-def kv_bytes_per_token(arch: ModelArch, itemsize: int) -> int:
-    return arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * itemsize
+def kv_bytes_per_token(arch: ModelArch, itemsize: float) -> int:
+    return round(arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * itemsize)
 
 
 def token_budget(config: Config, device_kind: str, max_model_len: int) -> int:
@@ -278,7 +280,7 @@ def plan(config: Config, device: DeviceProfile, context: int | None = None, user
         max_len = min(max_len, int(cc.num_blocks) * cc.block_size)
     items = (weight_items(config, model, kind, registry, max_len, routed)
              + runtime_items(config, model, device, max_len, registry))
-    per_token = kv_bytes_per_token(arch, kv_dtype_bytes(config, kind))
+    per_token = kv_bytes_per_token(arch, kv_dtype_bytes(config, kind, arch))
     groups = kv_groups(config, arch, registry)
     chunk = token_budget(config, kind, max_len)
     draft_items, draft_block = draft_model(config, kind, registry)
@@ -370,8 +372,8 @@ def draft_model(config: Config, kind: str, registry: Registry) -> tuple[list[Ite
     items = [dataclasses.replace(i, name=f"draft model: {i.name}")
              for i in weight_items(cfg, model, kind, registry, max_model_len_of(cfg, model.arch))]
     if cfg.cache.num_blocks != "auto":
-        per = kv_bytes_per_token(model.arch, kv_dtype_bytes(cfg, kind)) * cfg.cache.block_size
+        per = kv_bytes_per_token(model.arch, kv_dtype_bytes(cfg, kind, model.arch)) * cfg.cache.block_size
         items.append(Item("kv cache", "draft model's KV pool", int(cfg.cache.num_blocks) * per,
                           f"{cfg.cache.num_blocks} blocks"))
         return items, 0
-    return items, kv_bytes_per_token(model.arch, kv_dtype_bytes(cfg, kind)) * config.cache.block_size
+    return items, kv_bytes_per_token(model.arch, kv_dtype_bytes(cfg, kind, model.arch)) * config.cache.block_size

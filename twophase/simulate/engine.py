@@ -20,6 +20,7 @@ from twophase.backends.registry import Registry
 from twophase.config import Config
 from twophase.contract import BackendConfig, KVCache, ModelSpec
 from twophase.errors import ConfigError, ModelError
+from twophase.kv_formats import kv_format
 from twophase.llm import LLM
 from twophase.models import loader
 from twophase.plan.budget import kv_dtype_bytes, model_dtype
@@ -68,7 +69,7 @@ class SimulatedLLM(LLM):
                              f"{'; '.join(self.plan.notes) or 'see twophase plan'}")
         self.clock = VirtualClock()
         weights = "q4" if config.model.quantization == "q4" else dtype
-        cost = StepCostModel(planned.arch, device, weights, kv_dtype_bytes(config, kind))
+        cost = StepCostModel(planned.arch, device, weights, kv_dtype_bytes(config, kind, planned.arch))
         pcfg, dcfg = config.phases()
         self.prefill_backend = self._simulated(pcfg.name, cost)
         same = (pcfg.name, pcfg.options) == (dcfg.name, dcfg.options)
@@ -82,9 +83,10 @@ class SimulatedLLM(LLM):
         self.kv_groups = self._kv_groups()
         cc = config.cache
         self.num_blocks = self.plan.num_blocks
-        kv_dtype = loader.DTYPES[cc.dtype] if cc.dtype != "auto" else spec_dtype
+        kv_dtype = kv_format(cc.dtype).storage if cc.dtype != "auto" else spec_dtype
         a = planned.arch
-        shape = (self.kv_groups.num_slots, 2, self.num_blocks, a.num_kv_heads, cc.block_size, a.head_dim)
+        shape = (self.kv_groups.num_slots, 2, self.num_blocks, a.num_kv_heads, cc.block_size,
+                 kv_format(cc.dtype if cc.dtype != "auto" else dtype).row(a.head_dim))
         self.kv_cache = KVCache(torch.empty(shape, dtype=kv_dtype, device="meta"), cc.block_size, self.kv_groups)
         self._fit_context(self._pool_tokens())
         for b in {id(b): b for b in (self.prefill_backend, self.decode_backend)}.values():

@@ -1,7 +1,9 @@
 """Attention over core's paged KV pool, with what the families add: q/k/v and output
 biases, per-head QK-norm, a query scale, logit soft-capping and sliding windows.
 
-The pool is ``[layers, 2, num_blocks, kv_heads, block_size, head_dim]``. Each forward first
+The pool is ``[layers, 2, num_blocks, kv_heads, block_size, row]``, a row being one head's vector
+as ``cache.dtype`` stores it (``twophase/kv_formats.py``: the values, or int8 codes and scales),
+read and written only through the format's ``decode``/``encode``. Each forward first
 writes the new tokens' K/V at their slots, then attends over the cached context. For a chunk that
 follows cached tokens the causal mask is built from positions (key ``j`` is visible to a query at
 position ``p`` iff ``j <= p``, and ``j > p - window`` in a sliding layer): ``is_causal=True``
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from twophase.arch import AttentionSpec, ModelArch
+from twophase.kv_formats import kv_format_of
 from twophase.models.graph_attention import GraphMeta, Scores, flat_gather, graph_attention
 from twophase.models.layers.norm import RMSNorm
 from twophase.models.layers.rotary import apply_rope
@@ -76,8 +79,11 @@ class Attention(nn.Module):
             qs = q[first:first + n]
             if start == 0:   # nothing cached before this chunk: attend to its own K/V
                 ks, vs = k[first:first + n], v[first:first + n]
+                if kv_layer.dtype != k.dtype:     # as the pool holds them, whatever the chunking
+                    fmt = kv_format_of(kv_layer.dtype)
+                    ks, vs = (fmt.decode(fmt.encode(t), q.dtype) for t in (ks, vs))
             else:
-                ks, vs = gather_kv(kv_layer, table.unsqueeze(0), start + n)
+                ks, vs = gather_kv(kv_layer, table.unsqueeze(0), start + n, q.dtype)
                 ks, vs = ks[0].transpose(0, 1), vs[0].transpose(0, 1)
             out[first:first + n] = self._prefill(qs, ks, vs, start)
         return self.o(out.view(T, self.h * self.hd))
@@ -122,8 +128,7 @@ class Attention(nn.Module):
         context, 64 sequences of llama3-8b at 131,072 tokens would otherwise gather 34 GB."""
         tables, lens = meta.decode_tables, meta.decode_lens
         B, nb = tables.shape
-        rows = decode_rows(B, nb * kv_layer.shape[-2], kv_layer.shape[2], kv_layer.shape[-1],
-                           kv_layer.element_size())
+        rows = decode_rows(B, nb * kv_layer.shape[-2], kv_layer.shape[2], self.hd, q.element_size())
         if rows >= B:
             return self._decode_rows(q, kv_layer, tables, lens)
         return torch.cat([self._decode_rows(q[i:i + rows], kv_layer, tables[i:i + rows], lens[i:i + rows])
@@ -131,10 +136,11 @@ class Attention(nn.Module):
 
     def _decode_rows(self, q, kv_layer, tables, lens) -> torch.Tensor:
         B, nb = tables.shape
-        _, _, kvh, bs, hd = kv_layer.shape
-        kv = flat_gather(kv_layer, tables)                               # [2, B, nb, KVH, BS, hd]
+        _, _, kvh, bs, _ = kv_layer.shape
+        hd = self.hd
+        # [2, B, nb, KVH, BS, hd], in the query's dtype whatever the pool stores (cache.dtype)
+        kv = kv_format_of(kv_layer.dtype).decode(flat_gather(kv_layer, tables), q.dtype)
         qg = q.view(B, 1, kvh, self.h // kvh, hd)
-        kv = kv.to(q.dtype)                                              # (a cache.dtype override)
         s = self._scores(qg @ kv[0].transpose(-1, -2))                  # [B, nb, KVH, g, BS]
         pos = torch.arange(nb * bs, device=q.device).view(1, nb, 1, 1, bs)
         hidden = pos >= lens.view(B, 1, 1, 1, 1)
@@ -158,17 +164,20 @@ def decode_rows(batch: int, context: int, kv_heads: int, head_dim: int, itemsize
 
 
 def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """kv_layer: [2, NB, KVH, BS, hd]; k, v: [T, KVH, hd]; slots: [T]."""
-    bs = kv_layer.shape[-2]
+    """kv_layer: [2, NB, KVH, BS, row]; k, v: [T, KVH, hd]; slots: [T] (rows: ``kv_formats``)."""
+    bs, fmt = kv_layer.shape[-2], kv_format_of(kv_layer.dtype)
     blocks, offs = slots // bs, slots % bs
-    kv_layer[0, blocks, :, offs] = k.to(kv_layer.dtype)
-    kv_layer[1, blocks, :, offs] = v.to(kv_layer.dtype)
+    kv_layer[0, blocks, :, offs] = fmt.encode(k)
+    kv_layer[1, blocks, :, offs] = fmt.encode(v)
 
 
-def gather_kv(kv_layer: torch.Tensor, tables: torch.Tensor, length: int):
-    """The first ``length`` cached tokens of each table's sequence: ([B, KVH, S, hd],) * 2."""
+def gather_kv(kv_layer: torch.Tensor, tables: torch.Tensor, length: int, dtype: torch.dtype):
+    """The first ``length`` cached tokens of each table's sequence in ``dtype``:
+    ([B, KVH, S, hd],) * 2."""
     B, nb = tables.shape
-    _, _, kvh, bs, hd = kv_layer.shape
-    kv = flat_gather(kv_layer, tables)
+    _, _, kvh, bs, row = kv_layer.shape
+    fmt = kv_format_of(kv_layer.dtype)
+    hd = fmt.head_dim(row)
+    kv = fmt.decode(flat_gather(kv_layer, tables), dtype)
     kv = kv.permute(0, 1, 3, 2, 4, 5).reshape(2, B, kvh, nb * bs, hd)[:, :, :, :length]
     return kv[0], kv[1]
