@@ -147,7 +147,7 @@ def test_non_table_for_a_table(tmp_path, text, message):
     ("scheduler", "policy", "fifo", "'decode-first', 'prefill-first'"),
     ("model", "weights", "randon", "'pretrained', 'random'"),
     ("model", "dtype", "fp16", "'auto', 'float32', 'bfloat16', 'float16'"),
-    ("cache", "dtype", "int8", "'auto', 'float32', 'bfloat16', 'float16'"),
+    ("cache", "dtype", "fp8", "'auto', 'float32', 'bfloat16', 'float16', 'int8'"),
 ])
 def test_value_outside_literal_lists_allowed_values(section, key, value, allowed):
     cfg = {"model": dict(TINY)}

@@ -351,15 +351,18 @@ def test_prefault_backs_every_page_and_keeps_the_zeros():
 def test_sliding_layers_count_their_window_not_the_context():
     """Gemma 3 27B at 128k: 10 full-attention layers hold every token, 52 sliding layers their
     1,024-token window (7 groups of 10 slots: 8 slots of padding), about 11.2 GB in bf16 against
-    the 66.6 GB of counting every layer at every token, which a backend reading one block table
-    (onnxruntime) keeps."""
+    the 66.6 GB of counting every layer at every token, which K/V moving between engines in one
+    block table (disaggregated prefill and decode) keep; onnxruntime reads the groups too."""
     cfg = {"model": {"name": "gemma3-27b", "weights": "random"}}
     p = plan(load_config(cfg), profile("h200"), context=131072)
     per_token_layer = 2 * 16 * 128 * 2
     full, sliding = 10 * 131072 * per_token_layer, 60 * (1024 + 16) * per_token_layer
     assert p.sequence_kv_bytes(131072) == full + sliding
     assert round(p.sequence_kv_bytes(131072) / 1e9, 1) == 11.2
-    every = plan(load_config({**cfg, "backend": {"name": "onnxruntime", "device": "cuda"}}), profile("h200"),
+    ort = plan(load_config({**cfg, "backend": {"name": "onnxruntime", "device": "cuda"}}), profile("h200"),
+               context=131072)
+    assert ort.sequence_kv_bytes(131072) == p.sequence_kv_bytes(131072)
+    every = plan(load_config({**cfg, "cluster": {"prefill_workers": 1, "decode_workers": 1}}), profile("h200"),
                  context=131072)
     assert round(every.sequence_kv_bytes(131072) / 1e9, 1) == 66.6
     assert p.concurrency(131072) > 5 * every.concurrency(131072) > 0
