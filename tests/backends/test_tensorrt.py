@@ -139,8 +139,7 @@ def test_contexts_share_one_activation_buffer(standin, monkeypatch):
 
 
 def test_a_pool_of_another_dtype_is_refused(standin):
-    with pytest.raises(ConfigError, match="cache.dtype: the tensorrt backend's engine reads a "
-                                          "torch.float32 pool, not torch.float16"):
+    with pytest.raises(ConfigError, match="cache.dtype: the tensorrt backend reads K/V in float32, not float16"):
         tiny_llm(cache={"num_blocks": 32, "block_size": 4, "dtype": "float16"},
                  backend={"name": "tensorrt", "device": "cpu"})
 
