@@ -250,6 +250,7 @@ class LLM:
             raise ConfigError("model.quantization", f"the {sec.name} backend does not run "
                               f"{spec.quantization!r} weights; backends that do: "
                               f"{', '.join(runs) or 'none installed'}")
+        self._check_kv_format(backend, spec.dtype)
         sc = self.config.scheduler
         limits = EngineLimits(sc.max_num_seqs, self._token_budget(sc.chunked_prefill), self.max_model_len)
         backend.load(spec, BackendConfig(sec.name, sec.device, dict(sec.options), limits))
@@ -352,7 +353,6 @@ class LLM:
         scratch = max(spec.scratch_blocks, self.decode_backend.kv_cache_spec().scratch_blocks)
         spec = type(spec)(**{**spec.__dict__, "scratch_blocks": scratch})
         if cc.dtype != "auto":
-            self._check_kv_format(cc.dtype, spec.dtype)
             spec = type(spec)(**{**spec.__dict__, "dtype": kv_format(cc.dtype).storage})
         per_block = spec.bytes_per_block(cc.block_size)
         if cc.num_blocks == "auto":
@@ -381,20 +381,22 @@ class LLM:
         return KVCache(zeros(shape, spec.dtype, spec.device if shared else "meta"), cc.block_size,
                        self.kv_groups)
 
-    def _check_kv_format(self, name: str, native: torch.dtype) -> None:
-        """Refuse, naming the backend, a K/V format a backend in the route does not read."""
+    def _check_kv_format(self, backend, native: torch.dtype) -> None:
+        """Refuse, before ``backend`` loads (an export can take minutes) and naming it, a K/V
+        format (``cache.dtype``) it does not read."""
+        name = self.config.cache.dtype
+        if name == "auto":
+            return
         fmt = kv_format(name)
         try:
             fmt.check(self.model.arch.head_dim)
         except ValueError as exc:
             raise ConfigError("cache.dtype", str(exc)) from None
-        backends = [self.prefill_backend, self.decode_backend] + [b for _, b in self.decode_routes]
-        for b in backends:
-            reads = b.capabilities().kv_formats
-            if fmt.storage != native and name not in reads:
-                also = f" and {', '.join(reads)}" if reads else ""
-                raise ConfigError("cache.dtype", f"the {b.name} backend reads K/V in "
-                                  f"{str(native).removeprefix('torch.')}{also}, not {name}")
+        reads = backend.capabilities().kv_formats
+        if fmt.storage != native and name not in reads:
+            also = f" and {', '.join(reads)}" if reads else ""
+            raise ConfigError("cache.dtype", f"the {backend.name} backend reads K/V in "
+                              f"{str(native).removeprefix('torch.')}{also}, not {name}")
 
     def _pool_tokens(self) -> int:
         """The longest context one sequence can have in the pool."""
