@@ -49,8 +49,9 @@ class KVFormat:
         runs = x.float().reshape(*x.shape[:-1], hd // GROUP, GROUP)
         d = runs.abs().amax(-1, keepdim=True) / 127          # as ggml's quantize_row_q8_0_ref:
         scaled = runs * torch.where(d > 0, 1.0 / d, torch.zeros_like(d))   # codes from the float32
-        codes = (scaled.sign() * (scaled.abs() + 0.5).floor()).to(torch.int8)   # scale, rounded half
-        codes = codes.reshape(*x.shape[:-1], hd)                              # away from zero
+        a = scaled.abs()                                     # scale, rounded half away from zero
+        codes = (scaled.sign() * (a.floor() + (2 * (a - a.floor())).floor())).to(torch.int8)
+        codes = codes.reshape(*x.shape[:-1], hd)
         scales = d.to(torch.float16).reshape(*x.shape[:-1], hd // GROUP).contiguous().view(torch.int8)
         return torch.cat([codes, scales], dim=-1)
 

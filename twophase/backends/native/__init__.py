@@ -33,8 +33,11 @@ from twophase.contract import (
 )
 from twophase.device import threads_option
 from twophase.errors import ConfigError
+from twophase.kv_formats import KV_FORMATS
 
 OPTIONS = {"threads"}
+# the pool's element type → step.c's kv_type (its KV_F32, KV_F16, KV_BF16, KV_Q8)
+KV_TYPES = {KV_FORMATS[n].storage: i for i, n in enumerate(("float32", "float16", "bfloat16", "int8"))}
 
 
 class NativeBackend(Backend):
@@ -58,7 +61,7 @@ class NativeBackend(Backend):
     def capabilities(self) -> Capabilities:
         # step.c computes the plain Llama block: no architecture feature beyond it
         return Capabilities(devices=("cpu",), dtypes=(torch.float32,), own_threads=True,
-                            features=frozenset())
+                            features=frozenset(), kv_formats=tuple(KV_FORMATS))
 
     def supports(self, arch: ModelArch) -> str | None:
         """Also the shapes ``step.c`` does not tile: heads that do not make up the hidden
@@ -93,8 +96,9 @@ class NativeBackend(Backend):
         return KVCacheSpec(a.num_layers, a.num_kv_heads, a.head_dim, torch.float32, torch.device("cpu"))
 
     def bind_kv_cache(self, kv: KVCache) -> None:
-        if kv.pool.dtype != torch.float32 or not kv.pool.is_contiguous():
-            raise ConfigError("cache.dtype", "the native backend reads a contiguous float32 pool")
+        if kv.pool.dtype not in KV_TYPES or not kv.pool.is_contiguous():
+            raise ConfigError("cache.dtype", f"the native backend reads a contiguous pool of "
+                              f"{', '.join(KV_FORMATS)}, not {kv.pool.dtype}")
         self.kv = kv
 
     # -- the two operations -----------------------------------------------------------------
@@ -135,7 +139,7 @@ class NativeBackend(Backend):
         logits = torch.empty(n_logits, self.arch.vocab_size, dtype=torch.float32)
         s = Step(rows, tokens.data_ptr(), positions.data_ptr(), slots.data_ptr(), tables.data_ptr(),
                  tables.shape[1], seq.data_ptr(), ctx.data_ptr(), n_logits, logit_rows.data_ptr(),
-                 pool.data_ptr(), pool.shape[2], pool.shape[4], logits.data_ptr(),
+                 pool.data_ptr(), pool.shape[2], pool.shape[4], KV_TYPES[pool.dtype], logits.data_ptr(),
                  self.scratch.data_ptr(), max_ctx, self.threads)
         self.lib.step(self.weights.model, s)     # the tensors above outlive the call
         return logits

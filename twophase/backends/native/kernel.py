@@ -49,7 +49,7 @@ class Step(ctypes.Structure):
     _fields_ = [("rows", c_int), ("tokens", c_void_p), ("positions", c_void_p), ("slots", c_void_p),
                 ("tables", c_void_p), ("width", c_int), ("seq", c_void_p), ("ctx", c_void_p),
                 ("n_logits", c_int), ("logit_rows", c_void_p), ("pool", c_void_p),
-                ("num_blocks", c_int), ("block_size", c_int), ("logits", c_void_p),
+                ("num_blocks", c_int), ("block_size", c_int), ("kv_type", c_int), ("logits", c_void_p),
                 ("scratch", c_void_p), ("max_ctx", c_int), ("threads", c_int)]
 
 

@@ -22,7 +22,8 @@
  *
  * Rows of a step are tokens: decodes (one per sequence) or the tokens of prefill chunks. Every
  * row writes its K/V into the pool at its slot before any row attends, so a chunk's tokens see
- * each other, causally, through the pool. Pool layout: [L, 2, NB, KVH, BS, hd] float32.
+ * each other, causally, through the pool. Pool layout: [L, 2, NB, KVH, BS, row], a row one
+ * head's vector in the pool's K/V format (float32, float16, bfloat16 or q8_0: kv_type).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -111,7 +112,8 @@ typedef struct {
     const int32_t *ctx;       /* [rows] tokens it attends to, itself included */
     int n_logits;
     const int32_t *logit_rows;/* [n_logits] */
-    float *pool; int num_blocks, block_size;
+    void *pool; int num_blocks, block_size;
+    int kv_type;              /* KV_F32, KV_F16, KV_BF16 or KV_Q8: the pool's rows (below) */
     float *logits;            /* [n_logits][vocab] */
     float *scratch;           /* step_scratch_floats() floats */
     int max_ctx;
@@ -890,51 +892,120 @@ static void rope(float *v, int heads, int hd, const float *inv_freq, int64_t pos
     }
 }
 
-static inline float *pool_block(const step_t *s, const model_t *m, int layer, int kv, int64_t block, int head) {
-    const size_t i = (((size_t)layer * 2 + kv) * s->num_blocks + block) * m->kv_heads + head;
-    return s->pool + i * s->block_size * m->head_dim;
+/* K/V formats of the pool (cache.dtype; twophase/kv_formats.py): a row is one head's vector of
+   hd values as stored: float32, float16, bfloat16, or q8_0 (hd int8 codes, then a float16 scale
+   a run of 32 values) */
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_Q8 = 3 };
+
+static inline size_t row_bytes(int type, int hd) {
+    return type == KV_F32 ? 4 * (size_t)hd : type == KV_Q8 ? (size_t)hd + 2 * (hd / QK) : 2 * (size_t)hd;
 }
 
-/* q . k for four keys (k0..k3: hd floats each): per key the same operations in the same order
-   whatever the other three are, so a key's score does not depend on the keys beside it */
-static inline __m128 dot4(const float *q, const float *k0, const float *k1, const float *k2,
-                          const float *k3, int hd) {
+static inline uint8_t *pool_block(const step_t *s, const model_t *m, int layer, int kv, int64_t block, int head) {
+    const size_t i = (((size_t)layer * 2 + kv) * s->num_blocks + block) * m->kv_heads + head;
+    return (uint8_t *)s->pool + i * s->block_size * row_bytes(s->kv_type, m->head_dim);
+}
+
+/* values i..i+7 of a row (i a multiple of 8; for q8_0, within one run) */
+INLINE __m256 load8(const uint8_t *row, int i, int hd, const int type) {
+    if (type == KV_F32) return _mm256_loadu_ps((const float *)row + i);
+    if (type == KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
+    if (type == KV_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i))), 16));
+    uint16_t d;
+    memcpy(&d, row + hd + 2 * (i / QK), 2);
+    const __m256 codes = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + i))));
+    return _mm256_mul_ps(codes, _mm256_set1_ps(h2f(d)));
+}
+
+INLINE float load1(const uint8_t *row, int i, int hd, const int type) {
+    uint16_t h;
+    if (type == KV_F32) return ((const float *)row)[i];
+    if (type == KV_Q8) {
+        memcpy(&h, row + hd + 2 * (i / QK), 2);
+        return (float)((const int8_t *)row)[i] * h2f(h);
+    }
+    memcpy(&h, row + 2 * (size_t)i, 2);
+    if (type == KV_F16) return h2f(h);
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* x (hd floats) as a row of `type`: q8_0 as ggml's quantize_row_q8_0_ref (the scale amax / 127
+   in float32, codes rounded half away from zero, the scale kept in float16); bfloat16 rounded to
+   nearest even, as torch rounds */
+static void store_row(uint8_t *row, const float *x, int hd, int type) {
+    if (type == KV_F32) { memcpy(row, x, sizeof(float) * hd); return; }
+    if (type == KV_Q8) {
+        for (int b = 0; b < hd / QK; b++) {
+            float amax = 0.f;
+            for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(x[b * QK + j]));
+            const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+            for (int j = 0; j < QK; j++) ((int8_t *)row)[b * QK + j] = (int8_t)roundf(x[b * QK + j] * id);
+            const uint16_t h = _cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT);
+            memcpy(row + hd + 2 * b, &h, 2);
+        }
+        return;
+    }
+    for (int i = 0; i < hd; i++) {
+        uint16_t h;
+        if (type == KV_F16) {
+            h = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
+        } else {
+            uint32_t u;
+            memcpy(&u, x + i, 4);
+            h = (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);    /* NaN-free values here */
+        }
+        memcpy(row + 2 * (size_t)i, &h, 2);
+    }
+}
+
+/* q . k for four keys (rows k0..k3): per key the same operations in the same order whatever the
+   other three are, so a key's score does not depend on the keys beside it */
+INLINE __m128 dot4(const float *q, const uint8_t *k0, const uint8_t *k1, const uint8_t *k2,
+                   const uint8_t *k3, int hd, const int type) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     int i = 0;
     for (; i + 8 <= hd; i += 8) {
         const __m256 qv = _mm256_loadu_ps(q + i);
-        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
-        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + i), a1);
-        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + i), a2);
-        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + i), a3);
+        a0 = _mm256_fmadd_ps(qv, load8(k0, i, hd, type), a0);
+        a1 = _mm256_fmadd_ps(qv, load8(k1, i, hd, type), a1);
+        a2 = _mm256_fmadd_ps(qv, load8(k2, i, hd, type), a2);
+        a3 = _mm256_fmadd_ps(qv, load8(k3, i, hd, type), a3);
     }
     const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
     __m128 r = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
     for (; i < hd; i++) {
         const __m128 qs = _mm_set1_ps(q[i]);
-        r = _mm_add_ps(r, _mm_mul_ps(qs, _mm_setr_ps(k0[i], k1[i], k2[i], k3[i])));
+        r = _mm_add_ps(r, _mm_mul_ps(qs, _mm_setr_ps(load1(k0, i, hd, type), load1(k1, i, hd, type),
+                                                     load1(k2, i, hd, type), load1(k3, i, hd, type))));
     }
     return r;
 }
 
 /* one query head over the row's cached tokens (and its own, already in the pool): the scores
    four keys at a time, the softmax eight at a time, and the weighted sum of the values with a
-   chunk of 64 of the output's elements held in registers over all the keys */
-static void attend(const model_t *m, const step_t *s, int layer, int r, int kh, const float *q,
-                   float *out, float *scores) {
+   chunk of 64 of the output's elements held in registers over all the keys; specialised by
+   the pool's K/V format (`type`, a constant in each caller below) */
+INLINE void attend_as(const model_t *m, const step_t *s, int layer, int r, int kh, const float *q,
+                      float *out, float *scores, const int type) {
     const int hd = m->head_dim, BS = s->block_size, n = s->ctx[r];
+    const size_t rb = row_bytes(type, hd);
     const int64_t *table = s->tables + (size_t)s->seq[r] * s->width;
     const __m128 scale = _mm_set1_ps(1.f / sqrtf((float)hd));
     for (int t0 = 0; t0 < n; t0 += BS) {
-        const float *k = pool_block(s, m, layer, 0, table[t0 / BS], kh);
+        const uint8_t *k = pool_block(s, m, layer, 0, table[t0 / BS], kh);
         const int cnt = n - t0 < BS ? n - t0 : BS;
         int u = 0;
         for (; u + 4 <= cnt; u += 4)
-            _mm_storeu_ps(scores + t0 + u, _mm_mul_ps(dot4(q, k + u * hd, k + (u + 1) * hd, k + (u + 2) * hd,
-                                                           k + (u + 3) * hd, hd), scale));
+            _mm_storeu_ps(scores + t0 + u, _mm_mul_ps(dot4(q, k + u * rb, k + (u + 1) * rb, k + (u + 2) * rb,
+                                                           k + (u + 3) * rb, hd, type), scale));
         for (; u < cnt; u++) {
-            const float *ku = k + u * hd;
-            scores[t0 + u] = _mm_cvtss_f32(_mm_mul_ps(dot4(q, ku, ku, ku, ku, hd), scale));
+            const uint8_t *ku = k + u * rb;
+            scores[t0 + u] = _mm_cvtss_f32(_mm_mul_ps(dot4(q, ku, ku, ku, ku, hd, type), scale));
         }
     }
     const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -966,12 +1037,12 @@ static void attend(const model_t *m, const step_t *s, int layer, int r, int kh, 
         #pragma GCC unroll 8
         for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
         for (int t0 = 0; t0 < n; t0 += BS) {
-            const float *v = pool_block(s, m, layer, 1, table[t0 / BS], kh) + c;
+            const uint8_t *v = pool_block(s, m, layer, 1, table[t0 / BS], kh);
             const int cnt = n - t0 < BS ? n - t0 : BS;
             for (int u = 0; u < cnt; u++) {
                 const __m256 pv = _mm256_broadcast_ss(scores + t0 + u);
                 #pragma GCC unroll 8
-                for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + u * hd + 8 * i), acc[i]);
+                for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(pv, load8(v + u * rb, c + 8 * i, hd, type), acc[i]);
             }
         }
         #pragma GCC unroll 8
@@ -980,16 +1051,28 @@ static void attend(const model_t *m, const step_t *s, int layer, int r, int kh, 
     for (; c + 8 <= hd; c += 8) {                   /* then eight at a time */
         __m256 acc = _mm256_setzero_ps();
         for (int t0 = 0; t0 < n; t0 += BS) {
-            const float *v = pool_block(s, m, layer, 1, table[t0 / BS], kh) + c;
+            const uint8_t *v = pool_block(s, m, layer, 1, table[t0 / BS], kh);
             const int cnt = n - t0 < BS ? n - t0 : BS;
-            for (int u = 0; u < cnt; u++) acc = _mm256_fmadd_ps(_mm256_broadcast_ss(scores + t0 + u), _mm256_loadu_ps(v + u * hd), acc);
+            for (int u = 0; u < cnt; u++)
+                acc = _mm256_fmadd_ps(_mm256_broadcast_ss(scores + t0 + u), load8(v + u * rb, c, hd, type), acc);
         }
         _mm256_storeu_ps(out + c, acc);
     }
     for (int i = hd / 8 * 8; i < hd; i++) {         /* elements past the last whole vector */
         float o = 0.f;
-        for (int t = 0; t < n; t++) o += scores[t] * pool_block(s, m, layer, 1, table[t / BS], kh)[(t % BS) * hd + i];
+        for (int t = 0; t < n; t++)
+            o += scores[t] * load1(pool_block(s, m, layer, 1, table[t / BS], kh) + (t % BS) * rb, i, hd, type);
         out[i] = o;
+    }
+}
+
+static void attend(const model_t *m, const step_t *s, int layer, int r, int kh, const float *q,
+                   float *out, float *scores) {
+    switch (s->kv_type) {
+    case KV_F16: attend_as(m, s, layer, r, kh, q, out, scores, KV_F16); break;
+    case KV_BF16: attend_as(m, s, layer, r, kh, q, out, scores, KV_BF16); break;
+    case KV_Q8: attend_as(m, s, layer, r, kh, q, out, scores, KV_Q8); break;
+    default: attend_as(m, s, layer, r, kh, q, out, scores, KV_F32);
     }
 }
 
@@ -1044,9 +1127,10 @@ void step(const model_t *m, const step_t *s) {
                 rope(v, H + KVH, hd, m->inv_freq, s->positions[r]);
                 const int64_t blk = s->slots[r] / s->block_size;
                 const int off = (int)(s->slots[r] % s->block_size);
+                const size_t rb = row_bytes(s->kv_type, hd);
                 for (int kh = 0; kh < KVH; kh++) {
-                    memcpy(pool_block(s, m, l, 0, blk, kh) + off * hd, v + (H + kh) * hd, sizeof(float) * hd);
-                    memcpy(pool_block(s, m, l, 1, blk, kh) + off * hd, v + (H + KVH + kh) * hd, sizeof(float) * hd);
+                    store_row(pool_block(s, m, l, 0, blk, kh) + off * rb, v + (H + kh) * hd, hd, s->kv_type);
+                    store_row(pool_block(s, m, l, 1, blk, kh) + off * rb, v + (H + KVH + kh) * hd, hd, s->kv_type);
                 }
             }
             #pragma omp for schedule(dynamic)
