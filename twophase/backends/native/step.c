@@ -963,12 +963,37 @@ static void store_row(uint8_t *row, const float *x, int hd, int type) {
     }
 }
 
+/* a q8_0 row's codes i..i+7 as floats, and the scale of the run holding value i */
+INLINE __m256 codes8(const uint8_t *row, int i) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + i))));
+}
+
+INLINE float run_scale(const uint8_t *row, int i, int hd) {
+    uint16_t d;
+    memcpy(&d, row + hd + 2 * (i / QK), 2);
+    return h2f(d);
+}
+
+/* q . k over q8_0 rows: a run's 32 codes dotted in float, then scaled once */
+INLINE __m256 dot_run(const float *q, const uint8_t *k, int i, int hd, __m256 acc) {
+    __m256 t = _mm256_mul_ps(_mm256_loadu_ps(q + i), codes8(k, i));
+    for (int j = 8; j < QK; j += 8) t = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + j), codes8(k, i + j), t);
+    return _mm256_fmadd_ps(t, _mm256_set1_ps(run_scale(k, i, hd)), acc);
+}
+
 /* q . k for four keys (rows k0..k3): per key the same operations in the same order whatever the
    other three are, so a key's score does not depend on the keys beside it */
 INLINE __m128 dot4(const float *q, const uint8_t *k0, const uint8_t *k1, const uint8_t *k2,
                    const uint8_t *k3, int hd, const int type) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     int i = 0;
+    if (type == KV_Q8)                  /* hd is whole runs (kv_formats checks it) */
+        for (; i + QK <= hd; i += QK) {
+            a0 = dot_run(q, k0, i, hd, a0);
+            a1 = dot_run(q, k1, i, hd, a1);
+            a2 = dot_run(q, k2, i, hd, a2);
+            a3 = dot_run(q, k3, i, hd, a3);
+        }
     for (; i + 8 <= hd; i += 8) {
         const __m256 qv = _mm256_loadu_ps(q + i);
         a0 = _mm256_fmadd_ps(qv, load8(k0, i, hd, type), a0);
@@ -1041,8 +1066,16 @@ INLINE void attend_as(const model_t *m, const step_t *s, int layer, int r, int k
             const int cnt = n - t0 < BS ? n - t0 : BS;
             for (int u = 0; u < cnt; u++) {
                 const __m256 pv = _mm256_broadcast_ss(scores + t0 + u);
-                #pragma GCC unroll 8
-                for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(pv, load8(v + u * rb, c + 8 * i, hd, type), acc[i]);
+                const uint8_t *row = v + u * rb;
+                if (type == KV_Q8) {          /* the weight scaled once a run: two runs here */
+                    const __m256 p0 = _mm256_mul_ps(pv, _mm256_set1_ps(run_scale(row, c, hd)));
+                    const __m256 p1 = _mm256_mul_ps(pv, _mm256_set1_ps(run_scale(row, c + QK, hd)));
+                    #pragma GCC unroll 8
+                    for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(i < 4 ? p0 : p1, codes8(row, c + 8 * i), acc[i]);
+                } else {
+                    #pragma GCC unroll 8
+                    for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(pv, load8(row, c + 8 * i, hd, type), acc[i]);
+                }
             }
         }
         #pragma GCC unroll 8
