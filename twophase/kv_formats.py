@@ -16,7 +16,7 @@ import torch
 
 __all__ = ["KV_FORMATS", "KVFormat", "kv_format", "kv_format_of"]
 
-GROUP = 32            # values a scale (q8_0's block)
+RUN = 32              # values a scale: a run (q8_0's block)
 
 
 @dataclass(frozen=True)
@@ -27,18 +27,18 @@ class KVFormat:
 
     def row(self, head_dim: int) -> int:
         """Elements of the pool's last dimension for one head's ``head_dim`` values."""
-        return head_dim + 2 * (head_dim // GROUP) if self.quantized else head_dim
+        return head_dim + 2 * (head_dim // RUN) if self.quantized else head_dim
 
     def head_dim(self, row: int) -> int:
         """The head dimension a pool row of ``row`` elements holds."""
-        return row * GROUP // (GROUP + 2) if self.quantized else row
+        return row * RUN // (RUN + 2) if self.quantized else row
 
     def bytes_per_value(self, head_dim: int) -> float:
         return self.row(head_dim) * torch.empty((), dtype=self.storage).element_size() / head_dim
 
     def check(self, head_dim: int) -> None:
-        if self.quantized and head_dim % GROUP:
-            raise ValueError(f"cache.dtype {self.name!r} stores K/V in runs of {GROUP} values; "
+        if self.quantized and head_dim % RUN:
+            raise ValueError(f"cache.dtype {self.name!r} stores K/V in runs of {RUN} values; "
                              f"this model's head_dim is {head_dim}")
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
@@ -46,13 +46,13 @@ class KVFormat:
         if not self.quantized:
             return x.to(self.storage)
         hd = x.shape[-1]
-        runs = x.float().reshape(*x.shape[:-1], hd // GROUP, GROUP)
+        runs = x.float().reshape(*x.shape[:-1], hd // RUN, RUN)
         d = runs.abs().amax(-1, keepdim=True) / 127          # as ggml's quantize_row_q8_0_ref:
         scaled = runs * torch.where(d > 0, 1.0 / d, torch.zeros_like(d))   # codes from the float32
         a = scaled.abs()                                     # scale, rounded half away from zero
         codes = (scaled.sign() * (a.floor() + (2 * (a - a.floor())).floor())).to(torch.int8)
         codes = codes.reshape(*x.shape[:-1], hd)
-        scales = d.to(torch.float16).reshape(*x.shape[:-1], hd // GROUP).contiguous().view(torch.int8)
+        scales = d.to(torch.float16).reshape(*x.shape[:-1], hd // RUN).contiguous().view(torch.int8)
         return torch.cat([codes, scales], dim=-1)
 
     def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -60,7 +60,7 @@ class KVFormat:
         if not self.quantized:
             return rows.to(dtype)
         hd = self.head_dim(rows.shape[-1])
-        codes = rows[..., :hd].reshape(*rows.shape[:-1], hd // GROUP, GROUP)
+        codes = rows[..., :hd].reshape(*rows.shape[:-1], hd // RUN, RUN)
         scales = rows[..., hd:].contiguous().view(torch.float16).unsqueeze(-1)
         return (codes.to(dtype) * scales.to(dtype)).reshape(*rows.shape[:-1], hd)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.models import PREEMPTING, dequantised_reference, random_prompts, tiny_llm
+from helpers.models import PREEMPTING, dequantised_reference, prefill_all_logits, random_prompts, tiny_llm
 
 from twophase import LLM, SamplingParams
 from twophase.contract import BackendUnavailable
@@ -39,17 +39,6 @@ def _two_threads():
     torch.set_num_threads(before)
 
 
-def _all_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
-    """Logits at every position of ``prompts``, prefilled as one batch of chunks."""
-    eng = llm.engine
-    for p in prompts:
-        eng.add_request(p, SamplingParams(max_tokens=2))
-    sched = eng.scheduler.schedule()
-    batch = prefill_batch([(r, 0, n) for r, n in sched.prefills], eng.kv)
-    batch.logits = "all"
-    return llm.prefill_backend.prefill(batch)
-
-
 @pytest.mark.parametrize("outliers", [8, 13])          # 13: the kernel's scalar tail too
 def test_native_logits_match_the_dequantised_model(outliers):
     """Several sequences' chunks in one step; int8 activations, as onnxruntime's level 4
@@ -58,7 +47,7 @@ def test_native_logits_match_the_dequantised_model(outliers):
     native = tiny_llm(model={**Q4, "outlier_channels": outliers}, backend={"name": "native"})
     ref = dequantised_reference(native)
     prompts = [list(range(5 + i, 40 + 3 * i)) for i in range(4)]
-    got, want = _all_logits(native, prompts), _all_logits(ref, prompts)
+    got, want = prefill_all_logits(native, prompts), prefill_all_logits(ref, prompts)
     rel = float((got - want).abs().max() / want.abs().max())
     assert rel < 2e-2, f"logits differ by {rel:.2e} (relative)"
 
@@ -71,7 +60,7 @@ def test_decode_after_prefill_equals_one_prefill_of_all_the_tokens():
     prompt = list(range(7, 7 + 21))
     out = tiny_llm(model=Q4, backend={"name": "native"}, cache=cache).generate(
         [prompt], SamplingParams(max_tokens=12, ignore_eos=True, logprobs=0))[0]
-    whole = _all_logits(tiny_llm(model=Q4, backend={"name": "native"}, cache=cache),
+    whole = prefill_all_logits(tiny_llm(model=Q4, backend={"name": "native"}, cache=cache),
                         [prompt + out.token_ids[:-1]])
     lp = torch.log_softmax(whole.float(), dim=-1)
     for i, (token, got) in enumerate(zip(out.token_ids, out.logprobs)):

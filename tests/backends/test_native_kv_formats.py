@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.models import prefill_all_logits
 
 from twophase import LLM, SamplingParams
-from twophase.core.batch import prefill_batch
 from twophase.kv_formats import kv_format
 
 FORMATS = ["float16", "bfloat16", "int8"]
@@ -34,23 +34,12 @@ def _llm(fmt: str, native: bool = True, **sections) -> LLM:
     return LLM.from_config(cfg)
 
 
-def _prefill_all(llm: LLM) -> torch.Tensor:
-    """Logits at every position of ``PROMPTS``, prefilled as one step of chunks."""
-    eng = llm.engine
-    for p in PROMPTS:
-        eng.add_request(p, SamplingParams(max_tokens=1))
-    sched = eng.scheduler.schedule()
-    batch = prefill_batch([(r, 0, n) for r, n in sched.prefills], eng.kv)
-    batch.logits = "all"
-    return llm.prefill_backend.prefill(batch)
-
-
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_the_rows_native_writes_are_the_formats_encoding(fmt):
     """Layer 0's K/V do not depend on the cache (nothing before them read it): the pool of
     ``fmt`` holds exactly ``encode`` of the float32 pool's rows."""
     plain, packed = _llm("float32"), _llm(fmt)
-    _prefill_all(plain), _prefill_all(packed)
+    prefill_all_logits(plain, PROMPTS), prefill_all_logits(packed, PROMPTS)
     want = kv_format(fmt).encode(plain.kv_cache.pool[0])
     got = packed.kv_cache.pool[0]
     assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
@@ -62,8 +51,8 @@ def test_native_logits_over_each_format_follow_torchs(fmt):
     the mean KL between their predictions stays what the native step's int8 activations cost
     over a float32 pool (measured: 0.0036 there; 0.0036 float16, 0.0035 bfloat16, 0.0046 int8);
     reading the rows wrongly (a scale, a half-word) costs far more."""
-    got = _prefill_all(_llm(fmt))
-    want = _prefill_all(_llm(fmt, native=False))
+    got = prefill_all_logits(_llm(fmt), PROMPTS)
+    want = prefill_all_logits(_llm(fmt, native=False), PROMPTS)
     ref, lp = torch.log_softmax(want, -1), torch.log_softmax(got, -1)
     kl = float((ref.exp() * (ref - lp)).sum(-1).mean())
     assert kl < 0.006, f"{fmt}: mean KL {kl:.4f} from torch over the same format"

@@ -12,7 +12,7 @@ from helpers.models import tiny_llm
 
 from twophase import LLM, SamplingParams
 from twophase.errors import ConfigError
-from twophase.kv_formats import GROUP, kv_format
+from twophase.kv_formats import RUN, kv_format
 from twophase.quality import kl_divergence, shipped_text
 
 INT8 = kv_format("int8")
@@ -29,8 +29,8 @@ def test_int8_rows_hold_the_bytes_of_ggml_q8_0_blocks():
     x[5, 7] = 1e4                                      # one outlier run
     rows = INT8.encode(x).numpy().view(np.uint8)       # [40, 128 + 8]
     ref = quants.quantize(x.numpy(), gguf.GGMLQuantizationType.Q8_0).reshape(40, -1, 34)
-    n = 128 // GROUP
-    scales, codes = rows[:, 128:].reshape(40, n, 2), rows[:, :128].reshape(40, n, GROUP)
+    n = 128 // RUN
+    scales, codes = rows[:, 128:].reshape(40, n, 2), rows[:, :128].reshape(40, n, RUN)
     assert np.array_equal(scales, ref[..., :2]) and np.array_equal(codes, ref[..., 2:])
     back = INT8.decode(INT8.encode(x), torch.float32)
     want = quants.dequantize(ref.reshape(40, -1), gguf.GGMLQuantizationType.Q8_0)

@@ -26,6 +26,20 @@ def tiny_llm(**sections) -> LLM:
     return LLM.from_config(cfg)
 
 
+def prefill_all_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
+    """Logits at every position of ``prompts``, prefilled as one step of chunks by the engine's
+    prefill backend."""
+    from twophase.core.batch import prefill_batch
+
+    eng = llm.engine
+    for p in prompts:
+        eng.add_request(p, SamplingParams(max_tokens=2))
+    sched = eng.scheduler.schedule()
+    batch = prefill_batch([(r, 0, n) for r, n in sched.prefills], eng.kv)
+    batch.logits = "all"
+    return llm.prefill_backend.prefill(batch)
+
+
 def top2_gaps(logits: torch.Tensor) -> list[float]:
     top = logits.float().topk(2, dim=-1).values
     return (top[..., 0] - top[..., 1]).tolist()

@@ -50,7 +50,8 @@ def step_inputs(batch: PrefillBatch, kv: KVCache, decodes: bool = True) -> dict[
     """The step graph's inputs for ``batch`` (CPU int64), ``kv_pool`` aside. Sequences with one
     new token go to the decode group (unless ``decodes`` is false), the others to the (padded)
     chunk group."""
-    T, block_size, L = batch.num_tokens, kv.block_size, len(_layout(tuple(kv.pool.shape), kv.groups)[0])
+    T, block_size = batch.num_tokens, kv.block_size
+    L = len(kv.groups.group) if kv.groups is not None else kv.pool.shape[0]
     starts, lens, first = batch.start_positions, batch.query_lens, batch.query_start
     dec = [i for i, n in enumerate(lens) if n == 1 and decodes]
     chk = [i for i, n in enumerate(lens) if not (n == 1 and decodes)]
