@@ -138,6 +138,9 @@ def _why_not(cls, config: Config, device: str, arch: ModelArch) -> str | None:
     dtype = resolve_dtype(config.model.dtype, device)
     if dtype not in caps.dtypes:
         return f"does not run {str(dtype).removeprefix('torch.')}"
+    kv = config.cache.dtype
+    if kv not in ("auto", str(dtype).removeprefix("torch.")) and kv not in caps.kv_formats:
+        return f"does not read K/V in {kv}"
     return None
 
 

@@ -91,6 +91,17 @@ def test_backends_that_cannot_read_a_format_refuse_it_by_name(default_llm):
         tiny_llm(cache={"dtype": "int8"})
 
 
+def test_auto_leaves_out_the_backends_that_cannot_read_the_format():
+    from twophase import routing
+    from twophase.backends.registry import Registry
+    from twophase.config import load_config
+
+    cfg = load_config({"backend": {"name": "auto"}, "cache": {"dtype": "int8"}})
+    chosen, left_out = routing.candidates(cfg, Registry())
+    assert "torch" in chosen and "onnxruntime" not in chosen
+    assert left_out["onnxruntime"] == "does not read K/V in int8"
+
+
 def test_the_plan_holds_nearly_twice_the_tokens_at_8_bits():
     from twophase import plan as planner
     from twophase.config import load_config
