@@ -110,6 +110,8 @@ def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     so.check_scratch_floats.restype = c_long
     so.check_matmul.argtypes = [c_void_p, c_int, c_int, c_void_p, c_void_p, c_void_p, c_void_p, c_int]
     so.check_matmul.restype = None
+    so.check_attention.argtypes = [POINTER(Model), POINTER(Step), c_void_p, c_void_p]
+    so.check_attention.restype = None
     return so
 
 

@@ -906,32 +906,46 @@ static inline uint8_t *pool_block(const step_t *s, const model_t *m, int layer, 
     return (uint8_t *)s->pool + i * s->block_size * row_bytes(s->kv_type, m->head_dim);
 }
 
-/* values i..i+7 of a row (i a multiple of 8; for q8_0, within one run) */
-INLINE __m256 load8(const uint8_t *row, int i, int hd, const int type) {
-    if (type == KV_F32) return _mm256_loadu_ps((const float *)row + i);
-    if (type == KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
-    if (type == KV_BF16)
-        return _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i))), 16));
-    uint16_t d;
-    memcpy(&d, row + hd + 2 * (i / QK), 2);
-    const __m256 codes = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + i))));
-    return _mm256_mul_ps(codes, _mm256_set1_ps(h2f(d)));
-}
-
-INLINE float load1(const uint8_t *row, int i, int hd, const int type) {
-    uint16_t h;
-    if (type == KV_F32) return ((const float *)row)[i];
-    if (type == KV_Q8) {
-        memcpy(&h, row + hd + 2 * (i / QK), 2);
-        return (float)((const int8_t *)row)[i] * h2f(h);
+/* a row of `type` decoded into hd floats (exactly: a q8_0 value is its code times its run's
+   float16 scale, a product float32 holds without rounding) */
+INLINE void decode_as(const uint8_t *row, float *f, int hd, const int type) {
+    int i = 0;
+    if (type == KV_Q8)                  /* a run at a time, its scale read once */
+        for (; i + QK <= hd; i += QK) {
+            uint16_t d;
+            memcpy(&d, row + hd + 2 * (i / QK), 2);
+#ifdef __AVX512F__
+            const __m512 sv = _mm512_set1_ps(h2f(d));
+            for (int j = 0; j < QK; j += 16)
+                _mm512_storeu_ps(f + i + j, _mm512_mul_ps(sv, _mm512_cvtepi32_ps(
+                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + i + j))))));
+#else
+            const __m256 sv = _mm256_set1_ps(h2f(d));
+            for (int j = 0; j < QK; j += 8)
+                _mm256_storeu_ps(f + i + j, _mm256_mul_ps(sv, _mm256_cvtepi32_ps(
+                    _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + i + j))))));
+#endif
+        }
+    for (; i + 8 <= hd; i += 8) {
+        __m256 v;
+        if (type == KV_F16) {
+            v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
+        } else if (type == KV_BF16) {
+            v = _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i))), 16));
+        } else {
+            v = _mm256_loadu_ps((const float *)row + i);
+        }
+        _mm256_storeu_ps(f + i, v);
     }
-    memcpy(&h, row + 2 * (size_t)i, 2);
-    if (type == KV_F16) return h2f(h);
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
+    for (; i < hd; i++) {
+        uint16_t h;
+        if (type == KV_F32) { memcpy(f + i, row + 4 * (size_t)i, 4); continue; }
+        memcpy(&h, row + 2 * (size_t)i, 2);
+        if (type == KV_F16) { f[i] = h2f(h); continue; }
+        const uint32_t u = (uint32_t)h << 16;
+        memcpy(f + i, &u, 4);
+    }
 }
 
 /* x (hd floats) as a row of `type`: q8_0 as ggml's quantize_row_q8_0_ref (the scale amax / 127
@@ -963,81 +977,97 @@ static void store_row(uint8_t *row, const float *x, int hd, int type) {
     }
 }
 
-/* a q8_0 row's codes i..i+7 as floats, and the scale of the run holding value i */
-INLINE __m256 codes8(const uint8_t *row, int i) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + i))));
+/* Attention reads each K/V row once for all G query heads that share it (GQA), as float32: a
+   float32 pool's rows in place, any other format's decoded once into a tile. A row's keys are
+   cut into parts of part_len keys (a fixed length, so a row's output depends on its context alone, never
+   on its batch or the threads): each part gives per head its unnormalised sum of values with its
+   own maximum score and sum of weights, and the parts are combined in order (flash-decoding's
+   split), so a single long sequence spreads over all the threads. */
+#ifndef TILE_BYTES
+#define TILE_BYTES 16384
+#endif
+
+/* keys a part takes: as many float32 rows as fill a tile that stays in a core's L1 beside the
+   scores (the rows are read once per query head of the group), at least 16 */
+static inline int part_len(const model_t *m) {
+    const int n = TILE_BYTES / (4 * m->head_dim) / 8 * 8;
+    return n < 16 ? 16 : n;
 }
 
-INLINE float run_scale(const uint8_t *row, int i, int hd) {
-    uint16_t d;
-    memcpy(&d, row + hd + 2 * (i / QK), 2);
-    return h2f(d);
+static inline int parts_of(const model_t *m, int n) { return (n + part_len(m) - 1) / part_len(m); }
+
+/* floats a part's result takes for one query head: hd sums, then the maximum score and the sum
+   of weights */
+static inline int part_floats(const model_t *m) { return m->head_dim + 2; }
+
+/* blocks of K/V a thread asks for ahead of the row it decodes: the rows stream from memory once
+   a step, a block's 16 rows of a head apart from its next block's, and the hardware's
+   prefetcher alone left the decode waiting on each block (2,048 tokens of context, float16:
+   rows came in at about 5 GB/s a thread) */
+#ifndef BLOCKS_AHEAD
+#define BLOCKS_AHEAD 8
+#endif
+
+/* the rows of keys [b, e) of row r's sequence, a layer's K or V (kv) for head kh, decoded into
+   tile (a float32 row copied: one way for every format, the copy a small cost beside the read) */
+INLINE void rows_as(const model_t *m, const step_t *s, int layer, int kv, const int64_t *table, int kh,
+                    int r, int b, int e, float *tile, const int type) {
+    const int hd = m->head_dim, BS = s->block_size, nb = (s->ctx[r] + BS - 1) / BS;
+    const size_t rb = row_bytes(type, hd);
+    for (int j = 0; j < BLOCKS_AHEAD && b / BS + j < nb; j++) {
+        const uint8_t *ahead = pool_block(s, m, layer, kv, table[b / BS + j], kh);
+        for (size_t i = 0; i < BS * rb; i += 64) _mm_prefetch((const char *)ahead + i, _MM_HINT_T0);
+    }
+    for (int t0 = b; t0 < e; t0 = (t0 / BS + 1) * BS) {      /* a block (or the part of it in [b, e)) */
+        if (t0 / BS + BLOCKS_AHEAD < nb) {
+            const uint8_t *ahead = pool_block(s, m, layer, kv, table[t0 / BS + BLOCKS_AHEAD], kh);
+            for (size_t i = 0; i < BS * rb; i += 64) _mm_prefetch((const char *)ahead + i, _MM_HINT_T0);
+        }
+        const uint8_t *blk = pool_block(s, m, layer, kv, table[t0 / BS], kh);
+        const int end = (t0 / BS + 1) * BS < e ? (t0 / BS + 1) * BS : e;
+        for (int t = t0, u = t0 % BS; t < end; t++, u++)
+            decode_as(blk + (size_t)u * rb, tile + (size_t)(t - b) * hd, hd, type);
+    }
 }
 
-/* q . k over q8_0 rows: a run's 32 codes dotted in float, then scaled once */
-INLINE __m256 dot_run(const float *q, const uint8_t *k, int i, int hd, __m256 acc) {
-    __m256 t = _mm256_mul_ps(_mm256_loadu_ps(q + i), codes8(k, i));
-    for (int j = 8; j < QK; j += 8) t = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + j), codes8(k, i + j), t);
-    return _mm256_fmadd_ps(t, _mm256_set1_ps(run_scale(k, i, hd)), acc);
+static void rows_float(const model_t *m, const step_t *s, int layer, int kv, const int64_t *table, int kh,
+                       int r, int b, int e, float *tile) {
+    switch (s->kv_type) {
+    case KV_F16: rows_as(m, s, layer, kv, table, kh, r, b, e, tile, KV_F16); break;
+    case KV_BF16: rows_as(m, s, layer, kv, table, kh, r, b, e, tile, KV_BF16); break;
+    case KV_Q8: rows_as(m, s, layer, kv, table, kh, r, b, e, tile, KV_Q8); break;
+    default: rows_as(m, s, layer, kv, table, kh, r, b, e, tile, KV_F32);
+    }
 }
 
-/* q . k for four keys (rows k0..k3): per key the same operations in the same order whatever the
-   other three are, so a key's score does not depend on the keys beside it */
-INLINE __m128 dot4(const float *q, const uint8_t *k0, const uint8_t *k1, const uint8_t *k2,
-                   const uint8_t *k3, int hd, const int type) {
+/* q . k for four keys: per key the same operations in the same order whatever the other three
+   are, so a key's score does not depend on the keys beside it */
+static inline __m128 dot4(const float *q, const float *k0, const float *k1, const float *k2,
+                          const float *k3, int hd) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     int i = 0;
-    if (type == KV_Q8)                  /* hd is whole runs (kv_formats checks it) */
-        for (; i + QK <= hd; i += QK) {
-            a0 = dot_run(q, k0, i, hd, a0);
-            a1 = dot_run(q, k1, i, hd, a1);
-            a2 = dot_run(q, k2, i, hd, a2);
-            a3 = dot_run(q, k3, i, hd, a3);
-        }
     for (; i + 8 <= hd; i += 8) {
         const __m256 qv = _mm256_loadu_ps(q + i);
-        a0 = _mm256_fmadd_ps(qv, load8(k0, i, hd, type), a0);
-        a1 = _mm256_fmadd_ps(qv, load8(k1, i, hd, type), a1);
-        a2 = _mm256_fmadd_ps(qv, load8(k2, i, hd, type), a2);
-        a3 = _mm256_fmadd_ps(qv, load8(k3, i, hd, type), a3);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + i), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + i), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + i), a3);
     }
     const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
     __m128 r = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-    for (; i < hd; i++) {
-        const __m128 qs = _mm_set1_ps(q[i]);
-        r = _mm_add_ps(r, _mm_mul_ps(qs, _mm_setr_ps(load1(k0, i, hd, type), load1(k1, i, hd, type),
-                                                     load1(k2, i, hd, type), load1(k3, i, hd, type))));
-    }
+    for (; i < hd; i++)
+        r = _mm_add_ps(r, _mm_mul_ps(_mm_set1_ps(q[i]), _mm_setr_ps(k0[i], k1[i], k2[i], k3[i])));
     return r;
 }
 
-/* one query head over the row's cached tokens (and its own, already in the pool): the scores
-   four keys at a time, the softmax eight at a time, and the weighted sum of the values with a
-   chunk of 64 of the output's elements held in registers over all the keys; specialised by
-   the pool's K/V format (`type`, a constant in each caller below) */
-INLINE void attend_as(const model_t *m, const step_t *s, int layer, int r, int kh, const float *q,
-                      float *out, float *scores, const int type) {
-    const int hd = m->head_dim, BS = s->block_size, n = s->ctx[r];
-    const size_t rb = row_bytes(type, hd);
-    const int64_t *table = s->tables + (size_t)s->seq[r] * s->width;
-    const __m128 scale = _mm_set1_ps(1.f / sqrtf((float)hd));
-    for (int t0 = 0; t0 < n; t0 += BS) {
-        const uint8_t *k = pool_block(s, m, layer, 0, table[t0 / BS], kh);
-        const int cnt = n - t0 < BS ? n - t0 : BS;
-        int u = 0;
-        for (; u + 4 <= cnt; u += 4)
-            _mm_storeu_ps(scores + t0 + u, _mm_mul_ps(dot4(q, k + u * rb, k + (u + 1) * rb, k + (u + 2) * rb,
-                                                           k + (u + 3) * rb, hd, type), scale));
-        for (; u < cnt; u++) {
-            const uint8_t *ku = k + u * rb;
-            scores[t0 + u] = _mm_cvtss_f32(_mm_mul_ps(dot4(q, ku, ku, ku, ku, hd, type), scale));
-        }
-    }
+/* scores (n of them) into softmax weights e^(s - max), unnormalised; their maximum and sum into
+   stat[0] and stat[1] */
+static void weigh(float *sc, int n, float *stat) {
     const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     __m256 best = _mm256_set1_ps(-INFINITY), total = _mm256_setzero_ps();
     for (int t = 0; t < n; t += 8) {
         const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - t), iota);
-        best = _mm256_max_ps(best, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_maskload_ps(scores + t, keep),
+        best = _mm256_max_ps(best, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_maskload_ps(sc + t, keep),
                                                     _mm256_castsi256_ps(keep)));
     }
     __m128 b4 = _mm_max_ps(_mm256_castps256_ps128(best), _mm256_extractf128_ps(best, 1));
@@ -1046,67 +1076,127 @@ INLINE void attend_as(const model_t *m, const step_t *s, int layer, int r, int k
     const __m256 bv = _mm256_set1_ps(_mm_cvtss_f32(b4));
     for (int t = 0; t < n; t += 8) {
         const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - t), iota);
-        const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_maskload_ps(scores + t, keep), bv)),
+        const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_maskload_ps(sc + t, keep), bv)),
                                        _mm256_castsi256_ps(keep));
-        _mm256_maskstore_ps(scores + t, keep, e);
+        _mm256_maskstore_ps(sc + t, keep, e);
         total = _mm256_add_ps(total, e);
     }
-    const __m256 tv = _mm256_set1_ps(hsum8(total));
-    for (int t = 0; t < n; t += 8) {
-        const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - t), iota);
-        _mm256_maskstore_ps(scores + t, keep, _mm256_div_ps(_mm256_maskload_ps(scores + t, keep), tv));
-    }
+    stat[0] = _mm_cvtss_f32(b4);
+    stat[1] = hsum8(total);
+}
+
+/* out (hd) = sum over the n rows of tile of w[u] * row u: 64 of the output's elements held in
+   registers over all the rows, then eight at a time */
+static void weighted_sum(const float *w, const float *tile, int n, int hd, float *out) {
     int c = 0;
-    for (; c + 64 <= hd; c += 64) {                 /* 64 elements: eight registers */
+    for (; c + 64 <= hd; c += 64) {
         __m256 acc[8];
         #pragma GCC unroll 8
         for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
-        for (int t0 = 0; t0 < n; t0 += BS) {
-            const uint8_t *v = pool_block(s, m, layer, 1, table[t0 / BS], kh);
-            const int cnt = n - t0 < BS ? n - t0 : BS;
-            for (int u = 0; u < cnt; u++) {
-                const __m256 pv = _mm256_broadcast_ss(scores + t0 + u);
-                const uint8_t *row = v + u * rb;
-                if (type == KV_Q8) {          /* the weight scaled once a run: two runs here */
-                    const __m256 p0 = _mm256_mul_ps(pv, _mm256_set1_ps(run_scale(row, c, hd)));
-                    const __m256 p1 = _mm256_mul_ps(pv, _mm256_set1_ps(run_scale(row, c + QK, hd)));
-                    #pragma GCC unroll 8
-                    for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(i < 4 ? p0 : p1, codes8(row, c + 8 * i), acc[i]);
-                } else {
-                    #pragma GCC unroll 8
-                    for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(pv, load8(row, c + 8 * i, hd, type), acc[i]);
-                }
-            }
+        for (int u = 0; u < n; u++) {
+            const __m256 pv = _mm256_broadcast_ss(w + u);
+            #pragma GCC unroll 8
+            for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(tile + (size_t)u * hd + c + 8 * i), acc[i]);
         }
         #pragma GCC unroll 8
         for (int i = 0; i < 8; i++) _mm256_storeu_ps(out + c + 8 * i, acc[i]);
     }
-    for (; c + 8 <= hd; c += 8) {                   /* then eight at a time */
+    for (; c + 8 <= hd; c += 8) {
         __m256 acc = _mm256_setzero_ps();
-        for (int t0 = 0; t0 < n; t0 += BS) {
-            const uint8_t *v = pool_block(s, m, layer, 1, table[t0 / BS], kh);
-            const int cnt = n - t0 < BS ? n - t0 : BS;
-            for (int u = 0; u < cnt; u++)
-                acc = _mm256_fmadd_ps(_mm256_broadcast_ss(scores + t0 + u), load8(v + u * rb, c, hd, type), acc);
-        }
+        for (int u = 0; u < n; u++) acc = _mm256_fmadd_ps(_mm256_broadcast_ss(w + u), _mm256_loadu_ps(tile + (size_t)u * hd + c), acc);
         _mm256_storeu_ps(out + c, acc);
     }
-    for (int i = hd / 8 * 8; i < hd; i++) {         /* elements past the last whole vector */
+    for (; c < hd; c++) {
         float o = 0.f;
-        for (int t = 0; t < n; t++)
-            o += scores[t] * load1(pool_block(s, m, layer, 1, table[t / BS], kh) + (t % BS) * rb, i, hd, type);
-        out[i] = o;
+        for (int u = 0; u < n; u++) o += w[u] * tile[(size_t)u * hd + c];
+        out[c] = o;
     }
 }
 
-static void attend(const model_t *m, const step_t *s, int layer, int r, int kh, const float *q,
-                   float *out, float *scores) {
-    switch (s->kv_type) {
-    case KV_F16: attend_as(m, s, layer, r, kh, q, out, scores, KV_F16); break;
-    case KV_BF16: attend_as(m, s, layer, r, kh, q, out, scores, KV_BF16); break;
-    case KV_Q8: attend_as(m, s, layer, r, kh, q, out, scores, KV_Q8); break;
-    default: attend_as(m, s, layer, r, kh, q, out, scores, KV_F32);
+/* part p of row r's keys for the G query heads of K/V head kh (q: their vectors, hd apart) into
+   res (G results of part_floats); sc: G * part_len floats, tile: part_len * hd */
+static void attend_part(const model_t *m, const step_t *s, int layer, int r, int kh, int p,
+                        const float *q, float *res, float *sc, float *tile) {
+    const int hd = m->head_dim, G = m->heads / m->kv_heads, PF = part_floats(m);
+    const int P = part_len(m), b = p * P, e = s->ctx[r] < b + P ? s->ctx[r] : b + P, n = e - b;
+    const int64_t *table = s->tables + (size_t)s->seq[r] * s->width;
+    const __m128 scale = _mm_set1_ps(1.f / sqrtf((float)hd));
+    rows_float(m, s, layer, 0, table, kh, r, b, e, tile);
+    #define K(u) (tile + (size_t)(u) * hd)
+    for (int g = 0; g < G; g++) {
+        const float *qg = q + (size_t)g * hd;
+        float *sg = sc + (size_t)g * P;
+        int u = 0;
+        for (; u + 4 <= n; u += 4)
+            _mm_storeu_ps(sg + u, _mm_mul_ps(dot4(qg, K(u), K(u + 1), K(u + 2), K(u + 3), hd), scale));
+        for (; u < n; u++)
+            sg[u] = _mm_cvtss_f32(_mm_mul_ps(dot4(qg, K(u), K(u), K(u), K(u), hd), scale));
+        weigh(sg, n, res + (size_t)g * PF + hd);
     }
+    #undef K
+    rows_float(m, s, layer, 1, table, kh, r, b, e, tile);
+    for (int g = 0; g < G; g++) weighted_sum(sc + (size_t)g * P, tile, n, hd, res + (size_t)g * PF);
+}
+
+/* the np parts' results (in order) into the G heads' outputs (hd apart) */
+static void combine(const model_t *m, const float *res, int np, float *out) {
+    const int hd = m->head_dim, G = m->heads / m->kv_heads, PF = part_floats(m);
+    for (int g = 0; g < G; g++) {
+        float best = -INFINITY, total = 0.f;
+        for (int p = 0; p < np; p++) best = fmaxf(best, res[((size_t)p * G + g) * PF + hd]);
+        float *o = out + (size_t)g * hd;
+        for (int c = 0; c < hd; c++) o[c] = 0.f;
+        for (int p = 0; p < np; p++) {
+            const float *rp = res + ((size_t)p * G + g) * PF;
+            const float w = expf(rp[hd] - best);
+            total += w * rp[hd + 1];
+            for (int c = 0; c < hd; c++) o[c] += w * rp[c];
+        }
+        const float inv = 1.f / total;
+        for (int c = 0; c < hd; c++) o[c] *= inv;
+    }
+}
+
+/* whether a step's parts are tasks of their own: when its (row, K/V head) pairs are too few to
+   keep the threads busy (the results then go through memory shared by the threads) */
+static inline int split_parts(const model_t *m, int rows, int threads) {
+    return rows * m->kv_heads < 4 * threads;
+}
+
+/* floats of scratch a thread's attention takes: scores, the tile, its parts' results */
+static long attn_thread_floats(const model_t *m, int max_ctx) {
+    const int G = m->heads / m->kv_heads;
+    return (long)(G + m->head_dim) * part_len(m) + (long)parts_of(m, max_ctx) * G * part_floats(m);
+}
+
+/* every row's attention for layer l: q of row r at wide + r * W, its output at attn + r * D */
+static void attention(const model_t *m, const step_t *s, int layer, const float *wide, int W, float *attn,
+                      float *mine, float *shared) {
+    const int R = s->rows, KVH = m->kv_heads, hd = m->head_dim, D = m->dim, G = m->heads / KVH;
+    const int NP = parts_of(m, s->max_ctx), PF = part_floats(m);
+    float *sc = mine, *tile = sc + (size_t)G * part_len(m), *res = tile + (size_t)part_len(m) * hd;
+    #define Q_OF(r, kh) (wide + (size_t)(r) * W + (size_t)(kh) * G * hd)
+    #define OUT_OF(r, kh) (attn + (size_t)(r) * D + (size_t)(kh) * G * hd)
+    if (split_parts(m, R, s->threads)) {
+        #pragma omp for schedule(dynamic)
+        for (int i = 0; i < R * KVH * NP; i++) {
+            const int r = i / (KVH * NP), kh = i / NP % KVH, p = i % NP;
+            if (p < parts_of(m, s->ctx[r]))
+                attend_part(m, s, layer, r, kh, p, Q_OF(r, kh), shared + (size_t)i * G * PF, sc, tile);
+        }
+        #pragma omp for
+        for (int i = 0; i < R * KVH; i++)
+            combine(m, shared + (size_t)i * NP * G * PF, parts_of(m, s->ctx[i / KVH]), OUT_OF(i / KVH, i % KVH));
+    } else {
+        #pragma omp for schedule(dynamic)
+        for (int i = 0; i < R * KVH; i++) {
+            const int r = i / KVH, kh = i % KVH, np = parts_of(m, s->ctx[r]);
+            for (int p = 0; p < np; p++) attend_part(m, s, layer, r, kh, p, Q_OF(r, kh), res + (size_t)p * G * PF, sc, tile);
+            combine(m, res, np, OUT_OF(r, kh));
+        }
+    }
+    #undef Q_OF
+    #undef OUT_OF
 }
 
 /* each row of x normed into h and rounded for the projection p (rows split across threads) */
@@ -1130,14 +1220,16 @@ static int act_width(const model_t *m) { return m->dim > m->ffn ? m->dim : m->ff
 /* floats of scratch a step of `rows` tokens attending to at most `max_ctx` needs */
 long step_scratch_floats(const model_t *m, int rows, int max_ctx, int threads) {
     const long D = m->dim, F = m->ffn;
+    const long shared = split_parts(m, rows, threads)
+        ? (long)rows * m->kv_heads * parts_of(m, max_ctx) * (m->heads / m->kv_heads) * part_floats(m) : 0;
     return rows * (3 * D + widest(m) + F)              /* x, h, attn, wide, mlp */
          + act_floats(rows, act_width(m))              /* int8 codes; d, s, e, sums; outliers */
-         + (long)threads * max_ctx;                     /* scores */
+         + (long)threads * attn_thread_floats(m, max_ctx) + shared;
 }
 
 void step(const model_t *m, const step_t *s) {
     const int R = s->rows, D = m->dim, H = m->heads, KVH = m->kv_heads, hd = m->head_dim;
-    const int F = m->ffn, G = H / KVH, W = widest(m), A = act_width(m);
+    const int F = m->ffn, W = widest(m), A = act_width(m);
     float *x = s->scratch, *h = x + (size_t)R * D, *attn = h + (size_t)R * D;
     float *wide = attn + (size_t)R * D, *mlp = wide + (size_t)R * W;
     qact a;
@@ -1145,7 +1237,8 @@ void step(const model_t *m, const step_t *s) {
 
     #pragma omp parallel num_threads(s->threads)
     {
-        float *scores = per_thread + (size_t)omp_get_thread_num() * s->max_ctx;
+        float *mine = per_thread + (size_t)omp_get_thread_num() * attn_thread_floats(m, s->max_ctx);
+        float *shared = per_thread + (size_t)s->threads * attn_thread_floats(m, s->max_ctx);
         #pragma omp for
         for (int r = 0; r < R; r++)
             memcpy(x + (size_t)r * D, m->embed + (size_t)s->tokens[r] * D, sizeof(float) * D);
@@ -1166,11 +1259,7 @@ void step(const model_t *m, const step_t *s) {
                     store_row(pool_block(s, m, l, 1, blk, kh) + off * rb, v + (H + KVH + kh) * hd, hd, s->kv_type);
                 }
             }
-            #pragma omp for schedule(dynamic)
-            for (int i = 0; i < R * H; i++) {            /* a task per query head */
-                const int r = i / H, qh = i % H;
-                attend(m, s, l, r, qh / G, wide + (size_t)r * W + qh * hd, attn + (size_t)r * D + qh * hd, scores);
-            }
+            attention(m, s, l, wide, W, attn, mine, shared);
             #pragma omp for
             for (int r = 0; r < R; r++)
                 quantize_row(attn + (size_t)r * D, D, o->out_idx, o->n_out, row_of(a, r, D));
@@ -1195,6 +1284,18 @@ void step(const model_t *m, const step_t *s) {
     }
 }
 
+
+/* For tests: layer 0's attention alone, for the step's rows (q: [rows][heads * head_dim], out:
+   [rows][dim], dim = heads * head_dim), on s->threads threads; s->scratch: step_scratch_floats */
+void check_attention(const model_t *m, const step_t *s, const float *q, float *out) {
+    float *per_thread = s->scratch;
+    #pragma omp parallel num_threads(s->threads)
+    {
+        float *mine = per_thread + (size_t)omp_get_thread_num() * attn_thread_floats(m, s->max_ctx);
+        float *shared = per_thread + (size_t)s->threads * attn_thread_floats(m, s->max_ctx);
+        attention(m, s, 0, q, m->heads * m->head_dim, out, mine, shared);
+    }
+}
 
 /* for benchmarks: seconds of the fastest of `reps` matmuls of `rows` rows through the tiles */
 double bench_matmul(const proj_q4 *p, int rows, const float *x, float *y, float *scratch, int threads, int reps) {
