@@ -69,8 +69,9 @@ class CacheConfig:
     memory_gb: float | None = None         # pool budget for num_blocks = "auto"
     memory_utilization: float = 0.9        # CUDA, num_blocks = "auto": the share of the GPU used
     prefix_caching: bool = True
-    # auto: the model's; int8: q8_0 codes with a float16 scale per 32 values (twophase/kv_formats.py)
-    dtype: Literal["auto", "float32", "bfloat16", "float16", "int8"] = "auto"
+    # auto: the model's; int8: q8_0 codes with a float16 scale per 32 values; fp8: float8 e4m3
+    # (twophase/kv_formats.py)
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "int8", "fp8"] = "auto"
     prefault: bool = False                 # CPU: back every page of the pool at start (servers)
 
 

@@ -4,7 +4,9 @@ The float formats store the values as they are, in that dtype. ``int8`` stores l
 layout for K/V: each run of 32 values along the head dimension as 32 signed codes and one
 float16 scale (``amax / 127``, round to nearest), the scales kept after the codes in the same
 row, so a pool row is ``head_dim + head_dim / 16`` bytes (a head of 64 values: 68 bytes against
-128 in float16). Every reader of the pool sees rows through ``encode``/``decode``; which formats a
+128 in float16). ``fp8`` stores each value as float8 e4m3 (vLLM's ``fp8`` K/V with its default
+scale of 1), saturated at +-448 where e4m3 would give NaN; GPUs since Hopper convert it in
+hardware. Every reader of the pool sees rows through ``encode``/``decode``; which formats a
 backend reads is ``Capabilities.kv_formats``.
 """
 
@@ -24,6 +26,7 @@ class KVFormat:
     name: str
     storage: torch.dtype          # the pool's element type
     quantized: bool = False
+    saturate: bool = False        # clamp to the storage type's range (float8: beyond it is NaN)
 
     def row(self, head_dim: int) -> int:
         """Elements of the pool's last dimension for one head's ``head_dim`` values."""
@@ -43,6 +46,9 @@ class KVFormat:
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., head_dim]`` as pool rows ``[..., row]``."""
+        if self.saturate:
+            top = torch.finfo(self.storage).max
+            return x.float().clamp(-top, top).to(self.storage)
         if not self.quantized:
             return x.to(self.storage)
         hd = x.shape[-1]
@@ -67,7 +73,8 @@ class KVFormat:
 
 KV_FORMATS = {f.name: f for f in (KVFormat("float32", torch.float32), KVFormat("float16", torch.float16),
                                   KVFormat("bfloat16", torch.bfloat16),
-                                  KVFormat("int8", torch.int8, quantized=True))}
+                                  KVFormat("int8", torch.int8, quantized=True),
+                                  KVFormat("fp8", torch.float8_e4m3fn, saturate=True))}
 
 
 def kv_format(name: str) -> KVFormat:

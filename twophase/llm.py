@@ -394,9 +394,9 @@ class LLM:
             raise ConfigError("cache.dtype", str(exc)) from None
         reads = backend.capabilities().kv_formats
         if fmt.storage != native and name not in reads:
-            also = f" and {', '.join(reads)}" if reads else ""
+            names = dict.fromkeys([str(native).removeprefix("torch."), *reads])
             raise ConfigError("cache.dtype", f"the {backend.name} backend reads K/V in "
-                              f"{str(native).removeprefix('torch.')}{also}, not {name}")
+                              f"{', '.join(names)}, not {name}")
 
     def _pool_tokens(self) -> int:
         """The longest context one sequence can have in the pool."""

@@ -37,12 +37,23 @@ def test_int8_rows_hold_the_bytes_of_ggml_q8_0_blocks():
     assert np.array_equal(back.numpy(), want.reshape(40, 128))
 
 
+def test_fp8_saturates_where_e4m3_has_no_value():
+    """float8 e4m3 has no infinity: a cast beyond +-448 is NaN, which would poison every later
+    softmax; the format clamps instead, and rounds within range as torch's cast does."""
+    fp8 = kv_format("fp8")
+    x = torch.tensor([[1e4, -1e4, 448.0, 0.3, -0.0]])
+    got = fp8.decode(fp8.encode(x), torch.float32)
+    assert not got.isnan().any()
+    assert got[0, :3].tolist() == [448.0, -448.0, 448.0]
+    assert got[0, 3] == x[0, 3].to(torch.float8_e4m3fn).float() and got[0, 3] != x[0, 3]
+
+
 @pytest.fixture(scope="module")
 def prose_ids(default_llm) -> list[int]:
     return default_llm.tokenizer.encode(shipped_text())[:320]
 
 
-@pytest.mark.parametrize("fmt", ["float16", "int8"])
+@pytest.mark.parametrize("fmt", ["float16", "int8", "fp8"])
 def test_a_requests_tokens_do_not_depend_on_its_batch_within_a_format(default_llm, fmt):
     """Alone in an ample pool, or batched with chunked prefill in a pool that preempts, with
     prefix-cache hits and with n-gram drafts: the same tokens (each K/V row is stored the same
@@ -75,18 +86,22 @@ def test_each_format_stays_close_to_the_float32_cache(default_llm, prose_ids):
     tiny, int8 larger but small, and none zero (each format really rounds); int8's pool rows
     are 68 bytes a head against 128 in 16 bits."""
     kl = {}
-    for fmt in ("float16", "bfloat16", "int8"):
+    for fmt in ("float16", "bfloat16", "int8", "fp8"):
         llm = LLM.from_config({"cache": {"dtype": fmt, "num_blocks": 64}})
         kl[fmt] = kl_divergence(llm, default_llm, prose_ids)
         if fmt == "int8":
             assert llm.kv_cache.pool.shape[-1] * llm.kv_cache.pool.element_size() == 68
     assert 0 < kl["float16"] < kl["bfloat16"] < 2e-3, kl
     assert kl["float16"] < kl["int8"] < 1e-2, kl
+    assert kl["int8"] < kl["fp8"] < 5e-2, kl          # 3 mantissa bits against q8_0's 7 and a scale
 
 
 def test_backends_that_cannot_read_a_format_refuse_it_by_name(default_llm):
     with pytest.raises(ConfigError, match="cache.dtype: the onnxruntime backend reads K/V in float32, not int8"):
         LLM.from_config({"cache": {"dtype": "int8"}, "backend": {"name": "onnxruntime"}})
+    with pytest.raises(ConfigError, match="the native backend reads K/V in float32, float16, bfloat16, "
+                                          "int8, not fp8"):
+        LLM.from_config({"cache": {"dtype": "fp8"}, "backend": {"name": "native"}, "model": {"quantization": "q4"}})
     with pytest.raises(ConfigError, match="runs of 32 values; this model's head_dim is 16"):
         tiny_llm(cache={"dtype": "int8"})
 
@@ -107,7 +122,8 @@ def test_the_plan_holds_nearly_twice_the_tokens_at_8_bits():
     from twophase.config import load_config
 
     tokens = {}
-    for fmt in ("bfloat16", "int8"):
+    for fmt in ("bfloat16", "int8", "fp8"):
         cfg = load_config(None, {"model": {"name": "qwen3-8b", "weights": "random"}, "cache": {"dtype": fmt}})
         tokens[fmt] = planner.plan(cfg, planner.profile("h200")).kv_tokens
     assert 1.85 < tokens["int8"] / tokens["bfloat16"] < 1.9, tokens
+    assert 1.99 < tokens["fp8"] / tokens["bfloat16"] < 2.01, tokens   # whole blocks round either way

@@ -5,6 +5,7 @@ Tokens must equal one engine's, and no block may stay taken on either side."""
 from __future__ import annotations
 
 import pytest
+import torch
 from helpers.models import random_prompts, tiny_llm
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,9 +17,11 @@ from twophase.core.kv_transfer import (
     first_token_params,
     hands_off,
     joined,
+    layout_of,
     wants_decode_peer,
 )
 from twophase.errors import RequestRejected
+from twophase.kv_formats import KV_FORMATS, kv_format
 
 SMALL = {"cache": {"num_blocks": 64, "block_size": 4},
          "scheduler": {"max_num_batched_tokens": 48, "max_num_seqs": 8}}
@@ -27,10 +30,10 @@ SMALL = {"cache": {"num_blocks": 64, "block_size": 4},
 class Pair:
     """A prefill engine and a decode engine joined by a ``LocalTransport``."""
 
-    def __init__(self, **cluster):
+    def __init__(self, dtype: str = "auto", **cluster):
         # room for every prompt's lease: the tests prefill them all before decoding any
-        self.p = tiny_llm(**{**SMALL, "cache": {"num_blocks": 512, "block_size": 4}})
-        self.d = tiny_llm(**SMALL, cluster=cluster)
+        self.p = tiny_llm(**{**SMALL, "cache": {"num_blocks": 512, "block_size": 4, "dtype": dtype}})
+        self.d = tiny_llm(**{**SMALL, "cache": {**SMALL["cache"], "dtype": dtype}}, cluster=cluster)
         self.transport = LocalTransport({self.p.engine.connector.engine_id: self.p.engine.connector})
         self.d.engine.connector.transport = self.transport
 
@@ -70,10 +73,11 @@ def run(engine, jobs):
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
 
-def test_disaggregated_tokens_equal_one_engines_and_every_block_returns():
-    pair = Pair()
+@pytest.mark.parametrize("dtype", ["auto", "fp8"])
+def test_disaggregated_tokens_equal_one_engines_and_every_block_returns(dtype):
+    pair = Pair(dtype)
     prompts = random_prompts(10, seed=1) + [[5] * 8, [7] * 4, [9] * 3, [11]]   # whole blocks, short
-    alone = tiny_llm(**SMALL).generate(prompts, GREEDY)
+    alone = tiny_llm(**{**SMALL, "cache": {**SMALL["cache"], "dtype": dtype}}).generate(prompts, GREEDY)
     assert pair.generate(prompts, GREEDY) == [o.token_ids for o in alone]
     # byte tokens: a character split between the first token and the next is sent once, whole
     assert pair.texts == [o.text for o in alone]
@@ -197,6 +201,20 @@ def test_an_abort_while_pulling_frees_both_sides():
     assert pair.used()[1] > 0
     pair.d.engine.abort(req.request_id)
     assert pair.used() == (0, 0)
+
+
+@pytest.mark.parametrize("fmt", list(KV_FORMATS))
+def test_blocks_cross_between_workers_as_bytes_in_every_format(fmt):
+    """What the Ray workers send (``cluster/host.py``: the blocks viewed as bytes, since numpy
+    has no bfloat16 or float8) comes back as the same pool rows, in the pool's shape: int8 rows
+    are longer than the head dimension."""
+    f = kv_format(fmt)
+    values = torch.randn(2, 2, 3, 2, 4, 64, generator=torch.Generator().manual_seed(0))
+    pool = f.encode(values)                                  # [layers, 2, blocks, heads, bs, row]
+    wire = torch.from_numpy(pool[:, :, [2, 0]].contiguous().view(torch.uint8).numpy())
+    back = layout_of(pool).blocks_from_bytes(wire, 2)
+    assert back.dtype == pool.dtype and back.shape == pool[:, :, [2, 0]].shape
+    assert torch.equal(back.view(torch.uint8), pool[:, :, [2, 0]].view(torch.uint8))
 
 
 def test_a_peer_with_another_layout_is_refused_when_the_request_arrives():

@@ -40,10 +40,8 @@ class RayTransport:
         with warnings.catch_warnings():      # the object store's array is read-only: only read
             warnings.simplefilter("ignore", UserWarning)
             raw = torch.from_numpy(ray.get(ref))
-        t = params.layout
-        n = len(params.remote_block_ids)
-        shape = (t.num_layers, 2, n, t.num_kv_heads, t.block_size, t.head_dim)
-        return raw.view(getattr(torch, t.dtype)).view(shape)
+        assert params.layout is not None
+        return params.layout.blocks_from_bytes(raw, len(params.remote_block_ids))
 
     def ack(self, params: KVTransferParams) -> None:
         self._actor(str(params.remote_engine_id)).release_kv.remote(params.remote_request_id)

@@ -10,7 +10,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
+
 from twophase.errors import RequestRejected
+from twophase.kv_formats import kv_format
 
 
 @dataclass(frozen=True)
@@ -21,7 +24,14 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: str
+    dtype: str                  # the K/V format's name (twophase/kv_formats.py)
+
+    def blocks_from_bytes(self, raw: torch.Tensor, n: int) -> torch.Tensor:
+        """``n`` blocks sent as bytes (``blocks.view(torch.uint8)``: numpy has no bfloat16 or
+        float8) as the pool's ``[layers, 2, n, kv_heads, block_size, row]``."""
+        fmt = kv_format(self.dtype)
+        shape = (self.num_layers, 2, n, self.num_kv_heads, self.block_size, fmt.row(self.head_dim))
+        return raw.view(fmt.storage).view(shape)
 
 
 @dataclass(frozen=True)

@@ -36,8 +36,10 @@ from twophase.errors import ConfigError
 from twophase.kv_formats import KV_FORMATS
 
 OPTIONS = {"threads"}
-# the pool's element type → step.c's kv_type (its KV_F32, KV_F16, KV_BF16, KV_Q8)
-KV_TYPES = {KV_FORMATS[n].storage: i for i, n in enumerate(("float32", "float16", "bfloat16", "int8"))}
+# the formats step.c reads, in the order of its kv_type (KV_F32, KV_F16, KV_BF16, KV_Q8); not
+# fp8, which a CPU converts in software only
+KV_READS = ("float32", "float16", "bfloat16", "int8")
+KV_TYPES = {KV_FORMATS[n].storage: i for i, n in enumerate(KV_READS)}
 
 
 class NativeBackend(Backend):
@@ -61,7 +63,7 @@ class NativeBackend(Backend):
     def capabilities(self) -> Capabilities:
         # step.c computes the plain Llama block: no architecture feature beyond it
         return Capabilities(devices=("cpu",), dtypes=(torch.float32,), own_threads=True,
-                            features=frozenset(), kv_formats=tuple(KV_FORMATS))
+                            features=frozenset(), kv_formats=KV_READS)
 
     def supports(self, arch: ModelArch) -> str | None:
         """Also the shapes ``step.c`` does not tile: heads that do not make up the hidden
@@ -98,7 +100,7 @@ class NativeBackend(Backend):
     def bind_kv_cache(self, kv: KVCache) -> None:
         if kv.pool.dtype not in KV_TYPES or not kv.pool.is_contiguous():
             raise ConfigError("cache.dtype", f"the native backend reads a contiguous pool of "
-                              f"{', '.join(KV_FORMATS)}, not {kv.pool.dtype}")
+                              f"{', '.join(KV_READS)}, not {kv.pool.dtype}")
         self.kv = kv
 
     # -- the two operations -----------------------------------------------------------------
