@@ -57,7 +57,7 @@ def ours(ids: list[int]) -> dict[str, tuple[float, float]]:
         return torch.cat([x for _, x in all_logits(llm, ids, 512)])
 
     ref = logits("float32")
-    return {fmt: kl_and_top1(ref, logits(fmt)) for fmt in ("float16", "bfloat16", "int8")}
+    return {fmt: kl_and_top1(ref, logits(fmt)) for fmt in ("float16", "bfloat16", "int8", "fp8")}
 
 
 def llama_cpp(python: str, ids: list[int], threads: int) -> dict[str, tuple[float, float]]:
