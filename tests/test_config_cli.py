@@ -147,7 +147,8 @@ def test_non_table_for_a_table(tmp_path, text, message):
     ("scheduler", "policy", "fifo", "'decode-first', 'prefill-first'"),
     ("model", "weights", "randon", "'pretrained', 'random'"),
     ("model", "dtype", "fp16", "'auto', 'float32', 'bfloat16', 'float16'"),
-    ("cache", "dtype", "fp8", "'auto', 'float32', 'bfloat16', 'float16', 'int8'"),
+    ("model", "quantization", "q4_k_m", "'none', 'q4', 'gguf'"),
+    ("cache", "dtype", "e5m2", "'auto', 'float32', 'bfloat16', 'float16', 'int8', 'fp8'"),
 ])
 def test_value_outside_literal_lists_allowed_values(section, key, value, allowed):
     cfg = {"model": dict(TINY)}

@@ -33,7 +33,8 @@ class ModelConfig:
     num_layers: int | None = None         # override a shape's depth
     max_model_len: int | None = None      # context limit; default the model's own
     seed: int = 0                         # random weights
-    quantization: Literal["none", "q4"] = "none"   # q4: 4-bit block weights (onnxruntime)
+    # q4: 4-bit block weights (Q4_1, a Q8_0 head); gguf: every tensor as the GGUF file stores it
+    quantization: Literal["none", "q4", "gguf"] = "none"
     accuracy_level: int = 4               # q4: 4 quantises activations to int8 per block (fastest)
     outlier_channels: int = 8             # q4: input channels per projection kept in float32
 
@@ -137,7 +138,7 @@ class DraftConfig:
     weights: Literal["pretrained", "random"] | None = None
     num_layers: int | None = None
     seed: int | None = None
-    quantization: Literal["none", "q4"] | None = None
+    quantization: Literal["none", "q4", "gguf"] | None = None
     backend: BackendSection | None = None  # default: the target's decode backend
     num_blocks: int | Literal["auto"] = "auto"   # its own KV pool; auto: as many as the target's
 

@@ -57,7 +57,7 @@ class ModelSpec:
     dtype: torch.dtype            # weights' and activations' dtype
     model_id: str                 # a name for reports and caches
     seed: int = 0                 # for random weights
-    quantization: str = "none"    # "none", or "q4": 4-bit block weights (backends that declare it)
+    quantization: str = "none"    # "none", "q4" (4-bit blocks) or "gguf" (as the file stores them)
     accuracy_level: int = 4       # q4: ORT MatMulNBits' accuracy level (4: int8 activations)
     outlier_channels: int = 8     # q4: input channels per projection multiplied in float32
     # what ``state_dict()`` calls: set by core where the spec is made
@@ -140,7 +140,7 @@ class MemoryQuery:
 
     arch: ModelArch
     dtype: str                    # the model's: "float32", "bfloat16" or "float16"
-    quantization: str             # ``model.quantization``: "none" or "q4"
+    quantization: str             # ``model.quantization``: "none", "q4" or "gguf"
     device_kind: str              # "cpu" or "cuda": the device the plan is for
     options: dict[str, Any]       # the backend's TOML options
     limits: EngineLimits          # the scheduler's bounds on one call
@@ -163,8 +163,8 @@ class BackendMemory:
 
     # the weights as it holds them (``twophase.plan.weights``): "dense", every tensor in the
     # model's dtype; "blocks", the GGUF's q4 blocks as they are (native); "matmulnbits", ONNX
-    # Runtime's MatMulNBits inputs for q4
-    layout: Literal["dense", "blocks", "matmulnbits"] = "dense"
+    # Runtime's MatMulNBits inputs for q4; "stored", every tensor as the GGUF stores it (gguf)
+    layout: Literal["dense", "blocks", "matmulnbits", "stored"] = "dense"
     # graphs (sessions, engines) that each hold their own copy of the weights: ONNX Runtime's
     # decode and verify graphs beside its step graph
     weight_copies: int = 1

@@ -23,7 +23,7 @@ def add(parser: argparse.ArgumentParser, prompts: bool = True) -> None:
     g.add_argument("--model", help="a named model, a shape with random weights (e.g. tiny), or "
                                    "a .gguf file / HF folder")
     g.add_argument("--backend", help="one backend for both phases (torch, onnxruntime, ...)")
-    g.add_argument("--quantization", choices=["none", "q4"], help="model.quantization")
+    g.add_argument("--quantization", choices=["none", "q4", "gguf"], help="model.quantization")
     g.add_argument("--threads", type=int, help="the backend's threads (backend.options.threads)")
     g.add_argument("--max-tokens", type=int, help="sampling.max_tokens")
     if prompts:

@@ -150,6 +150,7 @@ def _why_not(cls, config: Config, device: str, arch: ModelArch) -> str | None:
 # run starts at once; ``twophase backends CONFIG`` builds and times them all.
 STORED = {("cpu", "none"): ("torch", "onnxruntime", "native"),
           ("cpu", "q4"): ("native", "onnxruntime", "torch"),
+          ("cpu", "gguf"): ("native",),
           ("cuda", "none"): ("torch", "onnxruntime"),
           ("cuda", "q4"): ("torch", "onnxruntime")}
 

@@ -7,26 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.models import PREEMPTING, dequantised_reference, prefill_all_logits, random_prompts, tiny_llm
+from helpers.native import PATHS, native_or_skip
 
 from twophase import LLM, SamplingParams
-from twophase.contract import BackendUnavailable
 from twophase.core.batch import decode_batch, prefill_batch
 
 Q4 = {"quantization": "q4"}
 
 
-def _native_or_skip():
-    from twophase.backends.native import NativeBackend
-
-    try:
-        NativeBackend.check_available("cpu")
-    except BackendUnavailable as exc:
-        pytest.skip(str(exc))
-
-
 @pytest.fixture(autouse=True)
 def _needs_native():
-    _native_or_skip()
+    native_or_skip()
 
 
 @pytest.fixture(autouse=True)
@@ -181,12 +172,6 @@ def test_speculation_verified_on_native_changes_no_token():
 # at and past a vector of 8
 SHAPES = [(5, 32, 0), (7, 96, 3), (9, 256, 8), (13, 288, 13), (4, 512, 5), (6, 576, 8), (5, 1024, 0),
           (3, 1504, 9)]
-
-# the kernels' paths, each compiled for this CPU with what it may not use switched off: 512-bit
-# VNNI (16 lanes a vector, where the CPU has it), 256-bit VNNI, AVX2 without VNNI (8 lanes)
-# (a switch for a set this CPU lacks changes nothing and is dropped: the path is the native build)
-PATHS = {"native": (), "avx-vnni": ("-mno-avx512f",), "avx2": ("-mno-avx512f", "-mno-avxvnni")}
-
 
 def test_a_path_switching_off_what_the_cpu_lacks_is_the_native_build(monkeypatch):
     from twophase.backends.native import kernel

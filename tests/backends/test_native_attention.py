@@ -10,6 +10,8 @@ import ctypes
 import numpy as np
 import pytest
 import torch
+from helpers.native import PATHS as ALL_PATHS
+from helpers.native import native_or_skip
 
 from twophase.kv_formats import kv_format
 
@@ -18,18 +20,12 @@ FORMATS = ["float32", "float16", "bfloat16", "int8"]
 SHAPES = [(6, 2, 64), (4, 1, 128)]
 CONTEXTS = [1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 200, 700]
 BS = 16
-PATHS = {"native": (), "avx2": ("-mno-avx512f", "-mno-avxvnni")}
+PATHS = {p: ALL_PATHS[p] for p in ("native", "avx2")}
 
 
 @pytest.fixture(autouse=True)
-def _native_or_skip():
-    from twophase.backends.native import NativeBackend
-    from twophase.contract import BackendUnavailable
-
-    try:
-        NativeBackend.check_available("cpu")
-    except BackendUnavailable as exc:
-        pytest.skip(str(exc))
+def _needs_native():
+    native_or_skip()
 
 
 def _case(fmt: str, heads: int, kv_heads: int, hd: int):

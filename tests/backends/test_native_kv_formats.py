@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.models import prefill_all_logits
+from helpers.native import native_or_skip
 
 from twophase import LLM, SamplingParams
 from twophase.kv_formats import kv_format
@@ -17,14 +18,8 @@ PROMPTS = [[(7 * i + 3 * j) % 4000 + 100 for j in range(40 + 9 * i)] for i in ra
 
 
 @pytest.fixture(autouse=True)
-def _native_or_skip():
-    from twophase.backends.native import NativeBackend
-    from twophase.contract import BackendUnavailable
-
-    try:
-        NativeBackend.check_available("cpu")
-    except BackendUnavailable as exc:
-        pytest.skip(str(exc))
+def _needs_native():
+    native_or_skip()
 
 
 def _llm(fmt: str, native: bool = True, **sections) -> LLM:

@@ -143,9 +143,22 @@ def _tensors(folder: Path, c) -> dict[str, np.ndarray]:
     return out
 
 
-def write_gguf(folder: Path, path: Path) -> Path:
+def encoded(t: np.ndarray, name: str) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
+    """A float tensor in the GGUF type ``name``: the ``gguf`` package's quantisers, ours
+    (``helpers.kquants``) for the K-quants it only reads."""
+    from helpers import kquants
+
+    qtype = gguf.GGMLQuantizationType[name]
+    t = np.ascontiguousarray(t, dtype=np.float32)
+    if name in ("Q4_K", "Q5_K", "Q6_K"):
+        return kquants.quantize(t.reshape(-1, t.shape[-1]), name).reshape(*t.shape[:-1], -1), qtype
+    return gguf.quants.quantize(t, qtype), qtype
+
+
+def write_gguf(folder: Path, path: Path, types: dict[str, str] | None = None) -> Path:
     """The HF checkpoint in ``folder`` (config.json, safetensors) as llama.cpp's converter
-    writes it, F32, at ``path``."""
+    writes it at ``path``: F32, or the GGUF type ``types`` names for a tensor (by its GGUF name,
+    e.g. ``{"blk.0.attn_v.weight": "Q6_K"}``)."""
     from transformers import AutoConfig
 
     c = AutoConfig.from_pretrained(folder)
@@ -163,7 +176,12 @@ def write_gguf(folder: Path, path: Path) -> Path:
         if new not in [gguf.TENSOR_NAMES[k].format(bid=base.split(".")[2] if ".layers." in base else 0)
                        for k in gguf.MODEL_TENSORS[arch]]:
             raise ValueError(f"{new!r} is not a tensor of llama.cpp's {arch.name}")
-        w.add_tensor(f"{new}.{suffix}", np.ascontiguousarray(t, dtype=np.float32))
+        kind = (types or {}).get(f"{new}.{suffix}", "F32")
+        if kind in ("F32", "F16"):
+            w.add_tensor(f"{new}.{suffix}", np.ascontiguousarray(t, dtype=np.float32 if kind == "F32" else np.float16))
+        else:
+            data, qtype = encoded(t, kind)
+            w.add_tensor(f"{new}.{suffix}", data, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -81,6 +81,12 @@ class GGUFFile:
         rows = int(np.prod(t.dims[1:])) if len(t.dims) > 1 else 1
         return np.frombuffer(self._map, np.uint8, t.n_bytes, t.offset).reshape(*t.shape[:-1], t.n_bytes // rows)
 
+    def rows(self, name: str) -> np.ndarray:
+        """The tensor's stored bytes, any type, as uint8 rows ``[rows, bytes a row]``."""
+        t = self.tensors[name]
+        rows = int(np.prod(t.dims[1:])) if len(t.dims) > 1 else 1
+        return np.frombuffer(self._map, np.uint8, t.n_bytes, t.offset).reshape(rows, t.n_bytes // rows)
+
     def _parse(self) -> tuple[dict[str, Any], dict[str, TensorInfo], int]:
         import gguf
 

@@ -16,6 +16,6 @@ class ModelSource:
     dtype: Literal["auto", "float32", "bfloat16", "float16"]
     num_layers: int | None                        # a random shape's depth
     seed: int                                     # random weights
-    quantization: Literal["none", "q4"]
+    quantization: Literal["none", "q4", "gguf"]
     accuracy_level: int                           # q4
     outlier_channels: int                         # q4

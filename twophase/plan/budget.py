@@ -29,6 +29,7 @@ from twophase.backends.registry import Registry
 from twophase.config import BackendSection, Config
 from twophase.contract import BackendMemory, EngineLimits, KVGroups, MemoryQuery
 from twophase.core.kv_manager import concurrency, context_tokens, sequence_blocks, step_blocks
+from twophase.errors import ConfigError
 from twophase.kv_formats import kv_format
 from twophase.plan import weights as layouts
 from twophase.plan.devices import DeviceProfile
@@ -153,6 +154,12 @@ def backend_memory(registry: Registry, sec: BackendSection, config: Config, arch
 
 def weight_groups(layout: str, config: Config, model: PlannedModel, dtype: str) -> tuple[dict[str, int], str]:
     """Bytes per tensor group in ``layout`` (``BackendMemory.layout``), and its name."""
+    if layout == "stored":
+        if model.stored is None:
+            raise ConfigError("model.quantization", f'"gguf" runs the tensors of a GGUF file as it stores '
+                              f'them; {model.model_id} was not loaded from one (use "q4" to quantise it)')
+        arch = model.arch
+        return {**model.stored, "embedding": arch.vocab_size * arch.hidden_size * 4}, "as the GGUF stores them"
     if layout == "blocks":
         return layouts.blocks(model.arch, config.model.outlier_channels, model.head_bits), "q4 blocks"
     if layout == "matmulnbits":

@@ -16,6 +16,7 @@ from twophase.config import ModelConfig
 from twophase.errors import ConfigError, ModelError
 from twophase.models import hf_repo, hub
 from twophase.models.families import arch_from_config, read_config
+from twophase.models.gguf_file import GGUFFile
 from twophase.models.shapes import SHAPES, named_shape
 from twophase.models.source import ModelSource
 from twophase.paths import cache_dir
@@ -30,6 +31,7 @@ class PlannedModel:
     arch: ModelArch
     head_bits: int              # the q4 layouts' head: 8 unless a GGUF keeps it at 4
     source: str                 # where the shapes were read
+    stored: dict[str, int] | None = None    # a GGUF's bytes per group as it stores them
 
 
 def planned_model(model: ModelSource | ModelConfig) -> PlannedModel:
@@ -74,5 +76,23 @@ def _from_gguf(path: Path, model_id: str) -> PlannedModel:
     four = head is not None and head.ggml_type == gguf.GGMLQuantizationType.Q4_1
     config = hf_config(header)
     arch = arch_from_config(config, str(path))
-    return PlannedModel(model_id, arch, 4 if four else 8,
-                        f"{path.name} header")
+    return PlannedModel(model_id, arch, 4 if four else 8, f"{path.name} header", stored_groups(header))
+
+
+def stored_groups(header: GGUFFile) -> dict[str, int]:
+    """The file's tensor bytes per group of ``params.GROUPS`` (a tied head: the embedding's)."""
+    out = {"embedding": 0, "attention": 0, "mlp": 0, "norms": 0, "head": 0}
+    for name, t in header.tensors.items():
+        if name == "token_embd.weight":
+            out["embedding"] += t.n_bytes
+            if "output.weight" not in header.tensors:
+                out["head"] += t.n_bytes
+        elif name == "output.weight":
+            out["head"] += t.n_bytes
+        elif name.endswith("norm.weight"):
+            out["norms"] += t.n_bytes
+        elif ".attn_" in name:
+            out["attention"] += t.n_bytes
+        elif ".ffn_" in name:
+            out["mlp"] += t.n_bytes
+    return out

@@ -3,8 +3,9 @@ use), on the GGUF's 4-bit blocks as they are, for the CPU.
 
 Why: decode at small batches is latency-bound, and a graph of library operators pays a dispatch
 for each of its ~1,900 ops (about 2 µs each in ONNX Runtime); here each op of a layer costs one
-barrier between two OpenMP threads. It runs ``quantization = "q4"`` only, with the ONNX path's
-quality rewrites (centred zero points, outlier channels in float32; ``twophase.exporters.q4``).
+barrier between two OpenMP threads. It runs ``quantization = "q4"``, with the ONNX path's
+quality rewrites (centred zero points, outlier channels in float32; ``twophase.exporters.q4``),
+and ``"gguf"``: every tensor in the block type the file stores it in (``gguf_blocks.h``).
 Prefill runs the same tiles as decode (2 weight rows by 4 tokens, 64 tokens a pass over the
 weights); ``benchmarks/quantized.py`` compares it with onnxruntime's on a machine, and
 ``[backend.prefill]``/``[backend.decode]`` route each phase to the faster one. The blocks' layout
@@ -44,7 +45,7 @@ KV_TYPES = {KV_FORMATS[n].storage: i for i, n in enumerate(KV_READS)}
 
 class NativeBackend(Backend):
     name = "native"
-    quantizations = ("q4",)
+    quantizations = ("q4", "gguf")
 
     @classmethod
     def check_available(cls, device: str = "cpu") -> None:
@@ -58,7 +59,7 @@ class NativeBackend(Backend):
     def memory(cls, query: MemoryQuery) -> BackendMemory:
         """The GGUF's blocks as they are; its float32 embedding stays mapped from the packed
         file, so only the rows of tokens seen are ever read in."""
-        return BackendMemory(layout="blocks", mapped_embedding=True)
+        return BackendMemory(layout="stored" if query.quantization == "gguf" else "blocks", mapped_embedding=True)
 
     def capabilities(self) -> Capabilities:
         # step.c computes the plain Llama block: no architecture feature beyond it

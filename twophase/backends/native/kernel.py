@@ -36,13 +36,24 @@ class ProjQ8(ctypes.Structure):
     _fields_ = [("n", c_int), ("k", c_int), ("w", c_void_p)]
 
 
+class Part(ctypes.Structure):
+    _fields_ = [("type", c_int), ("n", c_int), ("w", c_void_p)]
+
+
+class ProjStored(ctypes.Structure):
+    """A projection's rows as the GGUF stores them: up to 3 parts (q, k, v), each of one type."""
+    _fields_ = [("n", c_int), ("k", c_int), ("parts", c_int), ("part", Part * 3)]
+
+
 class Model(ctypes.Structure):
     _fields_ = [("layers", c_int), ("dim", c_int), ("heads", c_int), ("kv_heads", c_int),
                 ("head_dim", c_int), ("ffn", c_int), ("vocab", c_int), ("eps", c_float),
                 ("embed", c_void_p), ("attn_norm", c_void_p), ("mlp_norm", c_void_p),
                 ("final_norm", c_void_p), ("inv_freq", c_void_p), ("qkv", POINTER(ProjQ4)),
                 ("o", POINTER(ProjQ4)), ("gate_up", POINTER(ProjQ4)), ("down", POINTER(ProjQ4)),
-                ("head", ProjQ8)]
+                ("head", ProjQ8), ("stored", c_int), ("s_qkv", POINTER(ProjStored)),
+                ("s_o", POINTER(ProjStored)), ("s_gate_up", POINTER(ProjStored)),
+                ("s_down", POINTER(ProjStored)), ("s_head", POINTER(ProjStored))]
 
 
 class Step(ctypes.Structure):
@@ -90,17 +101,19 @@ def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
 
     check_machine()
     extra_flags = effective_flags(extra_flags)
-    source = files("twophase.backends.native").joinpath("step.c").read_bytes()
+    here = files("twophase.backends.native")
+    source = here.joinpath("step.c").read_bytes()
+    header = here.joinpath("gguf_blocks.h").read_bytes()
     cc = compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     # -march=native: the build is this CPU's; a cache shared with another CPU must not reuse it
     build = " ".join([cc, version, *FLAGS, *extra_flags, cpu_signature()])
-    key = hashlib.sha256(source + build.encode()).hexdigest()[:12]
+    key = hashlib.sha256(source + header + build.encode()).hexdigest()[:12]
     lib = cache_dir() / "native" / f"step-{key}.so"
     if not lib.exists():
         with build_lock(lib):                 # one compile for every process on this cache
             if not lib.exists():
-                _compile(cc, extra_flags, source, lib)
+                _compile(cc, extra_flags, source, header, lib)
     so = ctypes.CDLL(str(lib))
     so.step.argtypes = [POINTER(Model), POINTER(Step)]
     so.step.restype = None
@@ -112,14 +125,17 @@ def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     so.check_matmul.restype = None
     so.check_attention.argtypes = [POINTER(Model), POINTER(Step), c_void_p, c_void_p]
     so.check_attention.restype = None
+    so.check_matmul_stored.argtypes = [POINTER(ProjStored), c_int, c_void_p, c_void_p, c_void_p, c_void_p,
+                                       c_void_p, c_int]
+    so.check_matmul_stored.restype = None
     return so
 
 
-def _compile(cc: str, extra_flags: tuple[str, ...], source: bytes, lib: Path) -> None:
+def _compile(cc: str, extra_flags: tuple[str, ...], source: bytes, header: bytes, lib: Path) -> None:
     log.info("compiling the native kernels for this CPU with %s (once; 20-30 s on a 2-core Zen 3)", cc)
     lib.parent.mkdir(parents=True, exist_ok=True)
     src = lib.with_name(f"{lib.stem}.{os.getpid()}.c")
-    src.write_bytes(source)
+    src.write_bytes(source.replace(b'#include "gguf_blocks.h"', header))     # one file to compile
     tmp = lib.with_name(lib.name + f".{os.getpid()}.tmp")
     done = subprocess.run([cc, *FLAGS, *extra_flags, str(src), "-o", str(tmp)], capture_output=True, text=True)
     if done.returncode != 0:

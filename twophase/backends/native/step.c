@@ -99,8 +99,10 @@ typedef struct {
     const float *mlp_norm;    /* [layers][dim] */
     const float *final_norm;  /* [dim] */
     const float *inv_freq;    /* [head_dim / 2] */
-    const proj_q4 *qkv, *o, *gate_up, *down;   /* [layers] each */
+    const proj_q4 *qkv, *o, *gate_up, *down;   /* [layers] each (quantization "q4") */
     proj_q8 head;
+    int stored;               /* quantization "gguf": the tensors as stored, below, instead */
+    const struct proj_g *s_qkv, *s_o, *s_gate_up, *s_down, *s_head;   /* [layers] each; the head */
 } model_t;
 
 typedef struct {
@@ -190,6 +192,8 @@ static inline void axpy(float *y, float p, const float *x, int n) {
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
     for (; i < n; i++) y[i] += p * x[i];
 }
+
+#include "gguf_blocks.h"
 
 static qact row_of(qact a, int r, int k) {
     const qact out = { a.q + (size_t)r * groups_of(k) * ACT_GROUP, a.xo + (size_t)r * OUT_MAX };
@@ -1199,14 +1203,27 @@ static void attention(const model_t *m, const step_t *s, int layer, const float 
     #undef OUT_OF
 }
 
+/* row r (x, k wide) rounded for the projection p: into a (q4), or g (the stored formats) */
+static void round_row(const model_t *m, const float *x, int k, const proj_q4 *p, qact a, const gact *g, int r) {
+    if (m->stored) gquantize_row(g, r);
+    else quantize_row(x, k, p ? p->out_idx : NULL, p ? p->n_out : 0, row_of(a, r, k));
+}
+
+/* y (+)= the projection of the step's rows: q4 p through its tiles, or the stored sp */
+static void project(const model_t *m, const proj_q4 *p, const proj_g *sp, int rows, qact a, const gact *g,
+                    float *y, int ystride, int accumulate, next_t next) {
+    if (m->stored) matmul_g(sp, rows, g, y, ystride, accumulate, 1);
+    else matmul_q4(p, rows, a, y, ystride, accumulate, next);
+}
+
 /* each row of x normed into h and rounded for the projection p (rows split across threads) */
 static void norm_rows(const model_t *m, const float *x, const float *gamma, float *h, int rows,
-                      const proj_q4 *p, qact a) {
+                      const proj_q4 *p, qact a, const gact *g) {
     const int D = m->dim;
     #pragma omp for
     for (int r = 0; r < rows; r++) {
         rmsnorm(x + (size_t)r * D, gamma, h + (size_t)r * D, D, m->eps);
-        quantize_row(h + (size_t)r * D, D, p->out_idx, p->n_out, row_of(a, r, D));
+        round_row(m, h + (size_t)r * D, D, p, a, g, r);
     }
 }
 
@@ -1229,11 +1246,14 @@ long step_scratch_floats(const model_t *m, int rows, int max_ctx, int threads) {
 
 void step(const model_t *m, const step_t *s) {
     const int R = s->rows, D = m->dim, H = m->heads, KVH = m->kv_heads, hd = m->head_dim;
-    const int F = m->ffn, W = widest(m), A = act_width(m);
+    const int F = m->ffn, W = widest(m), A = act_width(m), st = m->stored;
     float *x = s->scratch, *h = x + (size_t)R * D, *attn = h + (size_t)R * D;
     float *wide = attn + (size_t)R * D, *mlp = wide + (size_t)R * W;
     qact a;
     float *per_thread = act_layout(mlp + (size_t)R * F, R, A, &a);
+    /* the stored formats' rounded activations, in the same scratch: of h, attn and mlp */
+    const gact gh = gact_layout((float *)a.q, R, D, h, D), gat = gact_layout((float *)a.q, R, D, attn, D);
+    const gact gmlp = gact_layout((float *)a.q, R, F, mlp, F);
 
     #pragma omp parallel num_threads(s->threads)
     {
@@ -1244,9 +1264,13 @@ void step(const model_t *m, const step_t *s) {
             memcpy(x + (size_t)r * D, m->embed + (size_t)s->tokens[r] * D, sizeof(float) * D);
 
         for (int l = 0; l < m->layers; l++) {
-            const proj_q4 *qkv = m->qkv + l, *o = m->o + l, *gu = m->gate_up + l, *dn = m->down + l;
-            norm_rows(m, x, m->attn_norm + (size_t)l * D, h, R, qkv, a);
-            matmul_q4(qkv, R, a, wide, W, 0, next_q4(o));
+            const proj_q4 *qkv = st ? NULL : m->qkv + l, *o = st ? NULL : m->o + l;
+            const proj_q4 *gu = st ? NULL : m->gate_up + l, *dn = st ? NULL : m->down + l;
+            const proj_g *sqkv = st ? m->s_qkv + l : NULL, *so = st ? m->s_o + l : NULL;
+            const proj_g *sgu = st ? m->s_gate_up + l : NULL, *sdn = st ? m->s_down + l : NULL;
+            const next_t none = {0};
+            norm_rows(m, x, m->attn_norm + (size_t)l * D, h, R, qkv, a, &gh);
+            project(m, qkv, sqkv, R, a, &gh, wide, W, 0, st ? none : next_q4(o));
             #pragma omp for
             for (int r = 0; r < R; r++) {          /* RoPE, then the token's K/V into the pool */
                 float *v = wide + (size_t)r * W;
@@ -1261,29 +1285,46 @@ void step(const model_t *m, const step_t *s) {
             }
             attention(m, s, l, wide, W, attn, mine, shared);
             #pragma omp for
-            for (int r = 0; r < R; r++)
-                quantize_row(attn + (size_t)r * D, D, o->out_idx, o->n_out, row_of(a, r, D));
-            matmul_q4(o, R, a, x, D, 1, next_q4(gu));    /* into the residual */
-            norm_rows(m, x, m->mlp_norm + (size_t)l * D, h, R, gu, a);
-            matmul_q4(gu, R, a, wide, W, 0, next_q4(dn));
+            for (int r = 0; r < R; r++) round_row(m, attn + (size_t)r * D, D, o, a, &gat, r);
+            project(m, o, so, R, a, &gat, x, D, 1, st ? none : next_q4(gu));    /* into the residual */
+            norm_rows(m, x, m->mlp_norm + (size_t)l * D, h, R, gu, a, &gh);
+            project(m, gu, sgu, R, a, &gh, wide, W, 0, st ? none : next_q4(dn));
             #pragma omp for
             for (int r = 0; r < R; r++) {
                 const float *g = wide + (size_t)r * W, *u = g + F;
                 float *y = mlp + (size_t)r * F;
                 swiglu(g, u, y, F);
-                quantize_row(y, F, dn->out_idx, dn->n_out, row_of(a, r, F));
+                round_row(m, y, F, dn, a, &gmlp, r);
             }
-            matmul_q4(dn, R, a, x, D, 1, l + 1 < m->layers ? next_q4(m->qkv + l + 1) : next_q8(&m->head));
+            project(m, dn, sdn, R, a, &gmlp, x, D, 1,
+                    st ? none : l + 1 < m->layers ? next_q4(m->qkv + l + 1) : next_q8(&m->head));
         }
         #pragma omp for
         for (int i = 0; i < s->n_logits; i++) {
             rmsnorm(x + (size_t)s->logit_rows[i] * D, m->final_norm, h + (size_t)i * D, D, m->eps);
-            quantize_row(h + (size_t)i * D, D, NULL, 0, row_of(a, i, D));
+            round_row(m, h + (size_t)i * D, D, NULL, a, &gh, i);
         }
-        matmul_q8(&m->head, s->n_logits, a, s->logits);
+        if (st) matmul_g(m->s_head, s->n_logits, &gh, s->logits, m->vocab, 0, 1);
+        else matmul_q8(&m->head, s->n_logits, a, s->logits);
     }
 }
 
+
+/* For tests: y = W x for `rows` rows of x ([rows][k] float32) of a projection in stored formats,
+   through the vector path (on `threads` threads) into fast and the scalar one into ref ([rows][n]
+   each), and the rounded activations d * q into xq ([rows][k]); scratch: act_floats(rows, k) */
+void check_matmul_stored(const proj_g *p, int rows, const float *x, float *fast, float *ref, float *xq,
+                         float *scratch, int threads) {
+    const gact g = gact_layout(scratch, rows, p->k, x, p->k);
+    for (int r = 0; r < rows; r++) gquantize_row(&g, r);
+    for (int r = 0; r < rows; r++)
+        for (int i = 0; i < p->k; i++) xq[(size_t)r * p->k + i] = g.d[(size_t)r * (p->k / 32) + i / 32] * g.q[(size_t)r * p->k + i];
+    #pragma omp parallel num_threads(threads)
+    {
+        matmul_g(p, rows, &g, fast, p->n, 0, 1);
+        matmul_g(p, rows, &g, ref, p->n, 0, 0);
+    }
+}
 
 /* For tests: layer 0's attention alone, for the step's rows (q: [rows][heads * head_dim], out:
    [rows][dim], dim = heads * head_dim), on s->threads threads; s->scratch: step_scratch_floats */

@@ -151,6 +151,9 @@ class NativeWeights:
         """The model's arrays, packed once (``$TWOPHASE_CACHE/native``) and mapped from there."""
         from twophase.exporters.cache import build_cached, cache_folder
 
+        if spec.quantization == "gguf":
+            return cls.build_stored(spec)
+
         man = manifest(spec)
         folder = cache_folder("native", man)
         build_cached(folder, man, lambda tmp: pack(spec, tmp), what="native weights")
@@ -181,3 +184,53 @@ class NativeWeights:
                       *(ctypes.cast(tables[n], ctypes.POINTER(ProjQ4)) for n in PROJECTIONS),
                       ProjQ8(head.shape[0], arch.hidden_size, ptr("head")))
         return cls(model, a, list(tables.values()))
+
+    @classmethod
+    def build_stored(cls, spec: ModelSpec) -> "NativeWeights":
+        """``quantization = "gguf"``: the file's tensors as stored (``stored_weights``)."""
+        import json
+
+        from twophase.backends.native import stored_weights
+        from twophase.backends.native.kernel import Part, ProjStored
+        from twophase.exporters.cache import build_cached, cache_folder, weights_digest
+        from twophase.formats import FORMATS
+
+        stored_weights.gguf_of(spec)           # refused before anything is built
+        man = {"format": stored_weights.FORMAT, "model_id": spec.model_id, "arch": spec.arch.to_dict(),
+               "weights_sha256": weights_digest(spec)}
+        folder = cache_folder("native", man)
+        build_cached(folder, man, lambda tmp: stored_weights.pack(spec, tmp), what="native weights as stored")
+        a = {f.stem: np.load(f, mmap_mode="r") for f in folder.glob("*.npy")}
+        for name, arr in a.items():
+            if name != "embed":
+                populate(arr)
+        types = json.loads((folder / "types.json").read_text())
+        arch, L = spec.arch, spec.arch.num_layers
+
+        def proj(key: str, k: int) -> ProjStored:
+            parts = []
+            for j, t in enumerate(types[key]):
+                rows, fmt = a[f"{key}.{j}"], FORMATS[t]
+                if rows.shape[1] != fmt.bytes_for((1, k)):
+                    raise ValueError(f"packed weights in {folder}: {key}'s rows of {rows.shape[1]} bytes "
+                                     f"are not {k} {t} values")
+                parts.append(Part(fmt.ggml_type, rows.shape[0], rows.ctypes.data))
+            return ProjStored(sum(p.n for p in parts), k, len(parts), (Part * 3)(*parts))
+
+        D = arch.hidden_size
+        widths = {"attn.qkv": D, "attn.o": arch.num_heads * arch.head_dim, "mlp.gate_up": D,
+                  "mlp.down": arch.intermediate_size}
+        tables = {n: (ProjStored * L)(*(proj(f"layers.{i}.{n}", widths[n]) for i in range(L))) for n in PROJECTIONS}
+        head = proj("lm_head", D)
+        if head.n != arch.vocab_size or a["embed"].shape != (arch.vocab_size, D):
+            raise ValueError(f"packed weights in {folder} do not match the model's shapes")
+
+        def ptr(name: str) -> int:
+            return a[name].ctypes.data
+
+        model = Model(L, D, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.intermediate_size,
+                      arch.vocab_size, arch.rms_norm_eps, ptr("embed"), ptr("attn_norm"), ptr("mlp_norm"),
+                      ptr("final_norm"), ptr("inv_freq"), None, None, None, None, ProjQ8(0, 0, None), 1,
+                      *(ctypes.cast(tables[n], ctypes.POINTER(ProjStored)) for n in PROJECTIONS),
+                      ctypes.pointer(head))
+        return cls(model, a, [*tables.values(), head])
