@@ -654,6 +654,8 @@ def test_cli_backends_lists_torch_builtin(cli):
     rows = [line for line in r.stdout.splitlines() if "torch" in line and "built-in" in line]
     assert rows, str(r)
     assert "yes" in rows[0]          # the torch backend runs on the CPU here
+    native = [line for line in r.stdout.splitlines() if line.startswith("│ native")]
+    assert native and "q4, gguf" in native[0] and "int8" in native[0] and "fp8" not in native[0], str(r)
 
 
 @pytest.mark.parametrize("path", sorted((Path(__file__).parent.parent / "examples").glob("*.toml")),

@@ -332,14 +332,19 @@ def cmd_backends(args) -> int:
 
     reg = Registry()
     table = Table(title="twophase backends")
-    for col in ("name", "source", "cpu", "cuda"):
+    for col in ("name", "source", "weights", "K/V", "cpu", "cuda"):
         table.add_column(col)
     for name, info in sorted(reg.backends.items()):
         cells = []
         for device in ("cpu", "cuda"):
             why = reg.availability(name, device)
             cells.append("[green]yes[/]" if why is None else f"[red]no[/]: {escape(why)}")
-        table.add_row(name, info.source, *cells)
+        try:
+            caps = info.cls().capabilities()     # the class's own statement: nothing is loaded
+            kv = ", ".join(dict.fromkeys([str(d).removeprefix("torch.") for d in caps.dtypes] + list(caps.kv_formats)))
+        except Exception as exc:                 # a plugin's constructor is its own business
+            kv = f"? ({type(exc).__name__})"
+        table.add_row(name, info.source, ", ".join(info.cls.quantizations), kv, *cells)
     for info in reg.failures:
         table.add_row(info.name, info.source, f"[red]failed to load[/]: {escape(info.error)}", "")
     console = Console()
