@@ -12,7 +12,10 @@ Rounds are interleaved; medians are printed with the ratios. Quality, for twopha
 llama.cpp on the same text: perplexity's difference from the fp32 model, the mean KL divergence
 from it, and how often the top token agrees with it.
 
-    python benchmarks/quantized.py [--threads 2] [--rounds 3]
+    python benchmarks/quantized.py [--threads 2] [--rounds 3] [--gguf FILE] [--lines native-gguf,...]
+
+``--gguf`` runs another file, e.g. a Q4_K_M one; ``"gguf"`` runs its tensors as stored (the
+native backend), ``"q4"`` converts those not Q4_1 or Q8_0 to Q4_1.
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ from twophase.quality import all_logits, shipped_text
 MODEL = "smollm2-135m-instruct"
 
 
-def twophase_line(backend: str | dict, quantization: str) -> LLM:
-    return LLM.from_config({"model": {"name": MODEL, "quantization": quantization},
+def twophase_line(backend: str | dict, quantization: str, gguf: str | None = None) -> LLM:
+    model = {"path": gguf} if gguf else {"name": MODEL}
+    return LLM.from_config({"model": {**model, "quantization": quantization},
                             "backend": {"name": backend} if isinstance(backend, str) else backend,
                             "scheduler": {"policy": "prefill-first", "max_num_batched_tokens": 512,
                                           "max_num_seqs": 32},
@@ -173,19 +177,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--gguf", help="a GGUF file (default: the default model's); e.g. a Q4_K_M file")
+    ap.add_argument("--lines", default="native-gguf,native-q4,onnxruntime-q4,onnxruntime-native-q4,onnxruntime-fp32",
+                    help="twophase's lines to run, of those names")
     args = ap.parse_args()
     console = Console()
-    lines = {"twophase q4 (native)": ("native", "q4"),
-             "twophase q4 (onnxruntime)": ("onnxruntime", "q4"),
-             "twophase q4 (onnxruntime → native)": (
-                 {"prefill": {"name": "onnxruntime"}, "decode": {"name": "native"}}, "q4"),
-             "twophase fp32 (onnxruntime)": ("onnxruntime", "none")}
+    g = args.gguf
+    every = {"native-gguf": ("twophase gguf (native)", ("native", "gguf", g)),
+             "native-q4": ("twophase q4 (native)", ("native", "q4", g)),
+             "onnxruntime-q4": ("twophase q4 (onnxruntime)", ("onnxruntime", "q4", g)),
+             "onnxruntime-native-q4": ("twophase q4 (onnxruntime → native)", (
+                 {"prefill": {"name": "onnxruntime"}, "decode": {"name": "native"}}, "q4", g)),
+             "onnxruntime-fp32": ("twophase fp32 (onnxruntime)", ("onnxruntime", "none", g))}
+    lines = dict(every[n] for n in args.lines.split(","))
     cases = ("pp512", "tg batch 1", "tg batch 32")
     engines = {name: Isolated("twophase", *line) for name, line in lines.items()}
     try:
         import llama_cpp  # noqa: F401
 
-        gguf = str(hub.gguf_path(MODEL))
+        gguf = g or str(hub.gguf_path(MODEL))
         for flash in (True, False):
             engines[f"llama.cpp (flash attention {'on' if flash else 'off'})"] = Isolated(
                 "llama.cpp", gguf, args.threads, flash)
@@ -202,7 +212,7 @@ def main() -> None:
     for eng in engines.values():
         eng.close()
     first = next(iter(engines))
-    table = Table(title=f"{MODEL}, CPU, {args.threads} threads, each engine in its own process: "
+    table = Table(title=f"{g or MODEL}, CPU, {args.threads} threads, each engine in its own process: "
                         f"tokens/s, median of {args.rounds} interleaved rounds (ratio to {first})")
     table.add_column("engine")
     for case in cases:
@@ -215,11 +225,10 @@ def main() -> None:
             cells.append(f"{statistics.median(v):.1f} (x{statistics.median(v) / base[c]:.2f})" if v else "-")
         table.add_row(name, *cells)
     console.print(table)
-    graded: dict = {"twophase q4 (onnxruntime)": twophase_line("onnxruntime", "q4"),
-                    "twophase q4 (native)": twophase_line("native", "q4")}
+    graded: dict = {name: twophase_line(*line) for name, line in lines.items() if line[1] != "none"}
     if any(n.startswith("llama.cpp") for n in engines):
-        graded["llama.cpp"] = LlamaCpp(str(hub.gguf_path(MODEL)), args.threads, True)
-    quality(console, twophase_line("torch", "none"), graded)
+        graded["llama.cpp"] = LlamaCpp(g or str(hub.gguf_path(MODEL)), args.threads, True)
+    quality(console, twophase_line("torch", "none", g), graded)
 
 
 def quality(console: Console, reference: LLM, engines: dict) -> None:

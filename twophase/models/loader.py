@@ -47,9 +47,15 @@ def model_spec(m: ResolvedModel, cfg: ModelSource) -> ModelSpec:
     from twophase.models.weights import hf_weights
 
     folder = None if m.weights == "random" else Path(m.weights)
-    return ModelSpec(m.arch, m.weights, m.dtype, m.model_id, cfg.seed, cfg.quantization,
+    spec = ModelSpec(m.arch, m.weights, m.dtype, m.model_id, cfg.seed, cfg.quantization,
                      cfg.accuracy_level, cfg.outlier_channels,
                      weight_loader=functools.partial(hf_weights, m.arch, folder, cfg.seed))
+    if cfg.quantization == "q4":
+        from twophase.models.q4_weights import say_conversions, source_gguf
+
+        if (path := source_gguf(spec)) is not None:
+            say_conversions(path)
+    return spec
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:

@@ -113,20 +113,19 @@ def model_qweights(model, arch, gguf_path: Path | None) -> dict[str, QWeight]:
 def gguf_qweights(path: Path, arch: ModelArch) -> dict[str, QWeight]:
     """The GGUF's quantised blocks as they are, fused the way the model fuses its projections
     (Q/K rows un-permuted as in the float conversion, for the families llama.cpp permutes).
-    ``quantization = "q4"`` holds Q4_1 and Q8_0 blocks: a tensor stored in another format is
-    converted to Q4_1 because the setting asks for it, and the log says which ones were."""
+    ``quantization = "q4"`` holds Q4_1 projections and a Q8_0 (or Q4_1) head: a tensor stored in
+    another format is converted to those (a projection to Q4_1, the head to Q8_0) because the
+    setting asks for it, and the log says which ones were."""
     from twophase.formats import by_ggml_type
     from twophase.models.families import family
     from twophase.models.gguf import unpermute_rope
     from twophase.models.gguf_file import GGUFFile
-    from twophase.models.quant import from_q4_1, from_q8_0, quantize_q4
+    from twophase.models.quant import from_q4_1, from_q8_0, quantize_q4, quantize_q8
 
     header = GGUFFile(path)
     tensors = header.tensors
     fam = family(arch.family)
-    converted: dict[str, int] = {}
-
-    def q(name: str) -> QWeight:
+    def q(name: str, head: bool = False) -> QWeight:
         import gguf
 
         t, data = tensors[name], header.data(name)
@@ -135,10 +134,10 @@ def gguf_qweights(path: Path, arch: ModelArch) -> dict[str, QWeight]:
         kind = fmt.name if fmt else f"GGML type {t.ggml_type}"
         if kind == "Q4_1":
             return from_q4_1(data, n, k)
-        if kind == "Q8_0":
+        if kind == "Q8_0" and head:           # a projection's blocks are 4-bit, the head's 8
             return from_q8_0(data, n, k)
-        converted[kind] = converted.get(kind, 0) + 1
-        return quantize_q4(gguf.quants.dequantize(data, t.ggml_type).reshape(n, k).astype(np.float32))
+        dense = gguf.quants.dequantize(data, t.ggml_type).reshape(n, k).astype(np.float32)
+        return quantize_q8(dense) if head else quantize_q4(dense)     # the head at 8 bits
 
     def part(i: int, gguf_part: str, heads: int | None) -> QWeight:
         qw = q(f"blk.{i}.{gguf_part}.weight")
@@ -152,8 +151,26 @@ def gguf_qweights(path: Path, arch: ModelArch) -> dict[str, QWeight]:
         for ours in PROJECTIONS:
             parts = [part(i, g, rope_heads.get(g)) for g in fam.layer_names[ours][1]]
             out[f"layers.{i}.{ours}.weight"] = parts[0] if len(parts) == 1 else QWeight.stack(parts)
-    out["lm_head.weight"] = q("output.weight" if "output.weight" in tensors else "token_embd.weight")
-    if converted:
-        log.warning("%s: quantization = \"q4\" holds Q4_1 blocks; converted to them the tensors "
-                    "stored as %s", path.name, ", ".join(f"{k} ({n})" for k, n in sorted(converted.items())))
+    out["lm_head.weight"] = q("output.weight" if "output.weight" in tensors else "token_embd.weight", head=True)
     return out
+
+
+def say_conversions(path: Path) -> None:
+    """Log the tensor types of the GGUF at ``path`` that ``"q4"`` converts (projections not in
+    Q4_1, a head in neither Q4_1 nor Q8_0), at every load: packed once, converted once."""
+    from twophase.formats import by_ggml_type
+    from twophase.models.gguf_file import GGUFFile
+
+    tensors = GGUFFile(path).tensors
+    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    converted: dict[str, int] = {}
+    for name, t in tensors.items():
+        fmt = by_ggml_type(t.ggml_type)
+        kind = fmt.name if fmt else f"GGML type {t.ggml_type}"
+        projection = name.startswith("blk.") and name.endswith(".weight") and "norm" not in name
+        if (projection and kind != "Q4_1") or (name == head and kind not in ("Q4_1", "Q8_0")):
+            converted[kind] = converted.get(kind, 0) + 1
+    if converted:
+        log.warning("%s: quantization = \"q4\" holds Q4_1 and Q8_0 blocks; converted to them the tensors "
+                    "stored as %s (quantization = \"gguf\" runs them as stored, on the native backend)",
+                    path.name, ", ".join(f"{k} ({n})" for k, n in sorted(converted.items())))

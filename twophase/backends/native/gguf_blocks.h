@@ -5,9 +5,9 @@
  * Every block type is read 32 values at a time: its codes as unsigned bytes u (all below 64),
  * an offset o taken from each, a scale for each half of 16 values and a bias a 32 (the minimum of
  * Q4_1, Q5_1 and the K-quants), so that w = s_h * (u - o) + bias. Q8_0's codes are signed and
- * dot as they are. The integer dots are exact on the vector path and the scalar one alike, and
- * the float terms are one function both call, so the two agree bit for bit. F32, F16 and BF16
- * rows dot the float activations. Included by step.c.
+ * dot as they are. The reference takes each run's exact integer dot and its float terms in
+ * order (run_term); the vector path sums the same products in other lanes, so the two agree up
+ * to float rounding. F32, F16 and BF16 rows dot the float activations. Included by step.c.
  */
 
 enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
@@ -180,21 +180,6 @@ static inline __m256i codes_vec(int t, const uint8_t *b, int j) {
     return _mm256_setzero_si256();
 }
 
-/* the integer dots of a run's halves (16 values each) with 32 activation codes */
-static inline void dots_vec(__m256i u, int is_signed, const int8_t *q, int *I0, int *I1) {
-    __m256i a = _mm256_loadu_si256((const __m256i *)q);
-    if (is_signed) {                            /* |w| against a with w's sign */
-        a = _mm256_sign_epi8(a, u);
-        u = _mm256_sign_epi8(u, u);
-    }
-    const __m256i s = DPBUSD(_mm256_setzero_si256(), u, a);
-    __m128i lo = _mm256_castsi256_si128(s), hi = _mm256_extracti128_si256(s, 1);
-    lo = _mm_hadd_epi32(lo, hi);
-    lo = _mm_hadd_epi32(lo, lo);
-    *I0 = _mm_cvtsi128_si32(lo);
-    *I1 = _mm_extract_epi32(lo, 1);
-}
-
 static inline void dots_ref(const uint8_t *u, int is_signed, const int8_t *q, int *I0, int *I1) {
     int s[2] = {0, 0};
     for (int i = 0; i < 32; i++) s[i / 16] += (is_signed ? (int)(int8_t)u[i] : (int)u[i]) * q[i];
@@ -202,43 +187,95 @@ static inline void dots_ref(const uint8_t *u, int is_signed, const int8_t *q, in
     *I1 = s[1];
 }
 
-#define G_ROWS 8        /* activation rows a weight row meets per read of its blocks */
+#define G_ROWS 4        /* activation rows a weight row meets per read of its blocks */
 
-/* y[r] = w . x[r] for activation rows r0 .. r0 + nr (at most G_ROWS), a row w of type t */
-static void row_dots(int t, const uint8_t *w, const gact *a, int r0, int nr, float *y, int vec) {
+/* the reference: y[r] = w . x[r] for activation rows r0 .. r0 + nr (at most G_ROWS), a row w of
+   type t, a run and an element at a time, each run's terms in order (run_term) */
+static void row_dots_ref(int t, const uint8_t *w, const gact *a, int r0, int nr, float *y) {
     const int k = a->k;
-    float acc[G_ROWS] = {0};
-    if (is_float_type(t)) {
-        for (int r = 0; r < nr; r++) {
-            const float *x = a->x + (size_t)(r0 + r) * a->xstride;
-            if (t == T_F32 && vec) { acc[r] = dot((const float *)w, x, k); continue; }
-            float s = 0.f;
-            for (int i = 0; i < k; i++) s = fmaf(float_at(t, w, i), x[i], s);
-            acc[r] = s;
+    for (int r = 0; r < nr; r++) {
+        const size_t row = (size_t)(r0 + r);
+        float acc = 0.f;
+        if (is_float_type(t)) {
+            const float *x = a->x + row * a->xstride;
+            for (int i = 0; i < k; i++) acc = fmaf(float_at(t, w, i), x[i], acc);
+        } else {
+            const int runs = type_values(t) / 32;
+            for (int g = 0; g < k / 32; g++) {
+                const uint8_t *b = w + (size_t)(g / runs) * type_bytes(t);
+                const sub_t terms = sub_terms(t, b, g % runs);
+                uint8_t u[32];
+                int I0, I1;
+                codes_ref(t, b, g % runs, u);
+                dots_ref(u, t == T_Q8_0, a->q + row * k + 32 * g, &I0, &I1);
+                const int32_t *A = a->s + row * (k / 16) + 2 * g;
+                acc = run_term(&terms, I0, I1, A[0], A[1], a->d[row * (k / 32) + g], acc);
+            }
         }
-    } else {
-        const int runs = type_values(t) / 32, sgn = t == T_Q8_0;
-        const size_t bb = type_bytes(t);
-        for (int g = 0; g < k / 32; g++) {
-            const uint8_t *b = w + (size_t)(g / runs) * bb;
-            const int j = g % runs;
+        y[r] = acc;
+    }
+}
+
+/* a float row's dot with x, eight lanes at a time */
+static float float_row_dot(int t, const uint8_t *w, const float *x, int k) {
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= k; i += 8) {
+        __m256 v;
+        if (t == T_F32) v = _mm256_loadu_ps((const float *)w + i);
+        else if (t == T_F16) v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 2 * i)));
+        else v = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(w + 2 * i))), 16));
+        acc = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + i), acc);
+    }
+    float s = hsum8(acc);
+    for (; i < k; i++) s = fmaf(float_at(t, w, i), x[i], s);
+    return s;
+}
+
+/* the offset a type's codes carry (taken off as bytes, so the dot of w - o is one int8 dot) */
+static inline int code_offset(int t) { return t == T_Q4_0 ? 8 : t == T_Q5_0 ? 16 : t == T_Q6_K ? 32 : 0; }
+
+/* the vector path: each run's codes decoded once into a ymm for the nr activation rows; its
+   integer dot's eight lanes (four a half) scaled by the half's scale times the activation's
+   step and summed into float lanes; the minimum's term a float a row. Equal to the reference
+   up to float rounding (the sums go in another order), and a row's result does not depend on
+   the rows beside it. */
+static void row_dots_vec(int t, const uint8_t *w, const gact *a, int r0, int nr, float *y) {
+    const int k = a->k;
+    if (is_float_type(t)) {
+        for (int r = 0; r < nr; r++) y[r] = float_row_dot(t, w, a->x + (size_t)(r0 + r) * a->xstride, k);
+        return;
+    }
+    const int runs = type_values(t) / 32, o = code_offset(t);
+    const int plain = t == T_Q4_1 || t == T_Q5_1 || t == T_Q4_K || t == T_Q5_K;     /* codes >= 0 */
+    const size_t bb = type_bytes(t);
+    __m256 acc[G_ROWS];
+    float bias[G_ROWS];
+    for (int r = 0; r < G_ROWS; r++) { acc[r] = _mm256_setzero_ps(); bias[r] = 0.f; }
+    for (int blk = 0; blk < k / 32 / runs; blk++) {
+        const uint8_t *b = w + (size_t)blk * bb;
+        for (int j = 0; j < runs; j++) {
+            const int g = blk * runs + j;
             const sub_t terms = sub_terms(t, b, j);
-            uint8_t u[32];
-            __m256i uv = _mm256_setzero_si256();
-            if (vec) uv = codes_vec(t, b, j);
-            else codes_ref(t, b, j, u);
+            __m256i u = codes_vec(t, b, j);
+            if (o) u = _mm256_sub_epi8(u, _mm256_set1_epi8((char)o));
+            const __m256i au = plain ? u : _mm256_sign_epi8(u, u);
             for (int r = 0; r < nr; r++) {
                 const size_t row = (size_t)(r0 + r);
-                const int8_t *q = a->q + row * k + 32 * g;
-                const int32_t *s = a->s + row * (k / 16) + 2 * g;
-                int I0, I1;
-                if (vec) dots_vec(uv, sgn, q, &I0, &I1);
-                else dots_ref(u, sgn, q, &I0, &I1);
-                acc[r] = run_term(&terms, I0, I1, s[0], s[1], a->d[row * (k / 32) + g], acc[r]);
+                __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + row * k + 32 * g));
+                if (!plain) x = _mm256_sign_epi8(x, u);
+                const __m256i dots = DPBUSD(_mm256_setzero_si256(), au, x);
+                const float dy = a->d[row * (k / 32) + g];
+                const __m256 sc = _mm256_set_m128(_mm_set1_ps(terms.s[1] * dy), _mm_set1_ps(terms.s[0] * dy));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), sc, acc[r]);
+                if (plain) {
+                    const int32_t *A = a->s + row * (k / 16) + 2 * g;
+                    bias[r] = fmaf(terms.bias * dy, (float)(A[0] + A[1]), bias[r]);
+                }
             }
         }
     }
-    for (int r = 0; r < nr; r++) y[r] = acc[r];
+    for (int r = 0; r < nr; r++) y[r] = hsum8(acc[r]) + bias[r];
 }
 
 /* the activations' layout in the scratch at `at` (act_floats(rows, k) floats are enough) */
@@ -280,7 +317,8 @@ static void matmul_g(const proj_g *p, int rows, const gact *a, float *y, int yst
         for (int r0 = 0; r0 < rows; r0 += G_ROWS) {
             const int nr = rows - r0 < G_ROWS ? rows - r0 : G_ROWS;
             float out[G_ROWS];
-            row_dots(pt->type, w, a, r0, nr, out, vec);
+            if (vec) row_dots_vec(pt->type, w, a, r0, nr, out);
+            else row_dots_ref(pt->type, w, a, r0, nr, out);
             for (int r = 0; r < nr; r++) {
                 float *o = y + (size_t)(r0 + r) * ystride + n;
                 *o = accumulate ? *o + out[r] : out[r];

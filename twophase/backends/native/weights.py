@@ -126,8 +126,10 @@ def pack(spec: ModelSpec, folder: Path) -> None:
             parts["cols"].append(qw.dequantize()[:, idx].astype(np.float32))
         out.update({f"{name}.{k}": np.stack(v) for k, v in parts.items()})
     head = qweights["lm_head.weight"]
-    if head.bits != 8:
-        raise ValueError("the native backend runs an 8-bit head")
+    if head.bits != 8:                  # a file's Q4_1 head: the tiles run an 8-bit one
+        from twophase.models.quant import quantize_q8
+
+        head = quantize_q8(head.dequantize())
     out["head"] = q8_rows(q8_blocks(head))
     for name, a in out.items():
         np.save(folder / f"{name}.npy", np.ascontiguousarray(a))
