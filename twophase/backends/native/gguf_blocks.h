@@ -60,7 +60,7 @@ static inline void scale_min_k4(int j, const uint8_t *q, int *sc, int *mn) {
 }
 
 /* run j of the block at b: its float terms (the codes are read by codes_ref or codes_vec) */
-static inline sub_t sub_terms(int t, const uint8_t *b, int j) {
+INLINE sub_t sub_terms(int t, const uint8_t *b, int j) {
     sub_t r = { {0.f, 0.f}, 0.f, 0 };
     int sc, mn;
     switch (t) {
@@ -144,7 +144,7 @@ static inline __m256i bits_to_16(uint32_t bits) {
     return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, mask), mask), _mm256_set1_epi8(0x10));
 }
 
-static inline __m256i codes_vec(int t, const uint8_t *b, int j) {
+INLINE __m256i codes_vec(int t, const uint8_t *b, int j) {
     const __m256i m15 = _mm256_set1_epi8(15);
     uint32_t qh;
     switch (t) {
@@ -233,25 +233,21 @@ static float float_row_dot(int t, const uint8_t *w, const float *x, int k) {
 }
 
 /* the offset a type's codes carry (taken off as bytes, so the dot of w - o is one int8 dot) */
-static inline int code_offset(int t) { return t == T_Q4_0 ? 8 : t == T_Q5_0 ? 16 : t == T_Q6_K ? 32 : 0; }
+INLINE int code_offset(int t) { return t == T_Q4_0 ? 8 : t == T_Q5_0 ? 16 : t == T_Q6_K ? 32 : 0; }
 
 /* the vector path: each run's codes decoded once into a ymm for the nr activation rows; its
    integer dot's eight lanes (four a half) scaled by the half's scale times the activation's
    step and summed into float lanes; the minimum's term a float a row. Equal to the reference
    up to float rounding (the sums go in another order), and a row's result does not depend on
    the rows beside it. */
-static void row_dots_vec(int t, const uint8_t *w, const gact *a, int r0, int nr, float *y) {
+INLINE void rows_vec(const int t, const int nr, const uint8_t *w, const gact *a, int r0, float *y) {
     const int k = a->k;
-    if (is_float_type(t)) {
-        for (int r = 0; r < nr; r++) y[r] = float_row_dot(t, w, a->x + (size_t)(r0 + r) * a->xstride, k);
-        return;
-    }
     const int runs = type_values(t) / 32, o = code_offset(t);
     const int plain = t == T_Q4_1 || t == T_Q5_1 || t == T_Q4_K || t == T_Q5_K;     /* codes >= 0 */
     const size_t bb = type_bytes(t);
     __m256 acc[G_ROWS];
     float bias[G_ROWS];
-    for (int r = 0; r < G_ROWS; r++) { acc[r] = _mm256_setzero_ps(); bias[r] = 0.f; }
+    for (int r = 0; r < nr; r++) { acc[r] = _mm256_setzero_ps(); bias[r] = 0.f; }
     for (int blk = 0; blk < k / 32 / runs; blk++) {
         const uint8_t *b = w + (size_t)blk * bb;
         for (int j = 0; j < runs; j++) {
@@ -276,6 +272,31 @@ static void row_dots_vec(int t, const uint8_t *w, const gact *a, int r0, int nr,
         }
     }
     for (int r = 0; r < nr; r++) y[r] = hsum8(acc[r]) + bias[r];
+}
+
+/* rows_vec for each type and for 1 and G_ROWS rows, each compiled with both constant (the
+   switches on the type fold away, the rows' accumulators stay in registers) */
+#define ROWS_VEC(T)                                                                               \
+    static void rows_vec_##T(const uint8_t *w, const gact *a, int r0, int nr, float *y) {         \
+        if (nr == G_ROWS) { rows_vec(T, G_ROWS, w, a, r0, y); return; }                           \
+        for (int r = 0; r < nr; r++) rows_vec(T, 1, w, a, r0 + r, y + r);                          \
+    }
+ROWS_VEC(T_Q4_0) ROWS_VEC(T_Q4_1) ROWS_VEC(T_Q5_0) ROWS_VEC(T_Q5_1) ROWS_VEC(T_Q8_0)
+ROWS_VEC(T_Q4_K) ROWS_VEC(T_Q5_K) ROWS_VEC(T_Q6_K)
+
+static void row_dots_vec(int t, const uint8_t *w, const gact *a, int r0, int nr, float *y) {
+    switch (t) {
+    case T_Q4_0: rows_vec_T_Q4_0(w, a, r0, nr, y); return;
+    case T_Q4_1: rows_vec_T_Q4_1(w, a, r0, nr, y); return;
+    case T_Q5_0: rows_vec_T_Q5_0(w, a, r0, nr, y); return;
+    case T_Q5_1: rows_vec_T_Q5_1(w, a, r0, nr, y); return;
+    case T_Q8_0: rows_vec_T_Q8_0(w, a, r0, nr, y); return;
+    case T_Q4_K: rows_vec_T_Q4_K(w, a, r0, nr, y); return;
+    case T_Q5_K: rows_vec_T_Q5_K(w, a, r0, nr, y); return;
+    case T_Q6_K: rows_vec_T_Q6_K(w, a, r0, nr, y); return;
+    default:
+        for (int r = 0; r < nr; r++) y[r] = float_row_dot(t, w, a->x + (size_t)(r0 + r) * a->xstride, a->k);
+    }
 }
 
 /* the activations' layout in the scratch at `at` (act_floats(rows, k) floats are enough) */
