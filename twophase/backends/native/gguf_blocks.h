@@ -18,8 +18,8 @@ typedef struct { int type, n; const uint8_t *w; } part_t;   /* n rows of one typ
 typedef struct proj_g { int n, k, parts; part_t part[PARTS_MAX]; } proj_g;   /* the parts' rows in order */
 
 /* the rows' activations: float (x, xstride apart) and rounded: codes q [rows][k], steps d
-   [rows][k/32], the codes' sums s [rows][k/16] */
-typedef struct { const float *x; int xstride, k; int8_t *q; float *d; int32_t *s; } gact;
+   [rows][k/32], the codes' sums s [rows][k/16], and d times the sum a run, ds [rows][k/32] */
+typedef struct { const float *x; int xstride, k; int8_t *q; float *d; int32_t *s; float *ds; } gact;
 
 typedef struct { float s[2], bias; int o; } sub_t;          /* a run of 32's float terms */
 
@@ -187,7 +187,7 @@ static inline void dots_ref(const uint8_t *u, int is_signed, const int8_t *q, in
     *I1 = s[1];
 }
 
-#define G_ROWS 4        /* activation rows a weight row meets per read of its blocks */
+#define G_ROWS 8        /* activation rows a weight row meets per read of its blocks */
 
 /* the reference: y[r] = w . x[r] for activation rows r0 .. r0 + nr (at most G_ROWS), a row w of
    type t, a run and an element at a time, each run's terms in order (run_term) */
@@ -256,18 +256,16 @@ INLINE void rows_vec(const int t, const int nr, const uint8_t *w, const gact *a,
             __m256i u = codes_vec(t, b, j);
             if (o) u = _mm256_sub_epi8(u, _mm256_set1_epi8((char)o));
             const __m256i au = plain ? u : _mm256_sign_epi8(u, u);
+            const __m256 sw = t == T_Q6_K ? _mm256_set_m128(_mm_set1_ps(terms.s[1]), _mm_set1_ps(terms.s[0]))
+                                          : _mm256_set1_ps(terms.s[0]);
             for (int r = 0; r < nr; r++) {
                 const size_t row = (size_t)(r0 + r);
                 __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + row * k + 32 * g));
                 if (!plain) x = _mm256_sign_epi8(x, u);
                 const __m256i dots = DPBUSD(_mm256_setzero_si256(), au, x);
-                const float dy = a->d[row * (k / 32) + g];
-                const __m256 sc = _mm256_set_m128(_mm_set1_ps(terms.s[1] * dy), _mm_set1_ps(terms.s[0] * dy));
+                const __m256 sc = _mm256_mul_ps(sw, _mm256_broadcast_ss(a->d + row * (k / 32) + g));
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), sc, acc[r]);
-                if (plain) {
-                    const int32_t *A = a->s + row * (k / 16) + 2 * g;
-                    bias[r] = fmaf(terms.bias * dy, (float)(A[0] + A[1]), bias[r]);
-                }
+                if (plain) bias[r] = fmaf(terms.bias, a->ds[row * (k / 32) + g], bias[r]);
             }
         }
     }
@@ -304,6 +302,7 @@ static gact gact_layout(float *at, int rows, int k, const float *x, int xstride)
     gact a = { x, xstride, k, (int8_t *)at, NULL, NULL };
     a.d = (float *)(a.q + (size_t)rows * k);
     a.s = (int32_t *)(a.d + (size_t)rows * (k / 32));
+    a.ds = (float *)(a.s + (size_t)rows * (k / 16));
     return a;
 }
 
@@ -324,6 +323,7 @@ static void gquantize_row(const gact *a, int r) {
         a->d[(size_t)r * (k / 32) + g] = d;
         a->s[(size_t)r * (k / 16) + 2 * g] = s0;
         a->s[(size_t)r * (k / 16) + 2 * g + 1] = s1;
+        a->ds[(size_t)r * (k / 32) + g] = d * (float)(s0 + s1);
     }
 }
 
