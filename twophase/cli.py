@@ -346,7 +346,7 @@ def cmd_backends(args) -> int:
             kv = f"? ({type(exc).__name__})"
         table.add_row(name, info.source, ", ".join(info.cls.quantizations), kv, *cells)
     for info in reg.failures:
-        table.add_row(info.name, info.source, f"[red]failed to load[/]: {escape(info.error)}", "")
+        table.add_row(info.name, info.source, "", "", f"[red]failed to load[/]: {escape(info.error)}", "")
     console = Console()
     console.print(table)
     if args.config or args.model or args.quantization:
