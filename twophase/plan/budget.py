@@ -159,7 +159,8 @@ def weight_groups(layout: str, config: Config, model: PlannedModel, dtype: str) 
             raise ConfigError("model.quantization", f'"gguf" runs the tensors of a GGUF file as it stores '
                               f'them; {model.model_id} was not loaded from one (use "q4" to quantise it)')
         arch = model.arch
-        return {**model.stored, "embedding": arch.vocab_size * arch.hidden_size * 4}, "as the GGUF stores them"
+        return ({**model.stored, "embedding": arch.vocab_size * arch.hidden_size * 4},
+                "as the GGUF stores them; the embedding float32")
     if layout == "blocks":
         return layouts.blocks(model.arch, config.model.outlier_channels, model.head_bits), "q4 blocks"
     if layout == "matmulnbits":
