@@ -78,8 +78,7 @@ class GGUFFile:
         plain = _PLAIN.get(t.ggml_type)
         if plain is not None:
             return np.frombuffer(self._map, plain, int(np.prod(t.dims)), t.offset).reshape(t.shape)
-        rows = int(np.prod(t.dims[1:])) if len(t.dims) > 1 else 1
-        return np.frombuffer(self._map, np.uint8, t.n_bytes, t.offset).reshape(*t.shape[:-1], t.n_bytes // rows)
+        return self.rows(name).reshape(*t.shape[:-1], -1)
 
     def rows(self, name: str) -> np.ndarray:
         """The tensor's stored bytes, any type, as uint8 rows ``[rows, bytes a row]``."""

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from twophase.backends.native.weights import float_arrays
 from twophase.contract import ModelSpec
 from twophase.errors import ConfigError
 from twophase.formats import by_ggml_type
@@ -71,12 +72,5 @@ def pack(spec: ModelSpec, folder: Path) -> None:
         for j, (_, rows) in enumerate(parts):
             np.save(folder / f"{key}.{j}.npy", np.ascontiguousarray(rows))
     (folder / "types.json").write_text(json.dumps(types))
-    torch_model = cpu_model(spec)
-    sd = {k: v.detach().float().numpy() for k, v in torch_model.state_dict().items()}
-    L = spec.arch.num_layers
-    floats = {"embed": sd["embed.weight"], "final_norm": sd["norm.weight"],
-              "inv_freq": torch_model.inv_freq[0].float().numpy(),
-              "attn_norm": np.stack([sd[f"layers.{i}.attn_norm.weight"] for i in range(L)]),
-              "mlp_norm": np.stack([sd[f"layers.{i}.mlp_norm.weight"] for i in range(L)])}
-    for name, a in floats.items():
+    for name, a in float_arrays(cpu_model(spec), spec.arch.num_layers).items():
         np.save(folder / f"{name}.npy", np.ascontiguousarray(a, dtype=np.float32))

@@ -12,6 +12,7 @@ this backend computes a model a rounding away from the onnxruntime backend's q4.
 from __future__ import annotations
 
 import ctypes
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +30,8 @@ from twophase.models.q4_weights import (
     source_gguf,
 )
 from twophase.models.quant import BLOCK, QWeight
+
+log = logging.getLogger(__name__)
 
 Q4_1 = np.dtype([("d", "<f2"), ("m", "<f2"), ("qs", "u1", 16)])
 Q8_0 = np.dtype([("d", "<f2"), ("qs", "i1", 32)])
@@ -106,12 +109,8 @@ def pack(spec: ModelSpec, folder: Path) -> None:
     torch_model = cpu_model(spec)
     qweights = model_qweights(torch_model, arch, source_gguf(spec))
     outliers = outlier_channels(torch_model, calibration_ids(spec), spec.outlier_channels)
-    sd = {k: v.detach().float().numpy() for k, v in torch_model.state_dict().items()}
+    out = float_arrays(torch_model, arch.num_layers)
     L = arch.num_layers
-    out = {"embed": sd["embed.weight"], "final_norm": sd["norm.weight"],
-           "inv_freq": torch_model.inv_freq[0].float().numpy(),
-           "attn_norm": np.stack([sd[f"layers.{i}.attn_norm.weight"] for i in range(L)]),
-           "mlp_norm": np.stack([sd[f"layers.{i}.mlp_norm.weight"] for i in range(L)])}
     for name in PROJECTIONS:
         parts = {"rows": [], "idx": [], "cols": []}
         for i in range(L):
@@ -129,10 +128,30 @@ def pack(spec: ModelSpec, folder: Path) -> None:
     if head.bits != 8:                  # a file's Q4_1 head: the tiles run an 8-bit one
         from twophase.models.quant import quantize_q8
 
+        log.warning("%s: the native backend runs its 4-bit head as Q8_0 (converted once, here)", spec.model_id)
         head = quantize_q8(head.dequantize())
     out["head"] = q8_rows(q8_blocks(head))
     for name, a in out.items():
         np.save(folder / f"{name}.npy", np.ascontiguousarray(a))
+
+
+def float_arrays(torch_model, layers: int) -> dict[str, np.ndarray]:
+    """What both layouts keep in float32: embedding, norms (layers stacked), RoPE frequencies."""
+    sd = {k: v.detach().float().numpy() for k, v in torch_model.state_dict().items()}
+    return {"embed": sd["embed.weight"], "final_norm": sd["norm.weight"],
+            "inv_freq": torch_model.inv_freq[0].float().numpy(),
+            "attn_norm": np.stack([sd[f"layers.{i}.attn_norm.weight"] for i in range(layers)]),
+            "mlp_norm": np.stack([sd[f"layers.{i}.mlp_norm.weight"] for i in range(layers)])}
+
+
+def mapped(folder: Path) -> dict[str, np.ndarray]:
+    """A packed folder's arrays, mapped; those read every step faulted in now, not in the first
+    steps (the embedding stays mapped: only the rows of tokens seen are read)."""
+    a = {f.stem: np.load(f, mmap_mode="r") for f in folder.glob("*.npy")}
+    for name, arr in a.items():
+        if name != "embed":
+            populate(arr)
+    return a
 
 
 def populate(arr: np.ndarray) -> None:
@@ -159,10 +178,7 @@ class NativeWeights:
         man = manifest(spec)
         folder = cache_folder("native", man)
         build_cached(folder, man, lambda tmp: pack(spec, tmp), what="native weights")
-        a = {f.stem: np.load(f, mmap_mode="r") for f in folder.glob("*.npy")}
-        for name, arr in a.items():
-            if name != "embed":         # read every step: fault them in now, not in the first steps
-                populate(arr)
+        a = mapped(folder)
         arch = spec.arch
         L = arch.num_layers
 
@@ -202,10 +218,7 @@ class NativeWeights:
                "weights_sha256": weights_digest(spec)}
         folder = cache_folder("native", man)
         build_cached(folder, man, lambda tmp: stored_weights.pack(spec, tmp), what="native weights as stored")
-        a = {f.stem: np.load(f, mmap_mode="r") for f in folder.glob("*.npy")}
-        for name, arr in a.items():
-            if name != "embed":
-                populate(arr)
+        a = mapped(folder)
         types = json.loads((folder / "types.json").read_text())
         arch, L = spec.arch, spec.arch.num_layers
 
