@@ -10,6 +10,7 @@ from helpers.models import PREEMPTING, dequantised_reference, prefill_all_logits
 from helpers.native import PATHS, native_or_skip
 
 from twophase import LLM, SamplingParams
+from twophase.contract import BackendUnavailable
 from twophase.core.batch import decode_batch, prefill_batch
 
 Q4 = {"quantization": "q4"}
@@ -320,3 +321,11 @@ def test_the_paths_agree_up_to_float_rounding():
         got = [_run(lib, proj8, True, x, n)[0] for lib in libs]
         for g in got[1:]:
             assert np.abs(g - got[0]).max() <= 1e-5 * np.abs(got[0]).max(), f"q8 {n}x{k}"
+
+
+def test_a_cc_that_names_no_program_is_a_clear_refusal(monkeypatch):
+    from twophase.backends.native import kernel
+
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with pytest.raises(BackendUnavailable, match="found no compiler CC='/nonexistent/cc'"):
+        kernel.check_machine()

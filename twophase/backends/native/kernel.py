@@ -65,7 +65,10 @@ class Step(ctypes.Structure):
 
 
 def compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    """``$CC`` where it names a program found, else cc or gcc on the PATH."""
+    if os.environ.get("CC"):
+        return shutil.which(os.environ["CC"])
+    return shutil.which("cc") or shutil.which("gcc")
 
 
 def check_machine() -> None:
@@ -80,8 +83,9 @@ def check_machine() -> None:
         raise BackendUnavailable(f"the native backend's kernels need {', '.join(CPU_FLAGS)}; this "
                                  f"CPU lacks {', '.join(missing)}")
     if compiler() is None:
+        cc = os.environ.get("CC")
         raise BackendUnavailable("the native backend compiles its kernels at first use and found "
-                                 "no C compiler (cc or gcc; or set CC)")
+                                 + (f"no compiler CC={cc!r}" if cc else "no C compiler (cc or gcc; or set CC)"))
 
 
 # a flag switching off an instruction set, and the /proc/cpuinfo flag of that set
