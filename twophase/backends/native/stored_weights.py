@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from twophase.backends.native.weights import float_arrays
+from twophase.backends.native.packed import float_arrays
 from twophase.contract import ModelSpec
 from twophase.errors import ConfigError
 from twophase.formats import by_ggml_type
