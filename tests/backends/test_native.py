@@ -124,16 +124,19 @@ def test_native_refuses_float_weights_and_bad_options():
 def test_native_refuses_shapes_it_does_not_compute():
     from dataclasses import replace
 
-    from twophase.arch import uniform_layers
+    from twophase.arch import uniform_layers, with_feature
     from twophase.backends.native import NativeBackend
 
     arch = tiny_llm(model=Q4, backend={"name": "native"}).backend.arch
     native = NativeBackend()
     assert native.supports(arch) is None
     wider = uniform_layers(arch.num_layers, arch.intermediate_size + 8, arch.rope_theta)
-    for bad, why in ((replace(arch, qkv_bias=True), "native: q/k/v biases are not implemented"),
-                     (replace(arch, qk_norm=True), "native: QK-norm is not implemented"),
-                     (replace(arch, head_dim=arch.head_dim * 2), "head_dim"),
+    first = arch.layers[0]
+    mixed = (replace(first, mlp=replace(first.mlp, intermediate_size=arch.intermediate_size + 32)),) + arch.layers[1:]
+    for bad, why in ((with_feature(arch, "moe"), "native: mixture-of-experts MLPs are not implemented"),
+                     (replace(arch, num_heads=3), "3 query heads over 2 KV heads"),
+                     (replace(arch, head_dim=20), "heads x head_dim"),
+                     (replace(arch, layers=mixed), "an MLP width that changes"),
                      (replace(arch, layers=wider), "multiples of 32")):
         assert why in (native.supports(bad) or ""), bad
 

@@ -46,7 +46,7 @@ def _attention(lib, fmt, heads, kv_heads, hd, pool, tables, q, rows):
     """check_attention's output for the sequences ``rows`` (one decode row each)."""
     from twophase.backends.native import KV_TYPES, kernel
 
-    m = kernel.Model(layers=1, dim=heads * hd, heads=heads, kv_heads=kv_heads, head_dim=hd)
+    m = kernel.Model(layers=1, dim=heads * hd, heads=heads, kv_heads=kv_heads, head_dim=hd, scale=hd ** -0.5)
     ctx = np.array([CONTEXTS[r] for r in rows], np.int32)
     seq = np.array(rows, np.int32)
     scratch = np.empty(lib.step_scratch_floats(ctypes.byref(m), len(rows), int(ctx.max()), 2), np.float32)

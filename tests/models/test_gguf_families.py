@@ -121,3 +121,44 @@ def test_transformers_reads_the_gguf_as_the_original_model(gguf_model):
         got = ref(torch.tensor([PROMPT])).logits
         want = model(torch.tensor([PROMPT])).logits
     assert _rel(got, want) < 1e-4
+
+
+NATIVE = {"backend": {"name": "native", "options": {"threads": 2}},
+          "cache": {"num_blocks": 64, "block_size": 8}, "scheduler": {"max_num_batched_tokens": 16, "max_num_seqs": 4}}
+
+
+def test_native_runs_the_file_as_stored_as_the_original_model(gguf_model):
+    """The C step on every family's departures from the Llama block (biases, QK-norm, the
+    Gemma norms, GELU, soft-caps, query scales, partial rotary, a RoPE base per layer type,
+    sliding windows over a pool in groups): the original model's logits, whole and in chunks
+    after cached tokens, and its greedy tokens with the prompt chunked and the context past the
+    windows (the sliding groups' blocks given back as the window passes them). MoE is refused
+    by name."""
+    from twophase.backends.native.kernel import check_machine
+    from twophase.errors import BackendUnavailable
+
+    family, model, path = gguf_model
+    try:
+        check_machine()
+    except BackendUnavailable as e:
+        pytest.skip(str(e))
+    cfg = {**NATIVE, "model": {"path": str(path), "quantization": "gguf"}}
+    if family in ("mixtral", "qwen3_moe"):
+        with pytest.raises(BackendUnavailable, match="native: mixture-of-experts MLPs are not implemented"):
+            LLM.from_config(cfg)
+        return
+    llm = LLM.from_config(cfg)
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT])).logits[0]
+        want = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                              pad_token_id=0)[0, len(PROMPT):].tolist()
+    eng = llm.engine
+    req = eng.add_request(PROMPT, SamplingParams(max_tokens=1))
+    assert eng.kv.allocate(req, len(PROMPT))
+    for start, n in ((0, len(PROMPT)), (0, 30), (30, 1), (31, len(PROMPT) - 31)):
+        b = prefill_batch([(req, start, n)], eng.kv)
+        b.logits = "all"
+        assert _rel(llm.backend.prefill(b), logits[start:start + n]) < 1e-4, (start, n)
+    eng.abort(req.request_id)
+    out = llm.generate([PROMPT, PROMPT[:9]], SamplingParams(max_tokens=NEW, ignore_eos=True))
+    assert out[0].token_ids == want

@@ -1,5 +1,6 @@
 """The native backend: a whole forward step in one C function (``step.c``, compiled at first
-use), on the GGUF's 4-bit blocks as they are, for the CPU.
+use), on the GGUF's blocks as they are, for the CPU, for every dense family of the layers kit
+(the departures from the Llama block are fields of ``step.c``'s ``model_t``; experts are refused).
 
 Why: decode at small batches is latency-bound, and a graph of library operators pays a dispatch
 for each of its ~1,900 ops (about 2 µs each in ONNX Runtime); here each op of a layer costs one
@@ -14,8 +15,10 @@ and the kernels are described in ``docs/quantization.md``.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from twophase.arch import FEATURES as FEATURE_NAMES
 from twophase.arch import ModelArch
 from twophase.backends.hookspecs import hookimpl
 from twophase.contract import (
@@ -27,6 +30,7 @@ from twophase.contract import (
     DecodeBatch,
     KVCache,
     KVCacheSpec,
+    KVGroups,
     MemoryQuery,
     ModelSpec,
     PrefillBatch,
@@ -37,6 +41,7 @@ from twophase.errors import ConfigError
 from twophase.kv_formats import KV_FORMATS
 
 OPTIONS = {"threads"}
+FEATURES = frozenset(FEATURE_NAMES) - {"moe"}
 # the formats step.c reads, in the order of its kv_type (KV_F32, KV_F16, KV_BF16, KV_Q8); not
 # fp8, which a CPU converts in software only
 KV_READS = ("float32", "float16", "bfloat16", "int8")
@@ -62,21 +67,23 @@ class NativeBackend(Backend):
         return BackendMemory(layout="stored" if query.quantization == "gguf" else "blocks", mapped_embedding=True)
 
     def capabilities(self) -> Capabilities:
-        # step.c computes the plain Llama block: no architecture feature beyond it
+        # step.c computes every departure of the families from the Llama block but MoE, and
+        # reads a pool in groups (a sliding group's blocks freed as its window passes them)
         return Capabilities(devices=("cpu",), dtypes=(torch.float32,), own_threads=True,
-                            features=frozenset(), kv_formats=KV_READS)
+                            features=FEATURES, kv_formats=KV_READS, kv_groups=True)
 
     def supports(self, arch: ModelArch) -> str | None:
-        """Also the shapes ``step.c`` does not tile: heads that do not make up the hidden
-        size, query heads that do not group over the KV heads, widths not whole blocks of 32."""
+        """Also the shapes ``step.c`` does not tile: query heads that do not group over the KV
+        heads, widths not whole blocks of 32, MLP widths that change from layer to layer."""
         why = [r.removeprefix("native: ") for r in [super().supports(arch)] if r]
-        if arch.num_heads * arch.head_dim != arch.hidden_size:
-            why.append(f"heads x head_dim ({arch.num_heads} x {arch.head_dim}) != hidden size "
-                       f"{arch.hidden_size} is not implemented")
+        if len({s.mlp.intermediate_size for s in arch.layers}) > 1:
+            why.append("an MLP width that changes from layer to layer is not implemented")
         if arch.num_heads % arch.num_kv_heads:
             why.append(f"{arch.num_heads} query heads over {arch.num_kv_heads} KV heads is not implemented")
-        if arch.hidden_size % 32 or any(s.mlp.intermediate_size % 32 for s in arch.layers):
-            why.append("hidden or intermediate sizes that are not multiples of 32 are not implemented")
+        if arch.hidden_size % 32 or (arch.num_heads * arch.head_dim) % 32 \
+                or any(s.mlp.intermediate_size % 32 for s in arch.layers):
+            why.append("hidden, heads x head_dim or intermediate sizes that are not multiples of 32 "
+                       "are not implemented")
         return f"native: {'; '.join(why)}" if why else None
 
     def load(self, model: ModelSpec, cfg: BackendConfig) -> None:
@@ -103,6 +110,10 @@ class NativeBackend(Backend):
             raise ConfigError("cache.dtype", f"the native backend reads a contiguous pool of "
                               f"{', '.join(KV_READS)}, not {kv.pool.dtype}")
         self.kv = kv
+        groups = kv.groups or KVGroups.plain(self.arch.num_layers)
+        self.slot_group = np.array([groups.slot, groups.group], np.int32)    # what step.c points into
+        self.weights.model.slot = self.slot_group[0].ctypes.data
+        self.weights.model.group = self.slot_group[1].ctypes.data
 
     # -- the two operations -----------------------------------------------------------------
     def prefill(self, batch: PrefillBatch) -> torch.Tensor:
@@ -125,11 +136,14 @@ class NativeBackend(Backend):
         from twophase.backends.native.kernel import Step
 
         tokens, positions, slots = (t.to(torch.int64).contiguous() for t in (tokens, positions, slots))
-        tables = tables.to(torch.int64).contiguous()
+        tables = tables.to(torch.int64).contiguous()      # [B, nb], or [G, B, nb] in groups
         ctx = (positions + 1).to(torch.int32)
         max_ctx = int(ctx.max())
-        if tables.shape[1] * self.kv.block_size < max_ctx:
-            raise ValueError(f"block tables of width {tables.shape[1]} for {max_ctx} tokens")
+        groups = self.kv.groups.num_groups if self.kv.groups else 1
+        if slots.dim() != 1 + (groups > 1) or tables.dim() != 2 + (groups > 1):
+            raise ValueError(f"slot mapping and block tables for {groups} groups of layers")
+        if tables.shape[-1] * self.kv.block_size < max_ctx:
+            raise ValueError(f"block tables of width {tables.shape[-1]} for {max_ctx} tokens")
         pool = self.kv.pool
         slots_in_pool = pool.shape[2] * pool.shape[4]
         if int(slots.min()) < 0 or int(slots.max()) >= slots_in_pool or int(tables.min()) < 0 \
@@ -141,7 +155,7 @@ class NativeBackend(Backend):
             self.scratch = torch.empty(int(need * 1.25) + 1024, dtype=torch.float32)
         logits = torch.empty(n_logits, self.arch.vocab_size, dtype=torch.float32)
         s = Step(rows, tokens.data_ptr(), positions.data_ptr(), slots.data_ptr(), tables.data_ptr(),
-                 tables.shape[1], seq.data_ptr(), ctx.data_ptr(), n_logits, logit_rows.data_ptr(),
+                 tables.shape[-1], tables.shape[-2], seq.data_ptr(), ctx.data_ptr(), n_logits, logit_rows.data_ptr(),
                  pool.data_ptr(), pool.shape[2], pool.shape[4], KV_TYPES[pool.dtype], logits.data_ptr(),
                  self.scratch.data_ptr(), max_ctx, self.threads)
         self.lib.step(self.weights.model, s)     # the tensors above outlive the call

@@ -53,12 +53,17 @@ class Model(ctypes.Structure):
                 ("o", POINTER(ProjQ4)), ("gate_up", POINTER(ProjQ4)), ("down", POINTER(ProjQ4)),
                 ("head", ProjQ8), ("stored", c_int), ("s_qkv", POINTER(ProjStored)),
                 ("s_o", POINTER(ProjStored)), ("s_gate_up", POINTER(ProjStored)),
-                ("s_down", POINTER(ProjStored)), ("s_head", POINTER(ProjStored))]
+                ("s_down", POINTER(ProjStored)), ("s_head", POINTER(ProjStored)),
+                ("rot_dim", c_int), ("scale", c_float), ("embed_scale", c_float), ("attn_cap", c_float),
+                ("final_cap", c_float), ("act", c_int), ("q_norm", c_void_p), ("k_norm", c_void_p),
+                ("post_attn_norm", c_void_p), ("post_mlp_norm", c_void_p), ("qkv_bias", c_void_p),
+                ("o_bias", c_void_p), ("gate_up_bias", c_void_p), ("down_bias", c_void_p),
+                ("window", c_void_p), ("slot", c_void_p), ("group", c_void_p)]
 
 
 class Step(ctypes.Structure):
     _fields_ = [("rows", c_int), ("tokens", c_void_p), ("positions", c_void_p), ("slots", c_void_p),
-                ("tables", c_void_p), ("width", c_int), ("seq", c_void_p), ("ctx", c_void_p),
+                ("tables", c_void_p), ("width", c_int), ("seqs", c_int), ("seq", c_void_p), ("ctx", c_void_p),
                 ("n_logits", c_int), ("logit_rows", c_void_p), ("pool", c_void_p),
                 ("num_blocks", c_int), ("block_size", c_int), ("kv_type", c_int), ("logits", c_void_p),
                 ("scratch", c_void_p), ("max_ctx", c_int), ("threads", c_int)]

@@ -7,14 +7,41 @@ from pathlib import Path
 
 import numpy as np
 
+# per layer, the float32 tensors a family may add: array name -> the Decoder's parameter
+OPTIONAL = {"q_norm": "attn.q_norm.weight", "k_norm": "attn.k_norm.weight",
+            "post_attn_norm": "post_attn_norm.weight", "post_mlp_norm": "post_mlp_norm.weight",
+            "qkv_bias": "attn.qkv.bias", "o_bias": "attn.o.bias", "gate_up_bias": "mlp.gate_up.bias",
+            "down_bias": "mlp.down.bias"}
+NORMS = {"attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm"}
+
 
 def float_arrays(torch_model, layers: int) -> dict[str, np.ndarray]:
-    """What both layouts keep in float32: embedding, norms (layers stacked), RoPE frequencies."""
+    """What both layouts keep in float32: embedding, norms and biases (layers stacked), each
+    layer's RoPE frequencies. A ``(1 + w)`` norm is stored as ``1 + w`` (in float32, as the
+    family computes it), so the C step has one RMSNorm."""
     sd = {k: v.detach().float().numpy() for k, v in torch_model.state_dict().items()}
-    return {"embed": sd["embed.weight"], "final_norm": sd["norm.weight"],
-            "inv_freq": torch_model.inv_freq[0].float().numpy(),
-            "attn_norm": np.stack([sd[f"layers.{i}.attn_norm.weight"] for i in range(layers)]),
-            "mlp_norm": np.stack([sd[f"layers.{i}.mlp_norm.weight"] for i in range(layers)])}
+    per_layer = {"attn_norm": "attn_norm.weight", "mlp_norm": "mlp_norm.weight", **OPTIONAL}
+    out = {"embed": sd["embed.weight"], "final_norm": sd["norm.weight"],
+           "inv_freq": torch_model.inv_freq[torch_model.rope_index].float().numpy()}
+    out.update({name: np.stack([sd[f"layers.{i}.{p}"] for i in range(layers)])
+                for name, p in per_layer.items() if f"layers.0.{p}" in sd})
+    offset = np.float32(torch_model.arch.norm_offset)
+    return {k: (v + offset if k in NORMS and offset else v) for k, v in out.items()}
+
+
+def set_arch(model, arch, a: dict[str, np.ndarray]) -> None:
+    """The ``Model`` struct's fields for the family's departures from the Llama block, pointing
+    into the packed arrays ``a`` (the pool's slots and groups are the backend's, at bind)."""
+    model.rot_dim = arch.rotary_dim or arch.head_dim
+    model.scale = arch.scale
+    model.embed_scale = arch.embed_scale
+    model.attn_cap = arch.attn_softcap or 0.0
+    model.final_cap = arch.final_softcap or 0.0
+    model.act = 1 if arch.activation == "gelu_tanh" else 0
+    a["window"] = np.array([s.attention.window or 0 for s in arch.layers], np.int32)
+    model.window = a["window"].ctypes.data
+    for name in OPTIONAL:
+        setattr(model, name, a[name].ctypes.data if name in a else None)
 
 
 def mapped(folder: Path) -> dict[str, np.ndarray]:

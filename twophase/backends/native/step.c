@@ -98,18 +98,33 @@ typedef struct {
     const float *attn_norm;   /* [layers][dim] */
     const float *mlp_norm;    /* [layers][dim] */
     const float *final_norm;  /* [dim] */
-    const float *inv_freq;    /* [head_dim / 2] */
+    const float *inv_freq;    /* [layers][rot_dim / 2]: each layer's RoPE frequencies */
     const proj_q4 *qkv, *o, *gate_up, *down;   /* [layers] each (quantization "q4") */
     proj_q8 head;
     int stored;               /* quantization "gguf": the tensors as stored, below, instead */
     const struct proj_g *s_qkv, *s_o, *s_gate_up, *s_down, *s_head;   /* [layers] each; the head */
+    /* the families' departures from the Llama block (twophase/arch.py); off at 0 or NULL. The
+       (1 + w) norms come folded into the norms' arrays. */
+    int rot_dim;              /* the first rot_dim of a head's dimensions turn (RoPE) */
+    float scale;              /* of q.k: 1/sqrt(head_dim), or the family's query scale */
+    float embed_scale, attn_cap, final_cap;    /* caps: x -> cap * tanh(x / cap) */
+    int act;                  /* ACT_SILU or ACT_GELU_TANH: the MLP's gate */
+    const float *q_norm, *k_norm;               /* [layers][head_dim]: QK-norm */
+    const float *post_attn_norm, *post_mlp_norm;    /* [layers][dim]: Gemma's norms of the outputs */
+    const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;    /* [layers][the projection's n] */
+    const int32_t *window;    /* [layers] a sliding window in tokens (the query's own included), 0 full */
+    const int32_t *slot, *group;    /* [layers] the pool slot and block-table group (KVGroups);
+                                       NULL: slot l, group 0 */
 } model_t;
+
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 
 typedef struct {
     int rows;                 /* tokens in the step */
-    const int64_t *tokens, *positions, *slots;   /* [rows] */
-    const int64_t *tables;    /* [seqs][width] block ids */
-    int width;
+    const int64_t *tokens, *positions;           /* [rows] */
+    const int64_t *slots;     /* [groups][rows] each row's slot in each group's blocks */
+    const int64_t *tables;    /* [groups][seqs][width] block ids */
+    int width, seqs;
     const int32_t *seq;       /* [rows] the row's sequence (its table) */
     const int32_t *ctx;       /* [rows] tokens it attends to, itself included */
     int n_logits;
@@ -175,6 +190,38 @@ static void swiglu(const float *g, const float *u, float *y, int n) {
         _mm256_storeu_ps(y + i, _mm256_div_ps(_mm256_mul_ps(gv, _mm256_loadu_ps(u + i)), den));
     }
     for (; i < n; i++) y[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+}
+
+/* tanh(x) = 1 - 2 / (e^2x + 1), eight at a time (exp8 saturates, so |x| large gives +-1) */
+static inline __m256 tanh8(__m256 x) {
+    const __m256 one = _mm256_set1_ps(1.f);
+    const __m256 e = exp8(_mm256_add_ps(x, x));
+    return _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.f), _mm256_add_ps(e, one)));
+}
+
+/* y = gelu_tanh(g) * u (Gemma's gate): gelu(x) = x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) */
+static void gelu_glu(const float *g, const float *u, float *y, int n) {
+    const __m256 c = _mm256_set1_ps(0.7978845608028654f), a = _mm256_set1_ps(0.044715f);
+    const __m256 half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.f);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 x = _mm256_loadu_ps(g + i);
+        const __m256 inner = _mm256_mul_ps(c, _mm256_fmadd_ps(_mm256_mul_ps(a, x), _mm256_mul_ps(x, x), x));
+        const __m256 ge = _mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, tanh8(inner)));
+        _mm256_storeu_ps(y + i, _mm256_mul_ps(ge, _mm256_loadu_ps(u + i)));
+    }
+    for (; i < n; i++) {
+        const float x = g[i];
+        y[i] = 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x))) * u[i];
+    }
+}
+
+/* x -> cap * tanh(x / cap) over n values (soft-capping) */
+static void softcap(float *x, int n, float cap) {
+    const __m256 cv = _mm256_set1_ps(cap), inv = _mm256_set1_ps(1.f / cap);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_mul_ps(cv, tanh8(_mm256_mul_ps(_mm256_loadu_ps(x + i), inv))));
+    for (; i < n; i++) x[i] = cap * tanhf(x[i] / cap);
 }
 
 static inline float dot(const float *a, const float *b, int n) {
@@ -883,18 +930,21 @@ static void rmsnorm(const float *x, const float *g, float *out, int dim, float e
     for (int i = 0; i < dim; i++) out[i] = x[i] * inv * g[i];
 }
 
-/* rotate_half RoPE of `heads` heads of v at position pos */
-static void rope(float *v, int heads, int hd, const float *inv_freq, int64_t pos) {
-    for (int i = 0; i < hd / 2; i++) {
+/* rotate_half RoPE of `heads` heads of v at position pos, on the first rot of each head's hd
+   dimensions (the rest pass: partial rotary) */
+static void rope(float *v, int heads, int hd, int rot, const float *inv_freq, int64_t pos) {
+    for (int i = 0; i < rot / 2; i++) {
         const float f = (float)pos * inv_freq[i], c = cosf(f), s = sinf(f);
         for (int h = 0; h < heads; h++) {
             float *u = v + h * hd;
-            const float a = u[i], b = u[i + hd / 2];
+            const float a = u[i], b = u[i + rot / 2];
             u[i] = a * c - b * s;
-            u[i + hd / 2] = b * c + a * s;
+            u[i + rot / 2] = b * c + a * s;
         }
     }
 }
+
+static inline void add_bias(float *y, const float *b, int n) { if (b) axpy(y, 1.f, b, n); }
 
 /* K/V formats of the pool (cache.dtype; twophase/kv_formats.py): a row is one head's vector of
    hd values as stored: float32, float16, bfloat16, or q8_0 (hd int8 codes, then a float16 scale
@@ -905,8 +955,23 @@ static inline size_t row_bytes(int type, int hd) {
     return type == KV_F32 ? 4 * (size_t)hd : type == KV_Q8 ? (size_t)hd + 2 * (hd / QK) : 2 * (size_t)hd;
 }
 
-static inline uint8_t *pool_block(const step_t *s, const model_t *m, int layer, int kv, int64_t block, int head) {
-    const size_t i = (((size_t)layer * 2 + kv) * s->num_blocks + block) * m->kv_heads + head;
+/* where layer l keeps its K/V: its slot in the pool, its group's block tables and slots, its window */
+typedef struct { int slot; const int64_t *tables, *slots; int window; } lay_t;
+
+static inline lay_t layer_of(const model_t *m, const step_t *s, int l) {
+    const int g = m->group ? m->group[l] : 0;
+    const lay_t out = { m->slot ? m->slot[l] : l, s->tables + (size_t)g * s->seqs * s->width,
+                        s->slots + (size_t)g * s->rows, m->window ? m->window[l] : 0 };
+    return out;
+}
+
+/* the first key row r attends to: its window's, or 0 */
+static inline int first_key(const lay_t *ly, const step_t *s, int r) {
+    return ly->window && s->ctx[r] > ly->window ? s->ctx[r] - ly->window : 0;
+}
+
+static inline uint8_t *pool_block(const step_t *s, const model_t *m, int slot, int kv, int64_t block, int head) {
+    const size_t i = (((size_t)slot * 2 + kv) * s->num_blocks + block) * m->kv_heads + head;
     return (uint8_t *)s->pool + i * s->block_size * row_bytes(s->kv_type, m->head_dim);
 }
 
@@ -1014,33 +1079,33 @@ static inline int part_floats(const model_t *m) { return m->head_dim + 2; }
 
 /* the rows of keys [b, e) of row r's sequence, a layer's K or V (kv) for head kh, decoded into
    tile (a float32 row copied: one way for every format, the copy a small cost beside the read) */
-INLINE void rows_as(const model_t *m, const step_t *s, int layer, int kv, const int64_t *table, int kh,
+INLINE void rows_as(const model_t *m, const step_t *s, int slot, int kv, const int64_t *table, int kh,
                     int r, int b, int e, float *tile, const int type) {
     const int hd = m->head_dim, BS = s->block_size, nb = (s->ctx[r] + BS - 1) / BS;
     const size_t rb = row_bytes(type, hd);
     for (int j = 0; j < BLOCKS_AHEAD && b / BS + j < nb; j++) {
-        const uint8_t *ahead = pool_block(s, m, layer, kv, table[b / BS + j], kh);
+        const uint8_t *ahead = pool_block(s, m, slot, kv, table[b / BS + j], kh);
         for (size_t i = 0; i < BS * rb; i += 64) _mm_prefetch((const char *)ahead + i, _MM_HINT_T0);
     }
     for (int t0 = b; t0 < e; t0 = (t0 / BS + 1) * BS) {      /* a block (or the part of it in [b, e)) */
         if (t0 / BS + BLOCKS_AHEAD < nb) {
-            const uint8_t *ahead = pool_block(s, m, layer, kv, table[t0 / BS + BLOCKS_AHEAD], kh);
+            const uint8_t *ahead = pool_block(s, m, slot, kv, table[t0 / BS + BLOCKS_AHEAD], kh);
             for (size_t i = 0; i < BS * rb; i += 64) _mm_prefetch((const char *)ahead + i, _MM_HINT_T0);
         }
-        const uint8_t *blk = pool_block(s, m, layer, kv, table[t0 / BS], kh);
+        const uint8_t *blk = pool_block(s, m, slot, kv, table[t0 / BS], kh);
         const int end = (t0 / BS + 1) * BS < e ? (t0 / BS + 1) * BS : e;
         for (int t = t0, u = t0 % BS; t < end; t++, u++)
             decode_as(blk + (size_t)u * rb, tile + (size_t)(t - b) * hd, hd, type);
     }
 }
 
-static void rows_float(const model_t *m, const step_t *s, int layer, int kv, const int64_t *table, int kh,
+static void rows_float(const model_t *m, const step_t *s, int slot, int kv, const int64_t *table, int kh,
                        int r, int b, int e, float *tile) {
     switch (s->kv_type) {
-    case KV_F16: rows_as(m, s, layer, kv, table, kh, r, b, e, tile, KV_F16); break;
-    case KV_BF16: rows_as(m, s, layer, kv, table, kh, r, b, e, tile, KV_BF16); break;
-    case KV_Q8: rows_as(m, s, layer, kv, table, kh, r, b, e, tile, KV_Q8); break;
-    default: rows_as(m, s, layer, kv, table, kh, r, b, e, tile, KV_F32);
+    case KV_F16: rows_as(m, s, slot, kv, table, kh, r, b, e, tile, KV_F16); break;
+    case KV_BF16: rows_as(m, s, slot, kv, table, kh, r, b, e, tile, KV_BF16); break;
+    case KV_Q8: rows_as(m, s, slot, kv, table, kh, r, b, e, tile, KV_Q8); break;
+    default: rows_as(m, s, slot, kv, table, kh, r, b, e, tile, KV_F32);
     }
 }
 
@@ -1117,15 +1182,17 @@ static void weighted_sum(const float *w, const float *tile, int n, int hd, float
     }
 }
 
-/* part p of row r's keys for the G query heads of K/V head kh (q: their vectors, hd apart) into
-   res (G results of part_floats); sc: G * part_len floats, tile: part_len * hd */
-static void attend_part(const model_t *m, const step_t *s, int layer, int r, int kh, int p,
+/* part p of row r's keys (from its window's first on) for the G query heads of K/V head kh (q:
+   their vectors, hd apart) into res (G results of part_floats); sc: G * part_len floats, tile:
+   part_len * hd */
+static void attend_part(const model_t *m, const step_t *s, const lay_t *ly, int r, int kh, int p,
                         const float *q, float *res, float *sc, float *tile) {
     const int hd = m->head_dim, G = m->heads / m->kv_heads, PF = part_floats(m);
-    const int P = part_len(m), b = p * P, e = s->ctx[r] < b + P ? s->ctx[r] : b + P, n = e - b;
-    const int64_t *table = s->tables + (size_t)s->seq[r] * s->width;
-    const __m128 scale = _mm_set1_ps(1.f / sqrtf((float)hd));
-    rows_float(m, s, layer, 0, table, kh, r, b, e, tile);
+    const int P = part_len(m), b = first_key(ly, s, r) + p * P, e = s->ctx[r] < b + P ? s->ctx[r] : b + P;
+    const int n = e - b;
+    const int64_t *table = ly->tables + (size_t)s->seq[r] * s->width;
+    const __m128 scale = _mm_set1_ps(m->scale);
+    rows_float(m, s, ly->slot, 0, table, kh, r, b, e, tile);
     #define K(u) (tile + (size_t)(u) * hd)
     for (int g = 0; g < G; g++) {
         const float *qg = q + (size_t)g * hd;
@@ -1135,10 +1202,11 @@ static void attend_part(const model_t *m, const step_t *s, int layer, int r, int
             _mm_storeu_ps(sg + u, _mm_mul_ps(dot4(qg, K(u), K(u + 1), K(u + 2), K(u + 3), hd), scale));
         for (; u < n; u++)
             sg[u] = _mm_cvtss_f32(_mm_mul_ps(dot4(qg, K(u), K(u), K(u), K(u), hd), scale));
+        if (m->attn_cap) softcap(sg, n, m->attn_cap);
         weigh(sg, n, res + (size_t)g * PF + hd);
     }
     #undef K
-    rows_float(m, s, layer, 1, table, kh, r, b, e, tile);
+    rows_float(m, s, ly->slot, 1, table, kh, r, b, e, tile);
     for (int g = 0; g < G; g++) weighted_sum(sc + (size_t)g * P, tile, n, hd, res + (size_t)g * PF);
 }
 
@@ -1173,34 +1241,38 @@ static long attn_thread_floats(const model_t *m, int max_ctx) {
     return (long)(G + m->head_dim) * part_len(m) + (long)parts_of(m, max_ctx) * G * part_floats(m);
 }
 
-/* every row's attention for layer l: q of row r at wide + r * W, its output at attn + r * D */
+/* every row's attention for layer l: q of row r at wide + r * W, its output at attn + r * QD
+   (QD = heads * head_dim) */
 static void attention(const model_t *m, const step_t *s, int layer, const float *wide, int W, float *attn,
                       float *mine, float *shared) {
-    const int R = s->rows, KVH = m->kv_heads, hd = m->head_dim, D = m->dim, G = m->heads / KVH;
+    const int R = s->rows, KVH = m->kv_heads, hd = m->head_dim, QD = m->heads * hd, G = m->heads / KVH;
     const int NP = parts_of(m, s->max_ctx), PF = part_floats(m);
+    const lay_t ly = layer_of(m, s, layer);
     float *sc = mine, *tile = sc + (size_t)G * part_len(m), *res = tile + (size_t)part_len(m) * hd;
     #define Q_OF(r, kh) (wide + (size_t)(r) * W + (size_t)(kh) * G * hd)
-    #define OUT_OF(r, kh) (attn + (size_t)(r) * D + (size_t)(kh) * G * hd)
+    #define OUT_OF(r, kh) (attn + (size_t)(r) * QD + (size_t)(kh) * G * hd)
+    #define PARTS(r) parts_of(m, s->ctx[r] - first_key(&ly, s, r))
     if (split_parts(m, R, s->threads)) {
         #pragma omp for schedule(dynamic)
         for (int i = 0; i < R * KVH * NP; i++) {
             const int r = i / (KVH * NP), kh = i / NP % KVH, p = i % NP;
-            if (p < parts_of(m, s->ctx[r]))
-                attend_part(m, s, layer, r, kh, p, Q_OF(r, kh), shared + (size_t)i * G * PF, sc, tile);
+            if (p < PARTS(r))
+                attend_part(m, s, &ly, r, kh, p, Q_OF(r, kh), shared + (size_t)i * G * PF, sc, tile);
         }
         #pragma omp for
         for (int i = 0; i < R * KVH; i++)
-            combine(m, shared + (size_t)i * NP * G * PF, parts_of(m, s->ctx[i / KVH]), OUT_OF(i / KVH, i % KVH));
+            combine(m, shared + (size_t)i * NP * G * PF, PARTS(i / KVH), OUT_OF(i / KVH, i % KVH));
     } else {
         #pragma omp for schedule(dynamic)
         for (int i = 0; i < R * KVH; i++) {
-            const int r = i / KVH, kh = i % KVH, np = parts_of(m, s->ctx[r]);
-            for (int p = 0; p < np; p++) attend_part(m, s, layer, r, kh, p, Q_OF(r, kh), res + (size_t)p * G * PF, sc, tile);
+            const int r = i / KVH, kh = i % KVH, np = PARTS(r);
+            for (int p = 0; p < np; p++) attend_part(m, s, &ly, r, kh, p, Q_OF(r, kh), res + (size_t)p * G * PF, sc, tile);
             combine(m, res, np, OUT_OF(r, kh));
         }
     }
     #undef Q_OF
     #undef OUT_OF
+    #undef PARTS
 }
 
 /* row r (x, k wide) rounded for the projection p: into a (q4), or g (the stored formats) */
@@ -1232,27 +1304,56 @@ static int widest(const model_t *m) {
     return 2 * m->ffn > q ? 2 * m->ffn : q;
 }
 
-static int act_width(const model_t *m) { return m->dim > m->ffn ? m->dim : m->ffn; }
+static inline int max3(int a, int b, int c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
+
+/* the widest row a projection rounds: the hidden size, the MLP's width, or the heads' outputs */
+static int act_width(const model_t *m) { return max3(m->dim, m->ffn, m->heads * m->head_dim); }
 
 /* floats of scratch a step of `rows` tokens attending to at most `max_ctx` needs */
 long step_scratch_floats(const model_t *m, int rows, int max_ctx, int threads) {
-    const long D = m->dim, F = m->ffn;
+    const long D = m->dim, F = m->ffn, QD = (long)m->heads * m->head_dim;
     const long shared = split_parts(m, rows, threads)
         ? (long)rows * m->kv_heads * parts_of(m, max_ctx) * (m->heads / m->kv_heads) * part_floats(m) : 0;
-    return rows * (3 * D + widest(m) + F)              /* x, h, attn, wide, mlp */
+    return rows * (2 * D + QD + widest(m) + F)         /* x, h, attn, wide, mlp */
          + act_floats(rows, act_width(m))              /* int8 codes; d, s, e, sums; outliers */
          + (long)threads * attn_thread_floats(m, max_ctx) + shared;
 }
 
+/* a projection's output y (n wide, ystride apart; NULL-safe bias b) into the residual x: added
+   (the projection accumulated into x itself), or normed first where the family norms it (post) */
+static void into_residual(const model_t *m, float *x, float *y, const float *b, const float *post, int rows) {
+    const int D = m->dim;
+    #pragma omp for
+    for (int r = 0; r < rows; r++) {
+        float *xr = x + (size_t)r * D, *yr = y + (size_t)r * D;
+        if (!post) { add_bias(xr, b, D); continue; }
+        add_bias(yr, b, D);
+        rmsnorm(yr, post, yr, D, m->eps);
+        axpy(xr, 1.f, yr, D);
+    }
+}
+
+/* row r's q, k and v (v: the projection's output): biases, QK-norm, RoPE */
+static void qkv_row(const model_t *m, int l, float *v, int64_t pos) {
+    const int H = m->heads, KVH = m->kv_heads, hd = m->head_dim;
+    if (m->qkv_bias) add_bias(v, m->qkv_bias + (size_t)l * (H + 2 * KVH) * hd, (H + 2 * KVH) * hd);
+    if (m->q_norm)
+        for (int h = 0; h < H + KVH; h++) {
+            const float *g = h < H ? m->q_norm + (size_t)l * hd : m->k_norm + (size_t)l * hd;
+            rmsnorm(v + (size_t)h * hd, g, v + (size_t)h * hd, hd, m->eps);
+        }
+    rope(v, H + KVH, hd, m->rot_dim, m->inv_freq + (size_t)l * (m->rot_dim / 2), pos);
+}
+
 void step(const model_t *m, const step_t *s) {
-    const int R = s->rows, D = m->dim, H = m->heads, KVH = m->kv_heads, hd = m->head_dim;
+    const int R = s->rows, D = m->dim, H = m->heads, KVH = m->kv_heads, hd = m->head_dim, QD = H * hd;
     const int F = m->ffn, W = widest(m), A = act_width(m), st = m->stored;
     float *x = s->scratch, *h = x + (size_t)R * D, *attn = h + (size_t)R * D;
-    float *wide = attn + (size_t)R * D, *mlp = wide + (size_t)R * W;
+    float *wide = attn + (size_t)R * QD, *mlp = wide + (size_t)R * W;
     qact a;
     float *per_thread = act_layout(mlp + (size_t)R * F, R, A, &a);
     /* the stored formats' rounded activations, in the same scratch: of h, attn and mlp */
-    const gact gh = gact_layout((float *)a.q, R, D, h, D), gat = gact_layout((float *)a.q, R, D, attn, D);
+    const gact gh = gact_layout((float *)a.q, R, D, h, D), gat = gact_layout((float *)a.q, R, QD, attn, QD);
     const gact gmlp = gact_layout((float *)a.q, R, F, mlp, F);
 
     #pragma omp parallel num_threads(s->threads)
@@ -1260,44 +1361,57 @@ void step(const model_t *m, const step_t *s) {
         float *mine = per_thread + (size_t)omp_get_thread_num() * attn_thread_floats(m, s->max_ctx);
         float *shared = per_thread + (size_t)s->threads * attn_thread_floats(m, s->max_ctx);
         #pragma omp for
-        for (int r = 0; r < R; r++)
-            memcpy(x + (size_t)r * D, m->embed + (size_t)s->tokens[r] * D, sizeof(float) * D);
+        for (int r = 0; r < R; r++) {
+            float *xr = x + (size_t)r * D;
+            memcpy(xr, m->embed + (size_t)s->tokens[r] * D, sizeof(float) * D);
+            if (m->embed_scale != 1.f)
+                for (int i = 0; i < D; i++) xr[i] *= m->embed_scale;
+        }
 
         for (int l = 0; l < m->layers; l++) {
             const proj_q4 *qkv = st ? NULL : m->qkv + l, *o = st ? NULL : m->o + l;
             const proj_q4 *gu = st ? NULL : m->gate_up + l, *dn = st ? NULL : m->down + l;
             const proj_g *sqkv = st ? m->s_qkv + l : NULL, *so = st ? m->s_o + l : NULL;
             const proj_g *sgu = st ? m->s_gate_up + l : NULL, *sdn = st ? m->s_down + l : NULL;
+            const float *pa = m->post_attn_norm ? m->post_attn_norm + (size_t)l * D : NULL;
+            const float *pm = m->post_mlp_norm ? m->post_mlp_norm + (size_t)l * D : NULL;
+            const float *ob = m->o_bias ? m->o_bias + (size_t)l * D : NULL;
+            const float *db = m->down_bias ? m->down_bias + (size_t)l * D : NULL;
+            const lay_t ly = layer_of(m, s, l);
             const next_t none = {0};
             norm_rows(m, x, m->attn_norm + (size_t)l * D, h, R, qkv, a, &gh);
             project(m, qkv, sqkv, R, a, &gh, wide, W, 0, st ? none : next_q4(o));
             #pragma omp for
-            for (int r = 0; r < R; r++) {          /* RoPE, then the token's K/V into the pool */
+            for (int r = 0; r < R; r++) {          /* biases, QK-norm, RoPE; the token's K/V into the pool */
                 float *v = wide + (size_t)r * W;
-                rope(v, H + KVH, hd, m->inv_freq, s->positions[r]);
-                const int64_t blk = s->slots[r] / s->block_size;
-                const int off = (int)(s->slots[r] % s->block_size);
+                qkv_row(m, l, v, s->positions[r]);
+                const int64_t blk = ly.slots[r] / s->block_size;
+                const int off = (int)(ly.slots[r] % s->block_size);
                 const size_t rb = row_bytes(s->kv_type, hd);
                 for (int kh = 0; kh < KVH; kh++) {
-                    store_row(pool_block(s, m, l, 0, blk, kh) + off * rb, v + (H + kh) * hd, hd, s->kv_type);
-                    store_row(pool_block(s, m, l, 1, blk, kh) + off * rb, v + (H + KVH + kh) * hd, hd, s->kv_type);
+                    store_row(pool_block(s, m, ly.slot, 0, blk, kh) + off * rb, v + (H + kh) * hd, hd, s->kv_type);
+                    store_row(pool_block(s, m, ly.slot, 1, blk, kh) + off * rb, v + (H + KVH + kh) * hd, hd, s->kv_type);
                 }
             }
             attention(m, s, l, wide, W, attn, mine, shared);
             #pragma omp for
-            for (int r = 0; r < R; r++) round_row(m, attn + (size_t)r * D, D, o, a, &gat, r);
-            project(m, o, so, R, a, &gat, x, D, 1, st ? none : next_q4(gu));    /* into the residual */
+            for (int r = 0; r < R; r++) round_row(m, attn + (size_t)r * QD, QD, o, a, &gat, r);
+            project(m, o, so, R, a, &gat, pa ? h : x, D, !pa, st ? none : next_q4(gu));
+            if (pa || ob) into_residual(m, x, h, ob, pa, R);
             norm_rows(m, x, m->mlp_norm + (size_t)l * D, h, R, gu, a, &gh);
             project(m, gu, sgu, R, a, &gh, wide, W, 0, st ? none : next_q4(dn));
             #pragma omp for
             for (int r = 0; r < R; r++) {
-                const float *g = wide + (size_t)r * W, *u = g + F;
+                float *g = wide + (size_t)r * W, *u = g + F;
                 float *y = mlp + (size_t)r * F;
-                swiglu(g, u, y, F);
+                add_bias(g, m->gate_up_bias ? m->gate_up_bias + (size_t)l * 2 * F : NULL, 2 * F);
+                if (m->act == ACT_GELU_TANH) gelu_glu(g, u, y, F);
+                else swiglu(g, u, y, F);
                 round_row(m, y, F, dn, a, &gmlp, r);
             }
-            project(m, dn, sdn, R, a, &gmlp, x, D, 1,
+            project(m, dn, sdn, R, a, &gmlp, pm ? h : x, D, !pm,
                     st ? none : l + 1 < m->layers ? next_q4(m->qkv + l + 1) : next_q8(&m->head));
+            if (pm || db) into_residual(m, x, h, db, pm, R);
         }
         #pragma omp for
         for (int i = 0; i < s->n_logits; i++) {
@@ -1306,6 +1420,10 @@ void step(const model_t *m, const step_t *s) {
         }
         if (st) matmul_g(m->s_head, s->n_logits, &gh, s->logits, m->vocab, 0, 1);
         else matmul_q8(&m->head, s->n_logits, a, s->logits);
+        if (m->final_cap) {
+            #pragma omp for
+            for (int i = 0; i < s->n_logits; i++) softcap(s->logits + (size_t)i * m->vocab, m->vocab, m->final_cap);
+        }
     }
 }
 
@@ -1327,7 +1445,7 @@ void check_matmul_stored(const proj_g *p, int rows, const float *x, float *fast,
 }
 
 /* For tests: layer 0's attention alone, for the step's rows (q: [rows][heads * head_dim], out:
-   [rows][dim], dim = heads * head_dim), on s->threads threads; s->scratch: step_scratch_floats */
+   [rows][heads * head_dim]), on s->threads threads; s->scratch: step_scratch_floats */
 void check_attention(const model_t *m, const step_t *s, const float *q, float *out) {
     float *per_thread = s->scratch;
     #pragma omp parallel num_threads(s->threads)

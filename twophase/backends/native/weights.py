@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from twophase.backends.native.kernel import Model, ProjQ4, ProjQ8
-from twophase.backends.native.packed import float_arrays, mapped
+from twophase.backends.native.packed import float_arrays, mapped, set_arch
 from twophase.contract import ModelSpec
 from twophase.models.q4_weights import (
     PROJECTIONS,
@@ -93,7 +93,7 @@ def q8_blocks(qw: QWeight) -> np.ndarray:
     return out
 
 
-FORMAT = "twophase-native/4"     # 4: groups of 16 blocks (3: of 8)
+FORMAT = "twophase-native/5"     # 5: the families' arrays; 4: groups of 16 blocks (3: of 8)
 
 
 def manifest(spec: ModelSpec) -> dict:
@@ -176,6 +176,7 @@ class NativeWeights:
                       ptr("embed"), ptr("attn_norm"), ptr("mlp_norm"), ptr("final_norm"), ptr("inv_freq"),
                       *(ctypes.cast(tables[n], ctypes.POINTER(ProjQ4)) for n in PROJECTIONS),
                       ProjQ8(head.shape[0], arch.hidden_size, ptr("head")))
+        set_arch(model, arch, a)
         return cls(model, a, list(tables.values()))
 
     @classmethod
@@ -223,4 +224,5 @@ class NativeWeights:
                       ptr("final_norm"), ptr("inv_freq"), None, None, None, None, ProjQ8(0, 0, None), 1,
                       *(ctypes.cast(tables[n], ctypes.POINTER(ProjStored)) for n in PROJECTIONS),
                       ctypes.pointer(head))
+        set_arch(model, arch, a)
         return cls(model, a, [*tables.values(), head])
