@@ -124,7 +124,7 @@ def test_native_refuses_float_weights_and_bad_options():
 def test_native_refuses_shapes_it_does_not_compute():
     from dataclasses import replace
 
-    from twophase.arch import uniform_layers, with_feature
+    from twophase.arch import uniform_layers
     from twophase.backends.native import NativeBackend
 
     arch = tiny_llm(model=Q4, backend={"name": "native"}).backend.arch
@@ -133,7 +133,9 @@ def test_native_refuses_shapes_it_does_not_compute():
     wider = uniform_layers(arch.num_layers, arch.intermediate_size + 8, arch.rope_theta)
     first = arch.layers[0]
     mixed = (replace(first, mlp=replace(first.mlp, intermediate_size=arch.intermediate_size + 32)),) + arch.layers[1:]
-    for bad, why in ((with_feature(arch, "moe"), "native: mixture-of-experts MLPs are not implemented"),
+    half = tuple(replace(s, mlp=replace(s.mlp, num_experts=4, top_k=2)) if i % 2 else s
+                 for i, s in enumerate(arch.layers))
+    for bad, why in ((replace(arch, layers=half), "native: layers that mix dense and expert MLPs"),
                      (replace(arch, num_heads=3), "3 query heads over 2 KV heads"),
                      (replace(arch, head_dim=20), "heads x head_dim"),
                      (replace(arch, layers=mixed), "an MLP width that changes"),

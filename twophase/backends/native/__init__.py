@@ -1,6 +1,7 @@
 """The native backend: a whole forward step in one C function (``step.c``, compiled at first
 use), on the GGUF's blocks as they are, for the CPU, for every dense family of the layers kit
-(the departures from the Llama block are fields of ``step.c``'s ``model_t``; experts are refused).
+(the departures from the Llama block are fields of ``step.c``'s ``model_t``; experts run from
+a GGUF file's blocks, ``quantization = "gguf"``).
 
 Why: decode at small batches is latency-bound, and a graph of library operators pays a dispatch
 for each of its ~1,900 ops (about 2 µs each in ONNX Runtime); here each op of a layer costs one
@@ -41,7 +42,7 @@ from twophase.errors import ConfigError
 from twophase.kv_formats import KV_FORMATS
 
 OPTIONS = {"threads"}
-FEATURES = frozenset(FEATURE_NAMES) - {"moe"}
+FEATURES = frozenset(FEATURE_NAMES)
 # the formats step.c reads, in the order of its kv_type (KV_F32, KV_F16, KV_BF16, KV_Q8); not
 # fp8, which a CPU converts in software only
 KV_READS = ("float32", "float16", "bfloat16", "int8")
@@ -78,6 +79,8 @@ class NativeBackend(Backend):
         why = [r.removeprefix("native: ") for r in [super().supports(arch)] if r]
         if len({s.mlp.intermediate_size for s in arch.layers}) > 1:
             why.append("an MLP width that changes from layer to layer is not implemented")
+        if len({s.mlp.num_experts for s in arch.layers}) > 1:
+            why.append("layers that mix dense and expert MLPs are not implemented")
         if arch.num_heads % arch.num_kv_heads:
             why.append(f"{arch.num_heads} query heads over {arch.num_kv_heads} KV heads is not implemented")
         if arch.hidden_size % 32 or (arch.num_heads * arch.head_dim) % 32 \
@@ -92,6 +95,9 @@ class NativeBackend(Backend):
         threads = threads_option(cfg.options)
         if model.dtype != torch.float32:
             raise ConfigError("model.dtype", f"the native backend runs float32, not {model.dtype}")
+        if "moe" in model.arch.features() and model.quantization != "gguf":
+            raise BackendUnavailable('native: mixture-of-experts MLPs run from a GGUF file as it stores '
+                                     'them (quantization = "gguf"), not on q4 weights')
         self.arch = model.arch
         from twophase.backends.native import kernel
         from twophase.backends.native.weights import NativeWeights

@@ -58,7 +58,9 @@ class Model(ctypes.Structure):
                 ("final_cap", c_float), ("act", c_int), ("q_norm", c_void_p), ("k_norm", c_void_p),
                 ("post_attn_norm", c_void_p), ("post_mlp_norm", c_void_p), ("qkv_bias", c_void_p),
                 ("o_bias", c_void_p), ("gate_up_bias", c_void_p), ("down_bias", c_void_p),
-                ("window", c_void_p), ("slot", c_void_p), ("group", c_void_p)]
+                ("window", c_void_p), ("slot", c_void_p), ("group", c_void_p),
+                ("experts", c_int), ("top_k", c_int), ("norm_topk", c_int), ("s_router", POINTER(ProjStored)),
+                ("s_exp_gu", POINTER(ProjStored)), ("s_exp_dn", POINTER(ProjStored))]
 
 
 class Step(ctypes.Structure):

@@ -115,6 +115,10 @@ typedef struct {
     const int32_t *window;    /* [layers] a sliding window in tokens (the query's own included), 0 full */
     const int32_t *slot, *group;    /* [layers] the pool slot and block-table group (KVGroups);
                                        NULL: slot l, group 0 */
+    /* mixture-of-experts MLPs (stored formats only; every layer's, each expert ffn wide): a
+       router [experts][dim], then each layer's experts' gate-and-up and down projections */
+    int experts, top_k, norm_topk;
+    const struct proj_g *s_router, *s_exp_gu, *s_exp_dn;   /* [layers]; [layers][experts] each */
 } model_t;
 
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
@@ -1309,14 +1313,137 @@ static inline int max3(int a, int b, int c) { return a > b ? (a > c ? a : c) : (
 /* the widest row a projection rounds: the hidden size, the MLP's width, or the heads' outputs */
 static int act_width(const model_t *m) { return max3(m->dim, m->ffn, m->heads * m->head_dim); }
 
+/* The experts' scratch for a step of `rows` tokens: each token's routes (expert, weight; its
+   rows routed, top_k a token, gathered by expert so each expert's rows read once for them all),
+   the router's scores, and the gathered rows' h, activations (of h, then of the MLP), gate and
+   up, MLP output and down output. */
+typedef struct {
+    float *score, *weight, *h, *wide, *mlp, *out, *act;
+    int32_t *expert, *pos, *src, *first;     /* [rows * top_k] x3; [experts + 1] */
+} moe_t;
+
+static long moe_floats(const model_t *m, int rows) {
+    if (!m->experts) return 0;
+    const long n = (long)rows * m->top_k, D = m->dim, F = m->ffn;
+    return rows * (long)m->experts + 4 * n + m->experts + 1 + n * (D + 2 * F + F + D)
+         + act_floats(n, D > F ? D : F);
+}
+
+static moe_t moe_layout(const model_t *m, float *at, int rows) {
+    const long n = (long)rows * m->top_k, D = m->dim, F = m->ffn;
+    moe_t e;
+    e.score = at; e.weight = e.score + (long)rows * m->experts;
+    e.expert = (int32_t *)(e.weight + n); e.pos = e.expert + n; e.src = e.pos + n; e.first = e.src + n;
+    e.h = (float *)(e.first + m->experts + 1); e.wide = e.h + n * D; e.mlp = e.wide + n * 2 * F;
+    e.out = e.mlp + n * F; e.act = e.out + n * D;
+    return e;
+}
+
+/* floats the threads share for a step's attention parts (when split_parts) */
+static long attn_shared_floats(const model_t *m, int rows, int max_ctx, int threads) {
+    return split_parts(m, rows, threads)
+        ? (long)rows * m->kv_heads * parts_of(m, max_ctx) * (m->heads / m->kv_heads) * part_floats(m) : 0;
+}
+
 /* floats of scratch a step of `rows` tokens attending to at most `max_ctx` needs */
 long step_scratch_floats(const model_t *m, int rows, int max_ctx, int threads) {
     const long D = m->dim, F = m->ffn, QD = (long)m->heads * m->head_dim;
-    const long shared = split_parts(m, rows, threads)
-        ? (long)rows * m->kv_heads * parts_of(m, max_ctx) * (m->heads / m->kv_heads) * part_floats(m) : 0;
     return rows * (2 * D + QD + widest(m) + F)         /* x, h, attn, wide, mlp */
          + act_floats(rows, act_width(m))              /* int8 codes; d, s, e, sums; outliers */
-         + (long)threads * attn_thread_floats(m, max_ctx) + shared;
+         + (long)threads * attn_thread_floats(m, max_ctx) + attn_shared_floats(m, rows, max_ctx, threads)
+         + moe_floats(m, rows);
+}
+
+/* the gathered rows from `off` on, as an activation block of their own */
+static gact gact_from(const gact *a, int off) {
+    gact v = *a;
+    v.x += (size_t)off * a->xstride;
+    v.q += (size_t)off * a->k;
+    v.d += (size_t)off * (a->k / 32);
+    v.s += (size_t)off * (a->k / 16);
+    v.ds += (size_t)off * (a->k / 32);
+    return v;
+}
+
+/* the gate: y = act(g) * u over F values */
+static void glu(const model_t *m, float *g, float *u, float *y, int F) {
+    if (m->act == ACT_GELU_TANH) gelu_glu(g, u, y, F);
+    else swiglu(g, u, y, F);
+}
+
+static void into_residual(const model_t *m, float *x, float *y, const float *b, const float *post, int rows);
+
+/* layer l's experts on the normed rows h (rounded in gh): each row's top_k of the router's
+   softmax (renormalised if the family does), the rows gathered by expert, each routed expert's
+   projections over its rows only (experts no row chose are not read), and each row's weighted
+   sum of its experts' outputs, in its routes' order, into the residual x (or y, post-normed) */
+static void moe_mlp(const model_t *m, int l, int R, const float *h, const gact *gh, moe_t e,
+                    float *x, float *y, const float *post) {
+    const int D = m->dim, F = m->ffn, E = m->experts, K = m->top_k, n = R * K;
+    matmul_g(m->s_router + l, R, gh, e.score, E, 0, 1);
+    #pragma omp for
+    for (int r = 0; r < R; r++) {                        /* softmax, then the top k */
+        float *p = e.score + (size_t)r * E, mx = p[0], sum = 0.f, kept = 0.f;
+        for (int i = 1; i < E; i++) mx = fmaxf(mx, p[i]);
+        for (int i = 0; i < E; i++) sum += (p[i] = expf(p[i] - mx));
+        for (int j = 0; j < K; j++) {
+            int best = -1;
+            for (int i = 0; i < E; i++) {
+                int taken = 0;
+                for (int t = 0; t < j; t++) taken |= e.expert[r * K + t] == i;
+                if (!taken && (best < 0 || p[i] > p[best])) best = i;
+            }
+            e.expert[r * K + j] = best;
+            e.weight[r * K + j] = p[best] / sum;
+            kept += p[best] / sum;
+        }
+        if (m->norm_topk)
+            for (int j = 0; j < K; j++) e.weight[r * K + j] /= kept;
+    }
+    #pragma omp single
+    {                                                     /* the routes gathered by expert */
+        for (int i = 0; i <= E; i++) e.first[i] = 0;
+        for (int j = 0; j < n; j++) e.first[e.expert[j] + 1]++;
+        for (int i = 0; i < E; i++) e.first[i + 1] += e.first[i];
+        for (int i = 0; i < E; i++) {
+            int at = e.first[i];
+            for (int j = 0; j < n; j++)
+                if (e.expert[j] == i) { e.pos[j] = at; e.src[at++] = j / K; }
+        }
+    }
+    const gact ga = gact_layout(e.act, n, D, e.h, D);
+    #pragma omp for
+    for (int j = 0; j < n; j++) {
+        memcpy(e.h + (size_t)j * D, h + (size_t)e.src[j] * D, sizeof(float) * D);
+        gquantize_row(&ga, j);
+    }
+    for (int i = 0; i < E; i++) {
+        const int rows = e.first[i + 1] - e.first[i];
+        if (!rows) continue;
+        const gact v = gact_from(&ga, e.first[i]);
+        matmul_g(m->s_exp_gu + (size_t)l * E + i, rows, &v, e.wide + (size_t)e.first[i] * 2 * F, 2 * F, 0, 1);
+    }
+    const gact gm = gact_layout(e.act, n, F, e.mlp, F);
+    #pragma omp for
+    for (int j = 0; j < n; j++) {
+        float *g = e.wide + (size_t)j * 2 * F;
+        glu(m, g, g + F, e.mlp + (size_t)j * F, F);
+        gquantize_row(&gm, j);
+    }
+    for (int i = 0; i < E; i++) {
+        const int rows = e.first[i + 1] - e.first[i];
+        if (!rows) continue;
+        const gact v = gact_from(&gm, e.first[i]);
+        matmul_g(m->s_exp_dn + (size_t)l * E + i, rows, &v, e.out + (size_t)e.first[i] * D, D, 0, 1);
+    }
+    #pragma omp for
+    for (int r = 0; r < R; r++) {
+        float *to = post ? y + (size_t)r * D : x + (size_t)r * D;
+        if (post) memset(to, 0, sizeof(float) * D);
+        for (int j = 0; j < K; j++)
+            axpy(to, e.weight[r * K + j], e.out + (size_t)e.pos[r * K + j] * D, D);
+    }
+    if (post) into_residual(m, x, y, NULL, post, R);
 }
 
 /* a projection's output y (n wide, ystride apart; NULL-safe bias b) into the residual x: added
@@ -1355,6 +1482,8 @@ void step(const model_t *m, const step_t *s) {
     /* the stored formats' rounded activations, in the same scratch: of h, attn and mlp */
     const gact gh = gact_layout((float *)a.q, R, D, h, D), gat = gact_layout((float *)a.q, R, QD, attn, QD);
     const gact gmlp = gact_layout((float *)a.q, R, F, mlp, F);
+    const moe_t moe = moe_layout(m, per_thread + (size_t)s->threads * attn_thread_floats(m, s->max_ctx)
+                                 + attn_shared_floats(m, R, s->max_ctx, s->threads), R);
 
     #pragma omp parallel num_threads(s->threads)
     {
@@ -1399,14 +1528,17 @@ void step(const model_t *m, const step_t *s) {
             project(m, o, so, R, a, &gat, pa ? h : x, D, !pa, st ? none : next_q4(gu));
             if (pa || ob) into_residual(m, x, h, ob, pa, R);
             norm_rows(m, x, m->mlp_norm + (size_t)l * D, h, R, gu, a, &gh);
+            if (m->experts) {
+                moe_mlp(m, l, R, h, &gh, moe, x, wide, pm);
+                continue;
+            }
             project(m, gu, sgu, R, a, &gh, wide, W, 0, st ? none : next_q4(dn));
             #pragma omp for
             for (int r = 0; r < R; r++) {
-                float *g = wide + (size_t)r * W, *u = g + F;
+                float *g = wide + (size_t)r * W;
                 float *y = mlp + (size_t)r * F;
                 add_bias(g, m->gate_up_bias ? m->gate_up_bias + (size_t)l * 2 * F : NULL, 2 * F);
-                if (m->act == ACT_GELU_TANH) gelu_glu(g, u, y, F);
-                else swiglu(g, u, y, F);
+                glu(m, g, g + F, y, F);
                 round_row(m, y, F, dn, a, &gmlp, r);
             }
             project(m, dn, sdn, R, a, &gmlp, pm ? h : x, D, !pm,

@@ -1,8 +1,9 @@
 """``quantization = "gguf"``: every tensor as the GGUF file stores it, for ``gguf_blocks.h``.
 
-Each projection is its parts (q, k and v; gate and up) in their own block types, their rows the
-file's bytes, only reordered where llama.cpp permuted the Q/K rows for its RoPE (whole rows
-move, so the blocks stay exact); the head likewise. Norms, RoPE frequencies and the embedding
+Each projection is its parts (q, k and v; gate and up; an expert layer's router and its
+experts' stacked gate, up and down) in their own block types, their rows the file's bytes, only
+reordered where llama.cpp permuted the Q/K rows for its RoPE (whole rows move, so the blocks
+stay exact); the head likewise. Norms, RoPE frequencies and the embedding
 (looked up, never multiplied) are float32. A tensor type ``gguf_blocks.h`` cannot run is
 refused by name: nothing is converted."""
 
@@ -22,6 +23,15 @@ from twophase.models.q4_weights import PROJECTIONS, cpu_model, source_gguf
 # the tensor types gguf_blocks.h runs
 RUNS = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 FORMAT = "twophase-native-stored/2"     # 2: the families' arrays
+
+
+# an expert MLP's projections in place of the dense gate-and-up and down (the experts' rows
+# stacked: expert e's are the e-th of each part's equal shares)
+EXPERT_PROJECTIONS = ("mlp.router", "mlp.experts_gate_up", "mlp.experts_down")
+
+
+def projections(experts: bool) -> tuple[str, ...]:
+    return (*PROJECTIONS[:2], *EXPERT_PROJECTIONS) if experts else PROJECTIONS
 
 
 def gguf_of(spec: ModelSpec) -> Path:
@@ -58,7 +68,7 @@ def stored_tensors(spec: ModelSpec) -> dict[str, list[tuple[str, np.ndarray]]]:
 
     rope_heads = {"attn_q": arch.num_heads, "attn_k": arch.num_kv_heads}
     out = {f"layers.{i}.{ours}": [tensor(f"blk.{i}.{g}.weight", rope_heads.get(g)) for g in fam.layer_names[ours][1]]
-           for i in range(arch.num_layers) for ours in PROJECTIONS}
+           for i, layer in enumerate(arch.layers) for ours in projections(layer.mlp.num_experts > 0)}
     out["lm_head"] = [tensor("output.weight" if "output.weight" in header.tensors else "token_embd.weight")]
     return out
 

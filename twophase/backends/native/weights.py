@@ -198,20 +198,26 @@ class NativeWeights:
         types = json.loads((folder / "types.json").read_text())
         arch, L = spec.arch, spec.arch.num_layers
 
-        def proj(key: str, k: int) -> ProjStored:
+        def proj(key: str, k: int, experts: int = 1, e: int = 0) -> ProjStored:
+            """``key``'s parts (of ``experts`` stacked, expert ``e``'s rows); none if not packed."""
             parts = []
-            for j, t in enumerate(types[key]):
+            for j, t in enumerate(types.get(key, ())):
                 rows, fmt = a[f"{key}.{j}"], FORMATS[t]
-                if rows.shape[1] != fmt.bytes_for((1, k)):
+                if rows.shape[1] != fmt.bytes_for((1, k)) or rows.shape[0] % experts:
                     raise ValueError(f"packed weights in {folder}: {key}'s rows of {rows.shape[1]} bytes "
                                      f"are not {k} {t} values")
-                parts.append(Part(fmt.ggml_type, rows.shape[0], rows.ctypes.data))
+                n = rows.shape[0] // experts
+                parts.append(Part(fmt.ggml_type, n, rows[e * n:(e + 1) * n].ctypes.data))
             return ProjStored(sum(p.n for p in parts), k, len(parts), (Part * 3)(*parts))
 
-        D = arch.hidden_size
-        widths = {"attn.qkv": D, "attn.o": arch.num_heads * arch.head_dim, "mlp.gate_up": D,
-                  "mlp.down": arch.intermediate_size}
+        D, F, E = arch.hidden_size, arch.intermediate_size, arch.layers[0].mlp.num_experts
+        widths = {"attn.qkv": D, "attn.o": arch.num_heads * arch.head_dim, "mlp.gate_up": D, "mlp.down": F}
         tables = {n: (ProjStored * L)(*(proj(f"layers.{i}.{n}", widths[n]) for i in range(L))) for n in PROJECTIONS}
+        if E:                                   # expert layers: each expert's share of the stacked rows
+            tables["mlp.router"] = (ProjStored * L)(*(proj(f"layers.{i}.mlp.router", D) for i in range(L)))
+            for name, k in (("mlp.experts_gate_up", D), ("mlp.experts_down", F)):
+                tables[name] = (ProjStored * (L * E))(*(proj(f"layers.{i}.{name}", k, E, e)
+                                                        for i in range(L) for e in range(E)))
         head = proj("lm_head", D)
         if head.n != arch.vocab_size or a["embed"].shape != (arch.vocab_size, D):
             raise ValueError(f"packed weights in {folder} do not match the model's shapes")
@@ -225,4 +231,10 @@ class NativeWeights:
                       *(ctypes.cast(tables[n], ctypes.POINTER(ProjStored)) for n in PROJECTIONS),
                       ctypes.pointer(head))
         set_arch(model, arch, a)
+        if E:
+            mlp = arch.layers[0].mlp
+            model.experts, model.top_k, model.norm_topk = E, mlp.top_k, int(mlp.norm_topk_prob)
+            model.s_router, model.s_exp_gu, model.s_exp_dn = (
+                ctypes.cast(tables[n], ctypes.POINTER(ProjStored))
+                for n in ("mlp.router", "mlp.experts_gate_up", "mlp.experts_down"))
         return cls(model, a, [*tables.values(), head])
