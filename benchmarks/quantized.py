@@ -43,7 +43,7 @@ def twophase_line(backend: str | dict, quantization: str, gguf: str | None = Non
                             "backend": {"name": backend} if isinstance(backend, str) else backend,
                             "scheduler": {"policy": "prefill-first", "max_num_batched_tokens": 512,
                                           "max_num_seqs": 32},
-                            "cache": {"num_blocks": 1024}})
+                            "cache": {"num_blocks": "auto", "memory_gb": 1.5}})   # 32 x 640 tokens, any grouping
 
 
 class LlamaCpp:
