@@ -35,7 +35,7 @@ def test_search_ranks_settings_by_goodput(tmp_path, capsys):
 
 
 def test_the_plot_is_a_png(tmp_path):
-    from conftest import TEST_DEVICE, config
+    from helpers.simulated import TEST_DEVICE, config
 
     from twophase.bench.serving import synthetic
     from twophase.simulate import simulate

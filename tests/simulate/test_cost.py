@@ -60,3 +60,36 @@ def test_a_mixed_step_reads_the_weights_once_and_splits_them_by_tokens():
 def test_h200_decodes_faster_than_h100_by_its_bandwidth():
     h100, h200 = model("h100-80gb").step([(1, 0)] * 8), model("h200").step([(1, 0)] * 8)
     assert h100.memory_s / h200.memory_s == pytest.approx(4.8 / 3.35)
+
+
+def test_a_windows_pairs_are_the_queries_keys_counted_one_by_one():
+    from twophase.bench.roofline import _pairs
+
+    for window in (0, 1, 5, 16):
+        for depth in (0, 3, 15, 40):
+            for n in (1, 4, 16, 33):
+                counted = sum(min(p + 1, window) if window else p + 1 for p in range(depth, depth + n))
+                assert _pairs(n, depth, window) == counted, (n, depth, window)
+
+
+def test_sliding_layers_read_and_attend_to_their_window_only():
+    """Gemma 3 27B (five sliding layers of 1,024 in six): a decode at 8K context reads the
+    global layers' 8K keys and the sliding ones' 1,024, so far less K/V than were every layer
+    global; prefill's attention likewise."""
+    from dataclasses import replace
+
+    arch = SHAPES["gemma3-27b"]
+    windows = [s.attention.window for s in arch.layers]
+    sliding, full = sum(1 for w in windows if w), sum(1 for w in windows if not w)
+    assert sliding == 52 and full == 10 and set(windows) == {None, 1024}
+    cost = StepCostModel(arch, device_spec("h200", "bfloat16"), "bfloat16", 2)
+    every = StepCostModel(replace(arch, layers=tuple(replace(s, attention=replace(s.attention, window=None))
+                                                         for s in arch.layers)), device_spec("h200", "bfloat16"),
+                          "bfloat16", 2)
+    per_layer = 2 * arch.num_kv_heads * arch.head_dim * 2
+    c = cost.step([(1, 8191)])
+    assert c.bytes == pytest.approx(cost.weight_bytes + (full * 8192 + sliding * 1024) * per_layer)
+    assert every.step([(1, 8191)]).bytes == pytest.approx(cost.weight_bytes + 62 * 8192 * per_layer)
+    pairs = full * 4096 * 4097 / 2 + sliding * (1024 * 1025 / 2 + (4096 - 1024) * 1024)
+    saved = cost._attention * (62 * 4096 * 4097 / 2 - pairs)
+    assert every.chunk_flops(4096, 0) - cost.chunk_flops(4096, 0) == pytest.approx(saved)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import TEST_DEVICE, config
+from helpers.simulated import TEST_DEVICE, config
 
 from twophase.backends.registry import BackendInfo, Registry
 from twophase.bench.serving import TimedRequest, synthetic

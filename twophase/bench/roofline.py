@@ -2,7 +2,8 @@
 
 Counts only what bounds a step: the matmuls' FLOPs (2 per multiply-add; attention's QK and PV
 included, norms, RoPE and softmax left out) and the bytes that must move from memory (every
-weight once per step, each sequence's cached K/V once, the new K/V once). A step cannot beat
+weight once per step, each sequence's cached K/V once, the new K/V once; a sliding layer reads
+only its window's K/V, and its queries attend to the window's keys only). A step cannot beat
 ``max(flops / peak, bytes / bandwidth)``: prefill sits on the compute side of that max, decode
 at small batch on the memory side, until the batch reaches the *crossover* where it turns
 compute-bound.
@@ -10,10 +11,23 @@ compute-bound.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
+from functools import cached_property
 
 from twophase.arch import ModelArch
 from twophase.models.params import active_layer_params
+
+
+def _pairs(n: float, depth: float, window: int) -> float:
+    """(query, key) pairs of ``n`` queries after ``depth`` cached keys, each seeing the keys up
+    to itself, at most ``window`` of them (0: no window)."""
+    first, last = depth + 1, depth + n          # keys the first and the last query would see
+    if not window or last <= window:
+        return n * depth + n * (n + 1) / 2
+    if first >= window:
+        return n * window
+    return (first + window) * (window - first + 1) / 2 + (last - window) * window
 
 
 @dataclass(frozen=True)
@@ -52,37 +66,57 @@ class CostModel:
 
     @property
     def kv_bytes_per_token(self) -> float:
-        a = self.arch
-        return a.num_layers * 2 * a.num_kv_heads * a.head_dim * self.kv_bytes
+        """What a token's K/V holds in every layer (the pool's view; a read may take less)."""
+        return self.arch.num_layers * self.layer_kv_bytes
 
-    def _attention_flops(self, query_positions: float) -> float:
-        """QK and PV for queries that see ``query_positions`` keys in all."""
+    @property
+    def layer_kv_bytes(self) -> float:
         a = self.arch
-        return 4 * a.num_layers * a.num_heads * a.head_dim * query_positions
+        return 2 * a.num_kv_heads * a.head_dim * self.kv_bytes
+
+    @cached_property
+    def _windows(self) -> tuple[tuple[int, int], ...]:
+        """``(window or 0, layers with it)``: full layers and each sliding window."""
+        return tuple(Counter(s.attention.window or 0 for s in self.arch.layers).items())
+
+    def keys_read(self, n: float, depth: float) -> float:
+        """K/V rows a chunk of ``n`` tokens after ``depth`` cached ones reads, summed over the
+        layers: a sliding layer only its window's (its first query sees ``window`` keys, each
+        later one a key further on)."""
+        return sum(k * (min(depth + n, w + n - 1) if w else depth + n) for w, k in self._windows)
+
+    def keys_seen(self, n: float, depth: float) -> float:
+        """(query, key) pairs of the chunk's attention, summed over the layers."""
+        return sum(k * _pairs(n, depth, w) for w, k in self._windows)
+
+    def _attention_flops(self, pairs: float) -> float:
+        """QK and PV over ``pairs`` (query, key) pairs of one layer's heads."""
+        a = self.arch
+        return 4 * a.num_heads * a.head_dim * pairs
 
     def prefill(self, n: int, depth: int = 0, seqs: int = 1) -> Cost:
         """``seqs`` chunks of ``n`` tokens, each after ``depth`` cached ones (logits: last token)."""
         L = self.arch.num_layers
         flops = seqs * (2 * n * L * self.layer_params + 2 * self.head_params
-                        + self._attention_flops(n * depth + n * (n + 1) / 2))
-        moved = self.weight_bytes_per_step + seqs * (depth + n) * self.kv_bytes_per_token
+                        + self._attention_flops(self.keys_seen(n, depth)))
+        moved = self.weight_bytes_per_step + seqs * self.keys_read(n, depth) * self.layer_kv_bytes
         return Cost(flops, moved)
 
     def decode(self, batch: int, context: int) -> Cost:
         """One token for each of ``batch`` sequences with ``context`` tokens cached."""
         L = self.arch.num_layers
         flops = batch * (2 * (L * self.layer_params + self.head_params)
-                         + self._attention_flops(context + 1))
-        moved = self.weight_bytes_per_step + batch * (context + 1) * self.kv_bytes_per_token
+                         + self._attention_flops(self.keys_seen(1, context)))
+        moved = self.weight_bytes_per_step + batch * self.keys_read(1, context) * self.layer_kv_bytes
         return Cost(flops, moved)
 
     def verify(self, batch: int, context: int, tokens: float) -> Cost:
         """A speculative verify pass: ``tokens`` per sequence (its decode and its drafts, on
         average) after ``context`` cached ones, for one read of the weights."""
         L = self.arch.num_layers
-        flops = batch * tokens * (2 * (L * self.layer_params + self.head_params)
-                                  + self._attention_flops(context + (tokens + 1) / 2))
-        moved = self.weight_bytes_per_step + batch * (context + tokens) * self.kv_bytes_per_token
+        flops = batch * (tokens * 2 * (L * self.layer_params + self.head_params)
+                         + self._attention_flops(self.keys_seen(tokens, context)))
+        moved = self.weight_bytes_per_step + batch * self.keys_read(tokens, context) * self.layer_kv_bytes
         return Cost(flops, moved)
 
     def speculative_intensity(self, context: int, summary: dict) -> dict[str, float]:

@@ -8,8 +8,9 @@
 FLOPs: 2 × active parameters × tokens for the matmuls, the LM head once a sequence (logits of
 its last token), and attention's QK and PV over each chunk's context (quadratic in a prefill
 chunk). Bytes: the weights once a step as stored, every sequence's cached K/V read once and the
-new K/V written. Each chunk's share of those goes to its phase: a one-token chunk after cached
-tokens is a decode, any other a prefill (the weights' read split by tokens).
+new K/V written (a sliding layer's: its window's only). Each chunk's share of those goes to its
+phase: a one-token chunk after cached tokens is a decode, any other a prefill (the weights' read
+split by tokens).
 """
 
 from __future__ import annotations
@@ -56,14 +57,14 @@ class StepCostModel:
         # the roofline's terms, read once (each reading walks the model's tensors): a chunk of n
         # tokens after d cached costs n·matmul + head + (n·d + n(n+1)/2)·attention FLOPs
         self.weight_bytes = roof.weight_bytes_per_step
-        self.kv_bytes_per_token = roof.kv_bytes_per_token
+        self.layer_kv_bytes = roof.layer_kv_bytes
         self._matmul = 2 * arch.num_layers * roof.layer_params
         self._head = 2 * roof.head_params
         self._attention = roof._attention_flops(1.0)
 
     def chunk_flops(self, n: int, depth: int) -> float:
         """``CostModel.prefill(n, depth).flops``, from the terms read once."""
-        return n * self._matmul + self._head + self._attention * (n * depth + n * (n + 1) / 2)
+        return n * self._matmul + self._head + self._attention * self.roof.keys_seen(n, depth)
 
     def step(self, chunks: Sequence[tuple[int, int]]) -> StepCost:
         """The cost of one backend call over ``chunks``: ``(tokens, cached tokens before them)``
@@ -71,11 +72,10 @@ class StepCostModel:
         flops = {"prefill": 0.0, "decode": 0.0}
         kv = {"prefill": 0.0, "decode": 0.0}
         tokens = {"prefill": 0, "decode": 0}
-        per_token = self.kv_bytes_per_token
         for n, depth in chunks:
             phase = "decode" if n == 1 and depth > 0 else "prefill"
             flops[phase] += self.chunk_flops(n, depth)
-            kv[phase] += (depth + n) * per_token
+            kv[phase] += self.roof.keys_read(n, depth) * self.layer_kv_bytes
             tokens[phase] += n
         total = tokens["prefill"] + tokens["decode"]
         w = self.weight_bytes
