@@ -161,3 +161,30 @@ def test_native_runs_the_file_as_stored_as_the_original_model(gguf_model):
     eng.abort(req.request_id)
     out = llm.generate([PROMPT, PROMPT[:9]], SamplingParams(max_tokens=NEW, ignore_eos=True))
     assert out[0].token_ids == want
+
+
+def test_the_avx2_build_computes_every_family_as_this_cpus_build(gguf_model, monkeypatch):
+    """The whole step on the AVX2 build (no AVX-512, no VNNI: what a Zen 3 machine runs) gives
+    this machine's build's logits bit for bit: the families' code and the stored types' dots are
+    the same 256-bit arithmetic on both (on a CPU without AVX-512 the two builds are one)."""
+    from helpers.native import PATHS, native_or_skip
+
+    from twophase.backends.native import kernel
+
+    native_or_skip()
+    family, _, path = gguf_model
+    cfg = {**NATIVE, "model": {"path": str(path), "quantization": "gguf"}}
+    logits = {}
+    for name in ("native", "avx2"):
+        build = kernel.load
+        monkeypatch.setattr(kernel, "load", lambda flags=(), build=build, name=name: build(flags or PATHS[name]))
+        llm = LLM.from_config(cfg)
+        eng = llm.engine
+        req = eng.add_request(PROMPT, SamplingParams(max_tokens=1))
+        assert eng.kv.allocate(req, len(PROMPT))
+        b = prefill_batch([(req, 0, len(PROMPT))], eng.kv)
+        b.logits = "all"
+        logits[name] = llm.backend.prefill(b)
+        llm.close()
+        monkeypatch.setattr(kernel, "load", build)
+    assert torch.equal(logits["native"], logits["avx2"])
