@@ -135,7 +135,9 @@ def test_native_refuses_shapes_it_does_not_compute():
     mixed = (replace(first, mlp=replace(first.mlp, intermediate_size=arch.intermediate_size + 32)),) + arch.layers[1:]
     half = tuple(replace(s, mlp=replace(s.mlp, num_experts=4, top_k=2)) if i % 2 else s
                  for i, s in enumerate(arch.layers))
+    wide_k = tuple(replace(s, mlp=replace(s.mlp, num_experts=4, top_k=5)) for s in arch.layers)
     for bad, why in ((replace(arch, layers=half), "native: layers that mix dense and expert MLPs"),
+                     (replace(arch, layers=wide_k), "a top k outside 1 to the number of experts"),
                      (replace(arch, num_heads=3), "3 query heads over 2 KV heads"),
                      (replace(arch, head_dim=20), "heads x head_dim"),
                      (replace(arch, layers=mixed), "an MLP width that changes"),

@@ -81,6 +81,8 @@ class NativeBackend(Backend):
             why.append("an MLP width that changes from layer to layer is not implemented")
         if len({s.mlp.num_experts for s in arch.layers}) > 1:
             why.append("layers that mix dense and expert MLPs are not implemented")
+        if any(s.mlp.num_experts and not 0 < s.mlp.top_k <= s.mlp.num_experts for s in arch.layers):
+            why.append("a top k outside 1 to the number of experts is not implemented")
         if arch.num_heads % arch.num_kv_heads:
             why.append(f"{arch.num_heads} query heads over {arch.num_kv_heads} KV heads is not implemented")
         if arch.hidden_size % 32 or (arch.num_heads * arch.head_dim) % 32 \

@@ -218,6 +218,10 @@ class NativeWeights:
             for name, k in (("mlp.experts_gate_up", D), ("mlp.experts_down", F)):
                 tables[name] = (ProjStored * (L * E))(*(proj(f"layers.{i}.{name}", k, E, e)
                                                         for i in range(L) for e in range(E)))
+            rows = {"mlp.router": E, "mlp.experts_gate_up": 2 * F, "mlp.experts_down": D}
+            if any(p.n != rows[n] for n in rows for p in tables[n]):
+                raise ValueError(f"packed weights in {folder}: the experts' tensors do not match "
+                                 f"{E} experts of width {F}")
         head = proj("lm_head", D)
         if head.n != arch.vocab_size or a["embed"].shape != (arch.vocab_size, D):
             raise ValueError(f"packed weights in {folder} do not match the model's shapes")
