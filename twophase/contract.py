@@ -17,7 +17,7 @@ reads one (``Capabilities.kv_groups``).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -130,6 +130,9 @@ class Capabilities:
     # the architecture features it computes (keys of ``twophase.arch.FEATURES``); a model
     # using any other is refused by its name before load (see ``Backend.supports``)
     features: frozenset[str] = frozenset()
+    # where it computes fewer features on some weight formats: quantization -> those it does
+    # compute on them (see ``Backend.supports_weights``)
+    features_on: Mapping[str, frozenset[str]] = field(default_factory=dict)
     # the K/V formats (``twophase.kv_formats``) it reads and writes besides its model's dtype
     kv_formats: tuple[str, ...] = ()
 
@@ -355,6 +358,18 @@ class Backend(ABC):
             return None
         what = describe(missing)
         return f"{self.name}: {what} {'are' if what.endswith('s') else 'is'} not implemented"
+
+    def supports_weights(self, arch: ModelArch, quantization: str) -> str | None:
+        """``supports``, and the features it computes only on some weight formats
+        (``Capabilities.features_on``): what the engine and ``auto`` ask before load."""
+        why = self.supports(arch)
+        only = self.capabilities().features_on.get(quantization)
+        missing = arch.features() - only if not why and only is not None else frozenset()
+        if why or not missing:
+            return why
+        what = describe(missing)
+        verb = "are" if what.endswith("s") else "is"
+        return f"{self.name}: {what} on {quantization!r} weights {verb} not implemented"
 
     @abstractmethod
     def load(self, model: ModelSpec, cfg: BackendConfig) -> None:

@@ -122,16 +122,16 @@ class LLM:
         """Each phase's backend computes this architecture, or the run stops here with what it
         lacks, by name ("native: QK-norm is not implemented")."""
         for sec in dict.fromkeys(s.name for s in self.config.phases()):
-            why = self.registry.get(sec)().supports(self.model.arch)
+            why = self.registry.get(sec)().supports_weights(self.model.arch, self.config.model.quantization)
             if why:
                 raise BackendUnavailable(f"{why}; backends that compute every feature of this "
                                          f"{self.model.arch.family} model: {', '.join(self._computing())}")
 
     def _computing(self) -> list[str]:
-        out = []
+        out, q = [], self.config.model.quantization
         for name, info in sorted(self.registry.backends.items()):
             try:
-                if info.cls is not None and info.cls().supports(self.model.arch) is None:
+                if info.cls is not None and info.cls().supports_weights(self.model.arch, q) is None:
                     out.append(name)
             except Exception:          # a plugin whose capabilities need a load: not listed
                 continue

@@ -130,7 +130,7 @@ def _why_not(cls, config: Config, device: str, arch: ModelArch) -> str | None:
         return None
     if not caps.shares_kv_pool:
         return "keeps its own KV pool"
-    refused = cls().supports(arch)
+    refused = cls().supports_weights(arch, config.model.quantization)
     if refused:
         return refused.removeprefix(f"{cls.name}: ")
     from twophase.models.loader import resolve_dtype

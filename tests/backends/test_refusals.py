@@ -9,7 +9,7 @@ from helpers.hf_models import tiny_hf_model
 from twophase import LLM
 from twophase.backends.registry import Registry
 from twophase.config import load_config
-from twophase.errors import BackendUnavailable
+from twophase.errors import BackendUnavailable, ConfigError
 
 pytest.importorskip("transformers")
 
@@ -29,7 +29,7 @@ def _cfg(folder, backend: str, quantization: str = "none") -> dict:
 
 
 def test_a_run_on_a_backend_without_the_feature_names_it(folders):
-    with pytest.raises(BackendUnavailable, match='native: mixture-of-experts MLPs run from a GGUF file'):
+    with pytest.raises(BackendUnavailable, match="native: mixture-of-experts MLPs on 'q4' weights are not implemented"):
         LLM.from_config(_cfg(folders["mixtral"], "native", "q4"))
     with pytest.raises(BackendUnavailable, match="onnxruntime: mixture-of-experts MLPs are not implemented"):
         LLM.from_config(_cfg(folders["mixtral"], "onnxruntime"))
@@ -50,6 +50,9 @@ def test_auto_leaves_out_a_backend_that_refuses_the_model(folders):
     assert "onnxruntime" not in chosen
     assert left_out["onnxruntime"].startswith("mixture-of-experts MLPs are not implemented")
     assert "torch" in chosen
+    config = load_config(_cfg(folders["mixtral"], "auto", "q4"))      # experts: native runs them from GGUF only
+    with pytest.raises(ConfigError, match="native: mixture-of-experts MLPs on 'q4' weights are not implemented"):
+        routing.candidates(config, Registry())
     config = load_config(_cfg(folders["qwen3"], "auto", "q4"))
     chosen, left_out = routing.candidates(config, Registry())
     assert {"native", "onnxruntime"} <= set(chosen), left_out

@@ -71,7 +71,8 @@ class NativeBackend(Backend):
         # step.c computes every departure of the families from the Llama block but MoE, and
         # reads a pool in groups (a sliding group's blocks freed as its window passes them)
         return Capabilities(devices=("cpu",), dtypes=(torch.float32,), own_threads=True,
-                            features=FEATURES, kv_formats=KV_READS, kv_groups=True)
+                            features=FEATURES, kv_formats=KV_READS, kv_groups=True,
+                            features_on={"q4": FEATURES - {"moe"}})
 
     def supports(self, arch: ModelArch) -> str | None:
         """Also the shapes ``step.c`` does not tile: query heads that do not group over the KV
@@ -97,9 +98,6 @@ class NativeBackend(Backend):
         threads = threads_option(cfg.options)
         if model.dtype != torch.float32:
             raise ConfigError("model.dtype", f"the native backend runs float32, not {model.dtype}")
-        if "moe" in model.arch.features() and model.quantization != "gguf":
-            raise BackendUnavailable('native: mixture-of-experts MLPs run from a GGUF file as it stores '
-                                     'them (quantization = "gguf"), not on q4 weights')
         self.arch = model.arch
         from twophase.backends.native import kernel
         from twophase.backends.native.weights import NativeWeights
