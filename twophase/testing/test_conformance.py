@@ -108,7 +108,9 @@ def test_it_refuses_by_name_each_feature_it_does_not_claim(backend_name, backend
                                                           quantization):
     """``Capabilities.features`` names only known features; ``supports`` accepts the plain
     model and, for every feature not claimed, refuses a model using it with the feature's name
-    (a backend computing a Qwen3 as a Llama without a word is the failure this prevents)."""
+    (a backend computing a Qwen3 as a Llama without a word is the failure this prevents); a
+    feature claimed on some weight formats only (``features_on``) is refused on the others by
+    ``supports_weights``, naming the feature and the format."""
     llm = _reference()
     b = llm.registry.get(backend_name)()
     claimed = b.capabilities().features
@@ -117,6 +119,12 @@ def test_it_refuses_by_name_each_feature_it_does_not_claim(backend_name, backend
     for key in sorted(set(FEATURES) - claimed):
         why = b.supports(with_feature(llm.model.arch, key))
         assert why and FEATURES[key] in why, f"{key}: supports() said {why!r}"
+    # features computed on some weight formats only: refused on the others' by name and format
+    for q, only in b.capabilities().features_on.items():
+        assert only <= claimed, f"features_on[{q!r}] claims {sorted(only - claimed)} beyond features"
+        for key in sorted(claimed - only):
+            why = b.supports_weights(with_feature(llm.model.arch, key), q)
+            assert why and FEATURES[key] in why and repr(q) in why, f"{key} on {q}: {why!r}"
 
 
 @pytest.mark.parametrize("logits", ["last", "all"])
