@@ -58,6 +58,29 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
+def _hf_reference(model) -> tuple[torch.Tensor, list[int]]:
+    """The original model's logits at every prompt position and its greedy tokens after it."""
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT])).logits[0]
+        want = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                              pad_token_id=0)[0, len(PROMPT):].tolist()
+    return logits, want
+
+
+def _allocated(llm):
+    """A request for PROMPT with its blocks allocated, to prefill by hand."""
+    req = llm.engine.add_request(PROMPT, SamplingParams(max_tokens=1))
+    assert llm.engine.kv.allocate(req, len(PROMPT))
+    return req
+
+
+def _prefill_logits(llm, req, start: int, n: int) -> torch.Tensor:
+    """The backend's logits at every position of tokens ``start .. start + n`` of ``req``."""
+    b = prefill_batch([(req, start, n)], llm.engine.kv)
+    b.logits = "all"
+    return llm.backend.prefill(b)
+
+
 def _tiny(family: str, folder):
     """``tiny_hf_model(family)`` with ``CHANGES[family]`` set on its config."""
     base = hf_models.hf_config
@@ -95,17 +118,10 @@ def test_ours_from_the_gguf_gives_the_original_models_logits_and_greedy_tokens(g
     llm = LLM.from_config({"model": {"path": str(path)}, "cache": {"num_blocks": 64, "block_size": 8}})
     assert llm.model.arch.family == family
     assert llm.tokenizer.chat_template == CHAT_TEMPLATE           # the file's, kept
-    with torch.no_grad():
-        logits = model(torch.tensor([PROMPT])).logits[0]
-        want = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
-                              pad_token_id=0)[0, len(PROMPT):].tolist()
-    eng = llm.engine
-    req = eng.add_request(PROMPT, SamplingParams(max_tokens=1))
-    assert eng.kv.allocate(req, len(PROMPT))
-    batch = prefill_batch([(req, 0, len(PROMPT))], eng.kv)
-    batch.logits = "all"
-    assert _rel(llm.backend.prefill(batch), logits) < 1e-4
-    eng.abort(req.request_id)
+    logits, want = _hf_reference(model)
+    req = _allocated(llm)
+    assert _rel(_prefill_logits(llm, req, 0, len(PROMPT)), logits) < 1e-4
+    llm.engine.abort(req.request_id)
     out = llm.generate([PROMPT], SamplingParams(max_tokens=NEW, ignore_eos=True))[0].token_ids
     assert out == want
 
@@ -147,18 +163,11 @@ def test_native_runs_the_file_as_stored_as_the_original_model(gguf_model):
         with pytest.raises(BackendUnavailable, match="native: mixture-of-experts MLPs on 'q4' weights"):
             LLM.from_config({**cfg, "model": {"path": str(path), "quantization": "q4"}})
     llm = LLM.from_config(cfg)
-    with torch.no_grad():
-        logits = model(torch.tensor([PROMPT])).logits[0]
-        want = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
-                              pad_token_id=0)[0, len(PROMPT):].tolist()
-    eng = llm.engine
-    req = eng.add_request(PROMPT, SamplingParams(max_tokens=1))
-    assert eng.kv.allocate(req, len(PROMPT))
+    logits, want = _hf_reference(model)
+    req = _allocated(llm)
     for start, n in ((0, len(PROMPT)), (0, 30), (30, 1), (31, len(PROMPT) - 31)):
-        b = prefill_batch([(req, start, n)], eng.kv)
-        b.logits = "all"
-        assert _rel(llm.backend.prefill(b), logits[start:start + n]) < 1e-4, (start, n)
-    eng.abort(req.request_id)
+        assert _rel(_prefill_logits(llm, req, start, n), logits[start:start + n]) < 1e-4, (start, n)
+    llm.engine.abort(req.request_id)
     out = llm.generate([PROMPT, PROMPT[:9]], SamplingParams(max_tokens=NEW, ignore_eos=True))
     assert out[0].token_ids == want
 
@@ -179,12 +188,7 @@ def test_the_avx2_build_computes_every_family_as_this_cpus_build(gguf_model, mon
         build = kernel.load
         monkeypatch.setattr(kernel, "load", lambda flags=(), build=build, name=name: build(flags or PATHS[name]))
         llm = LLM.from_config(cfg)
-        eng = llm.engine
-        req = eng.add_request(PROMPT, SamplingParams(max_tokens=1))
-        assert eng.kv.allocate(req, len(PROMPT))
-        b = prefill_batch([(req, 0, len(PROMPT))], eng.kv)
-        b.logits = "all"
-        logits[name] = llm.backend.prefill(b)
+        logits[name] = _prefill_logits(llm, _allocated(llm), 0, len(PROMPT))
         llm.close()
         monkeypatch.setattr(kernel, "load", build)
     assert torch.equal(logits["native"], logits["avx2"])

@@ -68,8 +68,9 @@ class NativeBackend(Backend):
         return BackendMemory(layout="stored" if query.quantization == "gguf" else "blocks", mapped_embedding=True)
 
     def capabilities(self) -> Capabilities:
-        # step.c computes every departure of the families from the Llama block but MoE, and
-        # reads a pool in groups (a sliding group's blocks freed as its window passes them)
+        # step.c computes every departure of the families from the Llama block (experts on the
+        # GGUF's stored blocks only), and reads a pool in groups (a sliding group's blocks freed
+        # as its window passes them)
         return Capabilities(devices=("cpu",), dtypes=(torch.float32,), own_threads=True,
                             features=FEATURES, kv_formats=KV_READS, kv_groups=True,
                             features_on={"q4": FEATURES - {"moe"}})

@@ -1401,15 +1401,16 @@ static void moe_mlp(const model_t *m, int l, int R, const float *h, const gact *
             for (int j = 0; j < K; j++) e.weight[r * K + j] /= kept;
     }
     #pragma omp single
-    {                                                     /* the routes gathered by expert */
+    {                               /* the routes gathered by expert (a counting sort, stable) */
         for (int i = 0; i <= E; i++) e.first[i] = 0;
         for (int j = 0; j < n; j++) e.first[e.expert[j] + 1]++;
         for (int i = 0; i < E; i++) e.first[i + 1] += e.first[i];
-        for (int i = 0; i < E; i++) {
-            int at = e.first[i];
-            for (int j = 0; j < n; j++)
-                if (e.expert[j] == i) { e.pos[j] = at; e.src[at++] = j / K; }
+        for (int j = 0; j < n; j++) {                     /* first[i] runs on to expert i's end */
+            e.pos[j] = e.first[e.expert[j]]++;
+            e.src[e.pos[j]] = j / K;
         }
+        for (int i = E; i > 0; i--) e.first[i] = e.first[i - 1];
+        e.first[0] = 0;
     }
     const gact ga = gact_layout(e.act, n, D, e.h, D);
     #pragma omp for
