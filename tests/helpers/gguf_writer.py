@@ -104,6 +104,7 @@ def _tokenizer(w: gguf.GGUFWriter, c) -> None:
     w.add_token_types([gguf.TokenType.CONTROL] * len(SPECIALS) + [gguf.TokenType.NORMAL] * (len(tokens) - 3))
     w.add_token_merges(merges)
     w.add_bos_token_id(c.bos_token_id)
+    w.add_add_bos_token(c.model_type.startswith("gemma"))      # as llama.cpp's Gemma converter does
     w.add_eos_token_id(c.eos_token_id if isinstance(c.eos_token_id, int) else c.eos_token_id[0])
     w.add_pad_token_id(0)
     w.add_chat_template(CHAT_TEMPLATE)

@@ -118,6 +118,8 @@ def test_ours_from_the_gguf_gives_the_original_models_logits_and_greedy_tokens(g
     llm = LLM.from_config({"model": {"path": str(path)}, "cache": {"num_blocks": 64, "block_size": 8}})
     assert llm.model.arch.family == family
     assert llm.tokenizer.chat_template == CHAT_TEMPLATE           # the file's, kept
+    starts = llm.tokenizer.encode("ab")[0] == llm.model.arch.bos_token_id
+    assert starts == family.startswith("gemma")                   # the file's add_bos_token
     logits, want = _hf_reference(model)
     req = _allocated(llm)
     assert _rel(_prefill_logits(llm, req, 0, len(PROMPT)), logits) < 1e-4

@@ -101,6 +101,9 @@ def hf_config(header: GGUFFile) -> dict:
     }
 
 
+CONVERSION = 2          # of the folder convert writes (2: the file's add_bos_token kept)
+
+
 def convert(gguf_path: Path, out_dir: Path) -> None:
     """Write an HF folder for ``gguf_path`` into ``out_dir`` (atomically: a temp folder renamed)."""
     import gguf
@@ -146,3 +149,9 @@ def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
 
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tok.save_pretrained(str(out_dir))
+    # whether a prompt starts with BOS is the file's to say (Gemma's must: without it the model
+    # writes nonsense); the saved config does not carry it
+    path = out_dir / "tokenizer_config.json"
+    cfg = json.loads(path.read_text()) if path.exists() else {}
+    cfg["add_bos_token"] = bool(GGUFFile(gguf_path).metadata.get("tokenizer.ggml.add_bos_token", False))
+    path.write_text(json.dumps(cfg, indent=2))

@@ -87,7 +87,7 @@ def resolve(cfg: ModelSource, device: str) -> ResolvedModel:
         model_id = cfg.name if not cfg.path else (path.stem if path.suffix == ".gguf" else path.name)
     elif cfg.name in hub.PYPI_MODELS:
         folder = cache_dir() / "models" / cfg.name
-        if not (folder / "config.json").exists():
+        if not _converted_now(folder):            # missing, or converted by an older version
             folder = gguf_folder(hub.gguf_path(cfg.name), cfg.name, folder)
         model_id = cfg.name
     else:
@@ -103,7 +103,8 @@ def gguf_folder(gguf: Path, name: str, folder: Path | None = None) -> Path:
     from twophase.models import gguf as gguf_convert
 
     stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{gguf_convert.CONVERSION}:{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+                         .encode()).hexdigest()[:16]
     folder = folder or cache_dir() / "models" / f"{name}-{key}"
     stamp = folder / "source.json"
 
@@ -116,8 +117,18 @@ def gguf_folder(gguf: Path, name: str, folder: Path | None = None) -> Path:
         if not converted():                       # or another process converted it meanwhile
             log.info("converting %s into %s (once)", gguf, folder)
             gguf_convert.convert(gguf, folder)
-            stamp.write_text(json.dumps({"gguf": str(gguf.resolve()), "key": key}))
+            stamp.write_text(json.dumps({"gguf": str(gguf.resolve()), "key": key,
+                                         "conversion": gguf_convert.CONVERSION}))
     return folder
+
+
+def _converted_now(folder: Path) -> bool:
+    """A converted folder by this version's conversion (``gguf.CONVERSION``)."""
+    from twophase.models.gguf import CONVERSION
+
+    stamp = folder / "source.json"
+    return (folder / "config.json").exists() and stamp.exists() \
+        and json.loads(stamp.read_text()).get("conversion") == CONVERSION
 
 
 def load_folder(folder: Path, model_id: str, dtype: torch.dtype) -> ResolvedModel:
