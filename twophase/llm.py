@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -455,7 +456,8 @@ class LLM:
         return self.config.scheduler.max_num_batched_tokens or (
             (4096 if on_cuda else 512) if chunked else self.max_model_len)
 
-    def _build_engine(self, clock=time.perf_counter) -> Engine:
+    def _build_engine(self, clock: Callable[[], float] = time.perf_counter,
+                      sleep: Callable[[float], None] = time.sleep) -> Engine:
         sc, cc = self.config.scheduler, self.config.cache
         pc, dc = self.prefill_backend.capabilities(), self.decode_backend.capabilities()
         chunked = sc.chunked_prefill and pc.chunked_prefill
@@ -483,7 +485,8 @@ class LLM:
         pool = self.kv_cache.pool
         connector = KVConnector(f"{socket.gethostname()}:{os.getpid()}:{id(self):x}", kv, pool,
                                 layout_of(pool), lease_s=cl.kv_lease_s,
-                                load_timeout_s=cl.kv_load_timeout_s, on_failure=cl.kv_load_failure)
+                                load_timeout_s=cl.kv_load_timeout_s, on_failure=cl.kv_load_failure,
+                                clock=clock, sleep=sleep)
         scheduler = Scheduler(kv, max_seqs, budget, sc.policy, chunked,
                               max_model_len=self.max_model_len,
                               eos_token_ids=tuple(arch.eos_token_ids), vocab_size=arch.vocab_size,

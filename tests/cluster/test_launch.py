@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
+from twophase.cluster.affinity import PrefixMap, prefix_keys
 from twophase.cluster.board import labelled
 from twophase.cluster.launch import Cluster, check_layouts
-from twophase.cluster.router import PrefixMap, prefix_keys
 from twophase.core.seams import KVLayout
 from twophase.errors import ConfigError
 

@@ -55,20 +55,11 @@ class Cluster:
         """The worker of ``role`` with the fewest of this frontend's requests in flight; given a
         prompt's ``tokens``, the one sent its deepest known prefix (its prefix cache likely holds
         it) unless that one has more than ``route_imbalance`` requests beyond the least busy:
-        the replicas' routing rule (``router.py``)."""
-        from twophase.cluster.router import PrefixMap, prefix_keys
+        the replicas' routing rule (``affinity.py``)."""
+        from twophase.cluster.affinity import PrefixMap, pick
 
-        workers = self.workers[role]
-        least = min(workers, key=lambda w: self.busy[w])
-        if tokens is None:
-            return least
-        keys = prefix_keys(tokens, self.config.cache.block_size)
-        prefixes = self.prefixes.setdefault(role, PrefixMap())
-        owner = prefixes.best(keys, set(workers))
-        imbalance = self.config.cluster.route_imbalance
-        chosen = owner if owner is not None and self.busy[owner] - self.busy[least] <= imbalance else least
-        prefixes.record(keys, chosen)
-        return chosen
+        return pick(self.workers[role], lambda w: self.busy[w], self.prefixes.setdefault(role, PrefixMap()),
+                    self.config.cluster.route_imbalance, tokens, self.config.cache.block_size)
 
     def tokenizer(self):
         """The model's tokenizer, for the frontend (no weights are loaded here)."""

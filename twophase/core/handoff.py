@@ -40,7 +40,14 @@ def first_text(first: RequestOutput, p: SamplingParams) -> str:
 
 
 def joined(first: RequestOutput, rest: RequestOutput, p: SamplingParams) -> RequestOutput:
-    """The whole request: the prefill side's first token, then the decode side's output."""
+    """The whole request: the prefill side's first token, then the decode side's output (its
+    times from the prefill side's arrival, where both sides read one clock)."""
+    times = rest.times
+    if first.times is not None and rest.times is not None:
+        times = dataclasses.replace(rest.times, arrival=first.times.arrival,
+                                    first_scheduled=first.times.first_scheduled,
+                                    token_times=first.times.token_times + rest.times.token_times)
     return dataclasses.replace(rest, prompt=first.prompt, token_ids=first.token_ids + rest.token_ids,
                                text=first_text(first, p) + rest.text,
-                               logprobs=first.logprobs + rest.logprobs, kv_transfer_params=None)
+                               logprobs=first.logprobs + rest.logprobs, kv_transfer_params=None,
+                               times=times)

@@ -96,11 +96,12 @@ class KVConnector:
                  transport: KVTransport | None = None, lease_s: float = 30.0,
                  load_timeout_s: float = 2.0,
                  on_failure: Literal["fail", "recompute"] = "fail",
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep):
         self.engine_id, self.kv, self.pool, self.layout = engine_id, kv, pool, layout
         self.transport = transport
         self.lease_s, self.load_timeout_s, self.on_failure = lease_s, load_timeout_s, on_failure
-        self.clock = clock
+        self.clock, self.sleep = clock, sleep
         self._leases: dict[str, _Lease] = {}
         self._lock = threading.Lock()          # reads of leased blocks come from other threads
         self._pulls: dict[str, _Pull] = {}
@@ -241,7 +242,7 @@ class KVConnector:
 
     def wait(self, seconds: float) -> None:
         """Nothing to compute but pulls in flight: let them progress instead of spinning."""
-        time.sleep(seconds)
+        self.sleep(seconds)
 
     def _check(self, blocks: torch.Tensor, n: int) -> str | None:
         want = (self.layout.num_layers, 2, n, self.layout.num_kv_heads, self.layout.block_size,

@@ -37,6 +37,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--acceptance", type=float, default=0.7,
                    help="with speculative.method = \"ngram\": the chance each drafted token is kept "
                         "(the workload's; default 0.7)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="each engine spans this many GPUs, tensor-parallel (all-reduces costed over "
+                        "the device's link)")
+    p.add_argument("--link-gbps", type=float, metavar="GB/s",
+                   help="the link between devices, GB/s each way (default: the device's NVLink or "
+                        "PCIe; between nodes, e.g. 50 for 400 Gb/s InfiniBand)")
     p.add_argument("--fit", action="store_true",
                    help="cpu: fit the efficiencies to the torch backend on this machine first "
                         "(a short profiling sweep, cached)")
@@ -48,9 +54,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from twophase.config import load_config
     from twophase.core.metrics import step_dicts
     from twophase.report import phase_table
-    from twophase.simulate import driver, report, search
-    from twophase.simulate.devices import device_spec
-    from twophase.simulate.engine import SimulatedLLM, for_device
+    from twophase.simulate import driver, fleet, report, search
+    from twophase.simulate.devices import device_spec, with_link
+    from twophase.simulate.engine import for_device
 
     if args.config and not Path(args.config).is_file() and args.model is None:
         args.model, args.config = args.config, None          # CONFIG may name a model or shape
@@ -69,7 +75,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         fit.fit_cpu(cfg, console)
     from twophase.plan.budget import model_dtype
 
-    device = device_spec(args.device, model_dtype(cfg, "cpu" if args.device == "cpu" else "cuda"))
+    device = with_link(device_spec(args.device, model_dtype(cfg, "cpu" if args.device == "cpu" else "cuda")),
+                       args.link_gbps)
     s = cfg.bench.serving
     prompt_len = driver.parse_range(args.prompt_len, "--prompt-len") if args.prompt_len else s.input_len
     output_len = driver.parse_range(args.output_len, "--output-len") if args.output_len else s.output_len
@@ -81,11 +88,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     def simulate(overrides: dict) -> dict:
         merged = search.merge(base, overrides)
         c = load_config(args.config, merged) if args.config else load_config(None, merged)
-        llm = SimulatedLLM(c, device, acceptance=args.acceptance)
-        reqs = driver.workload(n, rate, prompt_len, output_len, llm.model.arch.vocab_size, seed, trace)
-        run = driver.drive(llm.engine, reqs, llm.clock, llm.clock.sleep)
-        out = report.simulation_report(llm, run, slo)
-        out["steps"] = step_dicts(list(llm.engine.steps.records))
+        f = fleet.Fleet(c, device, acceptance=args.acceptance, tp=args.tp)
+        reqs = driver.workload(n, rate, prompt_len, output_len, f.model.arch.vocab_size, seed, trace)
+        out = report.simulation_report(f, fleet.drive(f, reqs), slo)
+        out["steps"] = step_dicts(f.steps)
         return out
 
     if args.search:

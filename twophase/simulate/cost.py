@@ -1,9 +1,10 @@
 """What one step costs on a device: the roofline's split of its work into FLOPs and bytes
 (``twophase.bench.roofline.CostModel``), turned into seconds.
 
-    compute  = FLOPs / (peak × compute efficiency)
-    memory   = bytes / (bandwidth × bandwidth efficiency)
-    step     = max(compute, memory) + per-step overhead
+    compute  = FLOPs / (peak × compute efficiency × tp)
+    memory   = bytes / (bandwidth × bandwidth efficiency × tp)
+    comm     = 2 all-reduces a layer over tp devices (tp > 1 only)
+    step     = max(compute, memory) + comm + per-step overhead
 
 FLOPs: 2 × active parameters × tokens for the matmuls, the LM head once a sequence (logits of
 its last token), and attention's QK and PV over each chunk's context (quadratic in a prefill
@@ -11,6 +12,12 @@ chunk). Bytes: the weights once a step as stored, every sequence's cached K/V re
 new K/V written (a sliding layer's: its window's only). Each chunk's share of those goes to its
 phase: a one-token chunk after cached tokens is a decode, any other a prefill (the weights' read
 split by tokens).
+
+Tensor parallelism over ``tp`` devices (Megatron's split: attention heads and the MLP's inner
+dimension across devices) divides each step's FLOPs and bytes evenly and adds two all-reduces a
+layer of the step's activations (``tokens × hidden`` 16-bit values), each a ring's
+``2 (tp - 1) / tp`` of it over the link plus the link's latency, not overlapped with compute.
+A prompt's K/V handed to a decode worker crosses the same link (``transfer_s``).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ class StepCost:
     decode_flops: float
     prefill_bytes: float
     decode_bytes: float
+    comm_s: float = 0.0
 
     @property
     def flops(self) -> float:
@@ -51,8 +59,9 @@ class StepCost:
 
 
 class StepCostModel:
-    def __init__(self, arch: ModelArch, device: DeviceSpec, weight_dtype: str, kv_dtype_bytes: float):
-        self.arch, self.device = arch, device
+    def __init__(self, arch: ModelArch, device: DeviceSpec, weight_dtype: str, kv_dtype_bytes: float,
+                 tp: int = 1):
+        self.arch, self.device, self.tp = arch, device, tp
         self.roof = roof = CostModel(arch, WEIGHT_BYTES[weight_dtype], kv_dtype_bytes)
         # the roofline's terms, read once (each reading walks the model's tensors): a chunk of n
         # tokens after d cached costs n·matmul + head + (n·d + n(n+1)/2)·attention FLOPs
@@ -80,9 +89,25 @@ class StepCostModel:
         total = tokens["prefill"] + tokens["decode"]
         w = self.weight_bytes
         moved = {p: kv[p] + (w * tokens[p] / total if total else 0.0) for p in kv}
-        d = self.device
-        compute_s = (flops["prefill"] + flops["decode"]) / (d.peak_flops * d.compute_efficiency)
-        memory_s = (moved["prefill"] + moved["decode"]) / (d.bandwidth * d.bandwidth_efficiency)
-        seconds = max(compute_s, memory_s) + d.step_overhead_s
+        d, tp = self.device, self.tp
+        compute_s = (flops["prefill"] + flops["decode"]) / (d.peak_flops * d.compute_efficiency * tp)
+        memory_s = (moved["prefill"] + moved["decode"]) / (d.bandwidth * d.bandwidth_efficiency * tp)
+        comm_s = self.all_reduce_s(total)
+        seconds = max(compute_s, memory_s) + comm_s + d.step_overhead_s
         return StepCost(seconds, compute_s, memory_s, flops["prefill"], flops["decode"],
-                        moved["prefill"], moved["decode"])
+                        moved["prefill"], moved["decode"], comm_s)
+
+    def all_reduce_s(self, tokens: int) -> float:
+        """Two ring all-reduces a layer of ``tokens × hidden`` 16-bit activations over ``tp``
+        devices (none on one)."""
+        tp, d = self.tp, self.device
+        if tp == 1 or not tokens:
+            return 0.0
+        size = tokens * self.arch.hidden_size * 2
+        one = 2 * (tp - 1) / tp * size / (d.link_bandwidth * d.link_efficiency) + d.link_latency_s
+        return 2 * self.arch.num_layers * one
+
+    def transfer_s(self, nbytes: float) -> float:
+        """Moving ``nbytes`` (a prompt's K/V) to a peer device over the link."""
+        d = self.device
+        return nbytes / (d.link_bandwidth * d.link_efficiency) + d.link_latency_s

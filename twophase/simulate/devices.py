@@ -20,6 +20,15 @@ decode kernels stream weights and K/V at about 70-85% of HBM bandwidth (STREAM-l
 launches around the forward pass) is an assumption of 1 ms a step, of the order eager-Python
 engines with CUDA graphs show at small batch.
 
+Links between the devices of one node, each direction (NVIDIA's NVLink figures are both
+directions together): H100 SXM and H200 SXM NVLink 4, 900 GB/s -> 450; H100 NVL's NVLink bridge
+600 -> 300; A100 SXM NVLink 3, 600 -> 300; L40S and L4 have no NVLink: PCIe Gen4 x16, 64 -> 32.
+Tensor parallelism's all-reduces and a prompt's K/V moving from a prefill worker to a decode
+worker cross that link at 0.7 of it (NCCL's ring all-reduce reaches a bus bandwidth of about 70-80%
+of NVLink's in nccl-tests at large messages), after a fixed 10 µs each (NCCL's small-message
+latency within a node is of that order; an assumption). Workers on different nodes would cross
+InfiniBand instead (400 Gb/s NDR = 50 GB/s a port): give ``--link-gbps 50``.
+
 ``cpu`` is this machine: the ceilings ``twophase calibrate`` measures (and caches), with
 efficiencies fitted to the torch backend by ``twophase simulate --fit`` (cached), else defaults.
 """
@@ -35,6 +44,8 @@ from twophase.paths import cache_dir
 from twophase.plan.devices import GPUS
 
 TERA = 1e12
+GIGA = 1e9
+LINK_EFFICIENCY = 0.7
 
 
 @dataclass(frozen=True)
@@ -47,6 +58,10 @@ class DeviceSpec:
     bandwidth_efficiency: float  # share of bandwidth a step's weight and K/V reads reach
     step_overhead_s: float      # fixed host time a step beyond the roofline's bound
     source: str                 # where the figures come from
+    link_bandwidth: float = 0.0  # bytes/s each way to a peer device (NVLink, PCIe; CPU: a copy);
+                                 # 0: unknown, so no tensor parallelism or K/V handoff
+    link_efficiency: float = LINK_EFFICIENCY
+    link_latency_s: float = 10e-6  # fixed cost of one transfer or all-reduce
 
 
 # name: (peak FLOP/s, bytes/s)
@@ -58,6 +73,11 @@ GPU_PEAKS: dict[str, tuple[float, float]] = {
     "a100-40gb": (312 * TERA, 1.555 * TERA),
     "l40s": (362 * TERA, 0.864 * TERA),
     "l4": (121 * TERA, 0.300 * TERA),
+}
+# name: bytes/s each way between two devices of a node
+GPU_LINKS: dict[str, float] = {
+    "h100-80gb": 450 * GIGA, "h100-94gb": 300 * GIGA, "h200": 450 * GIGA,
+    "a100-80gb": 300 * GIGA, "a100-40gb": 300 * GIGA, "l40s": 32 * GIGA, "l4": 32 * GIGA,
 }
 GPU_COMPUTE_EFFICIENCY = 0.55
 GPU_BANDWIDTH_EFFICIENCY = 0.8
@@ -88,7 +108,17 @@ def device_spec(name: str, dtype: str = "float32") -> DeviceSpec:
     if dtype == "float32":                # TF32 tensor cores: half the 16-bit rate
         peak /= 2
     return DeviceSpec(key, "cuda", peak, bw, GPU_COMPUTE_EFFICIENCY, GPU_BANDWIDTH_EFFICIENCY,
-                      GPU_STEP_OVERHEAD_S, "NVIDIA datasheet peaks; typical published efficiencies")
+                      GPU_STEP_OVERHEAD_S, "NVIDIA datasheet peaks; typical published efficiencies",
+                      link_bandwidth=GPU_LINKS[key])
+
+
+def with_link(spec: DeviceSpec, gbps: float | None) -> DeviceSpec:
+    """``spec`` with its link to peer devices at ``gbps`` GB/s each way (None: as it is)."""
+    if gbps is None:
+        return spec
+    if gbps <= 0:
+        raise ConfigError("--link-gbps", f"must be positive; got {gbps}")
+    return replace(spec, link_bandwidth=gbps * GIGA, source=f"{spec.source}; link {gbps:g} GB/s given")
 
 
 def cpu_spec(dtype: str = "float32") -> DeviceSpec:
@@ -99,7 +129,10 @@ def cpu_spec(dtype: str = "float32") -> DeviceSpec:
     c = ceilings("cpu", getattr(torch, dtype))
     spec = DeviceSpec("cpu", "cpu", c.peak_flops, c.bandwidth, CPU_COMPUTE_EFFICIENCY,
                       CPU_BANDWIDTH_EFFICIENCY, CPU_STEP_OVERHEAD_S,
-                      f"twophase calibrate ({c.measured_at}); default efficiencies")
+                      f"twophase calibrate ({c.measured_at}); default efficiencies",
+                      # engines on one machine hand K/V over through shared memory: a copy at the
+                      # calibrated bandwidth, after about a millisecond of Ray's object store
+                      link_bandwidth=c.bandwidth, link_efficiency=0.5, link_latency_s=1e-3)
     fitted = _read_fits().get(_key(torch.device("cpu"), getattr(torch, dtype)))
     if fitted:
         spec = replace(spec, compute_efficiency=fitted["compute_efficiency"],

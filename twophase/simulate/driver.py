@@ -30,7 +30,8 @@ class Run:
     rejected: list[str]
     start: float                 # the clock when the first request could arrive
     host_s: float                # wall-clock seconds the run took on this machine
-    queue: list[tuple[float, int, int]] = field(default_factory=list)   # (time, waiting, running) a step
+    # after each step: (time, requests waiting, running, KV blocks in use), the engines' together
+    queue: list[tuple[float, int, int, int]] = field(default_factory=list)
 
 
 def parse_range(text: str, flag: str) -> list[int]:
@@ -70,7 +71,7 @@ def drive(engine: Engine, requests: list[TimedRequest], clock: Callable[[], floa
     done: dict[str, RequestOutput] = {}
     order: list[str] = []
     rejected: list[str] = []
-    queue: list[tuple[float, int, int]] = []
+    queue: list[tuple[float, int, int, int]] = []
     sched = engine.scheduler
     while pending or engine.has_unfinished():
         now = clock()
@@ -87,8 +88,9 @@ def drive(engine: Engine, requests: list[TimedRequest], clock: Callable[[], floa
             for d in engine.step():
                 if d.output is not None:
                     done[d.request_id] = d.output
-            queue.append((clock(), len(sched.waiting), len(sched.running)))
-            if len(engine.steps.records) == before and clock() == now:
+            if len(engine.steps.records) > before:
+                queue.append((clock(), len(sched.waiting), len(sched.running), engine.kv.num_used_blocks))
+            elif clock() == now:
                 if not pending:
                     raise RuntimeError("the engine has work but schedules none")
                 sleep(start + pending[0].offset_s - now)

@@ -10,6 +10,7 @@ scheduler, KV manager and admission built by ``_build_engine`` over the virtual 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -42,7 +43,9 @@ def for_device(config: Config, device: DeviceSpec) -> Config:
 
 class SimulatedLLM(LLM):
     def __init__(self, config: Config, device: DeviceSpec, registry: Registry | None = None,
-                 acceptance: float = 0.7):
+                 acceptance: float = 0.7, tp: int = 1):
+        """``tp``: the engine spans that many devices of ``device``'s kind, tensor-parallel (its
+        pool planned on their memory together; each step costed with its all-reduces)."""
         t0 = time.perf_counter()
         config = for_device(config, device)
         if config.speculative.method == "draft":
@@ -51,6 +54,10 @@ class SimulatedLLM(LLM):
         if config.cluster.disaggregated or config.cluster.replicas > 1:
             raise ConfigError("cluster", "the simulator runs one engine: no replicas or "
                               "disaggregated workers")
+        if tp < 1 or (tp > 1 and device.kind != "cuda"):
+            raise ConfigError("--tp", f"tensor parallelism is simulated over GPUs, 1 or more; "
+                              f"got {tp} on {device.name}")
+        self.tp = tp
         self.registry = registry or Registry()
         self.routing = None
         self.config = config
@@ -62,14 +69,17 @@ class SimulatedLLM(LLM):
         self.model = loader.ResolvedModel(planned.model_id, planned.arch, "none: shapes only", None, spec_dtype)
         self.draft = None
         self.max_model_len = self._model_context()
-        self.plan = planner.plan(config, planner.profile(device.name if kind == "cuda" else "cpu"),
-                                 model=planned, registry=self.registry)
+        profile = planner.profile(device.name if kind == "cuda" else "cpu")
+        if tp > 1:       # weights and K/V split over the devices, each with its own reserve
+            profile = dataclasses.replace(profile, name=f"{tp}x {profile.name}",
+                                          total_bytes=tp * profile.total_bytes)
+        self.plan = planner.plan(config, profile, model=planned, registry=self.registry)
         if self.plan.num_blocks == 0:
             raise ModelError(f"{planned.model_id} leaves no room for a KV pool on {device.name}: "
                              f"{'; '.join(self.plan.notes) or 'see twophase plan'}")
         self.clock = VirtualClock()
         weights = "q4" if config.model.quantization == "q4" else dtype
-        cost = StepCostModel(planned.arch, device, weights, kv_dtype_bytes(config, kind, planned.arch))
+        cost = StepCostModel(planned.arch, device, weights, kv_dtype_bytes(config, kind, planned.arch), tp)
         pcfg, dcfg = config.phases()
         self.prefill_backend = self._simulated(pcfg.name, cost)
         same = (pcfg.name, pcfg.options) == (dcfg.name, dcfg.options)
@@ -91,7 +101,7 @@ class SimulatedLLM(LLM):
         self._fit_context(self._pool_tokens())
         for b in {id(b): b for b in (self.prefill_backend, self.decode_backend)}.values():
             b.bind_kv_cache(self.kv_cache)
-        self.engine = self._build_engine(clock=self.clock)
+        self.engine = self._build_engine(clock=self.clock, sleep=self.clock.sleep)
         if config.speculative.method != "none":       # drafts at the workload's acceptance rate
             self.engine.scheduler.proposer = AcceptingProposer(self.prefill_backend.token, acceptance)
         self.load_time_s = time.perf_counter() - t0

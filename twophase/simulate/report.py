@@ -67,61 +67,88 @@ def goodput(outputs: list[RequestOutput], wall_s: float, slo: SLO) -> dict[str, 
             "request_rate_rps": len(served) / wall_s if wall_s else None}
 
 
-def utilization(calls: list[Call], wall_s: float, device: DeviceSpec) -> dict[str, dict[str, float]]:
-    """Each phase's FLOPs and bytes over the run, as shares of what the device's peak compute
-    and bandwidth could have done in the run's time; and of the busy time, which bound it."""
+def utilization(calls: list[Call], wall_s: float, device: DeviceSpec, engines: int = 1,
+                tp: int = 1) -> dict[str, dict[str, float]]:
+    """Each phase's FLOPs and bytes over the run, as shares of what the devices' (``engines`` of
+    ``tp`` each) peak compute and bandwidth could have done in the run's time; the engines'
+    busy and all-reduce shares of it, and which bound their steps."""
     out: dict[str, dict[str, float]] = {}
+    room = wall_s * engines * tp
     for phase in ("prefill", "decode"):
         flops = sum(getattr(c.cost, f"{phase}_flops") for c in calls)
         moved = sum(getattr(c.cost, f"{phase}_bytes") for c in calls)
         out[phase] = {"flops": flops, "bytes": moved,
-                      "compute_share": flops / (device.peak_flops * wall_s) if wall_s else 0.0,
-                      "bandwidth_share": moved / (device.bandwidth * wall_s) if wall_s else 0.0}
+                      "compute_share": flops / (device.peak_flops * room) if room else 0.0,
+                      "bandwidth_share": moved / (device.bandwidth * room) if room else 0.0}
     busy = sum(c.cost.seconds for c in calls)
-    out["device"] = {"busy_share": busy / wall_s if wall_s else 0.0,
+    comm = sum(c.cost.comm_s for c in calls)
+    out["device"] = {"busy_share": busy / (wall_s * engines) if wall_s else 0.0,
+                     "all_reduce_share": comm / (wall_s * engines) if wall_s else 0.0,
                      "compute_bound_steps": sum(c.cost.bound == "compute" for c in calls),
                      "memory_bound_steps": sum(c.cost.bound == "memory" for c in calls)}
     return out
 
 
 def timeline(steps: list[StepRecord], run: Run, num_blocks: int) -> list[dict[str, float]]:
-    """After each step: KV blocks in use (and as a share of the pool), preemptions so far,
-    requests waiting and running; at most ``MAX_POINTS`` evenly spaced steps."""
+    """After each step (the steps of every engine, by start): KV blocks in use over the
+    deployment (and as a share of its pools), preemptions so far, requests waiting and running;
+    at most ``MAX_POINTS`` evenly spaced steps."""
     every = max(1, -(-len(steps) // MAX_POINTS))
     out, preempted = [], 0
     for i, s in enumerate(steps):
         preempted += s.preemptions
         if i % every and i != len(steps) - 1:
             continue
-        waiting, running = run.queue[i][1:] if i < len(run.queue) else (0, 0)
-        out.append({"t_s": s.start + s.duration - run.start, "kv_blocks_used": s.kv_blocks_used,
-                    "kv_occupancy": s.kv_blocks_used / num_blocks if num_blocks else 0.0,
+        t, waiting, running, used = run.queue[i] if i < len(run.queue) else (
+            s.start + s.duration, 0, 0, s.kv_blocks_used)
+        out.append({"t_s": t - run.start, "kv_blocks_used": used,
+                    "kv_occupancy": used / num_blocks if num_blocks else 0.0,
                     "preemptions": preempted, "waiting": waiting, "running": running})
     return out
 
 
-def simulation_report(llm: Any, run: Run, slo: SLO) -> dict[str, Any]:
-    """``{"report": LLM.report's keys, "simulation": the simulator's own figures}``."""
-    report = llm.report(run.outputs)
+def simulation_report(fleet: Any, run: Run, slo: SLO) -> dict[str, Any]:
+    """``{"report": LLM.report's keys, "simulation": the simulator's own figures}`` for a
+    ``Fleet`` (one engine, replicas, or prefill and decode workers)."""
+    report = fleet.report(run.outputs)
     names = report["backend"]
     report["backend"] = {**names, "prefill": f"{names['prefill']} (simulated)",
-                         "decode": f"{names['decode']} (simulated)", "device": llm.device.name}
-    steps = list(llm.engine.steps.records)
+                         "decode": f"{names['decode']} (simulated)", "device": fleet.device.name}
+    steps = fleet.steps
     wall = report["wall_s"]
-    calls = [c for b in llm.backends for c in b.calls]
+    calls = [c for b in fleet.backends for c in b.calls]
+    first = fleet.members[0].llm
+    good = goodput(run.outputs, wall, slo)
+    good["goodput_per_device_rps"] = (good["goodput_rps"] or 0.0) / fleet.devices
     return {"report": report, "simulation": {
-        "device": asdict(llm.device), "model": llm.model.model_id,
-        "num_blocks": llm.num_blocks, "block_size": llm.config.cache.block_size,
-        "max_num_seqs": llm.engine.scheduler.max_num_seqs,
-        "max_num_batched_tokens": llm.engine.scheduler.budget,
+        "device": asdict(fleet.device), "model": fleet.model.model_id,
+        "tp": fleet.tp, "devices": fleet.devices,
+        "engines": [{"name": m.name, "role": m.role, "num_blocks": m.llm.num_blocks,
+                     "steps": len(m.llm.engine.steps.records),
+                     "busy_s": sum(c.cost.seconds for b in m.llm.backends for c in b.calls)}
+                    for m in fleet.members],
+        "num_blocks": fleet.num_blocks, "block_size": fleet.config.cache.block_size,
+        "max_num_seqs": first.engine.scheduler.max_num_seqs,
+        "max_num_batched_tokens": first.engine.scheduler.budget,
         "simulated_s": wall, "host_s": run.host_s,
         "speedup_vs_real_time": wall / run.host_s if run.host_s else None,
         "rejected": len(run.rejected),
-        "goodput": goodput(run.outputs, wall, slo),
-        "utilization": utilization(calls, wall, llm.device),
-        "timeline": timeline(steps, run, llm.num_blocks),
+        "goodput": good,
+        "utilization": utilization(calls, wall, fleet.device, len(fleet.members), fleet.tp),
+        "kv_transfers": _transfers(fleet),
+        "timeline": timeline(steps, run, fleet.num_blocks),
         "ttft_values": [o.times.ttft for o in run.outputs if o.times and o.times.ttft is not None],
         "tpot_values": [o.times.tpot for o in run.outputs if o.times and o.times.tpot is not None]}}
+
+
+def _transfers(fleet: Any) -> dict[str, float] | None:
+    """Prompts' K/V pulled by decode workers: how many, their bytes and the pulls' times."""
+    pulls = [t for m in fleet.by_role("decode") for t in m.connector.transfers]
+    if not pulls:
+        return None
+    seconds = sorted(s for _, _, s in pulls)
+    return {"pulls": len(pulls), "bytes": sum(b for _, b, _ in pulls),
+            "p50_s": seconds[len(seconds) // 2], "max_s": seconds[-1]}
 
 
 def _ms(v: float | None) -> str:

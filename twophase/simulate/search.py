@@ -1,5 +1,6 @@
 """``--search KEY=V1,V2,...``: every combination of the values, each simulated on the same
-workload, ranked by goodput."""
+workload, ranked by goodput per device (a deployment of four GPUs must serve four times one's
+to rank above it), then by throughput."""
 
 from __future__ import annotations
 
@@ -61,8 +62,8 @@ def combinations(grid: dict[str, list[Any]]) -> list[dict[str, Any]]:
 
 def search(grid: dict[str, list[Any]], simulate: Callable[[dict[str, Any]], dict[str, Any]]) -> list[dict[str, Any]]:
     """Each combination's ``simulate(overrides)`` result (a nested config override), best
-    goodput first (then output throughput). A combination the config refuses is listed with
-    its error."""
+    goodput per device first (then output throughput). A combination the config refuses is
+    listed with its error."""
     rows: list[dict[str, Any]] = []
     for combo in combinations(grid):
         overrides: dict[str, Any] = {}
@@ -74,28 +75,31 @@ def search(grid: dict[str, list[Any]], simulate: Callable[[dict[str, Any]], dict
             rows.append({"settings": combo, "error": str(exc)})
             continue
         r, s = result["report"], result["simulation"]
-        rows.append({"settings": combo, "goodput_rps": s["goodput"]["goodput_rps"] or 0.0,
+        rows.append({"settings": combo, "devices": s["devices"],
+                     "goodput_per_device_rps": s["goodput"]["goodput_per_device_rps"],
+                     "goodput_rps": s["goodput"]["goodput_rps"] or 0.0,
                      "attainment": s["goodput"]["attainment"], "output_tokens_per_s": r["output_tokens_per_s"],
                      "ttft_p50_s": r["ttft_s"]["p50"], "ttft_p99_s": r["ttft_s"]["p99"],
                      "tpot_p50_s": r["tpot_s"]["p50"], "tpot_p99_s": r["tpot_s"]["p99"],
                      "preemptions": r["preemptions"], "num_blocks": s["num_blocks"]})
-    return sorted(rows, key=lambda x: ("error" in x, -x.get("goodput_rps", 0.0),
+    return sorted(rows, key=lambda x: ("error" in x, -x.get("goodput_per_device_rps", 0.0),
                                        -(x.get("output_tokens_per_s") or 0.0)))
 
 
 def table(rows: list[dict[str, Any]]) -> Table:
     keys = list(rows[0]["settings"]) if rows else []
-    t = Table(title="search, ranked by goodput")
-    for col in ("#", *keys, "goodput req/s", "SLO met", "out tok/s", "TTFT p50/p99 ms",
+    t = Table(title="search, ranked by goodput per device")
+    for col in ("#", *keys, "devices", "goodput req/s", "per device", "SLO met", "out tok/s", "TTFT p50/p99 ms",
                 "TPOT p50/p99 ms", "preempt."):
         t.add_column(col, justify="right")
     ms = lambda v: "-" if v is None else f"{v * 1e3:.1f}"  # noqa: E731
     for i, r in enumerate(rows, 1):
         cells = [str(r["settings"][k]) for k in keys]
         if "error" in r:
-            t.add_row(str(i), *cells, f"[red]{r['error']}[/]", "", "", "", "", "")
+            t.add_row(str(i), *cells, "", f"[red]{r['error']}[/]", "", "", "", "", "", "")
             continue
-        t.add_row(str(i), *cells, f"{r['goodput_rps']:.3f}",
+        t.add_row(str(i), *cells, str(r["devices"]), f"{r['goodput_rps']:.3f}",
+                  f"{r['goodput_per_device_rps']:.3f}",
                   "-" if r["attainment"] is None else f"{100 * r['attainment']:.0f}%",
                   f"{r['output_tokens_per_s'] or 0:.1f}", f"{ms(r['ttft_p50_s'])} / {ms(r['ttft_p99_s'])}",
                   f"{ms(r['tpot_p50_s'])} / {ms(r['tpot_p99_s'])}", str(r["preemptions"]))
