@@ -230,6 +230,7 @@ class _Frontend:
         for delta in engine.step():
             if delta.output is not None:
                 self.finished(m, delta.output)
+        engine.expire_leases()                # as the server's loop does after each step
         if len(engine.steps.records) > recorded:
             engines = [w.llm.engine for w in self.fleet.members]
             self.queue.append((m.clock, sum(len(e.scheduler.waiting) for e in engines),
