@@ -44,8 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the link between devices, GB/s each way (default: the device's NVLink or "
                         "PCIe; between nodes, e.g. 50 for 400 Gb/s InfiniBand)")
     p.add_argument("--fit", action="store_true",
-                   help="cpu: fit the efficiencies to the torch backend on this machine first "
-                        "(a short profiling sweep, cached)")
+                   help="cpu: fit the efficiencies to the config's backend on this machine first "
+                        "(a short profiling sweep, cached a backend)")
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -55,7 +55,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from twophase.core.metrics import step_dicts
     from twophase.report import phase_table
     from twophase.simulate import driver, fleet, report, search
-    from twophase.simulate.devices import device_spec, with_link
+    from twophase.simulate.devices import check_tp, device_spec, fitted_backend, with_link
     from twophase.simulate.engine import for_device
 
     if args.config and not Path(args.config).is_file() and args.model is None:
@@ -69,14 +69,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     cfg = flags.load(args)
     slo = report.parse_slo(args.slo)
     console = Console()
+    check_tp(args.tp, args.device)            # before a CPU's calibration is measured
     if args.fit:
         from twophase.simulate import fit
 
         fit.fit_cpu(cfg, console)
     from twophase.plan.budget import model_dtype
 
-    device = with_link(device_spec(args.device, model_dtype(cfg, "cpu" if args.device == "cpu" else "cuda")),
-                       args.link_gbps)
+    device = with_link(device_spec(args.device, model_dtype(cfg, "cpu" if args.device == "cpu" else "cuda"),
+                                   fitted_backend(cfg), cfg.model.quantization), args.link_gbps)
     s = cfg.bench.serving
     prompt_len = driver.parse_range(args.prompt_len, "--prompt-len") if args.prompt_len else s.input_len
     output_len = driver.parse_range(args.output_len, "--output-len") if args.output_len else s.output_len

@@ -30,7 +30,9 @@ latency within a node is of that order; an assumption). Workers on different nod
 InfiniBand instead (400 Gb/s NDR = 50 GB/s a port): give ``--link-gbps 50``.
 
 ``cpu`` is this machine: the ceilings ``twophase calibrate`` measures (and caches), with
-efficiencies fitted to the torch backend by ``twophase simulate --fit`` (cached), else defaults.
+efficiencies fitted by ``twophase simulate --fit`` to the config's backend (cached one a backend
+and weight format: torch, onnxruntime and native reach different shares of the same ceilings),
+else defaults.
 """
 
 from __future__ import annotations
@@ -38,10 +40,14 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from twophase.errors import ConfigError
 from twophase.paths import cache_dir
 from twophase.plan.devices import GPUS
+
+if TYPE_CHECKING:
+    from twophase.config import Config
 
 TERA = 1e12
 GIGA = 1e9
@@ -95,12 +101,14 @@ def names() -> list[str]:
     return ["cpu", *GPU_PEAKS]
 
 
-def device_spec(name: str, dtype: str = "float32") -> DeviceSpec:
+def device_spec(name: str, dtype: str = "float32", backend: str = "torch",
+                quantization: str = "none") -> DeviceSpec:
     """The figures for ``name``: a GPU from the table, or ``cpu`` from this machine's calibration
-    (measured now if none is cached: about 10 s)."""
+    (measured now if none is cached: about 10 s) with ``backend``'s fit on ``quantization``
+    weights."""
     key = name.lower()
     if key == "cpu":
-        return cpu_spec(dtype)
+        return cpu_spec(dtype, backend, quantization)
     if key not in GPU_PEAKS:
         raise ConfigError("--device", f"no figures for device {name!r}; known: {', '.join(names())}")
     assert key in GPUS, key               # the planner knows its memory
@@ -112,6 +120,12 @@ def device_spec(name: str, dtype: str = "float32") -> DeviceSpec:
                       link_bandwidth=GPU_LINKS[key])
 
 
+def check_tp(tp: int, device: str) -> None:
+    """Tensor parallelism is simulated over GPUs (their links are in the table), 1 or more."""
+    if tp < 1 or (tp > 1 and device.lower() == "cpu"):
+        raise ConfigError("--tp", f"tensor parallelism is simulated over GPUs, 1 or more; got {tp} on {device}")
+
+
 def with_link(spec: DeviceSpec, gbps: float | None) -> DeviceSpec:
     """``spec`` with its link to peer devices at ``gbps`` GB/s each way (None: as it is)."""
     if gbps is None:
@@ -121,10 +135,28 @@ def with_link(spec: DeviceSpec, gbps: float | None) -> DeviceSpec:
     return replace(spec, link_bandwidth=gbps * GIGA, source=f"{spec.source}; link {gbps:g} GB/s given")
 
 
-def cpu_spec(dtype: str = "float32") -> DeviceSpec:
+def fitted_backend(config: Config) -> str:
+    """The backend a CPU fit of ``config`` is for: its own, or ``prefill+decode`` where the phases
+    differ (``auto`` is simulated, so fitted, as torch)."""
+    p, d = ("torch" if s.name == "auto" else s.name for s in config.phases())
+    return p if p == d else f"{p}+{d}"
+
+
+def fit_key(dtype: str, backend: str, quantization: str) -> str:
+    """One fit a calibration (this CPU, dtype, threads), backend and weight format."""
     import torch
 
-    from twophase.bench.calibrate import _key, ceilings
+    from twophase.bench.calibrate import _key
+
+    return f"{_key(torch.device('cpu'), getattr(torch, dtype))}|backend={backend}|quantization={quantization}"
+
+
+def cpu_spec(dtype: str = "float32", backend: str = "torch", quantization: str = "none") -> DeviceSpec:
+    """This machine's calibrated ceilings with ``backend``'s fitted efficiencies on
+    ``quantization`` weights (the defaults where it has none)."""
+    import torch
+
+    from twophase.bench.calibrate import ceilings
 
     c = ceilings("cpu", getattr(torch, dtype))
     spec = DeviceSpec("cpu", "cpu", c.peak_flops, c.bandwidth, CPU_COMPUTE_EFFICIENCY,
@@ -133,13 +165,14 @@ def cpu_spec(dtype: str = "float32") -> DeviceSpec:
                       # engines on one machine hand K/V over through shared memory: a copy at the
                       # calibrated bandwidth, after about a millisecond of Ray's object store
                       link_bandwidth=c.bandwidth, link_efficiency=0.5, link_latency_s=1e-3)
-    fitted = _read_fits().get(_key(torch.device("cpu"), getattr(torch, dtype)))
+    fitted = _read_fits().get(fit_key(dtype, backend, quantization))
     if fitted:
         spec = replace(spec, compute_efficiency=fitted["compute_efficiency"],
                        bandwidth_efficiency=fitted["bandwidth_efficiency"],
                        step_overhead_s=fitted["step_overhead_s"],
                        source=f"twophase calibrate ({c.measured_at}); efficiencies fitted "
-                              f"{fitted.get('fitted_at', '')} on {fitted.get('model', '?')}")
+                              f"{fitted.get('fitted_at', '')} on {fitted.get('model', '?')}, "
+                              f"{backend}, {quantization} weights")
     return spec
 
 
@@ -155,16 +188,15 @@ def _read_fits() -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def save_fit(spec: DeviceSpec, model: str, fitted_at: str, dtype: str = "float32") -> Path:
-    """Keep fitted CPU efficiencies beside the calibration they were fitted over."""
-    import torch
-
-    from twophase.bench.calibrate import _key
-
+def save_fit(spec: DeviceSpec, model: str, fitted_at: str, dtype: str = "float32", backend: str = "torch",
+             quantization: str = "none") -> Path:
+    """Keep fitted CPU efficiencies beside the calibration they were fitted over, apart from
+    other backends' and weight formats'."""
     data = _read_fits()
     entry = {k: v for k, v in asdict(spec).items()
              if k in ("compute_efficiency", "bandwidth_efficiency", "step_overhead_s")}
-    data[_key(torch.device("cpu"), getattr(torch, dtype))] = {**entry, "model": model, "fitted_at": fitted_at}
+    data[fit_key(dtype, backend, quantization)] = {**entry, "model": model, "fitted_at": fitted_at,
+                                                   "backend": backend, "quantization": quantization}
     path = fits_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")

@@ -29,7 +29,7 @@ from twophase.plan.model_source import planned_model
 from twophase.simulate.backend import SimulatedBackend, mirrored
 from twophase.simulate.clock import VirtualClock
 from twophase.simulate.cost import StepCostModel
-from twophase.simulate.devices import DeviceSpec
+from twophase.simulate.devices import DeviceSpec, check_tp
 from twophase.simulate.drafts import AcceptingProposer
 
 
@@ -54,9 +54,7 @@ class SimulatedLLM(LLM):
         if config.cluster.disaggregated or config.cluster.replicas > 1:
             raise ConfigError("cluster", "the simulator runs one engine: no replicas or "
                               "disaggregated workers")
-        if tp < 1 or (tp > 1 and device.kind != "cuda"):
-            raise ConfigError("--tp", f"tensor parallelism is simulated over GPUs, 1 or more; "
-                              f"got {tp} on {device.name}")
+        check_tp(tp, device.kind)
         self.tp = tp
         self.registry = registry or Registry()
         self.routing = None
