@@ -4,7 +4,8 @@
     compute  = FLOPs / (peak × compute efficiency × tp)
     memory   = bytes / (bandwidth × bandwidth efficiency × tp)
     comm     = 2 all-reduces a layer over tp devices (tp > 1 only)
-    step     = max(compute, memory) + comm + per-step overhead
+    host     = overhead a step + a sequence's × sequences + a K/V byte's × K/V bytes read
+    step     = max(compute, memory) + comm + host
 
 FLOPs: 2 × active parameters × tokens for the matmuls, the LM head once a sequence (logits of
 its last token), and attention's QK and PV over each chunk's context (quadratic in a prefill
@@ -18,6 +19,10 @@ dimension across devices) divides each step's FLOPs and bytes evenly and adds tw
 layer of the step's activations (``tokens × hidden`` 16-bit values), each a ring's
 ``2 (tp - 1) / tp`` of it over the link plus the link's latency, not overlapped with compute.
 A prompt's K/V handed to a decode worker crosses the same link (``transfer_s``).
+
+The host terms beyond the fixed overhead are fitted on the CPU, where a backend's attention over a
+paged pool (gathers, per-sequence calls) and its per-sequence work cost more than the roofline's
+bytes; on GPUs they are 0.
 """
 
 from __future__ import annotations
@@ -71,6 +76,10 @@ class StepCostModel:
         self._head = 2 * roof.head_params
         self._attention = roof._attention_flops(1.0)
 
+    def kv_read(self, chunks: Sequence[tuple[int, int]]) -> float:
+        """Bytes of cached K/V the chunks' attention reads."""
+        return sum(self.roof.keys_read(n, d) for n, d in chunks) * self.layer_kv_bytes
+
     def chunk_flops(self, n: int, depth: int) -> float:
         """``CostModel.prefill(n, depth).flops``, from the terms read once."""
         return n * self._matmul + self._head + self._attention * self.roof.keys_seen(n, depth)
@@ -93,7 +102,8 @@ class StepCostModel:
         compute_s = (flops["prefill"] + flops["decode"]) / (d.peak_flops * d.compute_efficiency * tp)
         memory_s = (moved["prefill"] + moved["decode"]) / (d.bandwidth * d.bandwidth_efficiency * tp)
         comm_s = self.all_reduce_s(total)
-        seconds = max(compute_s, memory_s) + comm_s + d.step_overhead_s
+        host_s = d.step_overhead_s + d.seq_overhead_s * len(chunks) + d.kv_byte_s * (kv["prefill"] + kv["decode"])
+        seconds = max(compute_s, memory_s) + comm_s + host_s
         return StepCost(seconds, compute_s, memory_s, flops["prefill"], flops["decode"],
                         moved["prefill"], moved["decode"], comm_s)
 

@@ -68,6 +68,10 @@ class DeviceSpec:
                                  # 0: unknown, so no tensor parallelism or K/V handoff
     link_efficiency: float = LINK_EFFICIENCY
     link_latency_s: float = 10e-6  # fixed cost of one transfer or all-reduce
+    # host time beyond the roofline that grows with the step's work, fitted on the CPU (0 on
+    # GPUs: not measured there): a sequence in the step, a byte of K/V its attention reads
+    seq_overhead_s: float = 0.0
+    kv_byte_s: float = 0.0
 
 
 # name: (peak FLOP/s, bytes/s)
@@ -170,6 +174,7 @@ def cpu_spec(dtype: str = "float32", backend: str = "torch", quantization: str =
         spec = replace(spec, compute_efficiency=fitted["compute_efficiency"],
                        bandwidth_efficiency=fitted["bandwidth_efficiency"],
                        step_overhead_s=fitted["step_overhead_s"],
+                       seq_overhead_s=fitted.get("seq_overhead_s", 0.0), kv_byte_s=fitted.get("kv_byte_s", 0.0),
                        source=f"twophase calibrate ({c.measured_at}); efficiencies fitted "
                               f"{fitted.get('fitted_at', '')} on {fitted.get('model', '?')}, "
                               f"{backend}, {quantization} weights")
@@ -188,13 +193,16 @@ def _read_fits() -> dict:
     return data if isinstance(data, dict) else {}
 
 
+FIT_FIELDS = ("compute_efficiency", "bandwidth_efficiency", "step_overhead_s", "seq_overhead_s", "kv_byte_s")
+
+
 def save_fit(spec: DeviceSpec, model: str, fitted_at: str, dtype: str = "float32", backend: str = "torch",
              quantization: str = "none") -> Path:
     """Keep fitted CPU efficiencies beside the calibration they were fitted over, apart from
     other backends' and weight formats'."""
     data = _read_fits()
     entry = {k: v for k, v in asdict(spec).items()
-             if k in ("compute_efficiency", "bandwidth_efficiency", "step_overhead_s")}
+             if k in FIT_FIELDS}
     data[fit_key(dtype, backend, quantization)] = {**entry, "model": model, "fitted_at": fitted_at,
                                                    "backend": backend, "quantization": quantization}
     path = fits_path()

@@ -1,11 +1,12 @@
-"""Fit the CPU's efficiencies and per-step overhead to the config's backend on this machine (one
+"""Fit the CPU's efficiencies and host overheads to the config's backend on this machine (one
 fit a backend and weight format: each reaches its own share of the calibrated ceilings): a short
 profiling sweep (prefill chunks, decodes at batch 1 to 24 and at long context) run for real, and
 the same requests simulated. With every request there at the start, the scheduler decides the
 same steps on either clock, so step ``i`` of one is step ``i`` of the other; the fit chooses the
-efficiencies and overhead whose step times come closest (least relative error) to the measured
-time from one step's start to the next's (each step's median over a few passes, after one that
-warms the backend: one pass is at the mercy of the machine's other work)."""
+efficiencies (a grid) and host terms (a step's, a sequence's, a K/V byte's: least squares)
+whose step times come closest (least relative error) to the measured time from one step's start
+to the next's (each step's median over a few passes, after one that warms the backend: one pass
+is at the mercy of the machine's other work)."""
 
 from __future__ import annotations
 
@@ -40,18 +41,10 @@ def step_walls(records: list[Any]) -> list[float]:
     return out + [records[-1].duration] if records else out
 
 
-def weighted_median(pairs: list[tuple[float, float]]) -> float:
-    """The value minimising the weighted sum of absolute deviations: (value, weight) pairs."""
-    pairs = sorted(pairs)
-    half, run = sum(w for _, w in pairs) / 2, 0.0
-    for v, w in pairs:
-        run += w
-        if run >= half:
-            return v
-    return pairs[-1][0]
+Part = tuple[float, float, float, float]     # a step's compute and memory time, sequences, K/V bytes
 
 
-def measure(cfg: Config, base: DeviceSpec, passes: int = 3) -> tuple[str, list[float], list[tuple[float, float]]]:
+def measure(cfg: Config, base: DeviceSpec, passes: int = 3) -> tuple[str, list[float], list[Part]]:
     """The sweep on ``cfg``'s backends for real, after one pass that warms them (first-touch
     pages, kernels picked per shape): each step's median wall time over ``passes``, and its
     simulated compute and memory time at efficiency 1 (the simulation's own costing on ``base``:
@@ -63,7 +56,7 @@ def measure(cfg: Config, base: DeviceSpec, passes: int = 3) -> tuple[str, list[f
     from twophase.simulate.engine import SimulatedLLM
 
     runs: list[list[float]] = []
-    parts: list[tuple[float, float]] = []
+    parts: list[Part] = []
     with LLM(cfg) as llm:
         model = llm.model.model_id
         workloads = sweep(llm.model.arch.vocab_size)
@@ -81,28 +74,54 @@ def measure(cfg: Config, base: DeviceSpec, passes: int = 3) -> tuple[str, list[f
             sim.engine = sim._build_engine(clock=sim.clock)
             driver.drive(sim.engine, reqs, sim.clock, sim.clock.sleep)
             calls = sorted((c for b in sim.backends for c in b.calls), key=lambda c: c.start)
-            parts += [(c.cost.compute_s * base.compute_efficiency, c.cost.memory_s * base.bandwidth_efficiency)
-                      for c in calls]
+            cost = sim.prefill_backend.cost
+            assert cost is not None
+            parts += [(c.cost.compute_s * base.compute_efficiency, c.cost.memory_s * base.bandwidth_efficiency,
+                       float(len(c.chunks)), cost.kv_read(c.chunks)) for c in calls]
     if any(len(w) != len(parts) for w in runs):
         raise RuntimeError("the fit's real and simulated runs scheduled different steps")
     return model, [median(ts) for ts in zip(*runs)], parts
 
 
-def fit(measured: list[float], parts: list[tuple[float, float]]) -> tuple[float, float, float, float]:
-    """``(mean relative error, compute efficiency, bandwidth efficiency, overhead)`` of the
-    least relative error over the steps. Compute may pass 1: the calibrated peak is float32
-    matmuls', which int8 dot products (q4 blocks) exceed."""
-    best: tuple[float, float, float, float] | None = None
-    for ec in [i / 100 for i in range(2, 301)]:
-        for eb in [i / 100 for i in range(2, 101)]:
-            bounds = [max(c / ec, m / eb) for c, m in parts]
-            overhead = max(0.0, weighted_median([(t - b, 1 / t) for t, b in zip(measured, bounds)]))
-            err = sum(abs(b + overhead - t) / t for b, t in zip(bounds, measured))
+Fit = tuple[float, float, float, float, float, float]
+
+
+def host_terms(measured: list[float], bounds: list[float], seqs: list[float], kv: list[float]) -> tuple[float, ...]:
+    """The host time a step, a sequence and a K/V byte that least-squares fit what the roofline's
+    ``bounds`` leave of each step's time, relative to it (weights 1 / t); a term that would come
+    out negative is dropped."""
+    import numpy as np
+
+    t = np.asarray(measured)
+    cols = [np.ones_like(t), np.asarray(seqs), np.asarray(kv)]
+    keep = [0, 1, 2]
+    while True:
+        a = np.stack([cols[i] / t for i in keep], axis=1)
+        x = np.linalg.lstsq(a, (t - np.asarray(bounds)) / t, rcond=None)[0]
+        if (x >= 0).all() or len(keep) == 1:
+            break
+        keep = [k for k, v in zip(keep, x) if v >= 0] or [0]
+    out = [0.0, 0.0, 0.0]
+    for k, v in zip(keep, x):
+        out[k] = max(0.0, float(v))
+    return tuple(out)
+
+
+def fit(measured: list[float], parts: list[Part]) -> Fit:
+    """``(mean relative error, compute efficiency, bandwidth efficiency, overhead a step, a
+    sequence, a K/V byte)`` of the least relative error over the steps. Compute may pass 1: the
+    calibrated peak is float32 matmuls', which int8 dot products (q4 blocks) exceed."""
+    best: Fit | None = None
+    seqs, kv = [p[2] for p in parts], [p[3] for p in parts]
+    for ec in [i / 50 for i in range(1, 151)]:
+        for eb in [i / 50 for i in range(1, 51)]:
+            bounds = [max(c / ec, m / eb) for c, m, _, _ in parts]
+            step, seq, byte = host_terms(measured, bounds, seqs, kv)
+            err = sum(abs(b + step + seq * n + byte * k - t) / t for b, t, n, k in zip(bounds, measured, seqs, kv))
             if best is None or err < best[0]:
-                best = (err, ec, eb, overhead)
+                best = (err, ec, eb, step, seq, byte)
     assert best is not None
-    err, ec, eb, overhead = best
-    return err / len(measured), ec, eb, overhead
+    return (best[0] / len(measured), *best[1:])
 
 
 def fit_cpu(config: Config, console: Any = None) -> DeviceSpec:
@@ -116,12 +135,14 @@ def fit_cpu(config: Config, console: Any = None) -> DeviceSpec:
     backend, quantization = fitted_backend(config), config.model.quantization
     base = cpu_spec(dtype, backend, quantization)
     model, measured, parts = measure(flags.on_device(for_device(config, base), "cpu"), base)
-    err, ec, eb, overhead = fit(measured, parts)
-    spec = dataclasses.replace(base, compute_efficiency=ec, bandwidth_efficiency=eb, step_overhead_s=overhead)
+    err, ec, eb, overhead, seq, byte = fit(measured, parts)
+    spec = dataclasses.replace(base, compute_efficiency=ec, bandwidth_efficiency=eb, step_overhead_s=overhead,
+                               seq_overhead_s=seq, kv_byte_s=byte)
     path = save_fit(spec, model, datetime.now().astimezone().isoformat(timespec="seconds"), dtype,
                     backend, quantization)
     if console is not None:
         console.print(f"fitted over {len(measured)} steps of {model} on {backend} ({quantization} weights): "
                       f"compute efficiency {ec:.2f}, bandwidth efficiency {eb:.2f}, overhead "
-                      f"{overhead * 1e3:.1f} ms a step (mean error {100 * err:.0f}% a step); wrote {path}")
+                      f"{overhead * 1e3:.1f} ms a step + {seq * 1e3:.2f} ms a sequence + {byte * 1e9:.2f} "
+                      f"ms a MB of K/V read (mean error {100 * err:.0f}% a step); wrote {path}")
     return cpu_spec(dtype, backend, quantization)

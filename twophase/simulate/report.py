@@ -163,7 +163,9 @@ def simulation_table(sim: dict[str, Any]) -> Table:
     rows = [
         ("device peak / bandwidth", f"{d['peak_flops'] / 1e12:.3g} TFLOP/s / {d['bandwidth'] / 1e9:.4g} GB/s"),
         ("efficiency compute / bandwidth, overhead a step",
-         f"{d['compute_efficiency']:.2f} / {d['bandwidth_efficiency']:.2f}, {d['step_overhead_s'] * 1e3:.2f} ms"),
+         f"{d['compute_efficiency']:.2f} / {d['bandwidth_efficiency']:.2f}, {d['step_overhead_s'] * 1e3:.2f} ms"
+         + (f" + {d['seq_overhead_s'] * 1e3:.2f} ms a sequence + {d['kv_byte_s'] * 1e9:.2f} ms a MB of K/V"
+            if d["seq_overhead_s"] or d["kv_byte_s"] else "")),
         ("KV pool", f"{sim['num_blocks']} blocks × {sim['block_size']} tokens"),
         ("max_num_seqs / token budget", f"{sim['max_num_seqs']} / {sim['max_num_batched_tokens']}"),
         ("SLO", ", ".join(f"{k.removesuffix('_s')} <= {v:g} s" for k, v in g["slo"].items()) or "none"),
