@@ -104,15 +104,16 @@ def test_simulate_on_cpu_uses_the_configs_backends_fit(tmp_path):
 
 def test_the_fit_recovers_efficiencies_and_host_terms_that_made_the_steps():
     """Steps made by known figures (half of peak compute, 0.6 of bandwidth, 5 ms a step, 2 ms a
-    sequence, 1 ms per 10 MB of K/V read) are fitted back to them."""
+    sequence, 1 ms per 10 MB of K/V read, 1 ms per 0.1 TFLOP of attention) are fitted back."""
     from twophase.simulate.fit import fit
 
-    parts = [(c, m, n, k) for c, m, n, k in [(0.02, 0.01, 1, 1e6), (0.001, 0.01, 1, 5e7), (0.004, 0.01, 8, 2e7),
-                                             (0.01, 0.011, 24, 1e8), (0.05, 0.01, 2, 0.0), (0.002, 0.012, 4, 3e8)]]
-    measured = [max(c / 0.5, m / 0.6) + 0.005 + 0.002 * n + 1e-10 * k for c, m, n, k in parts]
-    err, ec, eb, step, seq, byte = fit(measured, parts)
+    parts = [(0.02, 0.01, 1, 1e6, 0.0), (0.001, 0.01, 1, 5e7, 1e9), (0.004, 0.01, 8, 2e7, 3e10),
+             (0.01, 0.011, 24, 1e8, 2e8), (0.05, 0.01, 2, 0.0, 5e11), (0.002, 0.012, 4, 3e8, 1e10),
+             (0.003, 0.01, 3, 4e7, 2e11)]
+    measured = [max(c / 0.5, m / 0.6) + 0.005 + 0.002 * n + 1e-10 * k + 1e-14 * f for c, m, n, k, f in parts]
+    err, ec, eb, step, seq, byte, flop = fit(measured, parts)
     assert (ec, eb) == (0.5, 0.6) and err < 1e-6
-    assert (step, seq, byte) == pytest.approx((0.005, 0.002, 1e-10), rel=1e-4)
+    assert (step, seq, byte, flop) == pytest.approx((0.005, 0.002, 1e-10, 1e-14), rel=1e-4)
 
 
 def test_a_steps_host_terms_count_its_sequences_and_the_kv_it_reads():
@@ -123,9 +124,13 @@ def test_a_steps_host_terms_count_its_sequences_and_the_kv_it_reads():
 
     arch = planned_model(load_config({"model": {"name": "tiny", "weights": "random"}}).model).arch
     plain = StepCostModel(arch, TEST_DEVICE, "float32", 4)
-    host = StepCostModel(arch, dataclasses.replace(TEST_DEVICE, seq_overhead_s=1e-3, kv_byte_s=1e-9), "float32", 4)
+    host = StepCostModel(arch, dataclasses.replace(TEST_DEVICE, seq_overhead_s=1e-3, kv_byte_s=1e-9,
+                                                   attention_flop_s=1e-12), "float32", 4)
     chunks = [(1, 300), (1, 50), (1, 10)]
     extra = host.step(chunks).seconds - plain.step(chunks).seconds
-    assert extra == pytest.approx(3 * 1e-3 + 1e-9 * plain.kv_read(chunks))
+    assert extra == pytest.approx(3 * 1e-3 + 1e-9 * plain.kv_read(chunks) + 1e-12 * plain.attention_flops(chunks))
+    # QK and PV over each decode's keys, its own new one included
+    a = arch
+    assert plain.attention_flops(chunks) == pytest.approx(4 * a.num_layers * a.num_heads * a.head_dim * (301 + 51 + 11))
     # a decode reads its context's K/V, its own new token's included, in every layer
     assert plain.kv_read(chunks) == pytest.approx((301 + 51 + 11) * arch.num_layers * plain.layer_kv_bytes)

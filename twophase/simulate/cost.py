@@ -5,6 +5,7 @@
     memory   = bytes / (bandwidth × bandwidth efficiency × tp)
     comm     = 2 all-reduces a layer over tp devices (tp > 1 only)
     host     = overhead a step + a sequence's × sequences + a K/V byte's × K/V bytes read
+               + an attention FLOP's × attention FLOPs
     step     = max(compute, memory) + comm + host
 
 FLOPs: 2 × active parameters × tokens for the matmuls, the LM head once a sequence (logits of
@@ -20,9 +21,9 @@ layer of the step's activations (``tokens × hidden`` 16-bit values), each a rin
 ``2 (tp - 1) / tp`` of it over the link plus the link's latency, not overlapped with compute.
 A prompt's K/V handed to a decode worker crosses the same link (``transfer_s``).
 
-The host terms beyond the fixed overhead are fitted on the CPU, where a backend's attention over a
-paged pool (gathers, per-sequence calls) and its per-sequence work cost more than the roofline's
-bytes; on GPUs they are 0.
+The terms beyond the fixed overhead are fitted on the CPU, where a backend's attention over a
+paged pool (gathers, per-sequence calls, kernels slower than its matmuls) and its per-sequence
+work cost more than the roofline gives them; on GPUs they are 0.
 """
 
 from __future__ import annotations
@@ -80,6 +81,10 @@ class StepCostModel:
         """Bytes of cached K/V the chunks' attention reads."""
         return sum(self.roof.keys_read(n, d) for n, d in chunks) * self.layer_kv_bytes
 
+    def attention_flops(self, chunks: Sequence[tuple[int, int]]) -> float:
+        """The chunks' attention FLOPs (QK and PV over each one's keys)."""
+        return self._attention * sum(self.roof.keys_seen(n, d) for n, d in chunks)
+
     def chunk_flops(self, n: int, depth: int) -> float:
         """``CostModel.prefill(n, depth).flops``, from the terms read once."""
         return n * self._matmul + self._head + self._attention * self.roof.keys_seen(n, depth)
@@ -102,7 +107,8 @@ class StepCostModel:
         compute_s = (flops["prefill"] + flops["decode"]) / (d.peak_flops * d.compute_efficiency * tp)
         memory_s = (moved["prefill"] + moved["decode"]) / (d.bandwidth * d.bandwidth_efficiency * tp)
         comm_s = self.all_reduce_s(total)
-        host_s = d.step_overhead_s + d.seq_overhead_s * len(chunks) + d.kv_byte_s * (kv["prefill"] + kv["decode"])
+        host_s = (d.step_overhead_s + d.seq_overhead_s * len(chunks) + d.kv_byte_s * (kv["prefill"] + kv["decode"])
+                  + d.attention_flop_s * self.attention_flops(chunks))
         seconds = max(compute_s, memory_s) + comm_s + host_s
         return StepCost(seconds, compute_s, memory_s, flops["prefill"], flops["decode"],
                         moved["prefill"], moved["decode"], comm_s)

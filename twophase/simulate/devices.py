@@ -68,10 +68,12 @@ class DeviceSpec:
                                  # 0: unknown, so no tensor parallelism or K/V handoff
     link_efficiency: float = LINK_EFFICIENCY
     link_latency_s: float = 10e-6  # fixed cost of one transfer or all-reduce
-    # host time beyond the roofline that grows with the step's work, fitted on the CPU (0 on
-    # GPUs: not measured there): a sequence in the step, a byte of K/V its attention reads
+    # time beyond the roofline that grows with the step's work, fitted on the CPU (0 on GPUs:
+    # not measured there): a sequence in the step, a byte of K/V its attention reads, a FLOP of
+    # its attention (whose kernels reach less than the matmuls')
     seq_overhead_s: float = 0.0
     kv_byte_s: float = 0.0
+    attention_flop_s: float = 0.0
 
 
 # name: (peak FLOP/s, bytes/s)
@@ -175,6 +177,7 @@ def cpu_spec(dtype: str = "float32", backend: str = "torch", quantization: str =
                        bandwidth_efficiency=fitted["bandwidth_efficiency"],
                        step_overhead_s=fitted["step_overhead_s"],
                        seq_overhead_s=fitted.get("seq_overhead_s", 0.0), kv_byte_s=fitted.get("kv_byte_s", 0.0),
+                       attention_flop_s=fitted.get("attention_flop_s", 0.0),
                        source=f"twophase calibrate ({c.measured_at}); efficiencies fitted "
                               f"{fitted.get('fitted_at', '')} on {fitted.get('model', '?')}, "
                               f"{backend}, {quantization} weights")
@@ -193,7 +196,8 @@ def _read_fits() -> dict:
     return data if isinstance(data, dict) else {}
 
 
-FIT_FIELDS = ("compute_efficiency", "bandwidth_efficiency", "step_overhead_s", "seq_overhead_s", "kv_byte_s")
+FIT_FIELDS = ("compute_efficiency", "bandwidth_efficiency", "step_overhead_s", "seq_overhead_s", "kv_byte_s",
+              "attention_flop_s")
 
 
 def save_fit(spec: DeviceSpec, model: str, fitted_at: str, dtype: str = "float32", backend: str = "torch",

@@ -3,7 +3,8 @@ fit a backend and weight format: each reaches its own share of the calibrated ce
 profiling sweep (prefill chunks, decodes at batch 1 to 24 and at long context) run for real, and
 the same requests simulated. With every request there at the start, the scheduler decides the
 same steps on either clock, so step ``i`` of one is step ``i`` of the other; the fit chooses the
-efficiencies (a grid) and host terms (a step's, a sequence's, a K/V byte's: least squares)
+efficiencies (a grid) and host terms (a step's, a sequence's, a K/V byte's, an attention FLOP's:
+least squares)
 whose step times come closest (least relative error) to the measured time from one step's start
 to the next's (each step's median over a few passes, after one that warms the backend: one pass
 is at the mercy of the machine's other work)."""
@@ -41,7 +42,8 @@ def step_walls(records: list[Any]) -> list[float]:
     return out + [records[-1].duration] if records else out
 
 
-Part = tuple[float, float, float, float]     # a step's compute and memory time, sequences, K/V bytes
+# a step's compute and memory time, sequences, K/V bytes read, attention FLOPs
+Part = tuple[float, float, float, float, float]
 
 
 def measure(cfg: Config, base: DeviceSpec, passes: int = 3) -> tuple[str, list[float], list[Part]]:
@@ -77,49 +79,52 @@ def measure(cfg: Config, base: DeviceSpec, passes: int = 3) -> tuple[str, list[f
             cost = sim.prefill_backend.cost
             assert cost is not None
             parts += [(c.cost.compute_s * base.compute_efficiency, c.cost.memory_s * base.bandwidth_efficiency,
-                       float(len(c.chunks)), cost.kv_read(c.chunks)) for c in calls]
+                       float(len(c.chunks)), cost.kv_read(c.chunks), cost.attention_flops(c.chunks))
+                      for c in calls]
     if any(len(w) != len(parts) for w in runs):
         raise RuntimeError("the fit's real and simulated runs scheduled different steps")
     return model, [median(ts) for ts in zip(*runs)], parts
 
 
-Fit = tuple[float, float, float, float, float, float]
+Fit = tuple[float, float, float, float, float, float, float]
 
 
-def host_terms(measured: list[float], bounds: list[float], seqs: list[float], kv: list[float]) -> tuple[float, ...]:
-    """The host time a step, a sequence and a K/V byte that least-squares fit what the roofline's
-    ``bounds`` leave of each step's time, relative to it (weights 1 / t); a term that would come
-    out negative is dropped."""
+def host_terms(measured: list[float], bounds: list[float], work: list[list[float]]) -> list[float]:
+    """The time a step and a unit of each ``work`` column (sequences, K/V bytes, attention FLOPs
+    a step) that least-squares fit what the roofline's ``bounds`` leave of each step's time,
+    relative to it (weights 1 / t); a term that would come out negative is dropped."""
     import numpy as np
 
     t = np.asarray(measured)
-    cols = [np.ones_like(t), np.asarray(seqs), np.asarray(kv)]
-    keep = [0, 1, 2]
+    cols = [np.ones_like(t), *(np.asarray(w) for w in work)]
+    keep = list(range(len(cols)))
     while True:
         a = np.stack([cols[i] / t for i in keep], axis=1)
         x = np.linalg.lstsq(a, (t - np.asarray(bounds)) / t, rcond=None)[0]
         if (x >= 0).all() or len(keep) == 1:
             break
         keep = [k for k, v in zip(keep, x) if v >= 0] or [0]
-    out = [0.0, 0.0, 0.0]
+    out = [0.0] * len(cols)
     for k, v in zip(keep, x):
         out[k] = max(0.0, float(v))
-    return tuple(out)
+    return out
 
 
 def fit(measured: list[float], parts: list[Part]) -> Fit:
-    """``(mean relative error, compute efficiency, bandwidth efficiency, overhead a step, a
-    sequence, a K/V byte)`` of the least relative error over the steps. Compute may pass 1: the
-    calibrated peak is float32 matmuls', which int8 dot products (q4 blocks) exceed."""
+    """``(mean relative error, compute efficiency, bandwidth efficiency, time a step, a
+    sequence, a K/V byte, an attention FLOP)`` of the least relative error over the steps.
+    Compute may pass 1: the calibrated peak is float32 matmuls', which int8 dot products (q4
+    blocks) exceed."""
     best: Fit | None = None
-    seqs, kv = [p[2] for p in parts], [p[3] for p in parts]
+    work = [[p[i] for p in parts] for i in (2, 3, 4)]
     for ec in [i / 50 for i in range(1, 151)]:
         for eb in [i / 50 for i in range(1, 51)]:
-            bounds = [max(c / ec, m / eb) for c, m, _, _ in parts]
-            step, seq, byte = host_terms(measured, bounds, seqs, kv)
-            err = sum(abs(b + step + seq * n + byte * k - t) / t for b, t, n, k in zip(bounds, measured, seqs, kv))
+            bounds = [max(p[0] / ec, p[1] / eb) for p in parts]
+            step, *per = host_terms(measured, bounds, work)
+            err = sum(abs(b + step + sum(c * w[i] for c, w in zip(per, work)) - t) / t
+                      for i, (b, t) in enumerate(zip(bounds, measured)))
             if best is None or err < best[0]:
-                best = (err, ec, eb, step, seq, byte)
+                best = (err, ec, eb, step, per[0], per[1], per[2])
     assert best is not None
     return (best[0] / len(measured), *best[1:])
 
@@ -135,14 +140,15 @@ def fit_cpu(config: Config, console: Any = None) -> DeviceSpec:
     backend, quantization = fitted_backend(config), config.model.quantization
     base = cpu_spec(dtype, backend, quantization)
     model, measured, parts = measure(flags.on_device(for_device(config, base), "cpu"), base)
-    err, ec, eb, overhead, seq, byte = fit(measured, parts)
+    err, ec, eb, overhead, seq, byte, flop = fit(measured, parts)
     spec = dataclasses.replace(base, compute_efficiency=ec, bandwidth_efficiency=eb, step_overhead_s=overhead,
-                               seq_overhead_s=seq, kv_byte_s=byte)
+                               seq_overhead_s=seq, kv_byte_s=byte, attention_flop_s=flop)
     path = save_fit(spec, model, datetime.now().astimezone().isoformat(timespec="seconds"), dtype,
                     backend, quantization)
     if console is not None:
         console.print(f"fitted over {len(measured)} steps of {model} on {backend} ({quantization} weights): "
                       f"compute efficiency {ec:.2f}, bandwidth efficiency {eb:.2f}, overhead "
                       f"{overhead * 1e3:.1f} ms a step + {seq * 1e3:.2f} ms a sequence + {byte * 1e9:.2f} "
-                      f"ms a MB of K/V read (mean error {100 * err:.0f}% a step); wrote {path}")
+                      f"ms a MB of K/V read + {flop * 1e12:.2f} s a TFLOP of attention "
+                      f"(mean error {100 * err:.0f}% a step); wrote {path}")
     return cpu_spec(dtype, backend, quantization)
