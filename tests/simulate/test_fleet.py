@@ -95,6 +95,9 @@ def test_disaggregated_workers_compute_each_prompt_once_and_pull_its_full_blocks
 def test_disaggregation_needs_workers_of_both_roles_and_a_link():
     with pytest.raises(ConfigError, match="prefill_workers and decode_workers"):
         fleet.Fleet(config("tiny", cluster={"prefill_workers": 1}), TEST_DEVICE)
+    gemma = config("gemma3-270m", cluster={"prefill_workers": 1, "decode_workers": 1})
+    with pytest.raises(ConfigError, match="cannot serve gemma3-270m: .*groups of layers"):
+        fleet.Fleet(gemma, TEST_DEVICE)          # sliding and full layers' K/V do not move
     with pytest.raises(ConfigError, match="--link-gbps"):
         fleet.Fleet(config("tiny", cluster={"prefill_workers": 1, "decode_workers": 1}),
                     dataclasses.replace(TEST_DEVICE, link_bandwidth=0.0))
