@@ -96,7 +96,7 @@ def test_disaggregation_needs_workers_of_both_roles_and_a_link():
     with pytest.raises(ConfigError, match="prefill_workers and decode_workers"):
         fleet.Fleet(config("tiny", cluster={"prefill_workers": 1}), TEST_DEVICE)
     gemma = config("gemma3-270m", cluster={"prefill_workers": 1, "decode_workers": 1})
-    with pytest.raises(ConfigError, match="cannot serve gemma3-270m: .*groups of layers"):
+    with pytest.raises(ConfigError, match="workers cannot serve .*groups of layers"):
         fleet.Fleet(gemma, TEST_DEVICE)          # sliding and full layers' K/V do not move
     with pytest.raises(ConfigError, match="--link-gbps"):
         fleet.Fleet(config("tiny", cluster={"prefill_workers": 1, "decode_workers": 1}),

@@ -108,8 +108,8 @@ class Fleet:
             try:                # what each request's handoff would meet: refused once, up front
                 self.members[0].connector.check(KVTransferParams(do_remote_decode=True))
             except RequestRejected as exc:
-                raise ConfigError("cluster", f"prefill/decode workers cannot serve {self.members[0].llm.model.model_id}: "
-                                             f"{exc}") from None
+                model = self.members[0].llm.model.model_id
+                raise ConfigError("cluster", f"prefill/decode workers cannot serve {model}: {exc}") from None
             peers = {k.engine_id: k for k in (m.connector for m in self.by_role("prefill"))}
             for m in self.by_role("decode"):
                 cost = m.llm.prefill_backend.cost
