@@ -203,7 +203,8 @@ def test_a_prefill_worker_killed_mid_transfer_errors_within_2_s_and_comes_back(d
     next(iter(stream))                        # the first token: the decode worker is pulling
     ray.kill(prefill, no_restart=False)
     t0 = time.monotonic()
-    with pytest.raises(openai.APIError, match="pulling the KV blocks"):
+    # Whichever comes first under load: Ray reporting the dead peer, or the 2 s pull timeout.
+    with pytest.raises(openai.APIError, match="pulling the KV blocks|did not arrive within 2 s"):
         for _ in stream:
             pass
     assert time.monotonic() - t0 < 2.5, "the decode side waited too long on a dead peer"
