@@ -18,8 +18,17 @@ typedef struct { int type, n; const uint8_t *w; } part_t;   /* n rows of one typ
 typedef struct proj_g { int n, k, parts; part_t part[PARTS_MAX]; } proj_g;   /* the parts' rows in order */
 
 /* the rows' activations: float (x, xstride apart) and rounded: codes q [rows][k], steps d
-   [rows][k/32], the codes' sums s [rows][k/16], and d times the sum a run, ds [rows][k/32] */
-typedef struct { const float *x; int xstride, k; int8_t *q; float *d; int32_t *s; float *ds; } gact;
+   [rows][k/32], the codes' sums s [rows][k/16], and d times the sum a run, ds [rows][k/32].
+   The same codes again by groups of TR rows for the tiled path (NULL where a view of the rows
+   does not start on a group): for run g and group G, 2 * 16 * TR bytes at tq + (g * groups +
+   G) * 32 * TR, the group's rows' bytes 0-15 of the run, then their bytes 16-31; d and ds
+   again as td [k/32][tstride][4] (each four times: a row's lanes) and tds [k/32][tstride]
+   (tstride: the rows rounded up to groups, padded with 0). */
+#define TR 4            /* activation rows a group */
+typedef struct {
+    const float *x; int xstride, k; int8_t *q; float *d; int32_t *s; float *ds;
+    int rows, tstride; int8_t *tq; float *td, *tds;
+} gact;
 
 typedef struct { float s[2], bias; int o; } sub_t;          /* a run of 32's float terms */
 
@@ -138,6 +147,9 @@ static inline __m256i nibbles(__m128i q) {     /* 16 bytes' low nibbles, then th
 
 /* byte i: 0x10 where bit i of the 32 bits is set */
 static inline __m256i bits_to_16(uint32_t bits) {
+#if WIDE
+    return _mm256_maskz_mov_epi8((__mmask32)bits, _mm256_set1_epi8(0x10));
+#endif
     const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
         _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL));
     const __m256i mask = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
@@ -188,6 +200,7 @@ static inline void dots_ref(const uint8_t *u, int is_signed, const int8_t *q, in
 }
 
 #define G_ROWS 8        /* activation rows a weight row meets per read of its blocks */
+#define TILED_ROWS 4    /* batches of at least this many rows take the tiled path */
 
 /* the reference: y[r] = w . x[r] for activation rows r0 .. r0 + nr (at most G_ROWS), a row w of
    type t, a run and an element at a time, each run's terms in order (run_term) */
@@ -232,44 +245,82 @@ static float float_row_dot(int t, const uint8_t *w, const float *x, int k) {
     return s;
 }
 
+/* a type whose run has a scale for each half of 16 (the others: one a run) */
+INLINE int two_scales(int t) { return t == T_Q6_K; }
+
+/* lanes 0 + 2 and 1 + 3, then those two: the order every path's sums take */
+static inline float hsum4(__m128 r) {
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    r = _mm_add_ss(r, _mm_movehdup_ps(r));
+    return _mm_cvtss_f32(r);
+}
+
 /* the offset a type's codes carry (taken off as bytes, so the dot of w - o is one int8 dot) */
 INLINE int code_offset(int t) { return t == T_Q4_0 ? 8 : t == T_Q5_0 ? 16 : t == T_Q6_K ? 32 : 0; }
 
 /* the vector path: each run's codes decoded once into a ymm for the nr activation rows; its
-   integer dot's eight lanes (four a half) scaled by the half's scale times the activation's
-   step and summed into float lanes; the minimum's term a float a row. Equal to the reference
-   up to float rounding (the sums go in another order), and a row's result does not depend on
-   the rows beside it. */
-INLINE void rows_vec(const int t, const int nr, const uint8_t *w, const gact *a, int r0, float *y) {
-    const int k = a->k;
-    const int runs = type_values(t) / 32, o = code_offset(t);
+   integer dot's lanes (four bytes each) folded to four (bytes j and 16 + j: one scale a run),
+   even runs' into lanes 0-3 and odd runs' into 4-7 of one float vector, or kept as eight where
+   each half has its own scale (Q6_K); scaled by the scale times the activation's step and
+   summed into float lanes; the minimum's term a float a row. Equal to the reference up to
+   float rounding (the sums go in another order), and a row's result does not depend on the
+   rows beside it. */
+/* rows_vec's work on runs g (at b0, run j0 of its block) and g + 1 (at b1, j1; if pair) */
+INLINE void vec_pair(const int t, const int nr, const gact *a, int r0, int g, const uint8_t *b0, const int j0,
+                     const uint8_t *b1, const int j1, const int pair, __m256 *acc, float *bias) {
+    const int k = a->k, o = code_offset(t), two = two_scales(t);
     const int plain = t == T_Q4_1 || t == T_Q5_1 || t == T_Q4_K || t == T_Q5_K;     /* codes >= 0 */
+    const sub_t t0 = sub_terms(t, b0, j0), t1 = pair ? sub_terms(t, b1, j1) : t0;
+    __m256i u0 = codes_vec(t, b0, j0), u1 = pair ? codes_vec(t, b1, j1) : u0;
+    if (o) { u0 = _mm256_sub_epi8(u0, _mm256_set1_epi8((char)o)); u1 = _mm256_sub_epi8(u1, _mm256_set1_epi8((char)o)); }
+    const __m256i au0 = plain ? u0 : _mm256_sign_epi8(u0, u0), au1 = plain ? u1 : _mm256_sign_epi8(u1, u1);
+    const __m256 sw0 = _mm256_set_m128(_mm_set1_ps(t0.s[1]), _mm_set1_ps(t0.s[0]));
+    const __m256 sw1 = _mm256_set_m128(_mm_set1_ps(t1.s[1]), _mm_set1_ps(t1.s[0]));
+    for (int r = 0; r < nr; r++) {
+        const size_t row = (size_t)(r0 + r);
+        const int8_t *xq = a->q + row * k + 32 * g;
+        __m256i x0 = _mm256_loadu_si256((const __m256i *)xq);
+        if (!plain) x0 = _mm256_sign_epi8(x0, u0);
+        const __m256i d0 = DPBUSD(_mm256_setzero_si256(), au0, x0);
+        __m256i d1 = _mm256_setzero_si256();
+        if (pair) {
+            __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + 32));
+            if (!plain) x1 = _mm256_sign_epi8(x1, u1);
+            d1 = DPBUSD(_mm256_setzero_si256(), au1, x1);
+        }
+        const float dy0 = a->d[row * (k / 32) + g], dy1 = pair ? a->d[row * (k / 32) + g + 1] : 0.f;
+        if (two) {
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(sw0, _mm256_set1_ps(dy0)), acc[r]);
+            if (pair) acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(sw1, _mm256_set1_ps(dy1)), acc[r]);
+        } else {
+            /* lanes 0-3: the even run's dots folded (bytes j and 16 + j), 4-7: the odd's */
+            const __m256i folded = _mm256_add_epi32(_mm256_permute2x128_si256(d0, d1, 0x20),
+                                                    _mm256_permute2x128_si256(d0, d1, 0x31));
+            const __m256 sc = _mm256_set_m128(_mm_set1_ps(t1.s[0] * dy1), _mm_set1_ps(t0.s[0] * dy0));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(folded), sc, acc[r]);
+        }
+        if (plain) {
+            bias[r] = fmaf(t0.bias, a->ds[row * (k / 32) + g], bias[r]);
+            if (pair) bias[r] = fmaf(t1.bias, a->ds[row * (k / 32) + g + 1], bias[r]);
+        }
+    }
+}
+
+INLINE void rows_vec(const int t, const int nr, const uint8_t *w, const gact *a, int r0, float *y) {
+    const int runs = type_values(t) / 32, nblk = a->k / 32 / runs;
     const size_t bb = type_bytes(t);
     __m256 acc[G_ROWS];
     float bias[G_ROWS];
     for (int r = 0; r < nr; r++) { acc[r] = _mm256_setzero_ps(); bias[r] = 0.f; }
-    for (int blk = 0; blk < k / 32 / runs; blk++) {
-        const uint8_t *b = w + (size_t)blk * bb;
-        for (int j = 0; j < runs; j++) {
-            const int g = blk * runs + j;
-            const sub_t terms = sub_terms(t, b, j);
-            __m256i u = codes_vec(t, b, j);
-            if (o) u = _mm256_sub_epi8(u, _mm256_set1_epi8((char)o));
-            const __m256i au = plain ? u : _mm256_sign_epi8(u, u);
-            const __m256 sw = t == T_Q6_K ? _mm256_set_m128(_mm_set1_ps(terms.s[1]), _mm_set1_ps(terms.s[0]))
-                                          : _mm256_set1_ps(terms.s[0]);
-            for (int r = 0; r < nr; r++) {
-                const size_t row = (size_t)(r0 + r);
-                __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + row * k + 32 * g));
-                if (!plain) x = _mm256_sign_epi8(x, u);
-                const __m256i dots = DPBUSD(_mm256_setzero_si256(), au, x);
-                const __m256 sc = _mm256_mul_ps(sw, _mm256_broadcast_ss(a->d + row * (k / 32) + g));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), sc, acc[r]);
-                if (plain) bias[r] = fmaf(terms.bias, a->ds[row * (k / 32) + g], bias[r]);
-            }
+    if (runs > 1)                               /* pairs within a block (the K-quants: 8 runs) */
+        for (int blk = 0; blk < nblk; blk++) {
+            const uint8_t *b = w + (size_t)blk * bb;
+            for (int j = 0; j < runs; j += 2) vec_pair(t, nr, a, r0, blk * runs + j, b, j, b, j + 1, 1, acc, bias);
         }
-    }
-    for (int r = 0; r < nr; r++) y[r] = hsum8(acc[r]) + bias[r];
+    else                                        /* pairs of blocks of one run */
+        for (int blk = 0; blk < nblk; blk += 2)
+            vec_pair(t, nr, a, r0, blk, w + (size_t)blk * bb, 0, w + (size_t)(blk + 1) * bb, 0, blk + 1 < nblk, acc, bias);
+    for (int r = 0; r < nr; r++) y[r] = hsum4(_mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1))) + bias[r];
 }
 
 /* rows_vec for each type and for 1 and G_ROWS rows, each compiled with both constant (the
@@ -281,6 +332,165 @@ INLINE void rows_vec(const int t, const int nr, const uint8_t *w, const gact *a,
     }
 ROWS_VEC(T_Q4_0) ROWS_VEC(T_Q4_1) ROWS_VEC(T_Q5_0) ROWS_VEC(T_Q5_1) ROWS_VEC(T_Q8_0)
 ROWS_VEC(T_Q4_K) ROWS_VEC(T_Q5_K) ROWS_VEC(T_Q6_K)
+
+/* The tiled path, for batches: a weight row's runs decoded once for TG groups of TR activation
+   rows, each group's rows side by side in a vector (four 32-bit lanes a row, the run's bytes
+   0-15 in one vector and 16-31 in another), so a run's scale and the rows' steps cost a vector
+   operation a group instead of one a row. Each lane computes what rows_vec's lane of the same
+   bytes does, in the same order, so a row's result is rows_vec's bit for bit: batching never
+   changes a token. */
+#define TG 4            /* groups a weight row's decoded runs meet */
+
+#if WIDE
+INLINE void rows_tiled(const int t, const int ng, const uint8_t *w, const gact *a, int grp, float *y) {
+    const int k = a->k;
+    const int runs = type_values(t) / 32, o = code_offset(t), two = two_scales(t), groups = a->tstride / TR;
+    const int plain = t == T_Q4_1 || t == T_Q5_1 || t == T_Q4_K || t == T_Q5_K;     /* codes >= 0 */
+    const size_t bb = type_bytes(t);
+    __m512 acc_a[TG], acc_b[TG];
+    __m128 bias[TG];
+    for (int q = 0; q < ng; q++) { acc_a[q] = acc_b[q] = _mm512_setzero_ps(); bias[q] = _mm_setzero_ps(); }
+    for (int blk = 0; blk < k / 32 / runs; blk++) {
+        const uint8_t *b = w + (size_t)blk * bb;
+        for (int j = 0; j < runs; j++) {
+            const int g = blk * runs + j;
+            const sub_t terms = sub_terms(t, b, j);
+            __m256i u = codes_vec(t, b, j);
+            if (o) u = _mm256_sub_epi8(u, _mm256_set1_epi8((char)o));
+            const __m256i au = plain ? u : _mm256_sign_epi8(u, u);
+            const __m512i ua = _mm512_broadcast_i32x4(_mm256_castsi256_si128(au));
+            const __m512i ub = _mm512_broadcast_i32x4(_mm256_extracti128_si256(au, 1));
+            /* the sign trick without vpsignb: x negated where the code is negative (where it is
+               0, |u| = 0 zeroes the product) */
+            const __mmask64 na = plain ? 0 : _mm512_movepi8_mask(_mm512_broadcast_i32x4(_mm256_castsi256_si128(u)));
+            const __mmask64 nb = plain ? 0 : _mm512_movepi8_mask(_mm512_broadcast_i32x4(_mm256_extracti128_si256(u, 1)));
+            const __m512 sa = _mm512_set1_ps(terms.s[0]), sb = _mm512_set1_ps(terms.s[1]);
+            const int8_t *xg = a->tq + ((size_t)g * groups + grp) * 32 * TR;
+            const float *dg = a->td + ((size_t)g * a->tstride + grp * TR) * 4, *sg = a->tds + (size_t)g * a->tstride + grp * TR;
+            for (int q = 0; q < ng; q++) {
+                __m512i xa = _mm512_loadu_si512((const void *)(xg + 32 * TR * q));
+                __m512i xb = _mm512_loadu_si512((const void *)(xg + 32 * TR * q + 16 * TR));
+                if (!plain) {
+                    xa = _mm512_mask_sub_epi8(xa, na, _mm512_setzero_si512(), xa);
+                    xb = _mm512_mask_sub_epi8(xb, nb, _mm512_setzero_si512(), xb);
+                }
+                const __m512 d4 = _mm512_loadu_ps(dg + 4 * TR * q);
+                if (two) {
+                    const __m512i da = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ua, xa);
+                    const __m512i db = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ub, xb);
+                    acc_a[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(da), _mm512_mul_ps(sa, d4), acc_a[q]);
+                    acc_b[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(db), _mm512_mul_ps(sb, d4), acc_b[q]);
+                } else if (g & 1) {                    /* odd runs in acc_b, as rows_vec's lanes 4-7 */
+                    const __m512i d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ua, xa), ub, xb);
+                    acc_b[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(sa, d4), acc_b[q]);
+                } else {
+                    const __m512i d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ua, xa), ub, xb);
+                    acc_a[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(sa, d4), acc_a[q]);
+                }
+                if (plain) bias[q] = _mm_fmadd_ps(_mm_set1_ps(terms.bias), _mm_loadu_ps(sg + TR * q), bias[q]);
+            }
+        }
+    }
+    for (int q = 0; q < ng; q++) {
+        float bs[TR];
+        _mm_storeu_ps(bs, bias[q]);
+        for (int i = 0; i < TR; i++) {
+            const __m128 la = _mm512_extractf32x4_ps(acc_a[q], i);
+            y[TR * q + i] = hsum4(_mm_add_ps(la, _mm512_extractf32x4_ps(acc_b[q], i))) + bs[i];
+        }
+    }
+}
+#else
+INLINE void rows_tiled(const int t, const int ng, const uint8_t *w, const gact *a, int grp, float *y) {
+    const int k = a->k;
+    const int runs = type_values(t) / 32, o = code_offset(t), two = two_scales(t), groups = a->tstride / TR;
+    const int plain = t == T_Q4_1 || t == T_Q5_1 || t == T_Q4_K || t == T_Q5_K;     /* codes >= 0 */
+    const size_t bb = type_bytes(t);
+    __m256 acc_a[TG][2], acc_b[TG][2];          /* a group's rows 0-1 and 2-3 */
+    __m128 bias[TG];
+    for (int q = 0; q < ng; q++) {
+        acc_a[q][0] = acc_a[q][1] = acc_b[q][0] = acc_b[q][1] = _mm256_setzero_ps();
+        bias[q] = _mm_setzero_ps();
+    }
+    for (int blk = 0; blk < k / 32 / runs; blk++) {
+        const uint8_t *b = w + (size_t)blk * bb;
+        for (int j = 0; j < runs; j++) {
+            const int g = blk * runs + j;
+            const sub_t terms = sub_terms(t, b, j);
+            __m256i u = codes_vec(t, b, j);
+            if (o) u = _mm256_sub_epi8(u, _mm256_set1_epi8((char)o));
+            const __m256i au = plain ? u : _mm256_sign_epi8(u, u);
+            const __m256i ua = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(au));
+            const __m256i ub = _mm256_broadcastsi128_si256(_mm256_extracti128_si256(au, 1));
+            const __m256i va = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(u));
+            const __m256i vb = _mm256_broadcastsi128_si256(_mm256_extracti128_si256(u, 1));
+            const __m256 sa = _mm256_set1_ps(terms.s[0]), sb = _mm256_set1_ps(terms.s[1]);
+            const int8_t *xg = a->tq + ((size_t)g * groups + grp) * 32 * TR;
+            const float *dg = a->td + ((size_t)g * a->tstride + grp * TR) * 4, *sg = a->tds + (size_t)g * a->tstride + grp * TR;
+            for (int q = 0; q < ng; q++) {
+                for (int h = 0; h < 2; h++) {
+                    __m256i xa = _mm256_loadu_si256((const __m256i *)(xg + 32 * TR * q + 32 * h));
+                    __m256i xb = _mm256_loadu_si256((const __m256i *)(xg + 32 * TR * q + 16 * TR + 32 * h));
+                    if (!plain) { xa = _mm256_sign_epi8(xa, va); xb = _mm256_sign_epi8(xb, vb); }
+                    const __m256 d2 = _mm256_loadu_ps(dg + 4 * TR * q + 8 * h);
+                    if (two) {
+                        const __m256i da = DPBUSD(_mm256_setzero_si256(), ua, xa);
+                        const __m256i db = DPBUSD(_mm256_setzero_si256(), ub, xb);
+                        acc_a[q][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(da), _mm256_mul_ps(sa, d2), acc_a[q][h]);
+                        acc_b[q][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(db), _mm256_mul_ps(sb, d2), acc_b[q][h]);
+                    } else if (g & 1) {                /* odd runs in acc_b, as rows_vec's lanes 4-7 */
+                        const __m256i d = DPBUSD(DPBUSD(_mm256_setzero_si256(), ua, xa), ub, xb);
+                        acc_b[q][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(sa, d2), acc_b[q][h]);
+                    } else {
+                        const __m256i d = DPBUSD(DPBUSD(_mm256_setzero_si256(), ua, xa), ub, xb);
+                        acc_a[q][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(sa, d2), acc_a[q][h]);
+                    }
+                }
+                if (plain) bias[q] = _mm_fmadd_ps(_mm_set1_ps(terms.bias), _mm_loadu_ps(sg + TR * q), bias[q]);
+            }
+        }
+    }
+    for (int q = 0; q < ng; q++) {
+        float bs[TR];
+        _mm_storeu_ps(bs, bias[q]);
+        for (int i = 0; i < TR; i++) {
+            const __m256 va = acc_a[q][i / 2], vb = acc_b[q][i / 2];
+            const __m128 la = i % 2 ? _mm256_extractf128_ps(va, 1) : _mm256_castps256_ps128(va);
+            const __m128 lb = i % 2 ? _mm256_extractf128_ps(vb, 1) : _mm256_castps256_ps128(vb);
+            y[TR * q + i] = hsum4(_mm_add_ps(la, lb)) + bs[i];
+        }
+    }
+}
+#endif
+
+/* rows_tiled for each type and for 1 .. TG groups, each compiled with both constant */
+#define ROWS_TILED(T)                                                                               \
+    static void rows_tiled_##T(const uint8_t *w, const gact *a, int grp, int ng, float *y) {        \
+        switch (ng) {                                                                               \
+        case 1: rows_tiled(T, 1, w, a, grp, y); return;                                             \
+        case 2: rows_tiled(T, 2, w, a, grp, y); return;                                             \
+        case 3: rows_tiled(T, 3, w, a, grp, y); return;                                             \
+        default: rows_tiled(T, TG, w, a, grp, y); return;                                           \
+        }                                                                                           \
+    }
+ROWS_TILED(T_Q4_0) ROWS_TILED(T_Q4_1) ROWS_TILED(T_Q5_0) ROWS_TILED(T_Q5_1) ROWS_TILED(T_Q8_0)
+ROWS_TILED(T_Q4_K) ROWS_TILED(T_Q5_K) ROWS_TILED(T_Q6_K)
+
+/* y[TR * q + i] for groups grp .. grp + ng (at most TG) of a weight row w of type t; 0 where
+   t has no tiled path (the float types) */
+static int groups_dots(int t, const uint8_t *w, const gact *a, int grp, int ng, float *y) {
+    switch (t) {
+    case T_Q4_0: rows_tiled_T_Q4_0(w, a, grp, ng, y); return 1;
+    case T_Q4_1: rows_tiled_T_Q4_1(w, a, grp, ng, y); return 1;
+    case T_Q5_0: rows_tiled_T_Q5_0(w, a, grp, ng, y); return 1;
+    case T_Q5_1: rows_tiled_T_Q5_1(w, a, grp, ng, y); return 1;
+    case T_Q8_0: rows_tiled_T_Q8_0(w, a, grp, ng, y); return 1;
+    case T_Q4_K: rows_tiled_T_Q4_K(w, a, grp, ng, y); return 1;
+    case T_Q5_K: rows_tiled_T_Q5_K(w, a, grp, ng, y); return 1;
+    case T_Q6_K: rows_tiled_T_Q6_K(w, a, grp, ng, y); return 1;
+    default: return 0;
+    }
+}
 
 static void row_dots_vec(int t, const uint8_t *w, const gact *a, int r0, int nr, float *y) {
     switch (t) {
@@ -297,13 +507,34 @@ static void row_dots_vec(int t, const uint8_t *w, const gact *a, int r0, int nr,
     }
 }
 
-/* the activations' layout in the scratch at `at` (act_floats(rows, k) floats are enough) */
+static inline int groups_up(int rows) { return (rows + TR - 1) / TR * TR; }
+
+/* floats the activations' layouts take (gact_layout) */
+static inline long gact_floats(int rows, int k) {
+    const long P = groups_up(rows);
+    return ((long)rows * k + P * k) / 4 + (long)rows * (k / 32 * 2 + k / 16) + P * (k / 32) * 5 + 16;
+}
+
+/* the activations' layout in the scratch at `at` (gact_floats(rows, k) floats) */
 static gact gact_layout(float *at, int rows, int k, const float *x, int xstride) {
-    gact a = { x, xstride, k, (int8_t *)at, NULL, NULL };
+    gact a = { x, xstride, k, (int8_t *)at, NULL, NULL, NULL, rows, groups_up(rows), NULL, NULL, NULL };
     a.d = (float *)(a.q + (size_t)rows * k);
     a.s = (int32_t *)(a.d + (size_t)rows * (k / 32));
     a.ds = (float *)(a.s + (size_t)rows * (k / 16));
+    a.td = a.ds + (size_t)rows * (k / 32);
+    a.tds = a.td + (size_t)a.tstride * (k / 32) * 4;
+    a.tq = (int8_t *)(a.tds + (size_t)a.tstride * (k / 32));
     return a;
+}
+
+/* row r's run g (codes q, step d, d times the sum ds) into the groups' layout */
+static inline void tile_run(const gact *a, int r, int g, const int8_t *q, float d, float ds) {
+    const int groups = a->tstride / TR;
+    int8_t *t = a->tq + ((size_t)g * groups + r / TR) * 32 * TR + 16 * (r % TR);
+    memcpy(t, q, 16);
+    memcpy(t + 16 * TR, q + 16, 16);
+    for (int l = 0; l < 4; l++) a->td[((size_t)g * a->tstride + r) * 4 + l] = d;    /* a row's four lanes */
+    a->tds[(size_t)g * a->tstride + r] = ds;
 }
 
 /* row r of a.x rounded: per 32 values, d = max |x| / 127 and codes lrint(x / d) */
@@ -324,26 +555,64 @@ static void gquantize_row(const gact *a, int r) {
         a->s[(size_t)r * (k / 16) + 2 * g] = s0;
         a->s[(size_t)r * (k / 16) + 2 * g + 1] = s1;
         a->ds[(size_t)r * (k / 32) + g] = d * (float)(s0 + s1);
+        if (a->tq) {
+            tile_run(a, r, g, q, d, d * (float)(s0 + s1));
+            if (r == a->rows - 1)                  /* the last group's padding rows: zeros */
+                for (int p = r + 1; p < a->tstride; p++) tile_run(a, p, g, (const int8_t[32]){0}, 0.f, 0.f);
+        }
     }
 }
 
-/* y[r][n] (+)= W[n] . x[r]: weight rows split across threads (inside a parallel region) */
+/* weight row n of p: its type and bytes */
+static inline const uint8_t *weight_row(const proj_g *p, int n, int *type) {
+    int i = 0, first = 0;
+    while (n - first >= p->part[i].n) first += p->part[i++].n;
+    *type = p->part[i].type;
+    return p->part[i].w + (size_t)(n - first) * row_size(p->part[i].type, p->k);
+}
+
+static inline void put_rows(float *y, int ystride, int n, const float *out, int r0, int nr, int accumulate) {
+    for (int r = 0; r < nr; r++) {
+        float *o = y + (size_t)(r0 + r) * ystride + n;
+        *o = accumulate ? *o + out[r] : out[r];
+    }
+}
+
+#define N_BLOCK 32      /* weight rows that meet one tile of activation rows while it is in L1 */
+
+/* y[r][n] (+)= W[n] . x[r]: weight rows split across threads (inside a parallel region). A
+   batch takes the tiled path: blocks of N_BLOCK weight rows, each block's rows against one
+   tile of TG * TR activation rows after another (the tile stays in L1, the block in L2). */
 static void matmul_g(const proj_g *p, int rows, const gact *a, float *y, int ystride, int accumulate, int vec) {
+    const int tiled = vec && a->tq && rows >= TILED_ROWS;
     #pragma omp for schedule(static)
-    for (int n = 0; n < p->n; n++) {
-        int i = 0, first = 0;
-        while (n - first >= p->part[i].n) first += p->part[i++].n;
-        const part_t *pt = p->part + i;
-        const uint8_t *w = pt->w + (size_t)(n - first) * row_size(pt->type, p->k);
-        for (int r0 = 0; r0 < rows; r0 += G_ROWS) {
-            const int nr = rows - r0 < G_ROWS ? rows - r0 : G_ROWS;
-            float out[G_ROWS];
-            if (vec) row_dots_vec(pt->type, w, a, r0, nr, out);
-            else row_dots_ref(pt->type, w, a, r0, nr, out);
-            for (int r = 0; r < nr; r++) {
-                float *o = y + (size_t)(r0 + r) * ystride + n;
-                *o = accumulate ? *o + out[r] : out[r];
+    for (int n0 = 0; n0 < p->n; n0 += N_BLOCK) {
+        const int n1 = n0 + N_BLOCK < p->n ? n0 + N_BLOCK : p->n;
+        if (tiled)
+            for (int r0 = 0; r0 < rows; r0 += TG * TR) {
+                const int ng = (rows - r0 + TR - 1) / TR < TG ? (rows - r0 + TR - 1) / TR : TG;
+                const int nr = rows - r0 < ng * TR ? rows - r0 : ng * TR;   /* padding rows dropped */
+                for (int n = n0; n < n1; n++) {
+                    int t;
+                    const uint8_t *w = weight_row(p, n, &t);
+                    float out[TG * TR];
+                    if (is_float_type(t))
+                        for (int r = 0; r < nr; r++) out[r] = float_row_dot(t, w, a->x + (size_t)(r0 + r) * a->xstride, a->k);
+                    else groups_dots(t, w, a, r0 / TR, ng, out);
+                    put_rows(y, ystride, n, out, r0, nr, accumulate);
+                }
             }
-        }
+        else
+            for (int n = n0; n < n1; n++) {
+                int t;
+                const uint8_t *w = weight_row(p, n, &t);
+                for (int r0 = 0; r0 < rows; r0 += G_ROWS) {
+                    const int nr = rows - r0 < G_ROWS ? rows - r0 : G_ROWS;
+                    float out[G_ROWS];
+                    if (vec) row_dots_vec(t, w, a, r0, nr, out);
+                    else row_dots_ref(t, w, a, r0, nr, out);
+                    put_rows(y, ystride, n, out, r0, nr, accumulate);
+                }
+            }
     }
 }

@@ -899,7 +899,8 @@ static float *act_layout(float *at, int rows, int k, qact *a) {
 }
 
 static long act_floats(int rows, int k) {
-    return (long)rows * ((long)groups_of(k) * ACT_GROUP / (long)sizeof(float) + OUT_MAX);
+    const long q4 = (long)rows * ((long)groups_of(k) * ACT_GROUP / (long)sizeof(float) + OUT_MAX);
+    return q4 > gact_floats(rows, k) ? q4 : gact_floats(rows, k);
 }
 
 /* For tests: y = W x for `rows` rows of x ([rows][k] float32), through the tiles (on `threads`
@@ -1362,6 +1363,9 @@ static gact gact_from(const gact *a, int off) {
     v.d += (size_t)off * (a->k / 32);
     v.s += (size_t)off * (a->k / 16);
     v.ds += (size_t)off * (a->k / 32);
+    if (off % TR) v.tq = NULL;                  /* not on a group: the rows one at a time */
+    else if (v.tq) { v.tq += (size_t)off * 32; v.td += off; v.tds += off; }
+    v.rows -= off;
     return v;
 }
 
