@@ -341,127 +341,120 @@ ROWS_VEC(T_Q4_K) ROWS_VEC(T_Q5_K) ROWS_VEC(T_Q6_K)
    changes a token. */
 #define TG 4            /* groups a weight row's decoded runs meet */
 
+/* the tiled path's share of run g (run j of the block at b) for ng groups from grp: into
+   acc (one scale a run), or acc and acc2 (a scale a half: acc2 takes the run's bytes 16-31) */
 #if WIDE
-INLINE void rows_tiled(const int t, const int ng, const uint8_t *w, const gact *a, int grp, float *y) {
-    const int k = a->k;
-    const int runs = type_values(t) / 32, o = code_offset(t), two = two_scales(t), groups = a->tstride / TR;
+typedef __m512 tacc;                        /* a group's four rows: four lanes each */
+INLINE void tiled_run(const int t, const int ng, const gact *a, int grp, int g, const uint8_t *b, const int j,
+                      tacc *acc, tacc *acc2, __m128 *bias) {
+    const int o = code_offset(t), two = two_scales(t), groups = a->tstride / TR;
     const int plain = t == T_Q4_1 || t == T_Q5_1 || t == T_Q4_K || t == T_Q5_K;     /* codes >= 0 */
-    const size_t bb = type_bytes(t);
-    __m512 acc_a[TG], acc_b[TG];
-    __m128 bias[TG];
-    for (int q = 0; q < ng; q++) { acc_a[q] = acc_b[q] = _mm512_setzero_ps(); bias[q] = _mm_setzero_ps(); }
-    for (int blk = 0; blk < k / 32 / runs; blk++) {
-        const uint8_t *b = w + (size_t)blk * bb;
-        for (int j = 0; j < runs; j++) {
-            const int g = blk * runs + j;
-            const sub_t terms = sub_terms(t, b, j);
-            __m256i u = codes_vec(t, b, j);
-            if (o) u = _mm256_sub_epi8(u, _mm256_set1_epi8((char)o));
-            const __m256i au = plain ? u : _mm256_sign_epi8(u, u);
-            const __m512i ua = _mm512_broadcast_i32x4(_mm256_castsi256_si128(au));
-            const __m512i ub = _mm512_broadcast_i32x4(_mm256_extracti128_si256(au, 1));
-            /* the sign trick without vpsignb: x negated where the code is negative (where it is
-               0, |u| = 0 zeroes the product) */
-            const __mmask64 na = plain ? 0 : _mm512_movepi8_mask(_mm512_broadcast_i32x4(_mm256_castsi256_si128(u)));
-            const __mmask64 nb = plain ? 0 : _mm512_movepi8_mask(_mm512_broadcast_i32x4(_mm256_extracti128_si256(u, 1)));
-            const __m512 sa = _mm512_set1_ps(terms.s[0]), sb = _mm512_set1_ps(terms.s[1]);
-            const int8_t *xg = a->tq + ((size_t)g * groups + grp) * 32 * TR;
-            const float *dg = a->td + ((size_t)g * a->tstride + grp * TR) * 4, *sg = a->tds + (size_t)g * a->tstride + grp * TR;
-            for (int q = 0; q < ng; q++) {
-                __m512i xa = _mm512_loadu_si512((const void *)(xg + 32 * TR * q));
-                __m512i xb = _mm512_loadu_si512((const void *)(xg + 32 * TR * q + 16 * TR));
-                if (!plain) {
-                    xa = _mm512_mask_sub_epi8(xa, na, _mm512_setzero_si512(), xa);
-                    xb = _mm512_mask_sub_epi8(xb, nb, _mm512_setzero_si512(), xb);
-                }
-                const __m512 d4 = _mm512_loadu_ps(dg + 4 * TR * q);
-                if (two) {
-                    const __m512i da = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ua, xa);
-                    const __m512i db = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ub, xb);
-                    acc_a[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(da), _mm512_mul_ps(sa, d4), acc_a[q]);
-                    acc_b[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(db), _mm512_mul_ps(sb, d4), acc_b[q]);
-                } else if (g & 1) {                    /* odd runs in acc_b, as rows_vec's lanes 4-7 */
-                    const __m512i d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ua, xa), ub, xb);
-                    acc_b[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(sa, d4), acc_b[q]);
-                } else {
-                    const __m512i d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ua, xa), ub, xb);
-                    acc_a[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(sa, d4), acc_a[q]);
-                }
-                if (plain) bias[q] = _mm_fmadd_ps(_mm_set1_ps(terms.bias), _mm_loadu_ps(sg + TR * q), bias[q]);
-            }
-        }
-    }
+    const sub_t terms = sub_terms(t, b, j);
+    __m256i u = codes_vec(t, b, j);
+    if (o) u = _mm256_sub_epi8(u, _mm256_set1_epi8((char)o));
+    const __m256i au = plain ? u : _mm256_sign_epi8(u, u);
+    const __m512i ua = _mm512_broadcast_i32x4(_mm256_castsi256_si128(au));
+    const __m512i ub = _mm512_broadcast_i32x4(_mm256_extracti128_si256(au, 1));
+    /* the sign trick without vpsignb: x negated where the code is negative (where it is 0,
+       |u| = 0 zeroes the product) */
+    const __mmask64 na = plain ? 0 : _mm512_movepi8_mask(_mm512_broadcast_i32x4(_mm256_castsi256_si128(u)));
+    const __mmask64 nb = plain ? 0 : _mm512_movepi8_mask(_mm512_broadcast_i32x4(_mm256_extracti128_si256(u, 1)));
+    const __m512 sa = _mm512_set1_ps(terms.s[0]), sb = _mm512_set1_ps(terms.s[1]);
+    const int8_t *xg = a->tq + ((size_t)g * groups + grp) * 32 * TR;
+    const float *dg = a->td + ((size_t)g * a->tstride + grp * TR) * 4, *sg = a->tds + (size_t)g * a->tstride + grp * TR;
     for (int q = 0; q < ng; q++) {
-        float bs[TR];
-        _mm_storeu_ps(bs, bias[q]);
-        for (int i = 0; i < TR; i++) {
-            const __m128 la = _mm512_extractf32x4_ps(acc_a[q], i);
-            y[TR * q + i] = hsum4(_mm_add_ps(la, _mm512_extractf32x4_ps(acc_b[q], i))) + bs[i];
+        __m512i xa = _mm512_loadu_si512((const void *)(xg + 32 * TR * q));
+        __m512i xb = _mm512_loadu_si512((const void *)(xg + 32 * TR * q + 16 * TR));
+        if (!plain) {
+            xa = _mm512_mask_sub_epi8(xa, na, _mm512_setzero_si512(), xa);
+            xb = _mm512_mask_sub_epi8(xb, nb, _mm512_setzero_si512(), xb);
         }
+        const __m512 d4 = _mm512_loadu_ps(dg + 4 * TR * q);
+        if (two) {
+            const __m512i da = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ua, xa);
+            const __m512i db = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ub, xb);
+            acc[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(da), _mm512_mul_ps(sa, d4), acc[q]);
+            acc2[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(db), _mm512_mul_ps(sb, d4), acc2[q]);
+        } else {
+            const __m512i d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ua, xa), ub, xb);
+            acc[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(sa, d4), acc[q]);
+        }
+        if (plain) bias[q] = _mm_fmadd_ps(_mm_set1_ps(terms.bias), _mm_loadu_ps(sg + TR * q), bias[q]);
     }
 }
+INLINE void tacc_zero(tacc *v) { *v = _mm512_setzero_ps(); }
+INLINE __m128 tacc_row(const tacc *v, const int i) { return _mm512_extractf32x4_ps(*v, i); }
 #else
-INLINE void rows_tiled(const int t, const int ng, const uint8_t *w, const gact *a, int grp, float *y) {
-    const int k = a->k;
-    const int runs = type_values(t) / 32, o = code_offset(t), two = two_scales(t), groups = a->tstride / TR;
+typedef struct { __m256 h[2]; } tacc;       /* a group's rows 0-1 and 2-3: four lanes a row */
+INLINE void tiled_run(const int t, const int ng, const gact *a, int grp, int g, const uint8_t *b, const int j,
+                      tacc *acc, tacc *acc2, __m128 *bias) {
+    const int o = code_offset(t), two = two_scales(t), groups = a->tstride / TR;
     const int plain = t == T_Q4_1 || t == T_Q5_1 || t == T_Q4_K || t == T_Q5_K;     /* codes >= 0 */
-    const size_t bb = type_bytes(t);
-    __m256 acc_a[TG][2], acc_b[TG][2];          /* a group's rows 0-1 and 2-3 */
-    __m128 bias[TG];
+    const sub_t terms = sub_terms(t, b, j);
+    __m256i u = codes_vec(t, b, j);
+    if (o) u = _mm256_sub_epi8(u, _mm256_set1_epi8((char)o));
+    const __m256i au = plain ? u : _mm256_sign_epi8(u, u);
+    const __m256i ua = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(au));
+    const __m256i ub = _mm256_broadcastsi128_si256(_mm256_extracti128_si256(au, 1));
+    const __m256i va = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(u));
+    const __m256i vb = _mm256_broadcastsi128_si256(_mm256_extracti128_si256(u, 1));
+    const __m256 sa = _mm256_set1_ps(terms.s[0]), sb = _mm256_set1_ps(terms.s[1]);
+    const int8_t *xg = a->tq + ((size_t)g * groups + grp) * 32 * TR;
+    const float *dg = a->td + ((size_t)g * a->tstride + grp * TR) * 4, *sg = a->tds + (size_t)g * a->tstride + grp * TR;
     for (int q = 0; q < ng; q++) {
-        acc_a[q][0] = acc_a[q][1] = acc_b[q][0] = acc_b[q][1] = _mm256_setzero_ps();
-        bias[q] = _mm_setzero_ps();
-    }
-    for (int blk = 0; blk < k / 32 / runs; blk++) {
-        const uint8_t *b = w + (size_t)blk * bb;
-        for (int j = 0; j < runs; j++) {
-            const int g = blk * runs + j;
-            const sub_t terms = sub_terms(t, b, j);
-            __m256i u = codes_vec(t, b, j);
-            if (o) u = _mm256_sub_epi8(u, _mm256_set1_epi8((char)o));
-            const __m256i au = plain ? u : _mm256_sign_epi8(u, u);
-            const __m256i ua = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(au));
-            const __m256i ub = _mm256_broadcastsi128_si256(_mm256_extracti128_si256(au, 1));
-            const __m256i va = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(u));
-            const __m256i vb = _mm256_broadcastsi128_si256(_mm256_extracti128_si256(u, 1));
-            const __m256 sa = _mm256_set1_ps(terms.s[0]), sb = _mm256_set1_ps(terms.s[1]);
-            const int8_t *xg = a->tq + ((size_t)g * groups + grp) * 32 * TR;
-            const float *dg = a->td + ((size_t)g * a->tstride + grp * TR) * 4, *sg = a->tds + (size_t)g * a->tstride + grp * TR;
-            for (int q = 0; q < ng; q++) {
-                for (int h = 0; h < 2; h++) {
-                    __m256i xa = _mm256_loadu_si256((const __m256i *)(xg + 32 * TR * q + 32 * h));
-                    __m256i xb = _mm256_loadu_si256((const __m256i *)(xg + 32 * TR * q + 16 * TR + 32 * h));
-                    if (!plain) { xa = _mm256_sign_epi8(xa, va); xb = _mm256_sign_epi8(xb, vb); }
-                    const __m256 d2 = _mm256_loadu_ps(dg + 4 * TR * q + 8 * h);
-                    if (two) {
-                        const __m256i da = DPBUSD(_mm256_setzero_si256(), ua, xa);
-                        const __m256i db = DPBUSD(_mm256_setzero_si256(), ub, xb);
-                        acc_a[q][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(da), _mm256_mul_ps(sa, d2), acc_a[q][h]);
-                        acc_b[q][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(db), _mm256_mul_ps(sb, d2), acc_b[q][h]);
-                    } else if (g & 1) {                /* odd runs in acc_b, as rows_vec's lanes 4-7 */
-                        const __m256i d = DPBUSD(DPBUSD(_mm256_setzero_si256(), ua, xa), ub, xb);
-                        acc_b[q][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(sa, d2), acc_b[q][h]);
-                    } else {
-                        const __m256i d = DPBUSD(DPBUSD(_mm256_setzero_si256(), ua, xa), ub, xb);
-                        acc_a[q][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(sa, d2), acc_a[q][h]);
-                    }
-                }
-                if (plain) bias[q] = _mm_fmadd_ps(_mm_set1_ps(terms.bias), _mm_loadu_ps(sg + TR * q), bias[q]);
+        for (int h = 0; h < 2; h++) {
+            __m256i xa = _mm256_loadu_si256((const __m256i *)(xg + 32 * TR * q + 32 * h));
+            __m256i xb = _mm256_loadu_si256((const __m256i *)(xg + 32 * TR * q + 16 * TR + 32 * h));
+            if (!plain) { xa = _mm256_sign_epi8(xa, va); xb = _mm256_sign_epi8(xb, vb); }
+            const __m256 d2 = _mm256_loadu_ps(dg + 4 * TR * q + 8 * h);
+            if (two) {
+                const __m256i da = DPBUSD(_mm256_setzero_si256(), ua, xa);
+                const __m256i db = DPBUSD(_mm256_setzero_si256(), ub, xb);
+                acc[q].h[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(da), _mm256_mul_ps(sa, d2), acc[q].h[h]);
+                acc2[q].h[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(db), _mm256_mul_ps(sb, d2), acc2[q].h[h]);
+            } else {
+                const __m256i d = DPBUSD(DPBUSD(_mm256_setzero_si256(), ua, xa), ub, xb);
+                acc[q].h[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(sa, d2), acc[q].h[h]);
             }
         }
+        if (plain) bias[q] = _mm_fmadd_ps(_mm_set1_ps(terms.bias), _mm_loadu_ps(sg + TR * q), bias[q]);
     }
-    for (int q = 0; q < ng; q++) {
-        float bs[TR];
-        _mm_storeu_ps(bs, bias[q]);
-        for (int i = 0; i < TR; i++) {
-            const __m256 va = acc_a[q][i / 2], vb = acc_b[q][i / 2];
-            const __m128 la = i % 2 ? _mm256_extractf128_ps(va, 1) : _mm256_castps256_ps128(va);
-            const __m128 lb = i % 2 ? _mm256_extractf128_ps(vb, 1) : _mm256_castps256_ps128(vb);
-            y[TR * q + i] = hsum4(_mm_add_ps(la, lb)) + bs[i];
-        }
-    }
+}
+INLINE void tacc_zero(tacc *v) { v->h[0] = v->h[1] = _mm256_setzero_ps(); }
+INLINE __m128 tacc_row(const tacc *v, const int i) {
+    return i % 2 ? _mm256_extractf128_ps(v->h[i / 2], 1) : _mm256_castps256_ps128(v->h[i / 2]);
 }
 #endif
+
+/* ng groups from grp against weight row w: even runs in acc_a and odd runs in acc_b, as
+   rows_vec's lanes 0-3 and 4-7 (a scale a half: every run's bytes 0-15 in acc_a, 16-31 in
+   acc_b, as rows_vec's eight lanes) */
+INLINE void rows_tiled(const int t, const int ng, const uint8_t *w, const gact *a, int grp, float *y) {
+    const int runs = type_values(t) / 32, nblk = a->k / 32 / runs, two = two_scales(t);
+    const size_t bb = type_bytes(t);
+    tacc acc_a[TG], acc_b[TG];
+    __m128 bias[TG];
+    for (int q = 0; q < ng; q++) { tacc_zero(acc_a + q); tacc_zero(acc_b + q); bias[q] = _mm_setzero_ps(); }
+    tacc *odd = two ? acc_a : acc_b;
+    if (runs > 1)
+        for (int blk = 0; blk < nblk; blk++) {
+            const uint8_t *b = w + (size_t)blk * bb;
+            for (int j = 0; j < runs; j += 2) {
+                tiled_run(t, ng, a, grp, blk * runs + j, b, j, acc_a, acc_b, bias);
+                tiled_run(t, ng, a, grp, blk * runs + j + 1, b, j + 1, odd, acc_b, bias);
+            }
+        }
+    else
+        for (int blk = 0; blk < nblk; blk += 2) {
+            tiled_run(t, ng, a, grp, blk, w + (size_t)blk * bb, 0, acc_a, acc_b, bias);
+            if (blk + 1 < nblk) tiled_run(t, ng, a, grp, blk + 1, w + (size_t)(blk + 1) * bb, 0, odd, acc_b, bias);
+        }
+    for (int q = 0; q < ng; q++) {
+        float bs[TR];
+        _mm_storeu_ps(bs, bias[q]);
+        for (int i = 0; i < TR; i++) y[TR * q + i] = hsum4(_mm_add_ps(tacc_row(acc_a + q, i), tacc_row(acc_b + q, i))) + bs[i];
+    }
+}
 
 /* rows_tiled for each type and for 1 .. TG groups, each compiled with both constant */
 #define ROWS_TILED(T)                                                                               \
@@ -537,20 +530,35 @@ static inline void tile_run(const gact *a, int r, int g, const int8_t *q, float 
     a->tds[(size_t)g * a->tstride + r] = ds;
 }
 
-/* row r of a.x rounded: per 32 values, d = max |x| / 127 and codes lrint(x / d) */
+static inline int isum8(__m256i v) {
+    __m128i r = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    r = _mm_add_epi32(r, _mm_shuffle_epi32(r, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtsi128_si32(_mm_add_epi32(r, _mm_shuffle_epi32(r, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+
+/* row r of a.x rounded: per 32 values, d = max |x| / 127 and codes lrint(x / d) (round to
+   nearest even, as lrintf in the default rounding mode), eight at a time */
 static void gquantize_row(const gact *a, int r) {
     const int k = a->k;
     const float *x = a->x + (size_t)r * a->xstride;
+    const __m256 sign = _mm256_set1_ps(-0.f);
     for (int g = 0; g < k / 32; g++) {
-        float amax = 0.f;
-        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[32 * g + i]));
+        const float *v = x + 32 * g;
+        __m256 m = _mm256_andnot_ps(sign, _mm256_loadu_ps(v));
+        for (int i = 8; i < 32; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + i)));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        const float amax = _mm_cvtss_f32(h);
         const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
         int8_t *q = a->q + (size_t)r * k + 32 * g;
-        int s0 = 0, s1 = 0;
-        for (int i = 0; i < 32; i++) {
-            q[i] = (int8_t)lrintf(x[32 * g + i] * id);
-            if (i < 16) s0 += q[i]; else s1 += q[i];
-        }
+        __m256i c[4];
+        for (int i = 0; i < 4; i++) c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 8 * i), _mm256_set1_ps(id)));
+        /* int32 -> int8 in order: packs interleave 128-bit lanes, the permute puts them back */
+        const __m256i p16a = _mm256_packs_epi32(c[0], c[1]), p16b = _mm256_packs_epi32(c[2], c[3]);
+        const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)q, p8);
+        const int s0 = isum8(_mm256_add_epi32(c[0], c[1])), s1 = isum8(_mm256_add_epi32(c[2], c[3]));
         a->d[(size_t)r * (k / 32) + g] = d;
         a->s[(size_t)r * (k / 16) + 2 * g] = s0;
         a->s[(size_t)r * (k / 16) + 2 * g + 1] = s1;
