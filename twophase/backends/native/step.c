@@ -1187,18 +1187,12 @@ static void weighted_sum(const float *w, const float *tile, int n, int hd, float
     }
 }
 
-/* part p of row r's keys (from its window's first on) for the G query heads of K/V head kh (q:
-   their vectors, hd apart) into res (G results of part_floats); sc: G * part_len floats, tile:
-   part_len * hd */
-static void attend_part(const model_t *m, const step_t *s, const lay_t *ly, int r, int kh, int p,
-                        const float *q, float *res, float *sc, float *tile) {
-    const int hd = m->head_dim, G = m->heads / m->kv_heads, PF = part_floats(m);
-    const int P = part_len(m), b = first_key(ly, s, r) + p * P, e = s->ctx[r] < b + P ? s->ctx[r] : b + P;
-    const int n = e - b;
-    const int64_t *table = ly->tables + (size_t)s->seq[r] * s->width;
+/* the G query heads' (q: hd apart) scores against the n keys at kt, weighed (softmax's
+   unnormalised weights into sc, G * part_len floats; each head's maximum and sum into res) */
+static void part_scores(const model_t *m, const float *q, const float *kt, int n, float *sc, float *res) {
+    const int hd = m->head_dim, G = m->heads / m->kv_heads, PF = part_floats(m), P = part_len(m);
     const __m128 scale = _mm_set1_ps(m->scale);
-    rows_float(m, s, ly->slot, 0, table, kh, r, b, e, tile);
-    #define K(u) (tile + (size_t)(u) * hd)
+    #define K(u) (kt + (size_t)(u) * hd)
     for (int g = 0; g < G; g++) {
         const float *qg = q + (size_t)g * hd;
         float *sg = sc + (size_t)g * P;
@@ -1211,8 +1205,65 @@ static void attend_part(const model_t *m, const step_t *s, const lay_t *ly, int 
         weigh(sg, n, res + (size_t)g * PF + hd);
     }
     #undef K
+}
+
+/* the G heads' weighted sums of the n values at vt into res */
+static void part_values(const model_t *m, const float *sc, const float *vt, int n, float *res) {
+    const int G = m->heads / m->kv_heads, PF = part_floats(m), P = part_len(m);
+    for (int g = 0; g < G; g++) weighted_sum(sc + (size_t)g * P, vt, n, m->head_dim, res + (size_t)g * PF);
+}
+
+/* part p of row r's keys (from its window's first on) for the G query heads of K/V head kh (q:
+   their vectors, hd apart) into res (G results of part_floats); sc: G * part_len floats, tile:
+   part_len * hd */
+static void attend_part(const model_t *m, const step_t *s, const lay_t *ly, int r, int kh, int p,
+                        const float *q, float *res, float *sc, float *tile) {
+    const int P = part_len(m), b = first_key(ly, s, r) + p * P, e = s->ctx[r] < b + P ? s->ctx[r] : b + P;
+    const int64_t *table = ly->tables + (size_t)s->seq[r] * s->width;
+    rows_float(m, s, ly->slot, 0, table, kh, r, b, e, tile);
+    part_scores(m, q, tile, e - b, sc, res);
     rows_float(m, s, ly->slot, 1, table, kh, r, b, e, tile);
-    for (int g = 0; g < G; g++) weighted_sum(sc + (size_t)g * P, tile, n, hd, res + (size_t)g * PF);
+    part_values(m, sc, tile, e - b, res);
+}
+
+/* Rows [a, z) of one sequence's prompt chunk (consecutive positions) for K/V head kh: each
+   part's keys decoded once for all of them (the union of their parts p: at most part_len + z -
+   a - 1 keys, their windows' starts a key apart), each row's part then computed from its own
+   keys in the tile exactly as attend_part does, so the results are attend_part's bit for bit.
+   q(r): row r's query heads; res + (r - a) * rstride: its parts' results; sc: (z - a) * G *
+   part_len floats; tile: (part_len + ATTN_ROWS) * hd. */
+static void attend_rows(const model_t *m, const step_t *s, const lay_t *ly, int a, int z, int kh,
+                        const float *wide, int W, float *res, size_t rstride, float *sc, float *tile) {
+    const int hd = m->head_dim, G = m->heads / m->kv_heads, P = part_len(m), PF = part_floats(m);
+    const int64_t *table = ly->tables + (size_t)s->seq[a] * s->width;
+    int np = 0;
+    for (int r = a; r < z; r++) {
+        const int n = parts_of(m, s->ctx[r] - first_key(ly, s, r));
+        np = n > np ? n : np;
+    }
+    for (int p = 0; p < np; p++) {
+        int lo = -1, hi = 0;
+        for (int r = a; r < z; r++) {
+            const int b = first_key(ly, s, r) + p * P;
+            if (b >= s->ctx[r]) continue;
+            const int e = s->ctx[r] < b + P ? s->ctx[r] : b + P;
+            lo = lo < 0 || b < lo ? b : lo;
+            hi = e > hi ? e : hi;
+        }
+        if (lo < 0) continue;
+        for (int kv = 0; kv < 2; kv++) {
+            rows_float(m, s, ly->slot, kv, table, kh, z - 1, lo, hi, tile);
+            for (int r = a; r < z; r++) {
+                const int b = first_key(ly, s, r) + p * P;
+                if (b >= s->ctx[r]) continue;
+                const int e = s->ctx[r] < b + P ? s->ctx[r] : b + P;
+                float *rr = res + (size_t)(r - a) * rstride + (size_t)p * G * PF, *sr = sc + (size_t)(r - a) * G * P;
+                const float *t = tile + (size_t)(b - lo) * hd;
+                if (kv == 0) part_scores(m, wide + (size_t)r * W + (size_t)kh * G * hd, t, e - b, sr, rr);
+                else part_values(m, sr, t, e - b, rr);
+            }
+        }
+    }
 }
 
 /* the np parts' results (in order) into the G heads' outputs (hd apart) */
@@ -1240,10 +1291,22 @@ static inline int split_parts(const model_t *m, int rows, int threads) {
     return rows * m->kv_heads < 4 * threads;
 }
 
-/* floats of scratch a thread's attention takes: scores, the tile, its parts' results */
+/* rows of one prompt chunk a thread's attention takes together (attend_rows), where their
+   parts' results fit in ATTN_ROWS_FLOATS */
+#define ATTN_ROWS 8
+#define ATTN_ROWS_FLOATS (1L << 20)
+static inline int attn_rows(const model_t *m, int max_ctx) {
+    const long one = (long)parts_of(m, max_ctx) * (m->heads / m->kv_heads) * part_floats(m);
+    const long n = ATTN_ROWS_FLOATS / (one > 0 ? one : 1);
+    return n < 1 ? 1 : n > ATTN_ROWS ? ATTN_ROWS : (int)n;
+}
+
+/* floats of scratch a thread's attention takes: scores, the tile, its parts' results (each
+   for attn_rows rows) */
 static long attn_thread_floats(const model_t *m, int max_ctx) {
-    const int G = m->heads / m->kv_heads;
-    return (long)(G + m->head_dim) * part_len(m) + (long)parts_of(m, max_ctx) * G * part_floats(m);
+    const int G = m->heads / m->kv_heads, AR = attn_rows(m, max_ctx);
+    return (long)AR * G * part_len(m) + (long)(part_len(m) + ATTN_ROWS) * m->head_dim
+         + (long)AR * parts_of(m, max_ctx) * G * part_floats(m);
 }
 
 /* every row's attention for layer l: q of row r at wide + r * W, its output at attn + r * QD
@@ -1253,7 +1316,8 @@ static void attention(const model_t *m, const step_t *s, int layer, const float 
     const int R = s->rows, KVH = m->kv_heads, hd = m->head_dim, QD = m->heads * hd, G = m->heads / KVH;
     const int NP = parts_of(m, s->max_ctx), PF = part_floats(m);
     const lay_t ly = layer_of(m, s, layer);
-    float *sc = mine, *tile = sc + (size_t)G * part_len(m), *res = tile + (size_t)part_len(m) * hd;
+    const int AR = attn_rows(m, s->max_ctx);
+    float *sc = mine, *tile = sc + (size_t)AR * G * part_len(m), *res = tile + (size_t)(part_len(m) + ATTN_ROWS) * hd;
     #define Q_OF(r, kh) (wide + (size_t)(r) * W + (size_t)(kh) * G * hd)
     #define OUT_OF(r, kh) (attn + (size_t)(r) * QD + (size_t)(kh) * G * hd)
     #define PARTS(r) parts_of(m, s->ctx[r] - first_key(&ly, s, r))
@@ -1268,11 +1332,16 @@ static void attention(const model_t *m, const step_t *s, int layer, const float 
         for (int i = 0; i < R * KVH; i++)
             combine(m, shared + (size_t)i * NP * G * PF, PARTS(i / KVH), OUT_OF(i / KVH, i % KVH));
     } else {
+        /* blocks of AR rows; within one, each run of a sequence's consecutive rows together */
+        const int NB = (R + AR - 1) / AR;
         #pragma omp for schedule(dynamic)
-        for (int i = 0; i < R * KVH; i++) {
-            const int r = i / KVH, kh = i % KVH, np = PARTS(r);
-            for (int p = 0; p < np; p++) attend_part(m, s, &ly, r, kh, p, Q_OF(r, kh), res + (size_t)p * G * PF, sc, tile);
-            combine(m, res, np, OUT_OF(r, kh));
+        for (int i = 0; i < NB * KVH; i++) {
+            const int r0 = i / KVH * AR, r1 = r0 + AR < R ? r0 + AR : R, kh = i % KVH;
+            for (int a = r0, z; a < r1; a = z) {
+                for (z = a + 1; z < r1 && s->seq[z] == s->seq[a] && s->ctx[z] == s->ctx[z - 1] + 1; z++) {}
+                attend_rows(m, s, &ly, a, z, kh, wide, W, res, (size_t)NP * G * PF, sc, tile);
+                for (int r = a; r < z; r++) combine(m, res + (size_t)(r - a) * NP * G * PF, PARTS(r), OUT_OF(r, kh));
+            }
         }
     }
     #undef Q_OF
