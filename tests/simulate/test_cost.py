@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from twophase.bench.roofline import CostModel
@@ -93,3 +95,13 @@ def test_sliding_layers_read_and_attend_to_their_window_only():
     pairs = full * 4096 * 4097 / 2 + sliding * (1024 * 1025 / 2 + (4096 - 1024) * 1024)
     saved = cost._attention * (62 * 4096 * 4097 / 2 - pairs)
     assert every.chunk_flops(4096, 0) - cost.chunk_flops(4096, 0) == pytest.approx(saved)
+
+
+def test_a_fitted_token_factor_scales_only_the_bound_of_a_step_of_that_many_tokens():
+    device = device_spec("h100-80gb", "bfloat16")
+    slow = replace(device, token_factors=((2, 2.0),))
+    plain, factored = (StepCostModel(ARCH, d, "bfloat16", 2) for d in (device, slow))
+    two, three = [(1, 100), (1, 200)], [(1, 100), (1, 200), (1, 300)]
+    a, b = plain.step(two), factored.step(two)
+    assert b.seconds - b.comm_s == pytest.approx(2 * max(a.compute_s, a.memory_s) + device.step_overhead_s)
+    assert factored.step(three).seconds == plain.step(three).seconds      # past the last count: 1

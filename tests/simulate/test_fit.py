@@ -107,13 +107,41 @@ def test_the_fit_recovers_efficiencies_and_host_terms_that_made_the_steps():
     sequence, 1 ms per 10 MB of K/V read, 1 ms per 0.1 TFLOP of attention) are fitted back."""
     from twophase.simulate.fit import fit
 
-    parts = [(0.02, 0.01, 1, 1e6, 0.0), (0.001, 0.01, 1, 5e7, 1e9), (0.004, 0.01, 8, 2e7, 3e10),
-             (0.01, 0.011, 24, 1e8, 2e8), (0.05, 0.01, 2, 0.0, 5e11), (0.002, 0.012, 4, 3e8, 1e10),
-             (0.003, 0.01, 3, 4e7, 2e11)]
-    measured = [max(c / 0.5, m / 0.6) + 0.005 + 0.002 * n + 1e-10 * k + 1e-14 * f for c, m, n, k, f in parts]
-    err, ec, eb, step, seq, byte, flop = fit(measured, parts)
+    parts = [(0.02, 0.01, 1, 1e6, 0.0, 200), (0.001, 0.01, 1, 5e7, 1e9, 1), (0.004, 0.01, 8, 2e7, 3e10, 64),
+             (0.01, 0.011, 24, 1e8, 2e8, 24), (0.05, 0.01, 2, 0.0, 5e11, 700), (0.002, 0.012, 4, 3e8, 1e10, 40),
+             (0.003, 0.01, 3, 4e7, 2e11, 30)]
+    measured = [max(c / 0.5, m / 0.6) + 0.005 + 0.002 * n + 1e-10 * k + 1e-14 * f for c, m, n, k, f, _ in parts]
+    err, ec, eb, step, seq, byte, flop, factors = fit(measured, parts)
     assert (ec, eb) == (0.5, 0.6) and err < 1e-6
     assert (step, seq, byte, flop) == pytest.approx((0.005, 0.002, 1e-10, 1e-14), rel=1e-4)
+    assert factors == ()                             # no step of 2 to 16 tokens: none measured
+
+
+def test_steps_of_few_tokens_off_the_roofline_get_their_measured_factor():
+    """A GEMM tiled for some row counts (torch on this CPU: 2 or 3 rows cost more than 4 or 5):
+    decodes at batch 2 and 3 taking 1.5x the bound are fitted as factors of about 1.5 at 2 and 3
+    tokens, the other counts about 1, the model's error falls, and the cost model applies them
+    (linear between the counts measured)."""
+    from helpers.simulated import TEST_DEVICE
+
+    from twophase.simulate.fit import fit
+
+    slow = {2: 1.5, 3: 1.5}
+    parts = [(0.002, 0.01 + 0.002 * b + 0.004 * i, b, 1e6 * b, 1e7 * b, b) for b in range(1, 9) for i in range(4)]
+    parts += [(0.2, 0.02, 1, 0.0, 1e10, 512), (0.1, 0.02, 2, 0.0, 1e10, 256)]
+    measured = [max(c / 0.5, m / 0.6) * slow.get(n, 1.0) + 0.004 + 0.001 * s for c, m, s, _, _, n in parts]
+    err, ec, eb, step, seq, byte, flop, factors = fit(measured, parts)
+    got = dict(factors)
+    assert got[2] == pytest.approx(1.5, rel=0.1) and got[3] == pytest.approx(1.5, rel=0.1)
+    assert 1 not in got                              # batch 1 anchors the fixed overhead
+    assert all(got[b] == pytest.approx(1.0, rel=0.1) for b in (4, 5, 6, 7, 8))
+    assert got[2] > 1.3 * max(got[b] for b in (4, 5, 6, 7, 8))
+    bounds = [max(c / ec, m / eb) for c, m, *_ in parts]
+    plain = sum(abs(b + step + seq * p[2] + byte * p[3] + flop * p[4] - t) / t
+                for b, p, t in zip(bounds, parts, measured)) / len(parts)
+    assert err < plain / 2
+    spec = dataclasses.replace(TEST_DEVICE, token_factors=((1, 1.0), (2, 1.5), (4, 1.0)))
+    assert [spec.token_factor(n) for n in (1, 2, 3, 4, 5, 100)] == [1.0, 1.5, 1.25, 1.0, 1.0, 1.0]
 
 
 def test_a_steps_host_terms_count_its_sequences_and_the_kv_it_reads():

@@ -6,7 +6,10 @@
     comm     = 2 all-reduces a layer over tp devices (tp > 1 only)
     host     = overhead a step + a sequence's × sequences + a K/V byte's × K/V bytes read
                + an attention FLOP's × attention FLOPs
-    step     = max(compute, memory) + comm + host
+    step     = max(compute, memory) × factor(tokens) + comm + host
+
+``factor`` is 1 but where a fit measured a step of few tokens off the roofline's line (a CPU
+GEMM tiled for some row counts: ``DeviceSpec.token_factors``).
 
 FLOPs: 2 × active parameters × tokens for the matmuls, the LM head once a sequence (logits of
 its last token), and attention's QK and PV over each chunk's context (quadratic in a prefill
@@ -109,7 +112,7 @@ class StepCostModel:
         comm_s = self.all_reduce_s(total)
         host_s = (d.step_overhead_s + d.seq_overhead_s * len(chunks) + d.kv_byte_s * (kv["prefill"] + kv["decode"])
                   + d.attention_flop_s * self.attention_flops(chunks))
-        seconds = max(compute_s, memory_s) + comm_s + host_s
+        seconds = max(compute_s, memory_s) * d.token_factor(total) + comm_s + host_s
         return StepCost(seconds, compute_s, memory_s, flops["prefill"], flops["decode"],
                         moved["prefill"], moved["decode"], comm_s)
 

@@ -74,6 +74,22 @@ class DeviceSpec:
     seq_overhead_s: float = 0.0
     kv_byte_s: float = 0.0
     attention_flop_s: float = 0.0
+    # the roofline bound's measured factor at a step of few tokens (the matmuls' rows), as
+    # ``(tokens, factor)`` pairs in ascending order: a CPU GEMM's kernel is tiled for some row
+    # counts (torch here: 2 or 3 rows cost more than 4 or 5). Linear between the pairs, 1 past
+    # the last and where none is measured (GPUs).
+    token_factors: tuple[tuple[int, float], ...] = ()
+
+    def token_factor(self, tokens: int) -> float:
+        f = self.token_factors
+        if not f or tokens > f[-1][0]:
+            return 1.0
+        if tokens <= f[0][0]:
+            return f[0][1]
+        for (t0, f0), (t1, f1) in zip(f, f[1:]):
+            if tokens <= t1:
+                return f0 + (f1 - f0) * (tokens - t0) / (t1 - t0)
+        return 1.0
 
 
 # name: (peak FLOP/s, bytes/s)
@@ -178,6 +194,7 @@ def cpu_spec(dtype: str = "float32", backend: str = "torch", quantization: str =
                        step_overhead_s=fitted["step_overhead_s"],
                        seq_overhead_s=fitted.get("seq_overhead_s", 0.0), kv_byte_s=fitted.get("kv_byte_s", 0.0),
                        attention_flop_s=fitted.get("attention_flop_s", 0.0),
+                       token_factors=tuple((int(t), float(f)) for t, f in fitted.get("token_factors", ())),
                        source=f"twophase calibrate ({c.measured_at}); efficiencies fitted "
                               f"{fitted.get('fitted_at', '')} on {fitted.get('model', '?')}, "
                               f"{backend}, {quantization} weights")
@@ -197,7 +214,7 @@ def _read_fits() -> dict:
 
 
 FIT_FIELDS = ("compute_efficiency", "bandwidth_efficiency", "step_overhead_s", "seq_overhead_s", "kv_byte_s",
-              "attention_flop_s")
+              "attention_flop_s", "token_factors")
 
 
 def save_fit(spec: DeviceSpec, model: str, fitted_at: str, dtype: str = "float32", backend: str = "torch",

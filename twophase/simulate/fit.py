@@ -3,8 +3,9 @@ fit a backend and weight format: each reaches its own share of the calibrated ce
 profiling sweep (prefill chunks, decodes at batch 1 to 24 and at long context) run for real, and
 the same requests simulated. With every request there at the start, the scheduler decides the
 same steps on either clock, so step ``i`` of one is step ``i`` of the other; the fit chooses the
-efficiencies (a grid) and host terms (a step's, a sequence's, a K/V byte's, an attention FLOP's:
-least squares)
+efficiencies (a grid), host terms (a step's, a sequence's, a K/V byte's, an attention FLOP's:
+least squares) and then, for steps of few tokens, a factor on the roofline's bound a token
+count (Vidur's profiling by batch size in its simplest form, measured where serving decodes)
 whose step times come closest (least relative error) to the measured time from one step's start
 to the next's (each step's median over a few passes, after one that warms the backend: one pass
 is at the mercy of the machine's other work)."""
@@ -23,9 +24,11 @@ from twophase.simulate.devices import DeviceSpec, cpu_spec, fitted_backend, save
 
 def sweep(vocab: int) -> list[list[TimedRequest]]:
     """Workloads, each all at once: prompts (prefill at the token budget and below), decodes at
-    batch 1, 4, 8 and 24 in about equal numbers of steps (serving decodes mostly at small
-    batches beyond one), and long prompts' chunks at depth with their decodes at 768 tokens of
-    context (attention's share, which long prompts and shared prefixes reach)."""
+    every batch from 1 to 8 after 192-token prompts and at 24 after short ones, in about equal
+    numbers of steps (serving decodes mostly at small batches and a few hundred tokens of
+    context; a CPU GEMM's cost is not smooth in its rows there), and long prompts'
+    chunks at depth with their decodes at 768 and 1536 tokens of context (attention's share,
+    which long prompts and shared prefixes reach)."""
     import random
 
     rng = random.Random(0)
@@ -33,7 +36,8 @@ def sweep(vocab: int) -> list[list[TimedRequest]]:
     def reqs(n: int, prompt: int, out: int) -> list[TimedRequest]:
         return [TimedRequest(0.0, [rng.randrange(3, vocab) for _ in range(prompt)], out) for _ in range(n)]
 
-    return [reqs(2, 256, 1), reqs(1, 64, 8), reqs(4, 64, 8), reqs(8, 32, 8), reqs(24, 16, 6), reqs(2, 768, 8)]
+    return [reqs(2, 256, 1), *(reqs(b, 192, 8) for b in range(1, 9)), reqs(24, 16, 6), reqs(2, 768, 8),
+            reqs(2, 1536, 8)]
 
 
 def step_walls(records: list[Any]) -> list[float]:
@@ -42,8 +46,8 @@ def step_walls(records: list[Any]) -> list[float]:
     return out + [records[-1].duration] if records else out
 
 
-# a step's compute and memory time, sequences, K/V bytes read, attention FLOPs
-Part = tuple[float, float, float, float, float]
+# a step's compute and memory time, sequences, K/V bytes read, attention FLOPs, tokens
+Part = tuple[float, float, float, float, float, int]
 
 
 def measure(cfg: Config, base: DeviceSpec, passes: int = 3) -> tuple[str, list[float], list[Part]]:
@@ -79,14 +83,19 @@ def measure(cfg: Config, base: DeviceSpec, passes: int = 3) -> tuple[str, list[f
             cost = sim.prefill_backend.cost
             assert cost is not None
             parts += [(c.cost.compute_s * base.compute_efficiency, c.cost.memory_s * base.bandwidth_efficiency,
-                       float(len(c.chunks)), cost.kv_read(c.chunks), cost.attention_flops(c.chunks))
+                       float(len(c.chunks)), cost.kv_read(c.chunks), cost.attention_flops(c.chunks),
+                       sum(n for n, _ in c.chunks))
                       for c in calls]
     if any(len(w) != len(parts) for w in runs):
         raise RuntimeError("the fit's real and simulated runs scheduled different steps")
     return model, [median(ts) for ts in zip(*runs)], parts
 
 
-Fit = tuple[float, float, float, float, float, float, float]
+Factors = tuple[tuple[int, float], ...]
+Fit = tuple[float, float, float, float, float, float, float, Factors]
+
+FACTOR_TOKENS = 16      # steps of 2 to this many tokens get a measured factor a token count
+ROUNDS = 4              # factors and host terms refitted in turn, the efficiencies kept
 
 
 def host_terms(measured: list[float], bounds: list[float], work: list[list[float]]) -> list[float]:
@@ -110,23 +119,51 @@ def host_terms(measured: list[float], bounds: list[float], work: list[list[float
     return out
 
 
+def token_factors(measured: list[float], parts: list[Part], ec: float, eb: float, host: list[float]) -> Factors:
+    """Per token count from 2 to FACTOR_TOKENS: the median over its steps of what the fitted
+    host terms leave of the measured time, over the roofline's bound (within 0.25 to 8). A
+    decode at batch 1 has none: with one, its bound and the fixed overhead trade freely."""
+    from statistics import median
+
+    step, seq, byte, flop = host
+    by: dict[int, list[float]] = {}
+    for p, t in zip(parts, measured):
+        if 2 <= p[5] <= FACTOR_TOKENS:
+            rest = t - step - seq * p[2] - byte * p[3] - flop * p[4]
+            by.setdefault(p[5], []).append(rest / max(p[0] / ec, p[1] / eb))
+    return tuple((n, min(8.0, max(0.25, median(v)))) for n, v in sorted(by.items()))
+
+
 def fit(measured: list[float], parts: list[Part]) -> Fit:
     """``(mean relative error, compute efficiency, bandwidth efficiency, time a step, a
-    sequence, a K/V byte, an attention FLOP)`` of the least relative error over the steps.
-    Compute may pass 1: the calibrated peak is float32 matmuls', which int8 dot products (q4
-    blocks) exceed."""
-    best: Fit | None = None
+    sequence, a K/V byte, an attention FLOP, token factors)``: the efficiencies (a grid) and host
+    terms (least squares) of the least relative error over all the steps, then each small token
+    count's factor on its steps' bounds (what the fit leaves of them) and the host terms over the
+    factored bounds, in turn, the efficiencies kept (fitted jointly, the factors and the
+    bandwidth efficiency trade against the fixed overhead: decodes read the same weights at
+    every batch). The error is the whole model's. Compute may pass 1: the calibrated peak is
+    float32 matmuls', which int8 dot products (q4 blocks) exceed."""
+    best: tuple[float, float, float, list[float]] | None = None
     work = [[p[i] for p in parts] for i in (2, 3, 4)]
     for ec in [i / 50 for i in range(1, 151)]:
         for eb in [i / 50 for i in range(1, 51)]:
             bounds = [max(p[0] / ec, p[1] / eb) for p in parts]
-            step, *per = host_terms(measured, bounds, work)
-            err = sum(abs(b + step + sum(c * w[i] for c, w in zip(per, work)) - t) / t
+            host = host_terms(measured, bounds, work)
+            err = sum(abs(b + host[0] + sum(c * w[i] for c, w in zip(host[1:], work)) - t) / t
                       for i, (b, t) in enumerate(zip(bounds, measured)))
             if best is None or err < best[0]:
-                best = (err, ec, eb, step, per[0], per[1], per[2])
+                best = (err, ec, eb, host)
     assert best is not None
-    return (best[0] / len(measured), *best[1:])
+    _, ec, eb, host = best
+    factors: Factors = ()
+    for _ in range(ROUNDS):          # the host terms again over the factored bounds, and so on
+        factors = token_factors(measured, parts, ec, eb, host)
+        scale = dict(factors)
+        host = host_terms(measured, [max(p[0] / ec, p[1] / eb) * scale.get(p[5], 1.0) for p in parts], work)
+    scale = dict(factors)
+    err = sum(abs(max(p[0] / ec, p[1] / eb) * scale.get(p[5], 1.0) + host[0]
+                  + sum(c * p[i] for c, i in zip(host[1:], (2, 3, 4))) - t) / t for p, t in zip(parts, measured))
+    return (err / len(measured), ec, eb, host[0], host[1], host[2], host[3], factors)
 
 
 def fit_cpu(config: Config, console: Any = None) -> DeviceSpec:
@@ -140,15 +177,16 @@ def fit_cpu(config: Config, console: Any = None) -> DeviceSpec:
     backend, quantization = fitted_backend(config), config.model.quantization
     base = cpu_spec(dtype, backend, quantization)
     model, measured, parts = measure(flags.on_device(for_device(config, base), "cpu"), base)
-    err, ec, eb, overhead, seq, byte, flop = fit(measured, parts)
+    err, ec, eb, overhead, seq, byte, flop, factors = fit(measured, parts)
     spec = dataclasses.replace(base, compute_efficiency=ec, bandwidth_efficiency=eb, step_overhead_s=overhead,
-                               seq_overhead_s=seq, kv_byte_s=byte, attention_flop_s=flop)
+                               seq_overhead_s=seq, kv_byte_s=byte, attention_flop_s=flop, token_factors=factors)
     path = save_fit(spec, model, datetime.now().astimezone().isoformat(timespec="seconds"), dtype,
                     backend, quantization)
     if console is not None:
         console.print(f"fitted over {len(measured)} steps of {model} on {backend} ({quantization} weights): "
                       f"compute efficiency {ec:.2f}, bandwidth efficiency {eb:.2f}, overhead "
                       f"{overhead * 1e3:.1f} ms a step + {seq * 1e3:.2f} ms a sequence + {byte * 1e9:.2f} "
-                      f"ms a MB of K/V read + {flop * 1e12:.2f} s a TFLOP of attention "
+                      f"ms a MB of K/V read + {flop * 1e12:.2f} s a TFLOP of attention; bound x "
+                      f"{', '.join(f'{v:.2f}' for _, v in factors)} at {', '.join(str(n) for n, _ in factors)} tokens "
                       f"(mean error {100 * err:.0f}% a step); wrote {path}")
     return cpu_spec(dtype, backend, quantization)
