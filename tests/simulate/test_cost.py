@@ -78,7 +78,6 @@ def test_sliding_layers_read_and_attend_to_their_window_only():
     """Gemma 3 27B (five sliding layers of 1,024 in six): a decode at 8K context reads the
     global layers' 8K keys and the sliding ones' 1,024, so far less K/V than were every layer
     global; prefill's attention likewise."""
-    from dataclasses import replace
 
     arch = SHAPES["gemma3-27b"]
     windows = [s.attention.window for s in arch.layers]
