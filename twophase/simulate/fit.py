@@ -28,7 +28,8 @@ def sweep(vocab: int) -> list[list[TimedRequest]]:
     numbers of steps (serving decodes mostly at small batches and a few hundred tokens of
     context; a CPU GEMM's cost is not smooth in its rows there), and long prompts'
     chunks at depth with their decodes at 768 and 1536 tokens of context (attention's share,
-    which long prompts and shared prefixes reach)."""
+    which long prompts and shared prefixes reach), and short prompts after a cached 512-token
+    prefix (a chunk of a few dozen tokens at depth: the cached K/V's gather)."""
     import random
 
     rng = random.Random(0)
@@ -36,8 +37,11 @@ def sweep(vocab: int) -> list[list[TimedRequest]]:
     def reqs(n: int, prompt: int, out: int) -> list[TimedRequest]:
         return [TimedRequest(0.0, [rng.randrange(3, vocab) for _ in range(prompt)], out) for _ in range(n)]
 
+    system = [rng.randrange(3, vocab) for _ in range(512)]
+    shared = [TimedRequest(0.0, system + [rng.randrange(3, vocab) for _ in range(rng.randint(32, 64))], 4)
+              for _ in range(6)]
     return [reqs(2, 256, 1), *(reqs(b, 192, 8) for b in range(1, 9)), reqs(24, 16, 6), reqs(2, 768, 8),
-            reqs(2, 1536, 8)]
+            reqs(2, 1536, 8), shared]
 
 
 def step_walls(records: list[Any]) -> list[float]:
