@@ -258,22 +258,36 @@ static inline float hsum4(__m128 r) {
 /* the offset a type's codes carry (taken off as bytes, so the dot of w - o is one int8 dot) */
 INLINE int code_offset(int t) { return t == T_Q4_0 ? 8 : t == T_Q5_0 ? 16 : t == T_Q6_K ? 32 : 0; }
 
+/* a type whose codes less their offset are never negative (the others take the sign trick) */
+INLINE int plain_codes(int t) { return t == T_Q4_1 || t == T_Q5_1 || t == T_Q4_K || t == T_Q5_K; }
+
+/* run j of the block at b as both vector paths take it: its float terms, its codes less the
+   type's offset (w, signed), and their magnitudes (|w|: the unsigned side of vpdpbusd) */
+typedef struct { sub_t terms; __m256i w, aw; } run_t;
+
+INLINE run_t run_of(const int t, const uint8_t *b, const int j) {
+    run_t r;
+    const int o = code_offset(t);
+    r.terms = sub_terms(t, b, j);
+    r.w = codes_vec(t, b, j);
+    if (o) r.w = _mm256_sub_epi8(r.w, _mm256_set1_epi8((char)o));
+    r.aw = plain_codes(t) ? r.w : _mm256_sign_epi8(r.w, r.w);
+    return r;
+}
+
 /* the vector path: each run's codes decoded once into a ymm for the nr activation rows; its
    integer dot's lanes (four bytes each) folded to four (bytes j and 16 + j: one scale a run),
    even runs' into lanes 0-3 and odd runs' into 4-7 of one float vector, or kept as eight where
    each half has its own scale (Q6_K); scaled by the scale times the activation's step and
    summed into float lanes; the minimum's term a float a row. Equal to the reference up to
    float rounding (the sums go in another order), and a row's result does not depend on the
-   rows beside it. */
-/* rows_vec's work on runs g (at b0, run j0 of its block) and g + 1 (at b1, j1; if pair) */
+   rows beside it. vec_pair: runs g (at b0, run j0 of its block) and g + 1 (at b1, j1; if pair). */
 INLINE void vec_pair(const int t, const int nr, const gact *a, int r0, int g, const uint8_t *b0, const int j0,
                      const uint8_t *b1, const int j1, const int pair, __m256 *acc, float *bias) {
-    const int k = a->k, o = code_offset(t), two = two_scales(t);
-    const int plain = t == T_Q4_1 || t == T_Q5_1 || t == T_Q4_K || t == T_Q5_K;     /* codes >= 0 */
-    const sub_t t0 = sub_terms(t, b0, j0), t1 = pair ? sub_terms(t, b1, j1) : t0;
-    __m256i u0 = codes_vec(t, b0, j0), u1 = pair ? codes_vec(t, b1, j1) : u0;
-    if (o) { u0 = _mm256_sub_epi8(u0, _mm256_set1_epi8((char)o)); u1 = _mm256_sub_epi8(u1, _mm256_set1_epi8((char)o)); }
-    const __m256i au0 = plain ? u0 : _mm256_sign_epi8(u0, u0), au1 = plain ? u1 : _mm256_sign_epi8(u1, u1);
+    const int k = a->k, two = two_scales(t), plain = plain_codes(t);
+    const run_t even = run_of(t, b0, j0), odd = pair ? run_of(t, b1, j1) : even;
+    const sub_t t0 = even.terms, t1 = odd.terms;
+    const __m256i u0 = even.w, u1 = odd.w, au0 = even.aw, au1 = odd.aw;
     const __m256 sw0 = _mm256_set_m128(_mm_set1_ps(t0.s[1]), _mm_set1_ps(t0.s[0]));
     const __m256 sw1 = _mm256_set_m128(_mm_set1_ps(t1.s[1]), _mm_set1_ps(t1.s[0]));
     for (int r = 0; r < nr; r++) {
@@ -347,12 +361,10 @@ ROWS_VEC(T_Q4_K) ROWS_VEC(T_Q5_K) ROWS_VEC(T_Q6_K)
 typedef __m512 tacc;                        /* a group's four rows: four lanes each */
 INLINE void tiled_run(const int t, const int ng, const gact *a, int grp, int g, const uint8_t *b, const int j,
                       tacc *acc, tacc *acc2, __m128 *bias) {
-    const int o = code_offset(t), two = two_scales(t), groups = a->tstride / TR;
-    const int plain = t == T_Q4_1 || t == T_Q5_1 || t == T_Q4_K || t == T_Q5_K;     /* codes >= 0 */
-    const sub_t terms = sub_terms(t, b, j);
-    __m256i u = codes_vec(t, b, j);
-    if (o) u = _mm256_sub_epi8(u, _mm256_set1_epi8((char)o));
-    const __m256i au = plain ? u : _mm256_sign_epi8(u, u);
+    const int two = two_scales(t), plain = plain_codes(t), groups = a->tstride / TR;
+    const run_t run = run_of(t, b, j);
+    const sub_t terms = run.terms;
+    const __m256i u = run.w, au = run.aw;
     const __m512i ua = _mm512_broadcast_i32x4(_mm256_castsi256_si128(au));
     const __m512i ub = _mm512_broadcast_i32x4(_mm256_extracti128_si256(au, 1));
     /* the sign trick without vpsignb: x negated where the code is negative (where it is 0,
@@ -388,12 +400,10 @@ INLINE __m128 tacc_row(const tacc *v, const int i) { return _mm512_extractf32x4_
 typedef struct { __m256 h[2]; } tacc;       /* a group's rows 0-1 and 2-3: four lanes a row */
 INLINE void tiled_run(const int t, const int ng, const gact *a, int grp, int g, const uint8_t *b, const int j,
                       tacc *acc, tacc *acc2, __m128 *bias) {
-    const int o = code_offset(t), two = two_scales(t), groups = a->tstride / TR;
-    const int plain = t == T_Q4_1 || t == T_Q5_1 || t == T_Q4_K || t == T_Q5_K;     /* codes >= 0 */
-    const sub_t terms = sub_terms(t, b, j);
-    __m256i u = codes_vec(t, b, j);
-    if (o) u = _mm256_sub_epi8(u, _mm256_set1_epi8((char)o));
-    const __m256i au = plain ? u : _mm256_sign_epi8(u, u);
+    const int two = two_scales(t), plain = plain_codes(t), groups = a->tstride / TR;
+    const run_t run = run_of(t, b, j);
+    const sub_t terms = run.terms;
+    const __m256i u = run.w, au = run.aw;
     const __m256i ua = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(au));
     const __m256i ub = _mm256_broadcastsi128_si256(_mm256_extracti128_si256(au, 1));
     const __m256i va = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(u));
