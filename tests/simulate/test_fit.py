@@ -46,6 +46,49 @@ def test_fits_are_kept_per_backend_and_weights():
     assert devices.cpu_spec("float32", "torch", "none").compute_efficiency == 0.3
 
 
+@pytest.mark.parametrize("edit", [
+    {"compute_efficiency": "fast"}, {"bandwidth_efficiency": None}, {"step_overhead_s": -1},
+    {"token_factors": [[2, "x"]]}, {"token_factors": [[2]]}, {"token_factors": 3}, {"kv_byte_s": float("nan")},
+    {"compute_efficiency": 0}, "drop bandwidth_efficiency", "not an object",
+])
+def test_a_malformed_cached_fit_is_ignored_with_a_warning(edit, caplog):
+    """A fit cache edited by hand or written by another version serves the defaults with a warning
+    naming the file, where it raised a traceback in ``twophase simulate``."""
+    import json
+
+    base = devices.cpu_spec()
+    devices.save_fit(dataclasses.replace(base, compute_efficiency=0.5, token_factors=((2, 1.5),)), "m", "t0")
+    assert devices.cpu_spec().token_factors == ((2, 1.5),)      # the file as written is taken
+    path = devices.fits_path()
+    data = json.loads(path.read_text())
+    (key, entry), = data.items()
+    if edit == "not an object":
+        data[key] = "fast"
+    elif isinstance(edit, str):
+        del entry[edit.split()[1]]
+    else:
+        entry.update(edit)
+    path.write_text(json.dumps(data))
+    with caplog.at_level("WARNING"):
+        spec = devices.cpu_spec()
+    assert figures(spec) == figures(base) and spec.token_factors == ()
+    assert "simulate_fit.json" in caplog.text and "--fit" in caplog.text
+
+
+def test_a_fit_from_before_the_host_terms_still_serves():
+    import json
+
+    devices.save_fit(dataclasses.replace(devices.cpu_spec(), compute_efficiency=0.5), "m", "t0")
+    path = devices.fits_path()
+    data = json.loads(path.read_text())
+    for entry in data.values():
+        for k in ("seq_overhead_s", "kv_byte_s", "attention_flop_s", "token_factors"):
+            del entry[k]
+    path.write_text(json.dumps(data))
+    spec = devices.cpu_spec()
+    assert spec.compute_efficiency == 0.5 and spec.kv_byte_s == 0.0 and spec.token_factors == ()
+
+
 def test_the_fitted_backend_is_the_configs():
     def named(backend):
         return devices.fitted_backend(load_config({"backend": backend}))

@@ -38,6 +38,8 @@ else defaults.
 from __future__ import annotations
 
 import json
+import logging
+import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -48,6 +50,8 @@ from twophase.plan.devices import GPUS
 
 if TYPE_CHECKING:
     from twophase.config import Config
+
+log = logging.getLogger(__name__)
 
 TERA = 1e12
 GIGA = 1e9
@@ -187,14 +191,10 @@ def cpu_spec(dtype: str = "float32", backend: str = "torch", quantization: str =
                       # engines on one machine hand K/V over through shared memory: a copy at the
                       # calibrated bandwidth, after about a millisecond of Ray's object store
                       link_bandwidth=c.bandwidth, link_efficiency=0.5, link_latency_s=1e-3)
-    fitted = _read_fits().get(fit_key(dtype, backend, quantization))
+    key = fit_key(dtype, backend, quantization)
+    fitted = _valid_fit(_read_fits().get(key), key)
     if fitted:
-        spec = replace(spec, compute_efficiency=fitted["compute_efficiency"],
-                       bandwidth_efficiency=fitted["bandwidth_efficiency"],
-                       step_overhead_s=fitted["step_overhead_s"],
-                       seq_overhead_s=fitted.get("seq_overhead_s", 0.0), kv_byte_s=fitted.get("kv_byte_s", 0.0),
-                       attention_flop_s=fitted.get("attention_flop_s", 0.0),
-                       token_factors=tuple((int(t), float(f)) for t, f in fitted.get("token_factors", ())),
+        spec = replace(spec, **{k: fitted[k] for k in FIT_FIELDS},
                        source=f"twophase calibrate ({c.measured_at}); efficiencies fitted "
                               f"{fitted.get('fitted_at', '')} on {fitted.get('model', '?')}, "
                               f"{backend}, {quantization} weights")
@@ -215,6 +215,40 @@ def _read_fits() -> dict:
 
 FIT_FIELDS = ("compute_efficiency", "bandwidth_efficiency", "step_overhead_s", "seq_overhead_s", "kv_byte_s",
               "attention_flop_s", "token_factors")
+REQUIRED_FIT_FIELDS = FIT_FIELDS[:3]      # older fits lack the rest: those default to 0 and none
+
+
+def _valid_fit(entry: object, key: str) -> dict | None:
+    """A cached fit's fields as numbers, or None (with a warning, so the defaults serve) where
+    the file was edited or written by another version into something a spec cannot take."""
+    if entry is None:
+        return None
+    try:
+        if not isinstance(entry, dict):
+            raise ValueError("not an object")
+        out = dict(entry)
+        for k in FIT_FIELDS[:-1]:
+            if k not in entry and k not in REQUIRED_FIT_FIELDS:
+                out[k] = 0.0
+                continue
+            v = entry[k]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"{k} is {v!r}, not a number of 0 or more")
+            out[k] = float(v)
+        if out["compute_efficiency"] <= 0 or out["bandwidth_efficiency"] <= 0:
+            raise ValueError("an efficiency of 0")
+        pairs = entry.get("token_factors", [])
+        if not isinstance(pairs, list) or not all(
+                isinstance(p, list) and len(p) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                             for x in p) and p[0] >= 1 and p[1] > 0 for p in pairs):
+            raise ValueError(f"token_factors is {pairs!r}, not [tokens, factor] pairs")
+        out["token_factors"] = tuple(sorted((int(t), float(f)) for t, f in pairs))
+        return out
+    except (KeyError, ValueError) as e:
+        missing = f"{e.args[0]} is missing" if isinstance(e, KeyError) else e
+        log.warning("ignoring the cached simulation fit for %s in %s (%s); the defaults serve until "
+                    "`twophase simulate --fit` refits it", key, fits_path(), missing)
+        return None
 
 
 def save_fit(spec: DeviceSpec, model: str, fitted_at: str, dtype: str = "float32", backend: str = "torch",
