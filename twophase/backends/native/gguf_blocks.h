@@ -23,11 +23,16 @@ typedef struct proj_g { int n, k, parts; part_t part[PARTS_MAX]; } proj_g;   /* 
    does not start on a group): for run g and group G, 2 * 16 * TR bytes at tq + (g * groups +
    G) * 32 * TR, the group's rows' bytes 0-15 of the run, then their bytes 16-31; d and ds
    again as td [k/32][tstride][4] (each four times: a row's lanes) and tds [k/32][tstride]
-   (tstride: the rows rounded up to groups, padded with 0). */
+   (tstride: the rows rounded up to groups, padded with 0). For the one-row path, the codes
+   again by pairs of runs, pq [rows][k]: runs 2p and 2p + 1 at 64p as 2p's bytes 0-15, 2p + 1's
+   0-15, 2p's 16-31, 2p + 1's 16-31 (a last run without a partner as it is), and each run's four
+   lane sums ls [rows][k/32][4] (lane l: bytes 4l..4l+3 and 16+4l..16+4l+3, the lanes the
+   folded dots take; so an offset type's codes dot unsigned, the offset times the sums off). */
 #define TR 4            /* activation rows a group */
 typedef struct {
     const float *x; int xstride, k; int8_t *q; float *d; int32_t *s; float *ds;
     int rows, tstride; int8_t *tq; float *td, *tds;
+    int8_t *pq; int32_t *ls;
 } gact;
 
 typedef struct { float s[2], bias; int o; } sub_t;          /* a run of 32's float terms */
@@ -275,6 +280,47 @@ INLINE run_t run_of(const int t, const uint8_t *b, const int j) {
     return r;
 }
 
+/* runs j0 of the block at b0 and j1 of b1, a pair whose folded lanes go side by side: *lo their
+   bytes 0-15 (j0's in the low 128 bits), *hi their bytes 16-31, as unsigned codes (Q8_0's
+   signed), the offset not taken: the layout pq pairs the activations in. Types of one scale a
+   run only. */
+INLINE void pair_codes(const int t, const uint8_t *b0, const int j0, const uint8_t *b1, __m256i *lo, __m256i *hi) {
+    const __m256i m15 = _mm256_set1_epi8(15);
+    int qs;
+    uint32_t h0 = 0, h1 = 0;
+    switch (t) {
+    case T_Q8_0:
+        *lo = _mm256_loadu2_m128i((const __m128i *)(b1 + 2), (const __m128i *)(b0 + 2));
+        *hi = _mm256_loadu2_m128i((const __m128i *)(b1 + 18), (const __m128i *)(b0 + 18));
+        return;
+    case T_Q4_K: case T_Q5_K: {     /* one block's runs j0 and j0 + 1: a byte's low and high nibbles */
+        const uint8_t *q = b0 + (t == T_Q4_K ? 16 : 48) + 32 * (j0 / 2);
+        const __m256i by = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
+        *lo = _mm256_and_si256(_mm256_srlv_epi32(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)q)), by), m15);
+        *hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + 16))), by), m15);
+        if (t == T_Q5_K) {          /* bit j0 (low half) and j0 + 1 (high half) of each byte of qh */
+            const __m256i bit = _mm256_set_m128i(_mm_set1_epi8((char)(2 << j0)), _mm_set1_epi8((char)(1 << j0)));
+            const __m256i l = _mm256_and_si256(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(b0 + 16))), bit);
+            const __m256i h = _mm256_and_si256(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(b0 + 32))), bit);
+            *lo = _mm256_or_si256(*lo, _mm256_and_si256(_mm256_cmpeq_epi8(l, bit), _mm256_set1_epi8(0x10)));
+            *hi = _mm256_or_si256(*hi, _mm256_and_si256(_mm256_cmpeq_epi8(h, bit), _mm256_set1_epi8(0x10)));
+        }
+        return;
+    }
+    case T_Q4_0: qs = 2; break;
+    case T_Q4_1: qs = 4; break;
+    case T_Q5_0: qs = 6; memcpy(&h0, b0 + 2, 4); memcpy(&h1, b1 + 2, 4); break;
+    default: qs = 8; memcpy(&h0, b0 + 4, 4); memcpy(&h1, b1 + 4, 4); break;     /* Q5_1 */
+    }
+    const __m256i q = _mm256_loadu2_m128i((const __m128i *)(b1 + (size_t)qs), (const __m128i *)(b0 + (size_t)qs));
+    *lo = _mm256_and_si256(q, m15);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m15);
+    if (t == T_Q5_0 || t == T_Q5_1) {
+        *lo = _mm256_or_si256(*lo, bits_to_16((h0 & 0xFFFFu) | h1 << 16));
+        *hi = _mm256_or_si256(*hi, bits_to_16(h0 >> 16 | (h1 & 0xFFFF0000u)));
+    }
+}
+
 /* the vector path: each run's codes decoded once into a ymm for the nr activation rows; its
    integer dot's lanes (four bytes each) folded to four (bytes j and 16 + j: one scale a run),
    even runs' into lanes 0-3 and odd runs' into 4-7 of one float vector, or kept as eight where
@@ -284,13 +330,37 @@ INLINE run_t run_of(const int t, const uint8_t *b, const int j) {
    rows beside it. vec_pair: runs g (at b0, run j0 of its block) and g + 1 (at b1, j1; if pair). */
 INLINE void vec_pair(const int t, const int nr, const gact *a, int r0, int g, const uint8_t *b0, const int j0,
                      const uint8_t *b1, const int j1, const int pair, __m256 *acc, float *bias) {
-    const int k = a->k, two = two_scales(t), plain = plain_codes(t);
+    const int k = a->k, two = two_scales(t), plain = plain_codes(t), o = code_offset(t);
+    const sub_t t0 = sub_terms(t, b0, j0), t1 = pair ? sub_terms(t, b1, j1) : t0;
+    if (pair && !two) {        /* both runs' folded lanes from the pair-ordered codes */
+        __m256i lo, hi;
+        pair_codes(t, b0, j0, b1, &lo, &hi);
+        const __m256i alo = t == T_Q8_0 ? _mm256_sign_epi8(lo, lo) : lo, ahi = t == T_Q8_0 ? _mm256_sign_epi8(hi, hi) : hi;
+        const __m128 s2 = _mm_setr_ps(t0.s[0], t1.s[0], 0.f, 0.f);
+        const __m256i two_of = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+        for (int r = 0; r < nr; r++) {
+            const size_t row = (size_t)(r0 + r);
+            const int8_t *xq = a->pq + row * k + 32 * g;
+            __m256i xl = _mm256_loadu_si256((const __m256i *)xq), xh = _mm256_loadu_si256((const __m256i *)(xq + 32));
+            if (t == T_Q8_0) { xl = _mm256_sign_epi8(xl, lo); xh = _mm256_sign_epi8(xh, hi); }
+            __m256i d = DPBUSD(DPBUSD(_mm256_setzero_si256(), alo, xl), ahi, xh);
+            if (o) d = _mm256_sub_epi32(d, _mm256_sllv_epi32(_mm256_loadu_si256((const __m256i *)(a->ls + (row * (k / 32) + g) * 4)),
+                                                             _mm256_set1_epi32(o == 8 ? 3 : 4)));
+            /* [s0 * dy0, s1 * dy1] spread to four lanes each: the products rows_tiled takes */
+            const __m128 p = _mm_mul_ps(s2, _mm_castpd_ps(_mm_load_sd((const double *)(a->d + row * (k / 32) + g))));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_permutevar8x32_ps(_mm256_castps128_ps256(p), two_of), acc[r]);
+            if (plain) {
+                bias[r] = fmaf(t0.bias, a->ds[row * (k / 32) + g], bias[r]);
+                bias[r] = fmaf(t1.bias, a->ds[row * (k / 32) + g + 1], bias[r]);
+            }
+        }
+        return;
+    }
     const run_t even = run_of(t, b0, j0), odd = pair ? run_of(t, b1, j1) : even;
-    const sub_t t0 = even.terms, t1 = odd.terms;
     const __m256i u0 = even.w, u1 = odd.w, au0 = even.aw, au1 = odd.aw;
     const __m256 sw0 = _mm256_set_m128(_mm_set1_ps(t0.s[1]), _mm_set1_ps(t0.s[0]));
     const __m256 sw1 = _mm256_set_m128(_mm_set1_ps(t1.s[1]), _mm_set1_ps(t1.s[0]));
-    for (int r = 0; r < nr; r++) {
+    for (int r = 0; r < nr; r++) {         /* a run alone, or a pair of two scales a run (Q6_K) */
         const size_t row = (size_t)(r0 + r);
         const int8_t *xq = a->q + row * k + 32 * g;
         __m256i x0 = _mm256_loadu_si256((const __m256i *)xq);
@@ -307,7 +377,7 @@ INLINE void vec_pair(const int t, const int nr, const gact *a, int r0, int g, co
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(sw0, _mm256_set1_ps(dy0)), acc[r]);
             if (pair) acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(sw1, _mm256_set1_ps(dy1)), acc[r]);
         } else {
-            /* lanes 0-3: the even run's dots folded (bytes j and 16 + j), 4-7: the odd's */
+            /* lanes 0-3: the run's dots folded (bytes j and 16 + j) */
             const __m256i folded = _mm256_add_epi32(_mm256_permute2x128_si256(d0, d1, 0x20),
                                                     _mm256_permute2x128_si256(d0, d1, 0x31));
             const __m256 sc = _mm256_set_m128(_mm_set1_ps(t1.s[0] * dy1), _mm_set1_ps(t0.s[0] * dy0));
@@ -515,18 +585,20 @@ static inline int groups_up(int rows) { return (rows + TR - 1) / TR * TR; }
 /* floats the activations' layouts take (gact_layout) */
 static inline long gact_floats(int rows, int k) {
     const long P = groups_up(rows);
-    return ((long)rows * k + P * k) / 4 + (long)rows * (k / 32 * 2 + k / 16) + P * (k / 32) * 5 + 16;
+    return ((long)rows * k * 2 + P * k) / 4 + (long)rows * (k / 32 * 6 + k / 16) + P * (k / 32) * 5 + 16;
 }
 
 /* the activations' layout in the scratch at `at` (gact_floats(rows, k) floats) */
 static gact gact_layout(float *at, int rows, int k, const float *x, int xstride) {
-    gact a = { x, xstride, k, (int8_t *)at, NULL, NULL, NULL, rows, groups_up(rows), NULL, NULL, NULL };
+    gact a = { x, xstride, k, (int8_t *)at, NULL, NULL, NULL, rows, groups_up(rows), NULL, NULL, NULL, NULL, NULL };
     a.d = (float *)(a.q + (size_t)rows * k);
     a.s = (int32_t *)(a.d + (size_t)rows * (k / 32));
     a.ds = (float *)(a.s + (size_t)rows * (k / 16));
     a.td = a.ds + (size_t)rows * (k / 32);
     a.tds = a.td + (size_t)a.tstride * (k / 32) * 4;
     a.tq = (int8_t *)(a.tds + (size_t)a.tstride * (k / 32));
+    a.ls = (int32_t *)(a.tq + (size_t)a.tstride * k);
+    a.pq = (int8_t *)(a.ls + (size_t)rows * (k / 32) * 4);
     return a;
 }
 
@@ -568,6 +640,16 @@ static void gquantize_row(const gact *a, int r) {
         const __m256i p16a = _mm256_packs_epi32(c[0], c[1]), p16b = _mm256_packs_epi32(c[2], c[3]);
         const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256((__m256i *)q, p8);
+        /* the pair-ordered copy: this run's halves at 16 * (g % 2) and 32 + 16 * (g % 2) of its pair */
+        int8_t *pq = a->pq + (size_t)r * k + (g < k / 64 * 2 ? 64 * (g / 2) + 16 * (g % 2) : 32 * g);
+        const int gap = g < k / 64 * 2 ? 32 : 16;
+        _mm_storeu_si128((__m128i *)pq, _mm256_castsi256_si128(p8));
+        _mm_storeu_si128((__m128i *)(pq + gap), _mm256_extracti128_si256(p8, 1));
+        /* lane l's sum: codes 4l..4l+3 and 16+4l..16+4l+3 (c[0] + c[2]: codes i and 16 + i, i < 8) */
+        const __m256i hs = _mm256_hadd_epi32(_mm256_add_epi32(c[0], c[2]), _mm256_add_epi32(c[1], c[3]));
+        const __m256i lanes = _mm256_hadd_epi32(hs, hs);    /* [l0 l2 l0 l2 | l1 l3 l1 l3] */
+        _mm_storeu_si128((__m128i *)(a->ls + ((size_t)r * (k / 32) + g) * 4),
+                         _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(lanes, _mm256_setr_epi32(0, 4, 1, 5, 0, 0, 0, 0))));
         const int s0 = isum8(_mm256_add_epi32(c[0], c[1])), s1 = isum8(_mm256_add_epi32(c[2], c[3]));
         a->d[(size_t)r * (k / 32) + g] = d;
         a->s[(size_t)r * (k / 16) + 2 * g] = s0;
