@@ -321,6 +321,44 @@ INLINE void pair_codes(const int t, const uint8_t *b0, const int j0, const uint8
     }
 }
 
+/* a K-quant block's runs' float terms at once (the one-row path meets each block once, so
+   sub_terms' scalar decode a run was most of its work): Q4_K and Q5_K's eight scales, then
+   their minima's terms; Q6_K's sixteen scales (two a run). The same products as sub_terms. */
+#define KS_FLOATS 16
+INLINE void block_terms(const int t, const uint8_t *b, float *ks) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    if (t == T_Q6_K) {
+        const __m128i sc = _mm_loadu_si128((const __m128i *)(b + 192));
+        const __m256 d = _mm256_set1_ps(f16_of(b + 208));
+        _mm256_storeu_ps(ks, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
+        _mm256_storeu_ps(ks + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
+        return;
+    }
+    /* scale_min_k4's bytes, sixteen at once: bytes 0-7 the scales, 8-15 the minima. Runs 0-3
+       take q[j] and q[j + 4]'s low six bits; runs 4-7 q[j + 4]'s nibbles under the top two bits
+       of q[j - 4] and q[j] */
+    const __m128i q = _mm_loadu_si128((const __m128i *)(b + 4));
+    const __m128i A = _mm_shuffle_epi8(q, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+    const __m128i B = _mm_shuffle_epi8(q, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+    const __m128i hi4 = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, -1, -1, -1, -1);
+    const __m128i low = _mm_and_si128(_mm_blendv_epi8(A, _mm_srli_epi16(A, 4), hi4),
+                                      _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15));
+    const __m128i top = _mm_and_si128(_mm_srli_epi16(B, 2), _mm_setr_epi8(0, 0, 0, 0, 48, 48, 48, 48, 0, 0, 0, 0, 48, 48, 48, 48));
+    const __m128i sm = _mm_or_si128(low, top);
+    _mm256_storeu_ps(ks, _mm256_mul_ps(_mm256_set1_ps(f16_of(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm))));
+    _mm256_storeu_ps(ks + 8, _mm256_xor_ps(sign, _mm256_mul_ps(_mm256_set1_ps(f16_of(b + 2)),
+                                                               _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))))));
+}
+
+/* run j's float terms: from a block's block_terms where ks is given, else sub_terms */
+INLINE sub_t terms_at(const int t, const uint8_t *b, const int j, const float *ks) {
+    if (!ks) return sub_terms(t, b, j);
+    sub_t r = { {0.f, 0.f}, 0.f, code_offset(t) };
+    if (t == T_Q6_K) { r.s[0] = ks[2 * j]; r.s[1] = ks[2 * j + 1]; }
+    else { r.s[0] = r.s[1] = ks[j]; r.bias = ks[8 + j]; }
+    return r;
+}
+
 /* the vector path: each run's codes decoded once into a ymm for the nr activation rows; its
    integer dot's lanes (four bytes each) folded to four (bytes j and 16 + j: one scale a run),
    even runs' into lanes 0-3 and odd runs' into 4-7 of one float vector, or kept as eight where
@@ -329,14 +367,14 @@ INLINE void pair_codes(const int t, const uint8_t *b0, const int j0, const uint8
    float rounding (the sums go in another order), and a row's result does not depend on the
    rows beside it. vec_pair: runs g (at b0, run j0 of its block) and g + 1 (at b1, j1; if pair). */
 INLINE void vec_pair(const int t, const int nr, const gact *a, int r0, int g, const uint8_t *b0, const int j0,
-                     const uint8_t *b1, const int j1, const int pair, __m256 *acc, float *bias) {
+                     const uint8_t *b1, const int j1, const int pair, const float *ks, __m256 *acc, float *bias) {
     const int k = a->k, two = two_scales(t), plain = plain_codes(t), o = code_offset(t);
-    const sub_t t0 = sub_terms(t, b0, j0), t1 = pair ? sub_terms(t, b1, j1) : t0;
+    const sub_t t0 = terms_at(t, b0, j0, ks), t1 = pair ? terms_at(t, b1, j1, ks) : t0;
     if (pair && !two) {        /* both runs' folded lanes from the pair-ordered codes */
         __m256i lo, hi;
         pair_codes(t, b0, j0, b1, &lo, &hi);
         const __m256i alo = t == T_Q8_0 ? _mm256_sign_epi8(lo, lo) : lo, ahi = t == T_Q8_0 ? _mm256_sign_epi8(hi, hi) : hi;
-        const __m128 s2 = _mm_setr_ps(t0.s[0], t1.s[0], 0.f, 0.f);
+        const __m128 s2 = ks ? _mm_castpd_ps(_mm_load_sd((const double *)(ks + j0))) : _mm_setr_ps(t0.s[0], t1.s[0], 0.f, 0.f);
         const __m256i two_of = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
         for (int r = 0; r < nr; r++) {
             const size_t row = (size_t)(r0 + r);
@@ -356,7 +394,7 @@ INLINE void vec_pair(const int t, const int nr, const gact *a, int r0, int g, co
         }
         return;
     }
-    const run_t even = run_of(t, b0, j0), odd = pair ? run_of(t, b1, j1) : even;
+    const run_t even = run_of(t, b0, j0), odd = pair ? run_of(t, b1, j1) : even;   /* codes; terms: t0, t1 */
     const __m256i u0 = even.w, u1 = odd.w, au0 = even.aw, au1 = odd.aw;
     const __m256 sw0 = _mm256_set_m128(_mm_set1_ps(t0.s[1]), _mm_set1_ps(t0.s[0]));
     const __m256 sw1 = _mm256_set_m128(_mm_set1_ps(t1.s[1]), _mm_set1_ps(t1.s[0]));
@@ -399,11 +437,13 @@ INLINE void rows_vec(const int t, const int nr, const uint8_t *w, const gact *a,
     if (runs > 1)                               /* pairs within a block (the K-quants: 8 runs) */
         for (int blk = 0; blk < nblk; blk++) {
             const uint8_t *b = w + (size_t)blk * bb;
-            for (int j = 0; j < runs; j += 2) vec_pair(t, nr, a, r0, blk * runs + j, b, j, b, j + 1, 1, acc, bias);
+            float ks[KS_FLOATS];
+            block_terms(t, b, ks);
+            for (int j = 0; j < runs; j += 2) vec_pair(t, nr, a, r0, blk * runs + j, b, j, b, j + 1, 1, ks, acc, bias);
         }
     else                                        /* pairs of blocks of one run */
         for (int blk = 0; blk < nblk; blk += 2)
-            vec_pair(t, nr, a, r0, blk, w + (size_t)blk * bb, 0, w + (size_t)(blk + 1) * bb, 0, blk + 1 < nblk, acc, bias);
+            vec_pair(t, nr, a, r0, blk, w + (size_t)blk * bb, 0, w + (size_t)(blk + 1) * bb, 0, blk + 1 < nblk, NULL, acc, bias);
     for (int r = 0; r < nr; r++) y[r] = hsum4(_mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1))) + bias[r];
 }
 
