@@ -470,10 +470,10 @@ ROWS_VEC(T_Q4_K) ROWS_VEC(T_Q5_K) ROWS_VEC(T_Q6_K)
 #if WIDE
 typedef __m512 tacc;                        /* a group's four rows: four lanes each */
 INLINE void tiled_run(const int t, const int ng, const gact *a, int grp, int g, const uint8_t *b, const int j,
-                      tacc *acc, tacc *acc2, __m128 *bias) {
+                      const float *ks, tacc *acc, tacc *acc2, __m128 *bias) {
     const int two = two_scales(t), plain = plain_codes(t), groups = a->tstride / TR;
     const run_t run = run_of(t, b, j);
-    const sub_t terms = run.terms;
+    const sub_t terms = terms_at(t, b, j, ks);
     const __m256i u = run.w, au = run.aw;
     const __m512i ua = _mm512_broadcast_i32x4(_mm256_castsi256_si128(au));
     const __m512i ub = _mm512_broadcast_i32x4(_mm256_extracti128_si256(au, 1));
@@ -509,10 +509,10 @@ INLINE __m128 tacc_row(const tacc *v, const int i) { return _mm512_extractf32x4_
 #else
 typedef struct { __m256 h[2]; } tacc;       /* a group's rows 0-1 and 2-3: four lanes a row */
 INLINE void tiled_run(const int t, const int ng, const gact *a, int grp, int g, const uint8_t *b, const int j,
-                      tacc *acc, tacc *acc2, __m128 *bias) {
+                      const float *ks, tacc *acc, tacc *acc2, __m128 *bias) {
     const int two = two_scales(t), plain = plain_codes(t), groups = a->tstride / TR;
     const run_t run = run_of(t, b, j);
-    const sub_t terms = run.terms;
+    const sub_t terms = terms_at(t, b, j, ks);
     const __m256i u = run.w, au = run.aw;
     const __m256i ua = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(au));
     const __m256i ub = _mm256_broadcastsi128_si256(_mm256_extracti128_si256(au, 1));
@@ -559,15 +559,17 @@ INLINE void rows_tiled(const int t, const int ng, const uint8_t *w, const gact *
     if (runs > 1)
         for (int blk = 0; blk < nblk; blk++) {
             const uint8_t *b = w + (size_t)blk * bb;
+            float ks[KS_FLOATS];
+            block_terms(t, b, ks);
             for (int j = 0; j < runs; j += 2) {
-                tiled_run(t, ng, a, grp, blk * runs + j, b, j, acc_a, acc_b, bias);
-                tiled_run(t, ng, a, grp, blk * runs + j + 1, b, j + 1, odd, acc_b, bias);
+                tiled_run(t, ng, a, grp, blk * runs + j, b, j, ks, acc_a, acc_b, bias);
+                tiled_run(t, ng, a, grp, blk * runs + j + 1, b, j + 1, ks, odd, acc_b, bias);
             }
         }
     else
         for (int blk = 0; blk < nblk; blk += 2) {
-            tiled_run(t, ng, a, grp, blk, w + (size_t)blk * bb, 0, acc_a, acc_b, bias);
-            if (blk + 1 < nblk) tiled_run(t, ng, a, grp, blk + 1, w + (size_t)(blk + 1) * bb, 0, odd, acc_b, bias);
+            tiled_run(t, ng, a, grp, blk, w + (size_t)blk * bb, 0, NULL, acc_a, acc_b, bias);
+            if (blk + 1 < nblk) tiled_run(t, ng, a, grp, blk + 1, w + (size_t)(blk + 1) * bb, 0, NULL, odd, acc_b, bias);
         }
     for (int q = 0; q < ng; q++) {
         float bs[TR];
