@@ -447,12 +447,31 @@ INLINE void rows_vec(const int t, const int nr, const uint8_t *w, const gact *a,
     for (int r = 0; r < nr; r++) y[r] = hsum4(_mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1))) + bias[r];
 }
 
-/* rows_vec for each type and for 1 and G_ROWS rows, each compiled with both constant (the
-   switches on the type fold away, the rows' accumulators stay in registers) */
+static inline void put_rows(float *y, int ystride, int n, const float *out, int r0, int nr, int accumulate) {
+    for (int r = 0; r < nr; r++) {
+        float *o = y + (size_t)(r0 + r) * ystride + n;
+        *o = accumulate ? *o + out[r] : out[r];
+    }
+}
+
+/* rows_vec over nw consecutive weight rows of one type (rs bytes apart) against activation
+   rows r0 .. r0 + rows, into y[r][i] (y at the first weight row's column), for each type and
+   for 1 and G_ROWS rows, each compiled with both constant (the switches on the type fold away,
+   the rows' accumulators stay in registers, and a short row costs no call of its own: the
+   head's 262144 rows of 640 did) */
 #define ROWS_VEC(T)                                                                               \
-    static void rows_vec_##T(const uint8_t *w, const gact *a, int r0, int nr, float *y) {         \
-        if (nr == G_ROWS) { rows_vec(T, G_ROWS, w, a, r0, y); return; }                           \
-        for (int r = 0; r < nr; r++) rows_vec(T, 1, w, a, r0 + r, y + r);                          \
+    static void rows_vec_##T(const uint8_t *w, size_t rs, int nw, const gact *a, int r0, int rows, \
+                             float *y, int ystride, int accumulate) {                             \
+        for (int i = 0; i < nw; i++) {                                                            \
+            const uint8_t *wi = w + (size_t)i * rs;                                               \
+            for (int r1 = r0; r1 < r0 + rows; r1 += G_ROWS) {                                     \
+                const int nr = r0 + rows - r1 < G_ROWS ? r0 + rows - r1 : G_ROWS;                 \
+                float out[G_ROWS];                                                                \
+                if (nr == G_ROWS) rows_vec(T, G_ROWS, wi, a, r1, out);                            \
+                else for (int r = 0; r < nr; r++) rows_vec(T, 1, wi, a, r1 + r, out + r);         \
+                put_rows(y, ystride, i, out, r1, nr, accumulate);                                 \
+            }                                                                                     \
+        }                                                                                         \
     }
 ROWS_VEC(T_Q4_0) ROWS_VEC(T_Q4_1) ROWS_VEC(T_Q5_0) ROWS_VEC(T_Q5_1) ROWS_VEC(T_Q8_0)
 ROWS_VEC(T_Q4_K) ROWS_VEC(T_Q5_K) ROWS_VEC(T_Q6_K)
@@ -607,18 +626,31 @@ static int groups_dots(int t, const uint8_t *w, const gact *a, int grp, int ng, 
     }
 }
 
-static void row_dots_vec(int t, const uint8_t *w, const gact *a, int r0, int nr, float *y) {
-    switch (t) {
-    case T_Q4_0: rows_vec_T_Q4_0(w, a, r0, nr, y); return;
-    case T_Q4_1: rows_vec_T_Q4_1(w, a, r0, nr, y); return;
-    case T_Q5_0: rows_vec_T_Q5_0(w, a, r0, nr, y); return;
-    case T_Q5_1: rows_vec_T_Q5_1(w, a, r0, nr, y); return;
-    case T_Q8_0: rows_vec_T_Q8_0(w, a, r0, nr, y); return;
-    case T_Q4_K: rows_vec_T_Q4_K(w, a, r0, nr, y); return;
-    case T_Q5_K: rows_vec_T_Q5_K(w, a, r0, nr, y); return;
-    case T_Q6_K: rows_vec_T_Q6_K(w, a, r0, nr, y); return;
+/* y[r][i] (+)= w_i . x[r] for nw consecutive weight rows of type t and activation rows r0 ..
+   r0 + rows: the vector path (vec) or the reference */
+static void span_dots(int t, const uint8_t *w, int nw, const gact *a, int r0, int rows, float *y, int ystride,
+                      int accumulate, int vec) {
+    const size_t rs = row_size(t, a->k);
+    switch (vec ? t : -1) {
+    case T_Q4_0: rows_vec_T_Q4_0(w, rs, nw, a, r0, rows, y, ystride, accumulate); return;
+    case T_Q4_1: rows_vec_T_Q4_1(w, rs, nw, a, r0, rows, y, ystride, accumulate); return;
+    case T_Q5_0: rows_vec_T_Q5_0(w, rs, nw, a, r0, rows, y, ystride, accumulate); return;
+    case T_Q5_1: rows_vec_T_Q5_1(w, rs, nw, a, r0, rows, y, ystride, accumulate); return;
+    case T_Q8_0: rows_vec_T_Q8_0(w, rs, nw, a, r0, rows, y, ystride, accumulate); return;
+    case T_Q4_K: rows_vec_T_Q4_K(w, rs, nw, a, r0, rows, y, ystride, accumulate); return;
+    case T_Q5_K: rows_vec_T_Q5_K(w, rs, nw, a, r0, rows, y, ystride, accumulate); return;
+    case T_Q6_K: rows_vec_T_Q6_K(w, rs, nw, a, r0, rows, y, ystride, accumulate); return;
     default:
-        for (int r = 0; r < nr; r++) y[r] = float_row_dot(t, w, a->x + (size_t)(r0 + r) * a->xstride, a->k);
+        for (int i = 0; i < nw; i++)
+            for (int r1 = r0; r1 < r0 + rows; r1 += G_ROWS) {
+                const int nr = r0 + rows - r1 < G_ROWS ? r0 + rows - r1 : G_ROWS;
+                float out[G_ROWS];
+                if (vec)
+                    for (int r = 0; r < nr; r++)
+                        out[r] = float_row_dot(t, w + (size_t)i * rs, a->x + (size_t)(r1 + r) * a->xstride, a->k);
+                else row_dots_ref(t, w + (size_t)i * rs, a, r1, nr, out);
+                put_rows(y, ystride, i, out, r1, nr, accumulate);
+            }
     }
 }
 
@@ -705,19 +737,14 @@ static void gquantize_row(const gact *a, int r) {
     }
 }
 
-/* weight row n of p: its type and bytes */
-static inline const uint8_t *weight_row(const proj_g *p, int n, int *type) {
+/* weight row n of p: its type and bytes, and how many rows of its part follow it (itself
+   included) */
+static inline const uint8_t *weight_row(const proj_g *p, int n, int *type, int *left) {
     int i = 0, first = 0;
     while (n - first >= p->part[i].n) first += p->part[i++].n;
     *type = p->part[i].type;
+    *left = p->part[i].n - (n - first);
     return p->part[i].w + (size_t)(n - first) * row_size(p->part[i].type, p->k);
-}
-
-static inline void put_rows(float *y, int ystride, int n, const float *out, int r0, int nr, int accumulate) {
-    for (int r = 0; r < nr; r++) {
-        float *o = y + (size_t)(r0 + r) * ystride + n;
-        *o = accumulate ? *o + out[r] : out[r];
-    }
 }
 
 #define N_BLOCK 32      /* weight rows that meet one tile of activation rows while it is in L1 */
@@ -735,8 +762,9 @@ static void matmul_g(const proj_g *p, int rows, const gact *a, float *y, int yst
                 const int ng = (rows - r0 + TR - 1) / TR < TG ? (rows - r0 + TR - 1) / TR : TG;
                 const int nr = rows - r0 < ng * TR ? rows - r0 : ng * TR;   /* padding rows dropped */
                 for (int n = n0; n < n1; n++) {
-                    int t;
-                    const uint8_t *w = weight_row(p, n, &t);
+                    int t, left;
+                    const uint8_t *w = weight_row(p, n, &t, &left);
+                    (void)left;
                     float out[TG * TR];
                     if (is_float_type(t))
                         for (int r = 0; r < nr; r++) out[r] = float_row_dot(t, w, a->x + (size_t)(r0 + r) * a->xstride, a->k);
@@ -745,16 +773,12 @@ static void matmul_g(const proj_g *p, int rows, const gact *a, float *y, int yst
                 }
             }
         else
-            for (int n = n0; n < n1; n++) {
-                int t;
-                const uint8_t *w = weight_row(p, n, &t);
-                for (int r0 = 0; r0 < rows; r0 += G_ROWS) {
-                    const int nr = rows - r0 < G_ROWS ? rows - r0 : G_ROWS;
-                    float out[G_ROWS];
-                    if (vec) row_dots_vec(t, w, a, r0, nr, out);
-                    else row_dots_ref(t, w, a, r0, nr, out);
-                    put_rows(y, ystride, n, out, r0, nr, accumulate);
-                }
+            for (int n = n0; n < n1;) {         /* the block's rows a part at a time */
+                int t, left;
+                const uint8_t *w = weight_row(p, n, &t, &left);
+                const int nw = n1 - n < left ? n1 - n : left;
+                span_dots(t, w, nw, a, 0, rows, y + n, ystride, accumulate, vec);
+                n += nw;
             }
     }
 }
