@@ -194,3 +194,23 @@ def test_the_avx2_build_computes_every_family_as_this_cpus_build(gguf_model, mon
         llm.close()
         monkeypatch.setattr(kernel, "load", build)
     assert torch.equal(logits["native"], logits["avx2"])
+
+
+def test_native_experts_on_stored_blocks_give_each_row_what_it_gets_alone(tmp_path):
+    """Qwen3-MoE's experts in Q8_0 and Q5_0 blocks: a 40-token prefill in one step gathers each
+    expert's rows (the tiled path where an expert's rows start on a group of four, the one-row
+    path elsewhere), and every row's logits are what that token gets prefilled alone after the
+    ones before it, bit for bit."""
+    from helpers.native import native_or_skip
+
+    native_or_skip()
+    model = _tiny("qwen3_moe", tmp_path / "hf")
+    types = {f"blk.{i}.ffn_{p}_exps.weight": "Q8_0" if i % 2 else "Q5_0"
+             for i in range(model.config.num_hidden_layers) for p in ("gate", "up", "down")}
+    path = write_gguf(tmp_path / "hf", tmp_path / "tiny-qwen3_moe-q.gguf", types)
+    llm = LLM.from_config({**NATIVE, "model": {"path": str(path), "quantization": "gguf"}})
+    req = _allocated(llm)
+    whole = _prefill_logits(llm, req, 0, len(PROMPT))
+    alone = torch.cat([_prefill_logits(llm, req, i, 1) for i in range(len(PROMPT))])
+    assert torch.equal(whole, alone)
+    llm.close()
