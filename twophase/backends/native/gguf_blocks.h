@@ -22,7 +22,8 @@ typedef struct proj_g { int n, k, parts; part_t part[PARTS_MAX]; } proj_g;   /* 
    The same codes again by groups of TR rows for the tiled path (NULL where a view of the rows
    does not start on a group): for run g and group G, 2 * 16 * TR bytes at tq + (g * groups +
    G) * 32 * TR, the group's rows' bytes 0-15 of the run, then their bytes 16-31; d and ds
-   again as td [k/32][tstride][4] (each four times: a row's lanes) and tds [k/32][tstride]
+   again as td [k/32][tstride] (spread to a row's four lanes as the tiles read them: the tiled
+   path's loads are its bound) and tds [k/32][tstride]
    (tstride: the rows rounded up to groups, padded with 0). For the one-row path, the codes
    again by pairs of runs, pq [rows][k]: runs 2p and 2p + 1 at 64p as 2p's bytes 0-15, 2p + 1's
    0-15, 2p's 16-31, 2p + 1's 16-31 (a last run without a partner as it is), and each run's four
@@ -502,7 +503,8 @@ INLINE void tiled_run(const int t, const int ng, const gact *a, int grp, int g, 
     const __mmask64 nb = plain ? 0 : _mm512_movepi8_mask(_mm512_broadcast_i32x4(_mm256_extracti128_si256(u, 1)));
     const __m512 sa = _mm512_set1_ps(terms.s[0]), sb = _mm512_set1_ps(terms.s[1]);
     const int8_t *xg = a->tq + ((size_t)g * groups + grp) * 32 * TR;
-    const float *dg = a->td + ((size_t)g * a->tstride + grp * TR) * 4, *sg = a->tds + (size_t)g * a->tstride + grp * TR;
+    const float *dg = a->td + (size_t)g * a->tstride + grp * TR, *sg = a->tds + (size_t)g * a->tstride + grp * TR;
+    const __m512i fours = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     for (int q = 0; q < ng; q++) {
         __m512i xa = _mm512_loadu_si512((const void *)(xg + 32 * TR * q));
         __m512i xb = _mm512_loadu_si512((const void *)(xg + 32 * TR * q + 16 * TR));
@@ -510,7 +512,7 @@ INLINE void tiled_run(const int t, const int ng, const gact *a, int grp, int g, 
             xa = _mm512_mask_sub_epi8(xa, na, _mm512_setzero_si512(), xa);
             xb = _mm512_mask_sub_epi8(xb, nb, _mm512_setzero_si512(), xb);
         }
-        const __m512 d4 = _mm512_loadu_ps(dg + 4 * TR * q);
+        const __m512 d4 = _mm512_permutexvar_ps(fours, _mm512_castps128_ps512(_mm_loadu_ps(dg + TR * q)));
         if (two) {
             const __m512i da = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ua, xa);
             const __m512i db = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ub, xb);
@@ -539,13 +541,15 @@ INLINE void tiled_run(const int t, const int ng, const gact *a, int grp, int g, 
     const __m256i vb = _mm256_broadcastsi128_si256(_mm256_extracti128_si256(u, 1));
     const __m256 sa = _mm256_set1_ps(terms.s[0]), sb = _mm256_set1_ps(terms.s[1]);
     const int8_t *xg = a->tq + ((size_t)g * groups + grp) * 32 * TR;
-    const float *dg = a->td + ((size_t)g * a->tstride + grp * TR) * 4, *sg = a->tds + (size_t)g * a->tstride + grp * TR;
+    const float *dg = a->td + (size_t)g * a->tstride + grp * TR, *sg = a->tds + (size_t)g * a->tstride + grp * TR;
+    const __m256i fours = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
     for (int q = 0; q < ng; q++) {
         for (int h = 0; h < 2; h++) {
             __m256i xa = _mm256_loadu_si256((const __m256i *)(xg + 32 * TR * q + 32 * h));
             __m256i xb = _mm256_loadu_si256((const __m256i *)(xg + 32 * TR * q + 16 * TR + 32 * h));
             if (!plain) { xa = _mm256_sign_epi8(xa, va); xb = _mm256_sign_epi8(xb, vb); }
-            const __m256 d2 = _mm256_loadu_ps(dg + 4 * TR * q + 8 * h);
+            const __m256 d2 = _mm256_permutevar8x32_ps(
+                _mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd((const double *)(dg + TR * q + 2 * h)))), fours);
             if (two) {
                 const __m256i da = DPBUSD(_mm256_setzero_si256(), ua, xa);
                 const __m256i db = DPBUSD(_mm256_setzero_si256(), ub, xb);
@@ -659,7 +663,7 @@ static inline int groups_up(int rows) { return (rows + TR - 1) / TR * TR; }
 /* floats the activations' layouts take (gact_layout) */
 static inline long gact_floats(int rows, int k) {
     const long P = groups_up(rows);
-    return ((long)rows * k * 2 + P * k) / 4 + (long)rows * (k / 32 * 6 + k / 16) + P * (k / 32) * 5 + 16;
+    return ((long)rows * k * 2 + P * k) / 4 + (long)rows * (k / 32 * 6 + k / 16) + P * (k / 32) * 2 + 16;
 }
 
 /* the activations' layout in the scratch at `at` (gact_floats(rows, k) floats) */
@@ -669,7 +673,7 @@ static gact gact_layout(float *at, int rows, int k, const float *x, int xstride)
     a.s = (int32_t *)(a.d + (size_t)rows * (k / 32));
     a.ds = (float *)(a.s + (size_t)rows * (k / 16));
     a.td = a.ds + (size_t)rows * (k / 32);
-    a.tds = a.td + (size_t)a.tstride * (k / 32) * 4;
+    a.tds = a.td + (size_t)a.tstride * (k / 32);
     a.tq = (int8_t *)(a.tds + (size_t)a.tstride * (k / 32));
     a.ls = (int32_t *)(a.tq + (size_t)a.tstride * k);
     a.pq = (int8_t *)(a.ls + (size_t)rows * (k / 32) * 4);
@@ -682,7 +686,7 @@ static inline void tile_run(const gact *a, int r, int g, const int8_t *q, float 
     int8_t *t = a->tq + ((size_t)g * groups + r / TR) * 32 * TR + 16 * (r % TR);
     memcpy(t, q, 16);
     memcpy(t + 16 * TR, q + 16, 16);
-    for (int l = 0; l < 4; l++) a->td[((size_t)g * a->tstride + r) * 4 + l] = d;    /* a row's four lanes */
+    a->td[(size_t)g * a->tstride + r] = d;
     a->tds[(size_t)g * a->tstride + r] = ds;
 }
 
