@@ -4,7 +4,7 @@ simulate --device cpu`` with that backend's fitted figures), side by side: outpu
 TTFT p50, TPOT p50 and preemptions, and which agree within 10% (throughput) and 15% (latency).
 
     python benchmarks/simulate_vs_real.py [--backend torch,onnxruntime,native]
-        [--workload steady,bursts,shared] [--no-fit] [--num-blocks N] [--json FILE]
+        [--workload steady,bursts,shared] [--repeats N] [--no-fit] [--num-blocks N] [--json FILE]
 
 Workloads (each sized to take about a minute for real here):
 
@@ -17,12 +17,16 @@ so one backend's threads and memory do not weigh on another's measurements; the 
 run here afterwards, over the real engine's pool size. By default each backend's efficiencies
 are fitted first (``twophase simulate --fit``: a short profiling sweep, cached a backend). The
 machine is shared: other processes' load moves both the fit and the real runs, so each figure
-is one sample of the machine as it was (every run records the load and others' CPU share).
+is one sample of the machine as it was (every run records the load and others' CPU share);
+``--repeats N`` serves each workload N times for real (rounds interleaved across the
+workloads, a fresh engine each) and compares the simulation with the runs' median, beside their
+spread (the simulation is deterministic: one run of it).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import time
@@ -77,9 +81,10 @@ def backend_config(backend: str, num_blocks: int | None = None, prefault: bool =
 
 
 def measure(backend: str, workloads: dict[str, list[TimedRequest]], fit: bool,
-            num_blocks: int | None) -> dict[str, Any]:
+            num_blocks: int | None, repeats: int = 1) -> dict[str, Any]:
     """In a process of its own: the backend's fit, then each workload served for real on a
-    fresh engine (after a warm-up), with how busy the machine was meanwhile."""
+    fresh engine (after a warm-up), ``repeats`` rounds over the workloads, with how busy the
+    machine was meanwhile."""
     from twophase.bench import machine
     from twophase.llm import LLM
     from twophase.simulate import driver
@@ -92,20 +97,41 @@ def measure(backend: str, workloads: dict[str, list[TimedRequest]], fit: bool,
         a = machine.sample()
         fit_cpu(cfg, console)
         fit_machine = machine.between(a, machine.sample())
-    out: dict[str, Any] = {"fit_machine": fit_machine if fit else None, "runs": {}}
+    out: dict[str, Any] = {"fit_machine": fit_machine if fit else None, "runs": {name: [] for name in workloads}}
     with LLM(cfg) as llm:
         out["num_blocks"], out["model"] = llm.num_blocks, llm.model.model_id
         driver.drive(llm.engine, driver.workload(4, None, [256, 256], [8, 8], llm.model.arch.vocab_size, 99),
                      time.perf_counter, time.sleep)
-        for name, reqs in workloads.items():
-            llm.engine = llm._build_engine()              # an empty prefix cache and step record
-            a = machine.sample()
-            run = driver.drive(llm.engine, reqs, time.perf_counter, time.sleep)
-            m = machine.between(a, machine.sample())
-            out["runs"][name] = {"report": llm.report(run.outputs), "host_s": run.host_s,
-                                 "rejected": len(run.rejected), "machine": m}
-            console.print(f"{backend} {name}: {run.host_s:.1f} s for real (load {m['load_before']:.2f} -> "
-                          f"{m['load_after']:.2f}, others' CPU {100 * (m['others_cpu_fraction'] or 0):.0f}%)")
+        for i in range(repeats):
+            for name, reqs in workloads.items():
+                llm.engine = llm._build_engine()              # an empty prefix cache and step record
+                a = machine.sample()
+                run = driver.drive(llm.engine, [dataclasses.replace(r) for r in reqs], time.perf_counter, time.sleep)
+                m = machine.between(a, machine.sample())
+                out["runs"][name].append({"report": llm.report(run.outputs), "host_s": run.host_s,
+                                          "rejected": len(run.rejected), "machine": m})
+                console.print(f"{backend} {name} ({i + 1} of {repeats}): {run.host_s:.1f} s for real (load "
+                              f"{m['load_before']:.2f} -> {m['load_after']:.2f}, others' CPU "
+                              f"{100 * (m['others_cpu_fraction'] or 0):.0f}%)")
+    return out
+
+
+def figure(report: dict[str, Any], key: str) -> float:
+    """A report's throughput, or a latency's p50."""
+    v = report[key]
+    return v["p50"] if isinstance(v, dict) else v
+
+
+def median_report(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The runs' median of each figure the table compares, and their spread."""
+    from statistics import median
+
+    out: dict[str, Any] = {"spread": {}}
+    for key in ("output_tokens_per_s", "ttft_s", "tpot_s"):
+        vals = [figure(r["report"], key) for r in runs]
+        out[key] = median(vals)
+        out["spread"][key] = (min(vals), max(vals))
+    out["preemptions"] = median(r["report"]["preemptions"] for r in runs)
     return out
 
 
@@ -121,6 +147,7 @@ def main() -> None:
                                                        "list; default all three)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-blocks", type=int, help="the KV pool's blocks, real and simulated (default: auto)")
+    p.add_argument("--repeats", type=int, default=1, help="real runs of each workload (the median is compared)")
     p.add_argument("--no-fit", action="store_true", help="use the cached (or default) CPU efficiencies")
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args()
@@ -150,7 +177,7 @@ def main() -> None:
     fits: dict[str, Any] = {}
     for b in backends:
         with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
-            real = pool.submit(measure, b, workloads, not args.no_fit, args.num_blocks).result()
+            real = pool.submit(measure, b, workloads, not args.no_fit, args.num_blocks, args.repeats).result()
         cfg = backend_config(b, real["num_blocks"])       # the real engine's pool
         device = cpu_spec("float32", fitted_backend(cfg), cfg.model.quantization)
         fits[b] = {**device.__dict__, "fit_machine": real["fit_machine"]}
@@ -159,13 +186,16 @@ def main() -> None:
                       f"({device.source})")
         for w, reqs in workloads.items():
             sim = simulate(cfg, device, reqs)
-            m, s = real["runs"][w]["report"], sim["report"]
-            rows.append({"backend": b, "workload": w, "model": real["model"], "measured": m, "simulated": s,
-                         "real_host_s": real["runs"][w]["host_s"], "machine": real["runs"][w]["machine"],
+            runs = real["runs"][w]
+            rows.append({"backend": b, "workload": w, "model": real["model"], "measured": median_report(runs),
+                         "simulated": sim["report"], "real_runs": runs,
+                         "real_host_s": sum(r["host_s"] for r in runs) / len(runs),
+                         "others_cpu": max((r["machine"].get("others_cpu_fraction") or 0.0) for r in runs),
                          "simulation": {k: v for k, v in sim["simulation"].items() if k != "timeline"}})
 
-    t = Table(title=f"simulated vs measured on this CPU: {rows[0]['model'] if rows else ''}; "
-                    f"ok: throughput within {THROUGHPUT_TOLERANCE:.0%}, latencies within {LATENCY_TOLERANCE:.0%}")
+    repeats = f"; measured: the median of {args.repeats} runs (their range below it)" if args.repeats > 1 else ""
+    t = Table(title=f"simulated vs measured on this CPU: {rows[0]['model'] if rows else ''}; ok: throughput "
+                    f"within {THROUGHPUT_TOLERANCE:.0%}, latencies within {LATENCY_TOLERANCE:.0%}{repeats}")
     for col in ("backend", "workload", "out tok/s meas", "sim", "ratio", "TTFT p50 ms meas", "sim", "ratio",
                 "TPOT p50 ms meas", "sim", "ratio", "preempt meas", "sim", "real s", "others' CPU"):
         t.add_column(col, justify="right")
@@ -175,20 +205,24 @@ def main() -> None:
         for key, scale, fmt, tol in (("output_tokens_per_s", 1.0, "{:.1f}", THROUGHPUT_TOLERANCE),
                                      ("ttft_s", 1e3, "{:.0f}", LATENCY_TOLERANCE),
                                      ("tpot_s", 1e3, "{:.1f}", LATENCY_TOLERANCE)):
-            mv = m[key]["p50"] if isinstance(m[key], dict) else m[key]
-            sv = s[key]["p50"] if isinstance(s[key], dict) else s[key]
+            mv, sv = m[key], figure(s, key)
+            lo, hi = m["spread"][key]
             q = ratio(mv, sv)
             r.setdefault("ratios", {})[key] = q
             r.setdefault("within", {})[key] = q is not None and abs(q - 1) <= tol
-            cells += [fmt.format(mv * scale), fmt.format(sv * scale),
+            r.setdefault("inside_real_range", {})[key] = lo <= sv <= hi
+            spread = f"\n{fmt.format(lo * scale)}-{fmt.format(hi * scale)}" if args.repeats > 1 else ""
+            cells += [fmt.format(mv * scale) + spread, fmt.format(sv * scale),
                       "-" if q is None else f"{q:.2f} {'ok' if abs(q - 1) <= tol else 'x'}"]
-        others = r["machine"].get("others_cpu_fraction")
-        t.add_row(r["backend"], r["workload"], *cells, str(m["preemptions"]), str(s["preemptions"]),
-                  f"{r['real_host_s']:.0f}", "-" if others is None else f"{100 * others:.0f}%")
+        t.add_row(r["backend"], r["workload"], *cells, f"{m['preemptions']:g}", str(s["preemptions"]),
+                  f"{r['real_host_s']:.0f}", f"{100 * r['others_cpu']:.0f}%")
     console.print(t)
     met = sum(all(r["within"].values()) for r in rows)
     console.print(f"{met} of {len(rows)} runs meet every target. The machine is shared with other work: "
                   f"both the fit and the real runs move with its load.")
+    if args.repeats > 1:
+        inside = sum(v for r in rows for v in r["inside_real_range"].values())
+        console.print(f"{inside} of {3 * len(rows)} simulated figures lie within their real runs' range.")
     if args.json:
         Path(args.json).write_text(json.dumps({"calibration": cal.__dict__, "fits": fits, "runs": rows},
                                               indent=2, default=str))
