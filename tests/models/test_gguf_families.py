@@ -67,10 +67,10 @@ def _hf_reference(model) -> tuple[torch.Tensor, list[int]]:
     return logits, want
 
 
-def _allocated(llm):
-    """A request for PROMPT with its blocks allocated, to prefill by hand."""
-    req = llm.engine.add_request(PROMPT, SamplingParams(max_tokens=1))
-    assert llm.engine.kv.allocate(req, len(PROMPT))
+def _allocated(llm, prompt=PROMPT):
+    """A request for ``prompt`` with its blocks allocated, to prefill by hand."""
+    req = llm.engine.add_request(prompt, SamplingParams(max_tokens=1))
+    assert llm.engine.kv.allocate(req, len(prompt))
     return req
 
 
@@ -196,21 +196,29 @@ def test_the_avx2_build_computes_every_family_as_this_cpus_build(gguf_model, mon
     assert torch.equal(logits["native"], logits["avx2"])
 
 
-def test_native_experts_on_stored_blocks_give_each_row_what_it_gets_alone(tmp_path):
+@pytest.mark.parametrize("wide", [False, True], ids=["experts", "wide-router"])
+def test_native_experts_on_stored_blocks_give_each_row_what_it_gets_alone(tmp_path, wide):
     """Qwen3-MoE's experts in Q8_0 and Q5_0 blocks: a 40-token prefill in one step gathers each
     expert's rows (the tiled path where an expert's rows start on a group of four, the one-row
     path elsewhere), and every row's logits are what that token gets prefilled alone after the
-    ones before it, bit for bit."""
+    ones before it, bit for bit. wide: a 1024-wide model whose router is Q8_0 too, over 131
+    tokens (the router reads its rounded activations, larger there than the q4 layout's, while
+    it writes the scores laid out after them)."""
     from helpers.native import native_or_skip
 
     native_or_skip()
-    model = _tiny("qwen3_moe", tmp_path / "hf")
+    changes = {**CHANGES["qwen3_moe"], **({"hidden_size": 1024} if wide else {})}
+    with mock.patch.dict(CHANGES, {"qwen3_moe": changes}):
+        model = _tiny("qwen3_moe", tmp_path / "hf")
     types = {f"blk.{i}.ffn_{p}_exps.weight": "Q8_0" if i % 2 else "Q5_0"
              for i in range(model.config.num_hidden_layers) for p in ("gate", "up", "down")}
+    if wide:
+        types |= {f"blk.{i}.ffn_gate_inp.weight": "Q8_0" for i in range(model.config.num_hidden_layers)}
     path = write_gguf(tmp_path / "hf", tmp_path / "tiny-qwen3_moe-q.gguf", types)
     llm = LLM.from_config({**NATIVE, "model": {"path": str(path), "quantization": "gguf"}})
-    req = _allocated(llm)
-    whole = _prefill_logits(llm, req, 0, len(PROMPT))
-    alone = torch.cat([_prefill_logits(llm, req, i, 1) for i in range(len(PROMPT))])
+    prompt = (PROMPT * 4)[:131] if wide else PROMPT
+    req = _allocated(llm, prompt)
+    whole = _prefill_logits(llm, req, 0, len(prompt))
+    alone = torch.cat([_prefill_logits(llm, req, i, 1) for i in range(len(prompt))])
     assert torch.equal(whole, alone)
     llm.close()

@@ -710,7 +710,7 @@ static void gquantize_row(const gact *a, int r) {
         h = _mm_max_ps(h, _mm_movehl_ps(h, h));
         h = _mm_max_ss(h, _mm_movehdup_ps(h));
         const float amax = _mm_cvtss_f32(h);
-        const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+        const float d = amax / 127.f, id = d >= FLT_MIN ? 1.f / d : 0.f;   /* 1 / d finite: codes within 127 */
         int8_t *q = a->q + (size_t)r * k + 32 * g;
         __m256i c[4];
         for (int i = 0; i < 4; i++) c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 8 * i), _mm256_set1_ps(id)));

@@ -25,6 +25,7 @@
  * each other, causally, through the pool. Pool layout: [L, 2, NB, KVH, BS, row], a row one
  * head's vector in the pool's K/V format (float32, float16, bfloat16 or q8_0: kv_type).
  */
+#include <float.h>
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -295,7 +296,7 @@ static void quantize_row(const float *x, int k, const int32_t *idx, int n_out, q
         __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
         m = _mm_max_ps(m, _mm_movehl_ps(m, m));
         m = _mm_max_ss(m, _mm_movehdup_ps(m));
-        const float d = _mm_cvtss_f32(m) / 127.f, id = d > 0.f ? 1.f / d : 0.f, fsum = hsum8(sum);
+        const float d = _mm_cvtss_f32(m) / 127.f, id = d >= FLT_MIN ? 1.f / d : 0.f, fsum = hsum8(sum);
         __m256i qsum;
         int8_t *group = a.q + (size_t)(b / GB) * ACT_GROUP;
         if (b >= nb / GB * GB) {
@@ -891,16 +892,20 @@ static float ref_q8(const proj_q8 *p, int n, const qact *x) {
     return hsum8_ref(v);
 }
 
-/* the activations' part of the scratch: rows of width up to k */
-static float *act_layout(float *at, int rows, int k, qact *a) {
-    a->q = (int8_t *)at;
-    a->xo = at + (size_t)rows * groups_of(k) * ACT_GROUP / sizeof(float);
-    return a->xo + (size_t)rows * OUT_MAX;
-}
-
+/* floats of the activations' part of the scratch: the q4 layout's or, from the same start,
+   the stored formats' (gact_layout), whichever is larger */
 static long act_floats(int rows, int k) {
     const long q4 = (long)rows * ((long)groups_of(k) * ACT_GROUP / (long)sizeof(float) + OUT_MAX);
     return q4 > gact_floats(rows, k) ? q4 : gact_floats(rows, k);
+}
+
+/* the activations' part of the scratch: rows of width up to k in the q4 layout; returns its
+   end, past the stored formats' layouts of those rows too (the router's matmul reads them
+   while the experts' scratch after them is written) */
+static float *act_layout(float *at, int rows, int k, qact *a) {
+    a->q = (int8_t *)at;
+    a->xo = at + (size_t)rows * groups_of(k) * ACT_GROUP / sizeof(float);
+    return at + act_floats(rows, k);
 }
 
 /* For tests: y = W x for `rows` rows of x ([rows][k] float32), through the tiles (on `threads`
