@@ -21,6 +21,8 @@ from twophase.bench.serving import TimedRequest
 from twophase.config import Config
 from twophase.simulate.devices import DeviceSpec, cpu_spec, fitted_backend, save_fit
 
+SHORT_PROMPTS = (20, 32, 48, 64, 96, 128)   # prefilled alone, a step each (not 24: a decode batch)
+
 
 def sweep(vocab: int) -> list[list[TimedRequest]]:
     """Workloads, each all at once: prompts (prefill at the token budget and below), decodes at
@@ -29,7 +31,9 @@ def sweep(vocab: int) -> list[list[TimedRequest]]:
     context; a CPU GEMM's cost is not smooth in its rows there), and long prompts'
     chunks at depth with their decodes at 768 and 1536 tokens of context (attention's share,
     which long prompts and shared prefixes reach), and short prompts after a cached 512-token
-    prefix (a chunk of a few dozen tokens at depth: the cached K/V's gather)."""
+    prefix (a chunk of a few dozen tokens at depth: the cached K/V's gather), and one prompt
+    alone of each of SHORT_PROMPTS' lengths (served, such a prompt or tail is often a step's only
+    chunk: its GEMM's rows are few, and a CPU GEMM is off its large-row efficiency there)."""
     import random
 
     rng = random.Random(0)
@@ -41,7 +45,7 @@ def sweep(vocab: int) -> list[list[TimedRequest]]:
     shared = [TimedRequest(0.0, system + [rng.randrange(3, vocab) for _ in range(rng.randint(32, 64))], 4)
               for _ in range(6)]
     return [reqs(2, 256, 1), *(reqs(b, 192, 8) for b in range(1, 9)), reqs(24, 16, 6), reqs(2, 768, 8),
-            reqs(2, 1536, 8), shared]
+            reqs(2, 1536, 8), shared, *(reqs(1, n, 1) for n in SHORT_PROMPTS)]
 
 
 def step_walls(records: list[Any]) -> list[float]:
@@ -98,7 +102,7 @@ def measure(cfg: Config, base: DeviceSpec, passes: int = 3) -> tuple[str, list[f
 Factors = tuple[tuple[int, float], ...]
 Fit = tuple[float, float, float, float, float, float, float, Factors]
 
-FACTOR_TOKENS = 16      # steps of 2 to this many tokens get a measured factor a token count
+FACTOR_TOKENS = 128     # steps of 2 to this many tokens get a measured factor a token count
 ROUNDS = 4              # factors and host terms refitted in turn, the efficiencies kept
 
 
