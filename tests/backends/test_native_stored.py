@@ -91,6 +91,26 @@ def test_each_stored_type_dots_its_rows_as_gguf_decodes_them(name, flags):
         assert np.array_equal(r, ref[:batch]) and np.array_equal(f, fast[:batch]), batch
 
 
+@pytest.mark.parametrize("name", ["Q4_0", "Q5_0", "Q8_0", "Q4_K"])
+def test_activations_too_small_for_a_step_round_to_zero_alike_alone_and_in_a_batch(name):
+    """A block of 32 activations under 127 x FLT_MIN (its step subnormal, 1 / step infinite)
+    rounds to zero codes, not to saturated ones, and the row's result is the same bits alone
+    (the one-row path, whose offset types subtract lane sums of the codes) and in a batch (the
+    tiled path)."""
+    from twophase.backends.native import kernel
+
+    lib = kernel.load(next(iter(PATHS.values())))
+    rng = np.random.default_rng(3)
+    k = 512 if FORMATS[name].block == 256 else 96
+    w = random_rows(rng, name, 7, k)
+    x = rng.normal(0, 1, (9, k)).astype(np.float32)
+    x[:, 32:64] = np.float32(1e-39) * rng.choice([-1, 1], (9, 32)).astype(np.float32)
+    fast, ref, xq = run(lib, [(name, w)], k, x)
+    assert not xq[:, 32:64].any() and np.isfinite(fast).all()
+    f, r, _ = run(lib, [(name, w)], k, x[:1])
+    assert np.array_equal(f, fast[:1]) and np.array_equal(r, ref[:1])
+
+
 def test_a_projection_of_parts_in_their_own_types_stacks_their_rows():
     """q, k and v in three types (as Q4_K_M files hold attn_v in Q6_K): one projection, its
     rows the parts' rows in order."""

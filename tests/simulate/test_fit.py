@@ -187,6 +187,29 @@ def test_steps_of_few_tokens_off_the_roofline_get_their_measured_factor():
     assert [spec.token_factor(n) for n in (1, 2, 3, 4, 5, 100)] == [1.0, 1.5, 1.25, 1.0, 1.0, 1.0]
 
 
+def test_short_prefills_off_the_roofline_get_factors_and_the_sweep_steps_at_them():
+    """A GEMM off its large-row efficiency at a few dozen rows: single prefills of 32-64 tokens
+    taking 1.3x their bound are fitted at about 1.3, a 40-token step between them is costed so,
+    and the sweep prefills one prompt alone of each of those lengths (a step each)."""
+    from helpers.simulated import TEST_DEVICE
+
+    from twophase.simulate.fit import SHORT_PROMPTS, fit, sweep
+
+    slow = {32: 1.3, 48: 1.3, 64: 1.3}
+    parts = [(0.002, 0.01 + 0.002 * b + 0.004 * i, b, 1e6 * b, 1e7 * b, b) for b in range(1, 9) for i in range(4)]
+    parts += [(0.002 * n, 0.012, 1, 0.0, 1e8 * n, n) for n in (32, 48, 64) for _ in range(2)]
+    parts += [(0.0004 * n, 0.02, 1, 0.0, 1e8 * n, n) for n in (256, 384, 512, 768, 1024) for _ in range(2)]
+    measured = [max(c / 0.5, m / 0.6) * slow.get(n, 1.0) + 0.004 + 0.001 * s for c, m, s, _, _, n in parts]
+    got = dict(fit(measured, parts)[7])
+    assert all(got[n] == pytest.approx(1.3, rel=0.1) for n in (32, 48, 64))
+    spec = dataclasses.replace(TEST_DEVICE, token_factors=tuple(sorted(got.items())))
+    assert spec.token_factor(40) == pytest.approx(1.3, rel=0.1)
+    workloads = sweep(300)
+    alone = {len(w[0].prompt) for w in workloads if len(w) == 1}
+    batches = {len(w) for w in workloads}               # a decode of b sequences is b tokens too
+    assert set(SHORT_PROMPTS) <= alone and not set(SHORT_PROMPTS) & batches
+
+
 def test_a_steps_host_terms_count_its_sequences_and_the_kv_it_reads():
     from helpers.simulated import TEST_DEVICE
 
