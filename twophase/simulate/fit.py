@@ -1,8 +1,9 @@
 """Fit the CPU's efficiencies and host overheads to the config's backend on this machine (one
 fit a backend and weight format: each reaches its own share of the calibrated ceilings): a short
-profiling sweep (prefill chunks, decodes at batch 1 to 24 and at long context) run for real, and
-the same requests simulated. With every request there at the start, the scheduler decides the
-same steps on either clock, so step ``i`` of one is step ``i`` of the other; the fit chooses the
+profiling sweep (prefill chunks, decodes at batch 1 to 24 and at long context, prompts joining
+running decodes) run for real, and the same requests simulated. With requests fed by step, not
+by clock, the scheduler decides the same steps on either clock, so step ``i`` of one is step
+``i`` of the other; the fit chooses the
 efficiencies (a grid), host terms (a step's, a sequence's, a K/V byte's, an attention FLOP's:
 least squares) and then, for steps of few tokens, a factor on the roofline's bound a token
 count (Vidur's profiling by batch size in its simplest form, measured where serving decodes)
@@ -13,7 +14,6 @@ is at the mercy of the machine's other work)."""
 from __future__ import annotations
 
 import dataclasses
-import time
 from datetime import datetime
 from typing import Any
 
@@ -22,30 +22,58 @@ from twophase.config import Config
 from twophase.simulate.devices import DeviceSpec, cpu_spec, fitted_backend, save_fit
 
 SHORT_PROMPTS = (20, 32, 48, 64, 96, 128)   # prefilled alone, a step each (not 24: a decode batch)
+JOINING = (64, 96, 128, 160, 192, 224, 256)  # prompts that join running decodes
 
 
 def sweep(vocab: int) -> list[list[TimedRequest]]:
-    """Workloads, each all at once: prompts (prefill at the token budget and below), decodes at
-    every batch from 1 to 8 after 192-token prompts and at 24 after short ones, in about equal
-    numbers of steps (serving decodes mostly at small batches and a few hundred tokens of
-    context; a CPU GEMM's cost is not smooth in its rows there), and long prompts'
-    chunks at depth with their decodes at 768 and 1536 tokens of context (attention's share,
-    which long prompts and shared prefixes reach), and short prompts after a cached 512-token
-    prefix (a chunk of a few dozen tokens at depth: the cached K/V's gather), and one prompt
-    alone of each of SHORT_PROMPTS' lengths (served, such a prompt or tail is often a step's only
-    chunk: its GEMM's rows are few, and a CPU GEMM is off its large-row efficiency there)."""
+    """Workloads, each fed by step (``run_steps``: a request's ``offset_s`` is the step it joins
+    before), shaped as serving's steps are:
+
+    - prompts alone (prefill at the token budget and below), and one of each of SHORT_PROMPTS'
+      lengths (served, such a prompt or tail is often a step's only chunk: its GEMM's rows are
+      few, and a CPU GEMM is off its large-row efficiency there);
+    - decodes at every batch from 1 to 8 after 192-token prompts, joined at two steps by a
+      prompt of 64-256 tokens (a new prompt is prefilled beside the running decodes: that mixed
+      step is most of its time to first token), and at 24 after short prompts, in about equal
+      numbers of steps (serving decodes mostly at small batches and a few hundred tokens of
+      context; a CPU GEMM's cost is not smooth in its rows there);
+    - long prompts' chunks at depth and their decodes at 768 and 1280 tokens of context
+      (attention's share, which long prompts reach);
+    - prompts after a cached 512-token prefix joining its first request's decodes (a tail of a
+      few dozen tokens at depth beside decodes: the cached K/V's gather)."""
     import random
 
     rng = random.Random(0)
 
-    def reqs(n: int, prompt: int, out: int) -> list[TimedRequest]:
-        return [TimedRequest(0.0, [rng.randrange(3, vocab) for _ in range(prompt)], out) for _ in range(n)]
+    def reqs(n: int, prompt: int, out: int, at: int = 0) -> list[TimedRequest]:
+        return [TimedRequest(at, [rng.randrange(3, vocab) for _ in range(prompt)], out) for _ in range(n)]
+
+    def joined(b: int) -> list[TimedRequest]:
+        first, second = JOINING[b % len(JOINING)], JOINING[(b + 3) % len(JOINING)]
+        return reqs(b, 192, 20) + reqs(1, first, 2, at=5) + reqs(1, second, 2, at=13)
 
     system = [rng.randrange(3, vocab) for _ in range(512)]
-    shared = [TimedRequest(0.0, system + [rng.randrange(3, vocab) for _ in range(rng.randint(32, 64))], 4)
-              for _ in range(6)]
-    return [reqs(2, 256, 1), *(reqs(b, 192, 8) for b in range(1, 9)), reqs(24, 16, 6), reqs(2, 768, 8),
-            reqs(2, 1536, 8), shared, *(reqs(1, n, 1) for n in SHORT_PROMPTS)]
+    shared = [TimedRequest(at, system + [rng.randrange(3, vocab) for _ in range(rng.randint(32, 64))], out)
+              for at, out in ((0, 20), (4, 4), (7, 4), (10, 4), (13, 4), (16, 4))]
+    return [reqs(2, 256, 1), *(joined(b) for b in range(1, 9)), reqs(24, 16, 6), reqs(2, 768, 16),
+            reqs(3, 1280, 16), shared, *(reqs(1, n, 1) for n in SHORT_PROMPTS)]
+
+
+def run_steps(engine: Any, requests: list[TimedRequest]) -> None:
+    """Step ``engine`` until ``requests`` have finished, each added before the step its
+    ``offset_s`` counts: fed by step, not by clock, a real engine and a simulated one take the
+    same steps whatever each costs."""
+    from twophase.core.params import SamplingParams
+
+    pending = sorted(requests, key=lambda r: r.offset_s)
+    step = 0
+    while pending or engine.has_unfinished():
+        while pending and pending[0].offset_s <= step:
+            r = pending.pop(0)
+            engine.add_request(r.prompt, SamplingParams(max_tokens=r.max_tokens, ignore_eos=True))
+        if engine.has_unfinished():
+            engine.step()
+        step += 1
 
 
 def step_walls(records: list[Any]) -> list[float]:
@@ -66,7 +94,6 @@ def measure(cfg: Config, base: DeviceSpec, passes: int = 3) -> tuple[str, list[f
     from statistics import median
 
     from twophase.llm import LLM
-    from twophase.simulate import driver
     from twophase.simulate.engine import SimulatedLLM
 
     runs: list[list[float]] = []
@@ -78,7 +105,7 @@ def measure(cfg: Config, base: DeviceSpec, passes: int = 3) -> tuple[str, list[f
             walls = []
             for reqs in workloads:
                 llm.engine = llm._build_engine()              # a fresh pool and prefix cache each
-                driver.drive(llm.engine, [dataclasses.replace(r) for r in reqs], time.perf_counter, time.sleep)
+                run_steps(llm.engine, reqs)
                 walls += step_walls(list(llm.engine.steps.records))
             if i:
                 runs.append(walls)
@@ -86,7 +113,7 @@ def measure(cfg: Config, base: DeviceSpec, passes: int = 3) -> tuple[str, list[f
             sim = SimulatedLLM(cfg, base)
             sim.num_blocks = llm.num_blocks
             sim.engine = sim._build_engine(clock=sim.clock)
-            driver.drive(sim.engine, reqs, sim.clock, sim.clock.sleep)
+            run_steps(sim.engine, reqs)
             calls = sorted((c for b in sim.backends for c in b.calls), key=lambda c: c.start)
             cost = sim.prefill_backend.cost
             assert cost is not None
@@ -145,24 +172,30 @@ def token_factors(measured: list[float], parts: list[Part], ec: float, eb: float
 def fit(measured: list[float], parts: list[Part]) -> Fit:
     """``(mean relative error, compute efficiency, bandwidth efficiency, time a step, a
     sequence, a K/V byte, an attention FLOP, token factors)``: the efficiencies (a grid) and host
-    terms (least squares) of the least relative error over all the steps, then each small token
-    count's factor on its steps' bounds (what the fit leaves of them) and the host terms over the
-    factored bounds, in turn, the efficiencies kept (fitted jointly, the factors and the
-    bandwidth efficiency trade against the fixed overhead: decodes read the same weights at
-    every batch). The error is the whole model's. Compute may pass 1: the calibrated peak is
-    float32 matmuls', which int8 dot products (q4 blocks) exceed."""
+    terms (least squares) of the least relative error over the steps no factor touches (a
+    decode alone, and steps of more than FACTOR_TOKENS tokens: few-token prefills off the
+    roofline's line would drag the compute efficiency down for every long prompt, by as much as
+    their share of the sweep), then each small token count's factor on its steps' bounds (what
+    the fit leaves of them) and the host terms over all the factored bounds, in turn, the
+    efficiencies kept (fitted jointly, the factors and the bandwidth efficiency trade against
+    the fixed overhead: decodes read the same weights at every batch). The error is the whole
+    model's, over every step. Compute may pass 1: the calibrated peak is float32 matmuls', which
+    int8 dot products (q4 blocks) exceed."""
     best: tuple[float, float, float, list[float]] | None = None
-    work = [[p[i] for p in parts] for i in (2, 3, 4)]
+    plain = [(p, t) for p, t in zip(parts, measured) if p[5] == 1 or p[5] > FACTOR_TOKENS]
+    plain_work = [[p[i] for p, _ in plain] for i in (2, 3, 4)]
+    plain_t = [t for _, t in plain]
     for ec in [i / 50 for i in range(1, 151)]:
         for eb in [i / 50 for i in range(1, 51)]:
-            bounds = [max(p[0] / ec, p[1] / eb) for p in parts]
-            host = host_terms(measured, bounds, work)
-            err = sum(abs(b + host[0] + sum(c * w[i] for c, w in zip(host[1:], work)) - t) / t
-                      for i, (b, t) in enumerate(zip(bounds, measured)))
+            bounds = [max(p[0] / ec, p[1] / eb) for p, _ in plain]
+            host = host_terms(plain_t, bounds, plain_work)
+            err = sum(abs(b + host[0] + sum(c * w[i] for c, w in zip(host[1:], plain_work)) - t) / t
+                      for i, (b, t) in enumerate(zip(bounds, plain_t)))
             if best is None or err < best[0]:
                 best = (err, ec, eb, host)
     assert best is not None
     _, ec, eb, host = best
+    work = [[p[i] for p in parts] for i in (2, 3, 4)]
     factors: Factors = ()
     for _ in range(ROUNDS):          # the host terms again over the factored bounds, and so on
         factors = token_factors(measured, parts, ec, eb, host)
