@@ -142,7 +142,7 @@ def test_fewer_than_three_repeats_are_raised_with_a_warning(caplog):
 
 
 def test_each_case_has_an_untimed_warm_up_round_before_the_timed_ones():
-    from twophase.bench.run import _Phases, _sweeps
+    from twophase.bench.run import Phases, _sweeps
     from twophase.config import BenchConfig
 
     calls = []
@@ -157,7 +157,7 @@ def test_each_case_has_an_untimed_warm_up_round_before_the_timed_ones():
             return 10.0 if k < 0 else 2.0 + k
 
     b = BenchConfig(repeats=3)
-    times = _sweeps({"hf": Line()}, [("prefill", 16), ("decode", 4)], b, _Phases(8))
+    times = _sweeps({"hf": Line()}, [("prefill", 16), ("decode", 4)], b, Phases(8))
     assert calls[:2] == [("prefill", 16, -1), ("decode", 4, -1)]
     assert calls[2:] == [(ph, x, k) for k in range(3) for ph, x in (("prefill", 16), ("decode", 4))]
     assert times["prefill"]["hf"][16] == [1.0, 2.0, 3.0] and times["decode"]["hf"][4] == [2.0, 3.0, 4.0]
@@ -167,7 +167,7 @@ def test_progress_off_a_terminal_is_one_log_line_a_phase(caplog, monkeypatch):
     from twophase.bench import run
 
     monkeypatch.setattr(run.sys.stderr, "isatty", lambda: False, raising=False)
-    with caplog.at_level(logging.INFO, logger="twophase.bench.run"), run._Phases(4) as progress:
+    with caplog.at_level(logging.INFO, logger="twophase.bench.run"), run.Phases(4) as progress:
         progress.phase("round 1/3: 2 cases on torch")
         progress.item("round 1/3: prefill 128 on torch")
         progress.advance()

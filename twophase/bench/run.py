@@ -72,7 +72,7 @@ def _enough_rounds(b):
     return dataclasses.replace(b, repeats=MIN_REPEATS)
 
 
-class _Phases:
+class Phases:
     """Progress: a rich bar on a terminal; elsewhere (a log file, CI) one log line a phase, since
     a bar redrawn in place leaves nothing readable there."""
 
@@ -82,7 +82,7 @@ class _Phases:
                             TimeElapsedColumn()) if sys.stderr.isatty() else None
         self.total = total
 
-    def __enter__(self) -> _Phases:
+    def __enter__(self) -> Phases:
         if self.bar:
             self.bar.__enter__()
             self.task = self.bar.add_task("bench", total=self.total)
@@ -110,7 +110,7 @@ class _Phases:
 
 
 def _sweeps(lines: dict[str, Any], cases: list[tuple[str, int]], b: Any,
-            progress: _Phases) -> dict[str, dict[str, dict[int, list[float]]]]:
+            progress: Phases) -> dict[str, dict[str, dict[int, list[float]]]]:
     """One untimed warm-up round of every case on every line (first calls compile, allocate and
     fill the prefix cache), then ``b.repeats`` timed rounds, interleaved across lines."""
     times: dict[str, dict[str, dict[int, list[float]]]] = {
@@ -131,7 +131,7 @@ def _sweeps(lines: dict[str, Any], cases: list[tuple[str, int]], b: Any,
     return times
 
 
-def _serve(cfg: Config, lines: dict[str, Any], requests, progress: _Phases) -> dict[str, Any]:
+def _serve(cfg: Config, lines: dict[str, Any], requests, progress: Phases) -> dict[str, Any]:
     served = {}
     for line, eng in lines.items():
         progress.phase(f"serving workload on {line}")
@@ -146,7 +146,7 @@ def _serve(cfg: Config, lines: dict[str, Any], requests, progress: _Phases) -> d
     return served
 
 
-def _serve_speculative(cfg: Config, name: str, first, requests, progress: _Phases) -> tuple[str, dict]:
+def _serve_speculative(cfg: Config, name: str, first, requests, progress: Phases) -> tuple[str, dict]:
     progress.phase(f"serving workload on {name}, speculative")
     label, spec = _speculative_line(cfg, name)
     first.config = dataclasses.replace(first.config, speculative=spec)
@@ -157,7 +157,7 @@ def _serve_speculative(cfg: Config, name: str, first, requests, progress: _Phase
     return label, out
 
 
-def _compare_chunked(cfg: Config, b, name: str, first, requests, progress: _Phases) -> dict[str, Any]:
+def _compare_chunked(cfg: Config, b, name: str, first, requests, progress: Phases) -> dict[str, Any]:
     long_n, s = max(b.prompt_lens), b.serving
     chunked = {}
     for mode in ("on", "off"):
@@ -269,7 +269,7 @@ def _run(cfg: Config, b, names: list[str], llms: dict[str, Any], before, compare
     cases = [("prefill", n) for n in b.prompt_lens] + [("decode", x) for x in b.batch_sizes]
     total = ((b.repeats + 1) * len(cases) * len(lines) + len(lines) + (2 if compare_chunked else 0)
              + (1 if speculative else 0))
-    with _Phases(total) as progress:
+    with Phases(total) as progress:
         times = _sweeps(lines, cases, b, progress)
         served = _serve(cfg, lines, requests, progress)
         if speculative:

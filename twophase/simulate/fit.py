@@ -93,6 +93,7 @@ def measure(cfg: Config, base: DeviceSpec, passes: int = 3) -> tuple[str, list[f
     its weights' format and K/V bytes)."""
     from statistics import median
 
+    from twophase.bench.run import Phases
     from twophase.llm import LLM
     from twophase.simulate.engine import SimulatedLLM
 
@@ -101,14 +102,17 @@ def measure(cfg: Config, base: DeviceSpec, passes: int = 3) -> tuple[str, list[f
     with LLM(cfg) as llm:
         model = llm.model.model_id
         workloads = sweep(llm.model.arch.vocab_size)
-        for i in range(passes + 1):
-            walls = []
-            for reqs in workloads:
-                llm.engine = llm._build_engine()              # a fresh pool and prefix cache each
-                run_steps(llm.engine, reqs)
-                walls += step_walls(list(llm.engine.steps.records))
-            if i:
-                runs.append(walls)
+        with Phases((passes + 1) * len(workloads)) as progress:
+            for i in range(passes + 1):
+                progress.phase(f"fit sweep: pass {i} of {passes}" if i else "fit sweep: warm-up pass")
+                walls = []
+                for reqs in workloads:
+                    llm.engine = llm._build_engine()              # a fresh pool and prefix cache each
+                    run_steps(llm.engine, reqs)
+                    walls += step_walls(list(llm.engine.steps.records))
+                    progress.advance()
+                if i:
+                    runs.append(walls)
         for reqs in workloads:
             sim = SimulatedLLM(cfg, base)
             sim.num_blocks = llm.num_blocks
