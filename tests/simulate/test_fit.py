@@ -103,7 +103,9 @@ def tiny(backend: str, quantization: str = "none"):
                         "backend": {"name": backend}})
 
 
-def test_fit_cpu_runs_and_keeps_the_configs_backend(monkeypatch):
+def test_fit_cpu_runs_and_keeps_the_configs_backend(monkeypatch, caplog):
+    import logging
+
     import twophase.llm
 
     ran: list[tuple[str, str]] = []
@@ -116,8 +118,12 @@ def test_fit_cpu_runs_and_keeps_the_configs_backend(monkeypatch):
     monkeypatch.setattr(twophase.llm, "LLM", Recorded)
     measure = fit.measure
     monkeypatch.setattr(fit, "measure", lambda cfg, base, passes=3: measure(cfg, base, passes=1))
-    torch_spec = fit.fit_cpu(tiny("torch"))
+    with caplog.at_level(logging.INFO, logger="twophase.bench.run"):
+        torch_spec = fit.fit_cpu(tiny("torch"))
     assert ran == [("torch", "torch")]
+    said = [r.getMessage() for r in caplog.records if r.name == "twophase.bench.run"]   # progress off a terminal
+    assert [m.split(": ", 1)[1] for m in said] == ["sweep warm-up pass", "sweep pass 1 of 1"]
+    assert all(m.startswith("fit [") for m in said)
     native_spec = fit.fit_cpu(tiny("native", "q4"))
     assert ran[-1] == ("native", "native")
     assert figures(devices.cpu_spec("float32", "torch", "none")) == figures(torch_spec)

@@ -76,8 +76,8 @@ class Phases:
     """Progress: a rich bar on a terminal; elsewhere (a log file, CI) one log line a phase, since
     a bar redrawn in place leaves nothing readable there."""
 
-    def __init__(self, total: int):
-        self.start = time.perf_counter()
+    def __init__(self, total: int, name: str = "bench"):
+        self.start, self.name = time.perf_counter(), name
         self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                             TimeElapsedColumn()) if sys.stderr.isatty() else None
         self.total = total
@@ -85,7 +85,7 @@ class Phases:
     def __enter__(self) -> Phases:
         if self.bar:
             self.bar.__enter__()
-            self.task = self.bar.add_task("bench", total=self.total)
+            self.task = self.bar.add_task(self.name, total=self.total)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -97,7 +97,7 @@ class Phases:
         if self.bar:
             self.bar.update(self.task, description=text)
         else:
-            log.info("bench [%.1f s]: %s", time.perf_counter() - self.start, text)
+            log.info("%s [%.1f s]: %s", self.name, time.perf_counter() - self.start, text)
 
     def item(self, text: str) -> None:
         """A step within a phase: shown on the bar only."""

@@ -59,21 +59,28 @@ def sweep(vocab: int) -> list[list[TimedRequest]]:
             reqs(3, 1280, 16), shared, *(reqs(1, n, 1) for n in SHORT_PROMPTS)]
 
 
-def run_steps(engine: Any, requests: list[TimedRequest]) -> None:
-    """Step ``engine`` until ``requests`` have finished, each added before the step its
-    ``offset_s`` counts: fed by step, not by clock, a real engine and a simulated one take the
-    same steps whatever each costs."""
-    from twophase.core.params import SamplingParams
+class StepClock:
+    """The sweep's clock: the steps ``engine`` has taken (plus the waits of an idle one), so
+    ``driver.drive`` feeds each request before the step its ``offset_s`` names, and a real
+    engine and a simulated one take the same steps whatever each costs (a fresh engine a
+    workload: its step log holds them all)."""
 
-    pending = sorted(requests, key=lambda r: r.offset_s)
-    step = 0
-    while pending or engine.has_unfinished():
-        while pending and pending[0].offset_s <= step:
-            r = pending.pop(0)
-            engine.add_request(r.prompt, SamplingParams(max_tokens=r.max_tokens, ignore_eos=True))
-        if engine.has_unfinished():
-            engine.step()
-        step += 1
+    def __init__(self, engine: Any):
+        self.engine, self.waited = engine, 0.0
+
+    def __call__(self) -> float:
+        return len(self.engine.steps.records) + self.waited
+
+    def sleep(self, steps: float) -> None:
+        self.waited += steps
+
+
+def run_steps(engine: Any, requests: list[TimedRequest]) -> None:
+    """Serve ``requests`` on ``engine``, fed by step (``StepClock``), until all have finished."""
+    from twophase.simulate import driver
+
+    clock = StepClock(engine)
+    driver.drive(engine, requests, clock, clock.sleep)
 
 
 def step_walls(records: list[Any]) -> list[float]:
@@ -102,9 +109,9 @@ def measure(cfg: Config, base: DeviceSpec, passes: int = 3) -> tuple[str, list[f
     with LLM(cfg) as llm:
         model = llm.model.model_id
         workloads = sweep(llm.model.arch.vocab_size)
-        with Phases((passes + 1) * len(workloads)) as progress:
+        with Phases((passes + 1) * len(workloads), "fit") as progress:
             for i in range(passes + 1):
-                progress.phase(f"fit sweep: pass {i} of {passes}" if i else "fit sweep: warm-up pass")
+                progress.phase(f"sweep pass {i} of {passes}" if i else "sweep warm-up pass")
                 walls = []
                 for reqs in workloads:
                     llm.engine = llm._build_engine()              # a fresh pool and prefix cache each
