@@ -13,9 +13,13 @@ llama.cpp on the same text: perplexity's difference from the fp32 model, the mea
 from it, and how often the top token agrees with it.
 
     python benchmarks/quantized.py [--threads 2] [--rounds 3] [--gguf FILE] [--lines native-gguf,...]
+                                   [--isa avx2] [--llama-cpp DIR] [--no-quality]
 
 ``--gguf`` runs another file, e.g. a Q4_K_M one; ``"gguf"`` runs its tensors as stored (the
-native backend), ``"q4"`` converts those not Q4_1 or Q8_0 to Q4_1.
+native backend), ``"q4"`` converts those not Q4_1 or Q8_0 to Q4_1. ``--isa avx2`` runs the
+native kernels a Zen 3 runs (no AVX-512, no VNNI) on a newer CPU; beside it, ``--llama-cpp DIR``
+takes llama-cpp-python from DIR (``pip install --target DIR``), e.g. a build with
+``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF"``.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import statistics
+import sys
 import time
 
 import torch
@@ -173,6 +178,20 @@ def _serve(conn, kind: str, args) -> None:
             conn.send((False, f"{type(exc).__name__}: {exc}"))
 
 
+def llama_engines(console: Console, gguf: str, threads: int) -> dict:
+    """llama.cpp on ``gguf``, flash attention on and off, each in its own process, where
+    llama-cpp-python is installed."""
+    try:
+        import llama_cpp
+    except ImportError:
+        console.print("[yellow]llama-cpp-python is not installed: llama.cpp lines skipped "
+                      "(pip install 'twophase\\[llama-cpp]'; it compiles for ~20 minutes)")
+        return {}
+    console.print(f"llama.cpp: llama-cpp-python {llama_cpp.__version__} from {llama_cpp.__file__}")
+    return {f"llama.cpp (flash attention {'on' if flash else 'off'})": Isolated("llama.cpp", gguf, threads, flash)
+            for flash in (True, False)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -180,28 +199,26 @@ def main() -> None:
     ap.add_argument("--gguf", help="a GGUF file (default: the default model's); e.g. a Q4_K_M file")
     ap.add_argument("--lines", default="native-gguf,native-q4,onnxruntime-q4,onnxruntime-native-q4,onnxruntime-fp32",
                     help="twophase's lines to run, of those names")
+    ap.add_argument("--isa", default="native", choices=("native", "avx-vnni", "avx2"),
+                    help="the native kernels' instruction set (avx2: what a Zen 3 runs)")
+    ap.add_argument("--llama-cpp", metavar="DIR", help="take llama-cpp-python from DIR (pip install --target DIR)")
+    ap.add_argument("--no-quality", action="store_true", help="the speed table only")
     args = ap.parse_args()
+    if args.llama_cpp:
+        sys.path.insert(0, args.llama_cpp)          # spawned engines start with this sys.path too
     console = Console()
     g = args.gguf
-    every = {"native-gguf": ("twophase gguf (native)", ("native", "gguf", g)),
-             "native-q4": ("twophase q4 (native)", ("native", "q4", g)),
+    native = {"name": "native", "options": {"isa": args.isa}}
+    every = {"native-gguf": ("twophase gguf (native)", (native, "gguf", g)),
+             "native-q4": ("twophase q4 (native)", (native, "q4", g)),
              "onnxruntime-q4": ("twophase q4 (onnxruntime)", ("onnxruntime", "q4", g)),
              "onnxruntime-native-q4": ("twophase q4 (onnxruntime → native)", (
-                 {"prefill": {"name": "onnxruntime"}, "decode": {"name": "native"}}, "q4", g)),
+                 {"prefill": {"name": "onnxruntime"}, "decode": native}, "q4", g)),
              "onnxruntime-fp32": ("twophase fp32 (onnxruntime)", ("onnxruntime", "none", g))}
     lines = dict(every[n] for n in args.lines.split(","))
     cases = ("pp512", "tg batch 1", "tg batch 32")
     engines = {name: Isolated("twophase", *line) for name, line in lines.items()}
-    try:
-        import llama_cpp  # noqa: F401
-
-        gguf = g or str(hub.gguf_path(MODEL))
-        for flash in (True, False):
-            engines[f"llama.cpp (flash attention {'on' if flash else 'off'})"] = Isolated(
-                "llama.cpp", gguf, args.threads, flash)
-    except ImportError:
-        console.print("[yellow]llama-cpp-python is not installed: llama.cpp lines skipped "
-                      "(pip install 'twophase\\[llama-cpp]'; it compiles for ~20 minutes)")
+    engines.update(llama_engines(console, g or str(hub.gguf_path(MODEL)), args.threads))
     rates: dict[str, dict[str, list[float]]] = {name: {c: [] for c in cases} for name in engines}
     with console.status("measuring") as status:
         for k in range(args.rounds):
@@ -212,7 +229,8 @@ def main() -> None:
     for eng in engines.values():
         eng.close()
     first = next(iter(engines))
-    table = Table(title=f"{g or MODEL}, CPU, {args.threads} threads, each engine in its own process: "
+    table = Table(title=f"{g or MODEL}, CPU, {args.threads} threads, native kernels: {args.isa}, "
+                        f"each engine in its own process: "
                         f"tokens/s, median of {args.rounds} interleaved rounds (ratio to {first})")
     table.add_column("engine")
     for case in cases:
@@ -225,6 +243,8 @@ def main() -> None:
             cells.append(f"{statistics.median(v):.1f} (x{statistics.median(v) / base[c]:.2f})" if v else "-")
         table.add_row(name, *cells)
     console.print(table)
+    if args.no_quality:
+        return
     graded: dict = {name: twophase_line(*line) for name, line in lines.items() if line[1] != "none"}
     if any(n.startswith("llama.cpp") for n in engines):
         graded["llama.cpp"] = LlamaCpp(g or str(hub.gguf_path(MODEL)), args.threads, True)

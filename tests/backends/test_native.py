@@ -121,6 +121,24 @@ def test_native_refuses_float_weights_and_bad_options():
         tiny_llm(model=Q4, backend={"name": "native", "options": {"threads": 0}})
 
 
+def test_the_isa_option_runs_that_path_and_refuses_an_unknown_one_by_name():
+    """``isa = "avx2"`` builds the kernels a Zen 3 runs (on any CPU with AVX2): the same greedy
+    tokens as the native build's; an instruction set it does not know is a config error."""
+    from twophase.device import cpu_flags
+    from twophase.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"backend.options.isa: .*'avx2'.*got 'avx512'"):
+        tiny_llm(model=Q4, backend={"name": "native", "options": {"isa": "avx512"}})
+    avx2 = tiny_llm(model=Q4, backend={"name": "native", "options": {"isa": "avx2"}})
+    native = tiny_llm(model=Q4, backend={"name": "native"})
+    flags = cpu_flags()
+    assert avx2.backend.isa == "AVX2 (no VNNI)"
+    assert native.backend.isa == ("AVX-512 VNNI" if "avx512_vnni" in flags and "avx512vl" in flags
+                                  else "AVX-VNNI (256-bit)" if "avx_vnni" in flags else "AVX2 (no VNNI)")
+    prompts, p = random_prompts(3, seed=4), SamplingParams(max_tokens=8, ignore_eos=True)
+    assert [o.token_ids for o in avx2.generate(prompts, p)] == [o.token_ids for o in native.generate(prompts, p)]
+
+
 def test_native_refuses_shapes_it_does_not_compute():
     from dataclasses import replace
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from twophase.backends.native.kernel import ISA_FLAGS
 from twophase.contract import BackendUnavailable
 
-# the kernels' paths, each compiled for this CPU with what it may not use switched off: 512-bit
-# VNNI (16 lanes a vector, where the CPU has it), 256-bit VNNI, AVX2 without VNNI (8 lanes)
-# (a switch for a set this CPU lacks changes nothing and is dropped: the path is the native build)
-PATHS = {"native": (), "avx-vnni": ("-mno-avx512f",), "avx2": ("-mno-avx512f", "-mno-avxvnni")}
+# the kernels' paths: each instruction set a test builds them for
+PATHS = ISA_FLAGS
 
 
 def native_or_skip() -> None:

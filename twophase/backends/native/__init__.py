@@ -16,6 +16,8 @@ and the kernels are described in ``docs/quantization.md``.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
@@ -41,7 +43,9 @@ from twophase.device import threads_option
 from twophase.errors import ConfigError
 from twophase.kv_formats import KV_FORMATS
 
-OPTIONS = {"threads"}
+log = logging.getLogger(__name__)
+
+OPTIONS = {"threads", "isa"}
 FEATURES = frozenset(FEATURE_NAMES)
 # the formats step.c reads, in the order of its kv_type (KV_F32, KV_F16, KV_BF16, KV_Q8); not
 # fp8, which a CPU converts in software only
@@ -103,7 +107,13 @@ class NativeBackend(Backend):
         from twophase.backends.native import kernel
         from twophase.backends.native.weights import NativeWeights
 
-        self.lib = kernel.load()
+        isa = cfg.options.get("isa", "native")
+        if isa not in kernel.ISA_FLAGS:
+            raise ConfigError("backend.options.isa", f"the native kernels' instruction set is one of "
+                              f"{', '.join(map(repr, kernel.ISA_FLAGS))}; got {isa!r}")
+        self.lib = kernel.load(kernel.ISA_FLAGS[isa])
+        self.isa = kernel.ISA_NAMES[self.lib.kernel_isa()]
+        log.info("native kernels: %s, %d threads", self.isa, threads)
         self.threads = threads
         self.weights = NativeWeights.build(model)
         self.scratch = torch.empty(0)

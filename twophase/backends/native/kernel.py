@@ -98,6 +98,14 @@ def check_machine() -> None:
 # a flag switching off an instruction set, and the /proc/cpuinfo flag of that set
 _SWITCHES_OFF = {"-mno-avx512f": "avx512f", "-mno-avxvnni": "avx_vnni"}
 
+# the kernels' paths (``[backend.options] isa``), each built for this CPU with what it may not
+# use switched off: 512-bit VNNI (16 lanes a vector, where the CPU has it), 256-bit VNNI, AVX2
+# without VNNI (8 lanes: what an AMD Zen 3 runs). A switch for a set this CPU lacks changes
+# nothing and is dropped: the path is then the native build.
+ISA_FLAGS = {"native": (), "avx-vnni": ("-mno-avx512f",), "avx2": ("-mno-avx512f", "-mno-avxvnni")}
+# what a build's kernel_isa() says it runs
+ISA_NAMES = ("AVX2 (no VNNI)", "AVX-VNNI (256-bit)", "AVX-512 VNNI")
+
 
 def effective_flags(extra_flags: tuple[str, ...]) -> tuple[str, ...]:
     """``extra_flags`` less those that switch off what this CPU lacks: under -march=native they
@@ -128,6 +136,8 @@ def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     so = ctypes.CDLL(str(lib))
     so.step.argtypes = [POINTER(Model), POINTER(Step)]
     so.step.restype = None
+    so.kernel_isa.argtypes = []
+    so.kernel_isa.restype = c_int
     so.step_scratch_floats.argtypes = [POINTER(Model), c_int, c_int, c_int]
     so.step_scratch_floats.restype = c_long
     so.check_scratch_floats.argtypes = [c_int, c_int]

@@ -1420,6 +1420,17 @@ static long attn_shared_floats(const model_t *m, int rows, int max_ctx, int thre
         ? (long)rows * m->kv_heads * parts_of(m, max_ctx) * (m->heads / m->kv_heads) * part_floats(m) : 0;
 }
 
+/* the instruction set this build's kernels run: 0 AVX2 (no VNNI), 1 AVX-VNNI (256-bit), 2 AVX-512 VNNI */
+int kernel_isa(void) {
+#if WIDE
+    return 2;
+#elif defined(__AVXVNNI__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* floats of scratch a step of `rows` tokens attending to at most `max_ctx` needs */
 long step_scratch_floats(const model_t *m, int rows, int max_ctx, int threads) {
     const long D = m->dim, F = m->ffn, QD = (long)m->heads * m->head_dim;
