@@ -382,7 +382,8 @@ INLINE void vec_pair(const int t, const int nr, const gact *a, int r0, int g, co
             const int8_t *xq = a->pq + row * k + 32 * g;
             __m256i xl = _mm256_loadu_si256((const __m256i *)xq), xh = _mm256_loadu_si256((const __m256i *)(xq + 32));
             if (t == T_Q8_0) { xl = _mm256_sign_epi8(xl, lo); xh = _mm256_sign_epi8(xh, hi); }
-            __m256i d = DPBUSD(DPBUSD(_mm256_setzero_si256(), alo, xl), ahi, xh);
+            __m256i d = t == T_Q8_0 ? DPBUSD(DPBUSD(_mm256_setzero_si256(), alo, xl), ahi, xh)
+                                    : DPBUSD2(_mm256_setzero_si256(), alo, xl, ahi, xh);
             if (o) d = _mm256_sub_epi32(d, _mm256_sllv_epi32(_mm256_loadu_si256((const __m256i *)(a->ls + (row * (k / 32) + g) * 4)),
                                                              _mm256_set1_epi32(o == 8 ? 3 : 4)));
             /* [s0 * dy0, s1 * dy1] spread to four lanes each: the products rows_tiled takes */
@@ -556,7 +557,8 @@ INLINE void tiled_run(const int t, const int ng, const gact *a, int grp, int g, 
                 acc[q].h[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(da), _mm256_mul_ps(sa, d2), acc[q].h[h]);
                 acc2[q].h[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(db), _mm256_mul_ps(sb, d2), acc2[q].h[h]);
             } else {
-                const __m256i d = DPBUSD(DPBUSD(_mm256_setzero_si256(), ua, xa), ub, xb);
+                const __m256i d = t == T_Q8_0 ? DPBUSD(DPBUSD(_mm256_setzero_si256(), ua, xa), ub, xb)
+                                              : DPBUSD2(_mm256_setzero_si256(), ua, xa, ub, xb);
                 acc[q].h[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(sa, d2), acc[q].h[h]);
             }
         }

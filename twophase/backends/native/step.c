@@ -59,6 +59,18 @@
 #define DPBUSD(acc, q, v) _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((q), (v)), _mm256_set1_epi16(1)))
 #endif
 
+/* Without VNNI a dot is three instructions (vpmaddubsw's 16-bit pairs, vpmaddwd widening them,
+   an add), and the two multiplies share two pipes. Where codes are small enough that several
+   products' pairs sum within 16 bits, they are added as 16-bit lanes and widened once: the same
+   integers, fewer multiplies. DPBUSD2: acc + the dots of (q, v) and (r, w), codes under 64
+   (2 * 2 * 63 * 127 < 32768). */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
+#define DPBUSD2(acc, q, v, r, w) DPBUSD(DPBUSD((acc), (q), (v)), (r), (w))
+#else
+#define DPBUSD2(acc, q, v, r, w) _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_add_epi16( \
+    _mm256_maddubs_epi16((q), (v)), _mm256_maddubs_epi16((r), (w))), _mm256_set1_epi16(1)))
+#endif
+
 /* The head's 8-bit codes are stored offset by 128 (u = q + 128, unsigned): with VNNI the dot
    of u with the activations less 128 times their sum is the signed dot. AVX2's maddubs would
    saturate on 255 * 127 pairs, so without VNNI the codes go back to signed and take the sign
