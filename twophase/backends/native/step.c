@@ -259,6 +259,22 @@ static inline void axpy(float *y, float p, const float *x, int n) {
 
 #include "gguf_blocks.h"
 
+/* Where a step's time goes, for benchmarks/step_phases.py: built with -DSTEP_PHASES, thread 0
+   reads the clock after each op (after its barrier, so an op's time includes waiting for the
+   slower thread) and adds it to the op's total; otherwise compiled out. */
+enum { PH_EMBED, PH_NORM, PH_QKV, PH_ROPE_STORE, PH_ATTENTION, PH_ROUND, PH_O, PH_RESIDUAL, PH_GATE_UP,
+       PH_GLU, PH_DOWN, PH_EXPERTS, PH_HEAD, PH_COUNT };
+#ifdef STEP_PHASES
+static double phase_s[PH_COUNT], phase_at;
+static long phase_steps;
+#define PHASE(i) do { if (omp_get_thread_num() == 0) { const double t_ = omp_get_wtime(); \
+                       phase_s[i] += t_ - phase_at; phase_at = t_; } } while (0)
+/* the totals so far (seconds an op, PH_COUNT of them) and the steps they cover */
+long step_phases(double *out) { memcpy(out, phase_s, sizeof phase_s); return phase_steps; }
+#else
+#define PHASE(i) do {} while (0)
+#endif
+
 static qact row_of(qact a, int r, int k) {
     const qact out = { a.q + (size_t)r * groups_of(k) * ACT_GROUP, a.xo + (size_t)r * OUT_MAX };
     return out;
@@ -952,16 +968,43 @@ static void rmsnorm(const float *x, const float *g, float *out, int dim, float e
     for (int i = 0; i < dim; i++) out[i] = x[i] * inv * g[i];
 }
 
-/* rotate_half RoPE of `heads` heads of v at position pos, on the first rot of each head's hd
-   dimensions (the rest pass: partial rotary) */
-static void rope(float *v, int heads, int hd, int rot, const float *inv_freq, int64_t pos) {
+/* a row's cosines and sines at position pos for one table of frequencies (rot / 2 of each) */
+static void rope_angles(float *cs, int rot, const float *inv_freq, int64_t pos) {
     for (int i = 0; i < rot / 2; i++) {
-        const float f = (float)pos * inv_freq[i], c = cosf(f), s = sinf(f);
-        for (int h = 0; h < heads; h++) {
-            float *u = v + h * hd;
-            const float a = u[i], b = u[i + rot / 2];
-            u[i] = a * c - b * s;
-            u[i + rot / 2] = b * c + a * s;
+        const float f = (float)pos * inv_freq[i];
+        cs[i] = cosf(f);
+        cs[rot / 2 + i] = sinf(f);
+    }
+}
+
+/* each layer's table of RoPE frequencies among the distinct ones (the layers of one base share
+   theirs, so a row's cosines and sines are computed once a table, not once a layer: at 128
+   pairs a head, they were 6% of a prefill): slot[l], the first layer of each table rep[t], and
+   how many tables */
+static int rope_tables(const model_t *m, int *slot, int *rep) {
+    const int half = m->rot_dim / 2;
+    int n = 0;
+    for (int l = 0; l < m->layers; l++) {
+        slot[l] = -1;
+        for (int t = 0; t < n && slot[l] < 0; t++)
+            if (!memcmp(m->inv_freq + (size_t)l * half, m->inv_freq + (size_t)rep[t] * half, sizeof(float) * half))
+                slot[l] = t;
+        if (slot[l] < 0) { rep[n] = l; slot[l] = n++; }
+    }
+    return n;
+}
+
+/* rotate_half RoPE of `heads` heads of v, on the first rot of each head's hd dimensions (the
+   rest pass: partial rotary), by the row's cosines and sines cs (rope_angles) */
+static void rope(float *v, int heads, int hd, int rot, const float *cs) {
+    const int half = rot / 2;
+    const float *c = cs, *s = cs + half;
+    for (int h = 0; h < heads; h++) {          /* a head's pairs in a row: the loop vectorises */
+        float *lo = v + (size_t)h * hd, *hi = lo + half;
+        for (int i = 0; i < half; i++) {
+            const float a = lo[i], b = hi[i];
+            lo[i] = a * c[i] - b * s[i];
+            hi[i] = b * c[i] + a * s[i];
         }
     }
 }
@@ -1443,13 +1486,19 @@ int kernel_isa(void) {
 #endif
 }
 
+/* floats of the rows' cosines and sines, a table of frequencies each (rope_tables) */
+static long rope_floats(const model_t *m, int rows) {
+    int slot[m->layers], rep[m->layers];
+    return (long)rope_tables(m, slot, rep) * rows * m->rot_dim;
+}
+
 /* floats of scratch a step of `rows` tokens attending to at most `max_ctx` needs */
 long step_scratch_floats(const model_t *m, int rows, int max_ctx, int threads) {
     const long D = m->dim, F = m->ffn, QD = (long)m->heads * m->head_dim;
     return rows * (2 * D + QD + widest(m) + F)         /* x, h, attn, wide, mlp */
          + act_floats(rows, act_width(m))              /* int8 codes; d, s, e, sums; outliers */
          + (long)threads * attn_thread_floats(m, max_ctx) + attn_shared_floats(m, rows, max_ctx, threads)
-         + moe_floats(m, rows);
+         + moe_floats(m, rows) + rope_floats(m, rows);
 }
 
 /* the gathered rows from `off` on, as an activation block of their own */
@@ -1564,8 +1613,9 @@ static void into_residual(const model_t *m, float *x, float *y, const float *b, 
     }
 }
 
-/* row r's q, k and v (v: the projection's output): biases, QK-norm, RoPE */
-static void qkv_row(const model_t *m, int l, float *v, int64_t pos) {
+/* row r's q, k and v (v: the projection's output): biases, QK-norm, RoPE (cs: the row's
+   cosines and sines for layer l's table) */
+static void qkv_row(const model_t *m, int l, float *v, const float *cs) {
     const int H = m->heads, KVH = m->kv_heads, hd = m->head_dim;
     if (m->qkv_bias) add_bias(v, m->qkv_bias + (size_t)l * (H + 2 * KVH) * hd, (H + 2 * KVH) * hd);
     if (m->q_norm)
@@ -1573,7 +1623,7 @@ static void qkv_row(const model_t *m, int l, float *v, int64_t pos) {
             const float *g = h < H ? m->q_norm + (size_t)l * hd : m->k_norm + (size_t)l * hd;
             rmsnorm(v + (size_t)h * hd, g, v + (size_t)h * hd, hd, m->eps);
         }
-    rope(v, H + KVH, hd, m->rot_dim, m->inv_freq + (size_t)l * (m->rot_dim / 2), pos);
+    rope(v, H + KVH, hd, m->rot_dim, cs);
 }
 
 void step(const model_t *m, const step_t *s) {
@@ -1586,9 +1636,17 @@ void step(const model_t *m, const step_t *s) {
     /* the stored formats' rounded activations, in the same scratch: of h, attn and mlp */
     const gact gh = gact_layout((float *)a.q, R, D, h, D), gat = gact_layout((float *)a.q, R, QD, attn, QD);
     const gact gmlp = gact_layout((float *)a.q, R, F, mlp, F);
-    const moe_t moe = moe_layout(m, per_thread + (size_t)s->threads * attn_thread_floats(m, s->max_ctx)
-                                 + attn_shared_floats(m, R, s->max_ctx, s->threads), R);
+    float *after_attn = per_thread + (size_t)s->threads * attn_thread_floats(m, s->max_ctx)
+                        + attn_shared_floats(m, R, s->max_ctx, s->threads);
+    const moe_t moe = moe_layout(m, after_attn, R);
+    int slot[m->layers], rep[m->layers];
+    const int tables = rope_tables(m, slot, rep), rot = m->rot_dim;
+    float *angles = after_attn + moe_floats(m, R);       /* [tables][R][rot]: rope_angles' */
 
+#ifdef STEP_PHASES
+    phase_steps++;
+    phase_at = omp_get_wtime();
+#endif
     #pragma omp parallel num_threads(s->threads)
     {
         float *mine = per_thread + (size_t)omp_get_thread_num() * attn_thread_floats(m, s->max_ctx);
@@ -1599,7 +1657,10 @@ void step(const model_t *m, const step_t *s) {
             memcpy(xr, m->embed + (size_t)s->tokens[r] * D, sizeof(float) * D);
             if (m->embed_scale != 1.f)
                 for (int i = 0; i < D; i++) xr[i] *= m->embed_scale;
+            for (int t = 0; t < tables; t++)
+                rope_angles(angles + ((size_t)t * R + r) * rot, rot, m->inv_freq + (size_t)rep[t] * (rot / 2), s->positions[r]);
         }
+        PHASE(PH_EMBED);
 
         for (int l = 0; l < m->layers; l++) {
             const proj_q4 *qkv = st ? NULL : m->qkv + l, *o = st ? NULL : m->o + l;
@@ -1613,11 +1674,13 @@ void step(const model_t *m, const step_t *s) {
             const lay_t ly = layer_of(m, s, l);
             const next_t none = {0};
             norm_rows(m, x, m->attn_norm + (size_t)l * D, h, R, qkv, a, &gh);
+            PHASE(PH_NORM);
             project(m, qkv, sqkv, R, a, &gh, wide, W, 0, st ? none : next_q4(o));
+            PHASE(PH_QKV);
             #pragma omp for
             for (int r = 0; r < R; r++) {          /* biases, QK-norm, RoPE; the token's K/V into the pool */
                 float *v = wide + (size_t)r * W;
-                qkv_row(m, l, v, s->positions[r]);
+                qkv_row(m, l, v, angles + ((size_t)slot[l] * R + r) * rot);
                 const int64_t blk = ly.slots[r] / s->block_size;
                 const int off = (int)(ly.slots[r] % s->block_size);
                 const size_t rb = row_bytes(s->kv_type, hd);
@@ -1626,17 +1689,25 @@ void step(const model_t *m, const step_t *s) {
                     store_row(pool_block(s, m, ly.slot, 1, blk, kh) + off * rb, v + (H + KVH + kh) * hd, hd, s->kv_type);
                 }
             }
+            PHASE(PH_ROPE_STORE);
             attention(m, s, l, wide, W, attn, mine, shared);
+            PHASE(PH_ATTENTION);
             #pragma omp for
             for (int r = 0; r < R; r++) round_row(m, attn + (size_t)r * QD, QD, o, a, &gat, r);
+            PHASE(PH_ROUND);
             project(m, o, so, R, a, &gat, pa ? h : x, D, !pa, st ? none : next_q4(gu));
+            PHASE(PH_O);
             if (pa || ob) into_residual(m, x, h, ob, pa, R);
+            PHASE(PH_RESIDUAL);
             norm_rows(m, x, m->mlp_norm + (size_t)l * D, h, R, gu, a, &gh);
+            PHASE(PH_NORM);
             if (m->experts) {
                 moe_mlp(m, l, R, h, &gh, moe, x, wide, pm);
+                PHASE(PH_EXPERTS);
                 continue;
             }
             project(m, gu, sgu, R, a, &gh, wide, W, 0, st ? none : next_q4(dn));
+            PHASE(PH_GATE_UP);
             #pragma omp for
             for (int r = 0; r < R; r++) {
                 float *g = wide + (size_t)r * W;
@@ -1645,9 +1716,12 @@ void step(const model_t *m, const step_t *s) {
                 glu(m, g, g + F, y, F);
                 round_row(m, y, F, dn, a, &gmlp, r);
             }
+            PHASE(PH_GLU);
             project(m, dn, sdn, R, a, &gmlp, pm ? h : x, D, !pm,
                     st ? none : l + 1 < m->layers ? next_q4(m->qkv + l + 1) : next_q8(&m->head));
+            PHASE(PH_DOWN);
             if (pm || db) into_residual(m, x, h, db, pm, R);
+            PHASE(PH_RESIDUAL);
         }
         #pragma omp for
         for (int i = 0; i < s->n_logits; i++) {
@@ -1660,6 +1734,7 @@ void step(const model_t *m, const step_t *s) {
             #pragma omp for
             for (int i = 0; i < s->n_logits; i++) softcap(s->logits + (size_t)i * m->vocab, m->vocab, m->final_cap);
         }
+        PHASE(PH_HEAD);
     }
 }
 
