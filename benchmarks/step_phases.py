@@ -5,10 +5,11 @@ of ``step.c`` (after its barrier, so an op's time includes waiting for the slowe
 adds it to that op's total. The steps are the engine's own (``twophase.phase_timing``): one
 512-token prefill, decode at batch 1 and at batch 32 (context 128; a decode round also
 recomputes each prompt's last token: that prefill step is left out). Means over the rounds'
-steps. Beside the ops: the C step in all, and the engine's step (what ``twophase bench``
-times: scheduling, the batch, the call, the logits).
-No hardware counters are needed (these machines' VMs have none), and the ops' sum is the
-step's wall time, which a sampling profiler does not give for the barriers.
+steps. The K/V pool is backed at the start (``cache.prefault``): otherwise each round's new
+blocks fault their pages in on the first write, which shows as "rope, K/V store". Beside the
+ops: the C step in all, and the engine's step (what ``twophase bench`` times: scheduling, the
+batch, the call, the logits). No hardware counters are needed (these machines' VMs have none),
+and the ops' sum is the step's wall time, which a sampling profiler does not give for the barriers.
 
     python benchmarks/step_phases.py [--model gemma3-270m | --gguf FILE] [--quantization gguf|q4]
                                      [--isa native|avx-vnni|avx2] [--threads 2] [--rounds 3]
@@ -92,7 +93,7 @@ def main() -> None:
                            "backend": {"name": "native", "options": {"isa": args.isa, "threads": args.threads}},
                            "scheduler": {"policy": "prefill-first", "max_num_batched_tokens": 512,
                                          "max_num_seqs": 32},
-                           "cache": {"num_blocks": "auto", "memory_gb": 1.5}})
+                           "cache": {"num_blocks": "auto", "memory_gb": 1.5, "prefault": True}})
     phases = Phases(llm, args.isa)
     table = Table(title=f"{args.gguf or args.model} ({args.quantization}) on native, {args.isa} kernels "
                         f"({llm.decode_backend.isa}), {args.threads} threads: ms a step, share of the C step; "
