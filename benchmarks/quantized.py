@@ -13,13 +13,15 @@ llama.cpp on the same text: perplexity's difference from the fp32 model, the mea
 from it, and how often the top token agrees with it.
 
     python benchmarks/quantized.py [--threads 2] [--rounds 3] [--gguf FILE] [--lines native-gguf,...]
-                                   [--isa avx2] [--llama-cpp DIR] [--no-quality]
+                                   [--isa avx2] [--llama-cpp DIR] [--kv-dtype float16] [--no-quality]
 
 ``--gguf`` runs another file, e.g. a Q4_K_M one; ``"gguf"`` runs its tensors as stored (the
 native backend), ``"q4"`` converts those not Q4_1 or Q8_0 to Q4_1. ``--isa avx2`` runs the
 native kernels a Zen 3 runs (no AVX-512, no VNNI) on a newer CPU; beside it, ``--llama-cpp DIR``
 takes llama-cpp-python from DIR (``pip install --target DIR``), e.g. a build with
 ``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF"``.
+``--kv-dtype float16`` gives the native lines llama.cpp's default K/V format (the model's float32
+otherwise: twice the bytes a decode step's attention reads).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from twophase.quality import all_logits, shipped_text
 MODEL = "smollm2-135m-instruct"
 
 
-def twophase_line(backend: str | dict, quantization: str, gguf: str | None = None) -> LLM:
+def twophase_line(backend: str | dict, quantization: str, gguf: str | None = None, kv_dtype: str = "auto") -> LLM:
     model = {"path": gguf} if gguf else {"name": MODEL}
     return LLM.from_config({"model": {**model, "quantization": quantization},
                             "backend": {"name": backend} if isinstance(backend, str) else backend,
@@ -51,7 +53,8 @@ def twophase_line(backend: str | dict, quantization: str, gguf: str | None = Non
                             # 32 x 640 tokens, any grouping; the pool's pages backed at the start, as
                             # llama.cpp's reused cells are after its warm-up (a page's first write
                             # costs a fault: 4% of a pp512 step on a VM)
-                            "cache": {"num_blocks": "auto", "memory_gb": 1.5, "prefault": True}})
+                            "cache": {"num_blocks": "auto", "memory_gb": 1.5, "prefault": True,
+                                      "dtype": kv_dtype}})
 
 
 class LlamaCpp:
@@ -206,14 +209,17 @@ def main() -> None:
                     help="the native kernels' instruction set (avx2: what a Zen 3 runs)")
     ap.add_argument("--llama-cpp", metavar="DIR", help="take llama-cpp-python from DIR (pip install --target DIR)")
     ap.add_argument("--no-quality", action="store_true", help="the speed table only")
+    ap.add_argument("--kv-dtype", default="auto", choices=("auto", "float16", "int8"),
+                    help="twophase's K/V format (auto: the model's float32; llama.cpp's default is float16)")
     args = ap.parse_args()
     if args.llama_cpp:
         sys.path.insert(0, args.llama_cpp)          # spawned engines start with this sys.path too
     console = Console()
     g = args.gguf
     native = {"name": "native", "options": {"isa": args.isa}}
-    every = {"native-gguf": ("twophase gguf (native)", (native, "gguf", g)),
-             "native-q4": ("twophase q4 (native)", (native, "q4", g)),
+    kv = args.kv_dtype
+    every = {"native-gguf": ("twophase gguf (native)", (native, "gguf", g, kv)),
+             "native-q4": ("twophase q4 (native)", (native, "q4", g, kv)),
              "onnxruntime-q4": ("twophase q4 (onnxruntime)", ("onnxruntime", "q4", g)),
              "onnxruntime-native-q4": ("twophase q4 (onnxruntime → native)", (
                  {"prefill": {"name": "onnxruntime"}, "decode": native}, "q4", g)),
@@ -232,7 +238,7 @@ def main() -> None:
     for eng in engines.values():
         eng.close()
     first = next(iter(engines))
-    table = Table(title=f"{g or MODEL}, CPU, {args.threads} threads, native kernels: {args.isa}, "
+    table = Table(title=f"{g or MODEL}, CPU, {args.threads} threads, native kernels: {args.isa}, K/V: {kv}, "
                         f"each engine in its own process: "
                         f"tokens/s, median of {args.rounds} interleaved rounds (ratio to {first})")
     table.add_column("engine")

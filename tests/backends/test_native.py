@@ -139,6 +139,33 @@ def test_the_isa_option_runs_that_path_and_refuses_an_unknown_one_by_name():
     assert [o.token_ids for o in avx2.generate(prompts, p)] == [o.token_ids for o in native.generate(prompts, p)]
 
 
+def test_the_phase_clock_build_times_each_op_of_its_steps():
+    """``-DSTEP_PHASES`` (benchmarks/step_phases.py): the same logits, the steps counted, and
+    the ops' totals within the steps' wall time, the projections and the head among them."""
+    import ctypes
+    import time
+
+    import numpy as np
+
+    from twophase.backends.native import kernel
+
+    prompts = random_prompts(2, seed=5)
+    want = prefill_all_logits(tiny_llm(model=Q4, backend={"name": "native"}), prompts)
+    llm = tiny_llm(model=Q4, backend={"name": "native"})
+    lib = kernel.load(("-DSTEP_PHASES",))
+    lib.step_phases.argtypes = [ctypes.c_void_p]
+    lib.step_phases.restype = ctypes.c_long
+    llm.decode_backend.lib = lib
+    start = time.perf_counter()
+    got = prefill_all_logits(llm, prompts)
+    wall = time.perf_counter() - start
+    spent = np.zeros(13)
+    assert lib.step_phases(spent.ctypes.data) == 1
+    assert torch.equal(got, want)
+    assert 0 < spent.sum() <= wall
+    assert (spent[[2, 6, 8, 10, 12]] > 0).all()            # q/k/v, o, gate/up, down, the head
+
+
 def test_native_refuses_shapes_it_does_not_compute():
     from dataclasses import replace
 
