@@ -31,17 +31,20 @@ import multiprocessing
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
 from twophase import LLM
+from twophase.backends.native.kernel import ISA_FLAGS
 from twophase.bench import sweeps
 from twophase.models import hub
 from twophase.quality import all_logits, shipped_text
 
 MODEL = "smollm2-135m-instruct"
+LINES = ("native-gguf", "native-q4", "onnxruntime-q4", "onnxruntime-native-q4", "onnxruntime-fp32")
 
 
 def twophase_line(backend: str | dict, quantization: str, gguf: str | None = None, kv_dtype: str = "auto") -> LLM:
@@ -198,22 +201,34 @@ def llama_engines(console: Console, gguf: str, threads: int) -> dict:
             for flash in (True, False)}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--gguf", help="a GGUF file (default: the default model's); e.g. a Q4_K_M file")
-    ap.add_argument("--lines", default="native-gguf,native-q4,onnxruntime-q4,onnxruntime-native-q4,onnxruntime-fp32",
+    ap.add_argument("--lines", default=",".join(LINES),
                     help="twophase's lines to run, of those names")
-    ap.add_argument("--isa", default="native", choices=("native", "avx-vnni", "avx2"),
+    ap.add_argument("--isa", default="native", choices=tuple(ISA_FLAGS),
                     help="the native kernels' instruction set (avx2: what a Zen 3 runs)")
     ap.add_argument("--llama-cpp", metavar="DIR", help="take llama-cpp-python from DIR (pip install --target DIR)")
     ap.add_argument("--no-quality", action="store_true", help="the speed table only")
     ap.add_argument("--kv-dtype", default="auto", choices=("auto", "float16", "int8"),
                     help="twophase's K/V format (auto: the model's float32; llama.cpp's default is float16)")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
+    unknown = set(args.lines.split(",")) - set(LINES)
+    if unknown:
+        ap.error(f"--lines: no line {', '.join(sorted(unknown))}; the lines are {', '.join(LINES)}")
     if args.llama_cpp:
+        if not (Path(args.llama_cpp) / "llama_cpp").is_dir():
+            ap.error(f"--llama-cpp {args.llama_cpp}: no llama_cpp package there (pip install --target DIR)")
         sys.path.insert(0, args.llama_cpp)          # spawned engines start with this sys.path too
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     console = Console()
     g = args.gguf
     native = {"name": "native", "options": {"isa": args.isa}}

@@ -88,6 +88,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     model = {"path": args.gguf} if args.gguf else {"name": args.model}
     llm = LLM.from_config({"model": {**model, "quantization": args.quantization},
                            "backend": {"name": "native", "options": {"isa": args.isa, "threads": args.threads}},

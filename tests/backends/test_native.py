@@ -127,8 +127,9 @@ def test_the_isa_option_runs_that_path_and_refuses_an_unknown_one_by_name():
     from twophase.device import cpu_flags
     from twophase.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"backend.options.isa: .*'avx2'.*got 'avx512'"):
-        tiny_llm(model=Q4, backend={"name": "native", "options": {"isa": "avx512"}})
+    for bad in ("avx512", ["avx2"]):
+        with pytest.raises(ConfigError, match=r"backend.options.isa: .*'avx2'.*got " + repr(bad).replace("[", r"\[")):
+            tiny_llm(model=Q4, backend={"name": "native", "options": {"isa": bad}})
     avx2 = tiny_llm(model=Q4, backend={"name": "native", "options": {"isa": "avx2"}})
     native = tiny_llm(model=Q4, backend={"name": "native"})
     flags = cpu_flags()

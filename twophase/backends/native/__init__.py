@@ -108,7 +108,7 @@ class NativeBackend(Backend):
         from twophase.backends.native.weights import NativeWeights
 
         isa = cfg.options.get("isa", "native")
-        if isa not in kernel.ISA_FLAGS:
+        if not isinstance(isa, str) or isa not in kernel.ISA_FLAGS:
             raise ConfigError("backend.options.isa", f"the native kernels' instruction set is one of "
                               f"{', '.join(map(repr, kernel.ISA_FLAGS))}; got {isa!r}")
         self.lib = kernel.load(kernel.ISA_FLAGS[isa])
