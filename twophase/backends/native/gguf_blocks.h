@@ -27,8 +27,8 @@ typedef struct proj_g { int n, k, parts; part_t part[PARTS_MAX]; } proj_g;   /* 
    (tstride: the rows rounded up to groups, padded with 0). For the one-row path, the codes
    again by pairs of runs, pq [rows][k]: runs 2p and 2p + 1 at 64p as 2p's bytes 0-15, 2p + 1's
    0-15, 2p's 16-31, 2p + 1's 16-31 (a last run without a partner as it is), and each run's four
-   lane sums ls [rows][k/32][4] (lane l: bytes 4l..4l+3 and 16+4l..16+4l+3, the lanes the
-   folded dots take; so an offset type's codes dot unsigned, the offset times the sums off). */
+   lane sums times -16, ls [rows][k/32][4] (lane l: bytes 4l..4l+3 and 16+4l..16+4l+3, the lanes
+   the folded dots take; so an offset type's codes dot unsigned from the offset's term on). */
 #define TR 4            /* activation rows a group */
 typedef struct {
     const float *x; int xstride, k; int8_t *q; float *d; int32_t *s; float *ds;
@@ -60,7 +60,8 @@ static inline size_t type_bytes(int t) {         /* bytes a block */
 
 static inline int is_float_type(int t) { return t == T_F32 || t == T_F16 || t == T_BF16; }
 static inline size_t row_size(int t, int k) { return (size_t)k / type_values(t) * type_bytes(t); }
-static inline float f16_of(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return _cvtsh_ss(h); }
+static inline int u16_of(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return h; }
+static inline float f16_of(const uint8_t *p) { return _cvtsh_ss((unsigned short)u16_of(p)); }
 static inline float bf16_of(const uint8_t *p) {
     uint16_t h; memcpy(&h, p, 2);
     const uint32_t u = (uint32_t)h << 16;
@@ -375,17 +376,20 @@ INLINE void vec_pair(const int t, const int nr, const gact *a, int r0, int g, co
         __m256i lo, hi;
         pair_codes(t, b0, j0, b1, &lo, &hi);
         const __m256i alo = t == T_Q8_0 ? _mm256_sign_epi8(lo, lo) : lo, ahi = t == T_Q8_0 ? _mm256_sign_epi8(hi, hi) : hi;
-        const __m128 s2 = ks ? _mm_castpd_ps(_mm_load_sd((const double *)(ks + j0))) : _mm_setr_ps(t0.s[0], t1.s[0], 0.f, 0.f);
+        /* [s0, s1]: both blocks' fp16 scales (their first two bytes) in one conversion */
+        const __m128 s2 = ks ? _mm_castpd_ps(_mm_load_sd((const double *)(ks + j0)))
+                             : _mm_cvtph_ps(_mm_insert_epi16(_mm_cvtsi32_si128(u16_of(b0)), u16_of(b1), 1));
         const __m256i two_of = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
         for (int r = 0; r < nr; r++) {
             const size_t row = (size_t)(r0 + r);
             const int8_t *xq = a->pq + row * k + 32 * g;
             __m256i xl = _mm256_loadu_si256((const __m256i *)xq), xh = _mm256_loadu_si256((const __m256i *)(xq + 32));
             if (t == T_Q8_0) { xl = _mm256_sign_epi8(xl, lo); xh = _mm256_sign_epi8(xh, hi); }
-            __m256i d = t == T_Q8_0 ? DPBUSD(DPBUSD(_mm256_setzero_si256(), alo, xl), ahi, xh)
-                                    : DPBUSD2(_mm256_setzero_si256(), alo, xl, ahi, xh);
-            if (o) d = _mm256_sub_epi32(d, _mm256_sllv_epi32(_mm256_loadu_si256((const __m256i *)(a->ls + (row * (k / 32) + g) * 4)),
-                                                             _mm256_set1_epi32(o == 8 ? 3 : 4)));
+            /* the offset's term first: -16 times the lane sums (-8 times: halved, exactly) */
+            __m256i d = _mm256_setzero_si256();
+            if (o) d = _mm256_loadu_si256((const __m256i *)(a->ls + (row * (k / 32) + g) * 4));
+            if (o == 8) d = _mm256_srai_epi32(d, 1);
+            d = t == T_Q8_0 ? DPBUSD(DPBUSD(d, alo, xl), ahi, xh) : DPBUSD2(d, alo, xl, ahi, xh);
             /* [s0 * dy0, s1 * dy1] spread to four lanes each: the products rows_tiled takes */
             const __m128 p = _mm_mul_ps(s2, _mm_castpd_ps(_mm_load_sd((const double *)(a->d + row * (k / 32) + g))));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_permutevar8x32_ps(_mm256_castps128_ps256(p), two_of), acc[r]);
@@ -729,7 +733,8 @@ static void gquantize_row(const gact *a, int r) {
         const __m256i hs = _mm256_hadd_epi32(_mm256_add_epi32(c[0], c[2]), _mm256_add_epi32(c[1], c[3]));
         const __m256i lanes = _mm256_hadd_epi32(hs, hs);    /* [l0 l2 l0 l2 | l1 l3 l1 l3] */
         _mm_storeu_si128((__m128i *)(a->ls + ((size_t)r * (k / 32) + g) * 4),
-                         _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(lanes, _mm256_setr_epi32(0, 4, 1, 5, 0, 0, 0, 0))));
+                         _mm_slli_epi32(_mm_sub_epi32(_mm_setzero_si128(), _mm256_castsi256_si128(
+                             _mm256_permutevar8x32_epi32(lanes, _mm256_setr_epi32(0, 4, 1, 5, 0, 0, 0, 0)))), 4));
         const int s0 = isum8(_mm256_add_epi32(c[0], c[1])), s1 = isum8(_mm256_add_epi32(c[2], c[3]));
         a->d[(size_t)r * (k / 32) + g] = d;
         a->s[(size_t)r * (k / 16) + 2 * g] = s0;
