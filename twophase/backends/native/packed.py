@@ -3,13 +3,11 @@ gguf) share: the tensors kept in float32, and a packed folder's arrays loaded.""
 
 from __future__ import annotations
 
-import logging
-import mmap
 from pathlib import Path
 
 import numpy as np
 
-log = logging.getLogger(__name__)
+from twophase.large_pages import region
 
 # per layer, the float32 tensors a family may add: array name -> the Decoder's parameter
 OPTIONAL = {"q_norm": "attn.q_norm.weight", "k_norm": "attn.k_norm.weight",
@@ -55,34 +53,21 @@ def mapped(folder: Path) -> dict[str, np.ndarray]:
     return {**arena({k: v for k, v in a.items() if k != "embed"}), **{k: v for k, v in a.items() if k == "embed"}}
 
 
-# A step streams every weight once from memory. On 4 KB pages the hardware's prefetchers stop
-# at each page's end and each page costs a translation (a two-level walk under a VM): on a
-# 2-core Zen 4 VM a plain 2-thread read of 178 MB ran at 38-39 GB/s on 4 KB pages, 60-62 on
-# 2 MB ones. Linux backs memory with 2 MB pages where asked (madvise; transparent_hugepage =
-# madvise is the common default), so the arrays go into one anonymous region, aligned to 2 MB
-# and asked for them before its first touch; a kernel that gives none leaves plain pages.
-LARGE_PAGE = 2 << 20
+# each array of the arena at a page boundary of its own
 ALIGN = 4096
 
 
 def arena(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Copies of ``arrays`` in one anonymous region on large pages where the OS gives them,
-    each at a 4 KB boundary."""
+    """Copies of ``arrays`` in one region on large pages where the OS gives them
+    (``twophase.large_pages``: a step streams them all), each at a 4 KB boundary."""
     offsets, size = {}, 0
     for name, arr in arrays.items():
         offsets[name] = size
         size += -(-arr.nbytes // ALIGN) * ALIGN
-    region = mmap.mmap(-1, size + LARGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    raw = np.frombuffer(region, np.uint8)
-    start = -raw.ctypes.data % LARGE_PAGE
-    if hasattr(mmap, "MADV_HUGEPAGE") and size:
-        try:
-            region.madvise(mmap.MADV_HUGEPAGE, start, size)
-        except OSError as e:                  # no large pages here: plain ones serve
-            log.debug("no large pages for the weights: %s", e)
+    raw = region(size)
     out = {}
     for name, arr in arrays.items():
-        view = raw[start + offsets[name]:start + offsets[name] + arr.nbytes].view(arr.dtype).reshape(arr.shape)
+        view = raw[offsets[name]:offsets[name] + arr.nbytes].view(arr.dtype).reshape(arr.shape)
         view[...] = arr
         out[name] = view
     return out

@@ -1,0 +1,35 @@
+"""Zeroed CPU memory the OS is asked to back with 2 MB pages, for what a step streams.
+
+A decode step reads every weight once, and a batch's attention its sequences' K/V. On 4 KB
+pages the hardware's prefetchers stop at each page's end and each page costs a translation (a
+two-level walk under a VM): on a 2-core Zen 4 VM a plain 2-thread read of 178 MB ran at
+38-39 GB/s on 4 KB pages and 60-62 on 2 MB ones. Linux backs an anonymous region with 2 MB
+pages where madvise asks (transparent_hugepage = madvise, the common default) at its first
+touch, so the region is asked before it is touched. Where the OS gives none (another OS, THP
+off, no free 2 MB frames) the same memory comes on plain pages."""
+
+from __future__ import annotations
+
+import logging
+import mmap
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+LARGE_PAGE = 2 << 20
+
+
+def region(nbytes: int) -> np.ndarray:
+    """``nbytes`` zero bytes (uint8) from their own anonymous mapping, starting on a 2 MB
+    boundary, asked for large pages; the OS zeroes each page at its first touch, so what is
+    never used costs no memory."""
+    m = mmap.mmap(-1, nbytes + LARGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = np.frombuffer(m, np.uint8)
+    start = -raw.ctypes.data % LARGE_PAGE
+    if hasattr(mmap, "MADV_HUGEPAGE") and nbytes:
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
+        except OSError as e:                # plain pages serve
+            log.debug("no large pages: %s", e)
+    return raw[start:start + nbytes]
