@@ -83,6 +83,33 @@ def test_a_rows_logits_do_not_depend_on_the_batch_it_is_in():
         assert torch.equal(logits(tokens[:rows]), alone[:rows]), f"batch of {rows}: rows differ from alone"
 
 
+def test_a_steps_logits_stay_as_returned_while_held_and_a_released_buffer_is_reused():
+    """The logits come from buffers the backend keeps (a fresh 33 MB a step faulted its pages
+    in): one still held, or only a view of it, is never written again; one released is."""
+    from twophase.backends.native import LOGIT_BUFFERS
+    from twophase.core.request import Request
+
+    llm = tiny_llm(model=Q4, backend={"name": "native"}, cache={"num_blocks": 64, "block_size": 4})
+    kv = llm.engine.kv
+
+    def logits(token):
+        r = Request("r", [token], SamplingParams(max_tokens=1), 0.0)
+        assert kv.allocate(r, 1)
+        try:
+            return llm.prefill_backend.prefill(prefill_batch([(r, 0, 1)], kv))
+        finally:
+            kv.free(r)
+
+    held = logits(3)
+    view = logits(4)[0, :5]                     # the tensor itself dropped, a view of it kept
+    want_held, want_view = held.clone(), view.clone()
+    for i in range(LOGIT_BUFFERS + 2):
+        logits(5 + i)
+    assert torch.equal(held, want_held) and torch.equal(view, want_view)
+    kept = {b.ctypes.data for b in llm.prefill_backend.logit_buffers}
+    assert logits(20).data_ptr() in kept                 # a released buffer serves again
+
+
 def test_batching_chunking_and_preemption_change_no_token():
     """Under a pool and budget that preempt and split prompts into chunks, every request's greedy
     tokens equal its tokens run alone."""
