@@ -28,12 +28,13 @@ typedef struct proj_g { int n, k, parts; part_t part[PARTS_MAX]; } proj_g;   /* 
    again by pairs of runs, pq [rows][k]: runs 2p and 2p + 1 at 64p as 2p's bytes 0-15, 2p + 1's
    0-15, 2p's 16-31, 2p + 1's 16-31 (a last run without a partner as it is), and each run's four
    lane sums times -16, ls [rows][k/32][4] (lane l: bytes 4l..4l+3 and 16+4l..16+4l+3, the lanes
-   the folded dots take; so an offset type's codes dot unsigned from the offset's term on). */
+   the folded dots take; so an offset type's codes dot unsigned from the offset's term on), and
+   the same sums by groups as the tiles' lanes take them, tls [k/32][groups][TR * 4]. */
 #define TR 4            /* activation rows a group */
 typedef struct {
     const float *x; int xstride, k; int8_t *q; float *d; int32_t *s; float *ds;
     int rows, tstride; int8_t *tq; float *td, *tds;
-    int8_t *pq; int32_t *ls;
+    int8_t *pq; int32_t *ls; int32_t *tls;
 } gact;
 
 typedef struct { float s[2], bias; int o; } sub_t;          /* a run of 32's float terms */
@@ -494,9 +495,39 @@ ROWS_VEC(T_Q4_K) ROWS_VEC(T_Q5_K) ROWS_VEC(T_Q6_K)
    acc (one scale a run), or acc and acc2 (a scale a half: acc2 takes the run's bytes 16-31) */
 #if WIDE
 typedef __m512 tacc;                        /* a group's four rows: four lanes each */
+
+/* Q4_0, Q5_0 and Q8_0 (one scale a run, an offset or a sign) dot their codes unsigned, Q8_0's
+   moved up by 128, from the offset's term on: the lane sums times -16, halved for Q4_0's 8,
+   times 8 for Q8_0's 128. The same integers as the sign trick, without negating the rows'
+   codes a group at a time. */
+INLINE int offset_free(const int t) { return t == T_Q4_0 || t == T_Q5_0 || t == T_Q8_0; }
+
+INLINE void tiled_run_unsigned(const int t, const int ng, const gact *a, int grp, int g, const uint8_t *b,
+                               const int j, tacc *acc) {
+    const int groups = a->tstride / TR;
+    __m256i u = codes_vec(t, b, j);
+    if (t == T_Q8_0) u = _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80));
+    const __m512i ua = _mm512_broadcast_i32x4(_mm256_castsi256_si128(u));
+    const __m512i ub = _mm512_broadcast_i32x4(_mm256_extracti128_si256(u, 1));
+    const __m512 sa = _mm512_set1_ps(f16_of(b));
+    const int8_t *xg = a->tq + ((size_t)g * groups + grp) * 32 * TR;
+    const int32_t *lg = a->tls + ((size_t)g * groups + grp) * 4 * TR;
+    const float *dg = a->td + (size_t)g * a->tstride + grp * TR;
+    const __m512i fours = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    for (int q = 0; q < ng; q++) {
+        __m512i d = _mm512_loadu_si512((const void *)(lg + 4 * TR * q));
+        if (t == T_Q4_0) d = _mm512_srai_epi32(d, 1);
+        if (t == T_Q8_0) d = _mm512_slli_epi32(d, 3);
+        d = _mm512_dpbusd_epi32(d, ua, _mm512_loadu_si512((const void *)(xg + 32 * TR * q)));
+        d = _mm512_dpbusd_epi32(d, ub, _mm512_loadu_si512((const void *)(xg + 32 * TR * q + 16 * TR)));
+        const __m512 d4 = _mm512_permutexvar_ps(fours, _mm512_castps128_ps512(_mm_loadu_ps(dg + TR * q)));
+        acc[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(sa, d4), acc[q]);
+    }
+}
 INLINE void tiled_run(const int t, const int ng, const gact *a, int grp, int g, const uint8_t *b, const int j,
                       const float *ks, tacc *acc, tacc *acc2, __m128 *bias) {
     const int two = two_scales(t), plain = plain_codes(t), groups = a->tstride / TR;
+    if (offset_free(t)) { tiled_run_unsigned(t, ng, a, grp, g, b, j, acc); return; }
     const run_t run = run_of(t, b, j);
     const sub_t terms = terms_at(t, b, j, ks);
     const __m256i u = run.w, au = run.aw;
@@ -669,12 +700,12 @@ static inline int groups_up(int rows) { return (rows + TR - 1) / TR * TR; }
 /* floats the activations' layouts take (gact_layout) */
 static inline long gact_floats(int rows, int k) {
     const long P = groups_up(rows);
-    return ((long)rows * k * 2 + P * k) / 4 + (long)rows * (k / 32 * 6 + k / 16) + P * (k / 32) * 2 + 16;
+    return ((long)rows * k * 2 + P * k) / 4 + (long)rows * (k / 32 * 6 + k / 16) + P * (k / 32) * 6 + 16;
 }
 
 /* the activations' layout in the scratch at `at` (gact_floats(rows, k) floats) */
 static gact gact_layout(float *at, int rows, int k, const float *x, int xstride) {
-    gact a = { x, xstride, k, (int8_t *)at, NULL, NULL, NULL, rows, groups_up(rows), NULL, NULL, NULL, NULL, NULL };
+    gact a = { x, xstride, k, (int8_t *)at, NULL, NULL, NULL, rows, groups_up(rows), NULL, NULL, NULL, NULL, NULL, NULL };
     a.d = (float *)(a.q + (size_t)rows * k);
     a.s = (int32_t *)(a.d + (size_t)rows * (k / 32));
     a.ds = (float *)(a.s + (size_t)rows * (k / 16));
@@ -683,15 +714,17 @@ static gact gact_layout(float *at, int rows, int k, const float *x, int xstride)
     a.tq = (int8_t *)(a.tds + (size_t)a.tstride * (k / 32));
     a.ls = (int32_t *)(a.tq + (size_t)a.tstride * k);
     a.pq = (int8_t *)(a.ls + (size_t)rows * (k / 32) * 4);
+    a.tls = (int32_t *)(a.pq + (size_t)rows * k);
     return a;
 }
 
-/* row r's run g (codes q, step d, d times the sum ds) into the groups' layout */
-static inline void tile_run(const gact *a, int r, int g, const int8_t *q, float d, float ds) {
+/* row r's run g (codes q, step d, d times the sum ds, lane sums ls4) into the groups' layout */
+static inline void tile_run(const gact *a, int r, int g, const int8_t *q, float d, float ds, const int32_t *ls4) {
     const int groups = a->tstride / TR;
     int8_t *t = a->tq + ((size_t)g * groups + r / TR) * 32 * TR + 16 * (r % TR);
     memcpy(t, q, 16);
     memcpy(t + 16 * TR, q + 16, 16);
+    memcpy(a->tls + ((size_t)g * groups + r / TR) * 4 * TR + 4 * (r % TR), ls4, 16);
     a->td[(size_t)g * a->tstride + r] = d;
     a->tds[(size_t)g * a->tstride + r] = ds;
 }
@@ -741,9 +774,9 @@ static void gquantize_row(const gact *a, int r) {
         a->s[(size_t)r * (k / 16) + 2 * g + 1] = s1;
         a->ds[(size_t)r * (k / 32) + g] = d * (float)(s0 + s1);
         if (a->tq) {
-            tile_run(a, r, g, q, d, d * (float)(s0 + s1));
+            tile_run(a, r, g, q, d, d * (float)(s0 + s1), a->ls + ((size_t)r * (k / 32) + g) * 4);
             if (r == a->rows - 1)                  /* the last group's padding rows: zeros */
-                for (int p = r + 1; p < a->tstride; p++) tile_run(a, p, g, (const int8_t[32]){0}, 0.f, 0.f);
+                for (int p = r + 1; p < a->tstride; p++) tile_run(a, p, g, (const int8_t[32]){0}, 0.f, 0.f, (const int32_t[4]){0});
         }
     }
 }

@@ -1512,7 +1512,7 @@ static gact gact_from(const gact *a, int off) {
     v.pq += (size_t)off * a->k;
     v.ls += (size_t)off * (a->k / 32) * 4;
     if (off % TR) v.tq = NULL;                  /* not on a group: the rows one at a time */
-    else if (v.tq) { v.tq += (size_t)off * 32; v.td += off; v.tds += off; }
+    else if (v.tq) { v.tq += (size_t)off * 32; v.td += off; v.tds += off; v.tls += (size_t)off * 4; }
     v.rows -= off;
     return v;
 }
