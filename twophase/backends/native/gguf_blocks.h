@@ -29,12 +29,13 @@ typedef struct proj_g { int n, k, parts; part_t part[PARTS_MAX]; } proj_g;   /* 
    0-15, 2p's 16-31, 2p + 1's 16-31 (a last run without a partner as it is), and each run's four
    lane sums times -16, ls [rows][k/32][4] (lane l: bytes 4l..4l+3 and 16+4l..16+4l+3, the lanes
    the folded dots take; so an offset type's codes dot unsigned from the offset's term on), and
-   the same sums by groups as the tiles' lanes take them, tls [k/32][groups][TR * 4]. */
+   the same sums by groups as the tiles' lanes take them, in 16 bits (|sum| <= 8 * 127, times
+   16: within 16256), tls [k/32][groups][TR * 4]. */
 #define TR 4            /* activation rows a group */
 typedef struct {
     const float *x; int xstride, k; int8_t *q; float *d; int32_t *s; float *ds;
     int rows, tstride; int8_t *tq; float *td, *tds;
-    int8_t *pq; int32_t *ls; int32_t *tls;
+    int8_t *pq; int32_t *ls; int16_t *tls;
 } gact;
 
 typedef struct { float s[2], bias; int o; } sub_t;          /* a run of 32's float terms */
@@ -511,11 +512,11 @@ INLINE void tiled_run_unsigned(const int t, const int ng, const gact *a, int grp
     const __m512i ub = _mm512_broadcast_i32x4(_mm256_extracti128_si256(u, 1));
     const __m512 sa = _mm512_set1_ps(f16_of(b));
     const int8_t *xg = a->tq + ((size_t)g * groups + grp) * 32 * TR;
-    const int32_t *lg = a->tls + ((size_t)g * groups + grp) * 4 * TR;
+    const int16_t *lg = a->tls + ((size_t)g * groups + grp) * 4 * TR;
     const float *dg = a->td + (size_t)g * a->tstride + grp * TR;
     const __m512i fours = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     for (int q = 0; q < ng; q++) {
-        __m512i d = _mm512_loadu_si512((const void *)(lg + 4 * TR * q));
+        __m512i d = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(lg + 4 * TR * q)));
         if (t == T_Q4_0) d = _mm512_srai_epi32(d, 1);
         if (t == T_Q8_0) d = _mm512_slli_epi32(d, 3);
         d = _mm512_dpbusd_epi32(d, ua, _mm512_loadu_si512((const void *)(xg + 32 * TR * q)));
@@ -700,7 +701,7 @@ static inline int groups_up(int rows) { return (rows + TR - 1) / TR * TR; }
 /* floats the activations' layouts take (gact_layout) */
 static inline long gact_floats(int rows, int k) {
     const long P = groups_up(rows);
-    return ((long)rows * k * 2 + P * k) / 4 + (long)rows * (k / 32 * 6 + k / 16) + P * (k / 32) * 6 + 16;
+    return ((long)rows * k * 2 + P * k) / 4 + (long)rows * (k / 32 * 6 + k / 16) + P * (k / 32) * 4 + 16;
 }
 
 /* the activations' layout in the scratch at `at` (gact_floats(rows, k) floats) */
@@ -714,7 +715,7 @@ static gact gact_layout(float *at, int rows, int k, const float *x, int xstride)
     a.tq = (int8_t *)(a.tds + (size_t)a.tstride * (k / 32));
     a.ls = (int32_t *)(a.tq + (size_t)a.tstride * k);
     a.pq = (int8_t *)(a.ls + (size_t)rows * (k / 32) * 4);
-    a.tls = (int32_t *)(a.pq + (size_t)rows * k);
+    a.tls = (int16_t *)(a.pq + (size_t)rows * k);
     return a;
 }
 
@@ -724,7 +725,8 @@ static inline void tile_run(const gact *a, int r, int g, const int8_t *q, float 
     int8_t *t = a->tq + ((size_t)g * groups + r / TR) * 32 * TR + 16 * (r % TR);
     memcpy(t, q, 16);
     memcpy(t + 16 * TR, q + 16, 16);
-    memcpy(a->tls + ((size_t)g * groups + r / TR) * 4 * TR + 4 * (r % TR), ls4, 16);
+    int16_t *l = a->tls + ((size_t)g * groups + r / TR) * 4 * TR + 4 * (r % TR);
+    for (int i = 0; i < 4; i++) l[i] = (int16_t)ls4[i];
     a->td[(size_t)g * a->tstride + r] = d;
     a->tds[(size_t)g * a->tstride + r] = ds;
 }
