@@ -83,9 +83,11 @@ def test_a_rows_logits_do_not_depend_on_the_batch_it_is_in():
         assert torch.equal(logits(tokens[:rows]), alone[:rows]), f"batch of {rows}: rows differ from alone"
 
 
-def test_a_steps_logits_stay_as_returned_while_held_and_a_released_buffer_is_reused():
+def test_a_steps_logits_stay_as_returned_while_held_and_a_released_buffer_is_reused(monkeypatch):
     """The logits come from buffers the backend keeps (a fresh 33 MB a step faulted its pages
-    in): one still held, or only a view of it, is never written again; one released is."""
+    in): one still held, or only a view of it, is never written again; one released is; one
+    past the size kept (a prompt's every logit) is not kept."""
+    import twophase.backends.native as native
     from twophase.backends.native import LOGIT_BUFFERS
     from twophase.core.request import Request
 
@@ -108,6 +110,12 @@ def test_a_steps_logits_stay_as_returned_while_held_and_a_released_buffer_is_reu
     assert torch.equal(held, want_held) and torch.equal(view, want_view)
     kept = {b.ctypes.data for b in llm.prefill_backend.logit_buffers}
     assert logits(20).data_ptr() in kept                 # a released buffer serves again
+    monkeypatch.setattr(native, "LOGIT_BUFFER_BYTES", 0)
+    kept = llm.prefill_backend.logit_buffers
+    busy = [logits(30 + i) for i in range(len(kept))]    # every kept buffer held now
+    fresh = logits(40)
+    assert fresh.data_ptr() not in {b.ctypes.data for b in kept} | {t.data_ptr() for t in busy}
+    assert len(kept) == len(busy)                        # and the fresh one is not kept
 
 
 def test_batching_chunking_and_preemption_change_no_token():

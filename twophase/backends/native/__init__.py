@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 OPTIONS = {"threads", "isa"}
 LOGIT_BUFFERS = 4      # kept for reuse: a step calls a backend once or twice (prefill, decode)
+LOGIT_BUFFER_BYTES = 64 << 20   # the largest kept (a batch of 64 of a 262144-token vocabulary)
 FEATURES = frozenset(FEATURE_NAMES)
 # the formats step.c reads, in the order of its kv_type (KV_F32, KV_F16, KV_BF16, KV_Q8); not
 # fp8, which a CPU converts in software only
@@ -194,6 +195,8 @@ class NativeBackend(Backend):
         for buf in self.logit_buffers:
             if buf.size >= need and sys.getrefcount(buf.base) == 2:   # buf's own, the argument
                 return torch.from_numpy(buf[:need]).view(rows, self.arch.vocab_size)
+        if 4 * need > LOGIT_BUFFER_BYTES:       # a prompt's logits ("all" of them): not kept
+            return torch.empty(rows, self.arch.vocab_size, dtype=torch.float32)
         buf = large_pages.region(4 * need).view(np.float32)
         if len(self.logit_buffers) < LOGIT_BUFFERS:
             self.logit_buffers.append(buf)
