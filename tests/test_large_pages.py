@@ -34,6 +34,15 @@ def test_a_region_is_zeroed_writable_and_starts_on_a_large_page():
     assert r[-1] == 7 and region(0).shape == (0,)
 
 
+def test_without_anonymous_mappings_a_region_is_plain_zeroed_memory(monkeypatch):
+    import mmap
+
+    monkeypatch.delattr(mmap, "MAP_ANONYMOUS")
+    r = region(1000)
+    assert r.shape == (1000,) and r.ctypes.data % 64 == 0 and not r.any()
+    r[:] = 1                                              # writable
+
+
 def test_the_arena_holds_equal_copies_each_on_a_page_of_its_own():
     rng = np.random.default_rng(0)
     arrays = {"a": rng.integers(0, 255, (7, 133), dtype=np.uint8), "b": rng.standard_normal(5).astype(np.float32),
