@@ -85,22 +85,28 @@ def test_a_rows_logits_do_not_depend_on_the_batch_it_is_in():
 
 def test_a_steps_logits_stay_as_returned_while_held_and_a_released_buffer_is_reused(monkeypatch):
     """The logits come from buffers the backend keeps (a fresh 33 MB a step faulted its pages
-    in): one still held, or only a view of it, is never written again; one released is; one
-    past the size kept (a prompt's every logit) is not kept."""
+    in): one still held, or only a view of it, is never written again; one released serves
+    again; a batch that grew past every kept size gets a kept buffer; one past the size kept
+    (a prompt's every logit) is not kept."""
     import twophase.backends.native as native
     from twophase.backends.native import LOGIT_BUFFERS
     from twophase.core.request import Request
 
     llm = tiny_llm(model=Q4, backend={"name": "native"}, cache={"num_blocks": 64, "block_size": 4})
-    kv = llm.engine.kv
+    kv, backend = llm.engine.kv, llm.prefill_backend
 
-    def logits(token):
-        r = Request("r", [token], SamplingParams(max_tokens=1), 0.0)
-        assert kv.allocate(r, 1)
+    def logits(token, rows=1):
+        reqs = [Request(f"r{i}", [token + i], SamplingParams(max_tokens=1), 0.0) for i in range(rows)]
+        for r in reqs:
+            assert kv.allocate(r, 1)
         try:
-            return llm.prefill_backend.prefill(prefill_batch([(r, 0, 1)], kv))
+            return backend.prefill(prefill_batch([(r, 0, 1) for r in reqs], kv))
         finally:
-            kv.free(r)
+            for r in reqs:
+                kv.free(r)
+
+    def kept():
+        return {b.ctypes.data for b in backend.logit_buffers}
 
     held = logits(3)
     view = logits(4)[0, :5]                     # the tensor itself dropped, a view of it kept
@@ -108,14 +114,15 @@ def test_a_steps_logits_stay_as_returned_while_held_and_a_released_buffer_is_reu
     for i in range(LOGIT_BUFFERS + 2):
         logits(5 + i)
     assert torch.equal(held, want_held) and torch.equal(view, want_view)
-    kept = {b.ctypes.data for b in llm.prefill_backend.logit_buffers}
-    assert logits(20).data_ptr() in kept                 # a released buffer serves again
+    assert logits(20).data_ptr() in kept()               # a released buffer serves again
+    for rows in range(1, LOGIT_BUFFERS + 2):             # small batches fill the list ...
+        logits(30, rows)
+    assert logits(30, 8).data_ptr() in kept()            # ... and a larger one still gets a kept buffer
+    assert len(backend.logit_buffers) == LOGIT_BUFFERS
+    assert torch.equal(held, want_held) and torch.equal(view, want_view)
     monkeypatch.setattr(native, "LOGIT_BUFFER_BYTES", 0)
-    kept = llm.prefill_backend.logit_buffers
-    busy = [logits(30 + i) for i in range(len(kept))]    # every kept buffer held now
-    fresh = logits(40)
-    assert fresh.data_ptr() not in {b.ctypes.data for b in kept} | {t.data_ptr() for t in busy}
-    assert len(kept) == len(busy)                        # and the fresh one is not kept
+    before = kept()
+    assert logits(40, 12).data_ptr() not in before and kept() == before
 
 
 def test_batching_chunking_and_preemption_change_no_token():

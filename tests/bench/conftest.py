@@ -58,7 +58,7 @@ def seed_calibration(own_cache):
         name = calibrate.device_name(torch.device("cpu"))
         saved = {}
         for threads in range(1, max(os.cpu_count() or 1, torch.get_num_threads()) + 1):
-            saved[f"{name}|float32|threads={threads}"] = {
+            saved[f"{name}|float32|threads={threads}|{calibrate.CPU_PAGES}"] = {
                 "device": name, "dtype": "float32", "peak_flops": peak_flops, "bandwidth": bandwidth,
                 "threads": threads, "peak_spread": 0.01, "bandwidth_spread": 0.01,
                 "measured_at": "2026-01-01T10:00:00+00:00", "machine": dict(QUIET), **records}

@@ -80,12 +80,17 @@ def _cache_path() -> Path:
     return cache_dir() / "calibration.json"
 
 
+# A CPU's bandwidth is read on the engine's large pages (twophase.large_pages), and its key says
+# so: a figure measured on 4 KB pages (38-39 against 60-62 GB/s on a Zen 4 VM), and the
+# simulator's efficiencies fitted against the engine before its weights moved onto large pages
+# (simulate.devices.fit_key), are measured again rather than reused.
+CPU_PAGES = "large-pages"
+
+
 def _key(device: torch.device, dtype: torch.dtype) -> str:
     threads = torch.get_num_threads() if device.type == "cpu" else 0
-    # "|large-pages": a CPU's bandwidth is read on the engine's large pages (twophase.large_pages);
-    # one measured on 4 KB pages (38-39 against 60-62 GB/s on a Zen 4 VM) is not reused
-    pages = "|large-pages" if device.type == "cpu" else ""
-    return f"{device_name(device)}|{str(dtype).removeprefix('torch.')}|threads={threads}{pages}"
+    key = f"{device_name(device)}|{str(dtype).removeprefix('torch.')}|threads={threads}"
+    return f"{key}|{CPU_PAGES}" if device.type == "cpu" else key
 
 
 def _read(path: Path) -> dict[str, Any]:

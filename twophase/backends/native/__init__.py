@@ -191,16 +191,22 @@ class NativeBackend(Backend):
         (medians of 4 rounds, a Zen 4 VM). A buffer is free when nothing but it refers to its
         memory's array (a returned tensor, and any view of it, holds that array: numpy's views
         all point at it)."""
-        need = rows * self.arch.vocab_size
-        for buf in self.logit_buffers:
-            if buf.size >= need and sys.getrefcount(buf.base) == 2:   # buf's own, the argument
-                return torch.from_numpy(buf[:need]).view(rows, self.arch.vocab_size)
-        if 4 * need > LOGIT_BUFFER_BYTES:       # a prompt's logits ("all" of them): not kept
-            return torch.empty(rows, self.arch.vocab_size, dtype=torch.float32)
+        need, kept = rows * self.arch.vocab_size, self.logit_buffers
+        free = [i for i, buf in enumerate(kept) if sys.getrefcount(buf.base) == 2]   # buf's, the argument
+        fits = [i for i in free if kept[i].size >= need]
+        if fits:
+            return self._logits_in(kept[fits[0]], rows)
+        if 4 * need > LOGIT_BUFFER_BYTES or (len(kept) == LOGIT_BUFFERS and not free):
+            return torch.empty(rows, self.arch.vocab_size, dtype=torch.float32)   # not kept
         buf = large_pages.region(4 * need).view(np.float32)
-        if len(self.logit_buffers) < LOGIT_BUFFERS:
-            self.logit_buffers.append(buf)
-        return torch.from_numpy(buf[:need]).view(rows, self.arch.vocab_size)
+        if len(kept) < LOGIT_BUFFERS:
+            kept.append(buf)
+        else:                                   # a batch grew: its buffer replaces the smallest free one
+            kept[min(free, key=lambda i: kept[i].size)] = buf
+        return self._logits_in(buf, rows)
+
+    def _logits_in(self, buf: np.ndarray, rows: int) -> torch.Tensor:
+        return torch.from_numpy(buf[:rows * self.arch.vocab_size]).view(rows, self.arch.vocab_size)
 
 
 @hookimpl
