@@ -16,7 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1] / "twophase"
 
 LAYERS = [
-    ["twophase.errors", "twophase.paths", "twophase.device", "twophase.data"],   # machine facts, errors
+    ["twophase.errors", "twophase.paths", "twophase.device", "twophase.data",
+     "twophase.large_pages"],                                       # machine facts, errors, memory
     ["twophase.arch", "twophase.formats", "twophase.kv_formats", "twophase.contract",
      "twophase.backends.hookspecs"],                                # the plugin contract
     ["twophase.structured"],                                        # grammars the sampler applies
