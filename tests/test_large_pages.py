@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from twophase.backends.native.packed import ALIGN, arena
-from twophase.large_pages import LARGE_PAGE, region
+from twophase.large_pages import LARGE_PAGE, region, zeroed
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 large_pages = pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(),
@@ -32,6 +32,13 @@ def test_a_region_is_zeroed_writable_and_starts_on_a_large_page():
     assert r.ctypes.data % LARGE_PAGE == 0 and not r.any()
     r[-1] = 7
     assert r[-1] == 7 and region(0).shape == (0,)
+
+
+def test_zeroed_memory_is_zero_writable_and_on_a_64_byte_boundary():
+    for n in (0, 1, 1000, 3 * 4096 + 7):
+        z = zeroed(n)
+        assert z.dtype == np.uint8 and z.shape == (n,) and z.ctypes.data % 64 == 0 and not z.any()
+        z[:] = 1
 
 
 def test_without_anonymous_mappings_a_region_is_plain_zeroed_memory(monkeypatch):

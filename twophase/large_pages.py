@@ -27,10 +27,9 @@ LARGE_PAGE = 2 << 20
 def region(nbytes: int) -> np.ndarray:
     """``nbytes`` zero bytes (uint8) from their own anonymous mapping, starting on a 2 MB
     boundary, asked for large pages; the OS zeroes each page at its first touch, so what is
-    never used costs no memory. Without anonymous mappings (Windows): calloc'd, 64-byte aligned."""
-    if not hasattr(mmap, "MAP_ANONYMOUS"):     # not a Unix: calloc'd, on the OS's own pages
-        raw = np.zeros(nbytes + 64, np.uint8)
-        return raw[-raw.ctypes.data % 64:][:nbytes]
+    never used costs no memory. Without anonymous mappings (Windows): ``zeroed``."""
+    if not hasattr(mmap, "MAP_ANONYMOUS"):     # not a Unix: on the OS's own pages
+        return zeroed(nbytes)
     m = mmap.mmap(-1, nbytes + LARGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = np.frombuffer(m, np.uint8)
     start = -raw.ctypes.data % LARGE_PAGE
@@ -40,3 +39,11 @@ def region(nbytes: int) -> np.ndarray:
         except OSError as e:                # plain pages serve
             log.debug("no large pages: %s", e)
     return raw[start:start + nbytes]
+
+
+def zeroed(nbytes: int) -> np.ndarray:
+    """``nbytes`` zero bytes (uint8), calloc'd (the OS zeroes each page at its first touch) on
+    the OS's own pages, starting on a 64-byte boundary (runtimes that import them, IREE through
+    DLPack, require it)."""
+    raw = np.zeros(nbytes + 64, np.uint8)
+    return raw[-raw.ctypes.data % 64:][:nbytes]

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from twophase import draft, routing
+from twophase import draft, large_pages, routing
 from twophase import plan as planner
 from twophase.backends.registry import Registry
 from twophase.config import BackendSection, Config, SchedulerConfig, load_config
@@ -599,17 +599,14 @@ def prefault(t: torch.Tensor) -> None:
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled tensor. On the CPU it comes from calloc'd memory (numpy), which the OS
-    zeroes page by page on first touch, so a GiB-sized pool costs nothing until used; it starts
-    on a 64-byte boundary, as runtimes that import it (IREE through DLPack) require."""
+    """A zero-filled tensor. On the CPU it comes from calloc'd memory (``large_pages.zeroed``),
+    which the OS zeroes page by page on first touch, so a GiB-sized pool costs nothing until
+    used; it starts on a 64-byte boundary, as runtimes that import it (IREE through DLPack)
+    require. (Not on large pages: see ``twophase.large_pages``.)"""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     import math
 
-    import numpy as np
-
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    raw = np.zeros(nbytes + 64, dtype=np.uint8)
-    start = -raw.ctypes.data % 64
-    return torch.from_numpy(raw[start:start + nbytes]).view(dtype).view(shape)
+    return torch.from_numpy(large_pages.zeroed(nbytes)).view(dtype).view(shape)
 

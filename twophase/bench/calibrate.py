@@ -2,7 +2,7 @@
 
 Peak: the best of square matmuls in the dtype the model runs in (large enough to be
 compute-bound). Bandwidth: the best copy of a buffer far larger than any cache, counting bytes
-read plus bytes written; on a CPU on large pages, as the engine's weights and K/V lie
+read plus bytes written; on a CPU on large pages, as the native backend's weights lie
 (``twophase.large_pages``). Both are what torch reaches on this device, the ceiling every
 backend here shares, not the vendor's datasheet figure.
 

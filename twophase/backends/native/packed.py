@@ -46,11 +46,12 @@ def set_arch(model, arch, a: dict[str, np.ndarray]) -> None:
         setattr(model, name, a[name].ctypes.data if name in a else None)
 
 
-def mapped(folder: Path) -> dict[str, np.ndarray]:
+def loaded(folder: Path) -> dict[str, np.ndarray]:
     """A packed folder's arrays: those read every step copied into one region of large pages
     (``arena``), the embedding left mapped (only the rows of tokens seen are read)."""
     a = {f.stem: np.load(f, mmap_mode="r") for f in folder.glob("*.npy")}
-    return {**arena({k: v for k, v in a.items() if k != "embed"}), **{k: v for k, v in a.items() if k == "embed"}}
+    embed = a.pop("embed")
+    return {**arena(a), "embed": embed}
 
 
 # each array of the arena at a page boundary of its own

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from twophase.backends.native.kernel import Model, ProjQ4, ProjQ8
-from twophase.backends.native.packed import float_arrays, mapped, set_arch
+from twophase.backends.native.packed import float_arrays, loaded, set_arch
 from twophase.contract import ModelSpec
 from twophase.models.q4_weights import (
     PROJECTIONS,
@@ -144,7 +144,7 @@ class NativeWeights:
 
     @classmethod
     def build(cls, spec: ModelSpec) -> "NativeWeights":
-        """The model's arrays, packed once (``$TWOPHASE_CACHE/native``) and mapped from there."""
+        """The model's arrays, packed once (``$TWOPHASE_CACHE/native``) and loaded from there (``packed.loaded``)."""
         from twophase.exporters.cache import build_cached, cache_folder
 
         if spec.quantization == "gguf":
@@ -153,7 +153,7 @@ class NativeWeights:
         man = manifest(spec)
         folder = cache_folder("native", man)
         build_cached(folder, man, lambda tmp: pack(spec, tmp), what="native weights")
-        a = mapped(folder)
+        a = loaded(folder)
         arch = spec.arch
         L = arch.num_layers
 
@@ -194,7 +194,7 @@ class NativeWeights:
                "weights_sha256": weights_digest(spec)}
         folder = cache_folder("native", man)
         build_cached(folder, man, lambda tmp: stored_weights.pack(spec, tmp), what="native weights as stored")
-        a = mapped(folder)
+        a = loaded(folder)
         types = json.loads((folder / "types.json").read_text())
         arch, L = spec.arch, spec.arch.num_layers
 
