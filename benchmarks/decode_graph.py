@@ -57,13 +57,13 @@ def main() -> None:
         runs = {}
         for name, (options, uses_graph) in lines.items():
             llm = engine(args.quantization, **options)
-            assert (llm.backend.decode_session is not None) == uses_graph, name
+            assert (llm.prefill_backend.decode_session is not None) == uses_graph, name
             runs[name] = (llm, decoding_batch(llm, size, args.context))
         times: dict[str, list[float]] = {name: [] for name in lines}
         for _ in range(args.rounds):
             for name, (llm, b) in runs.items():
                 t = time.perf_counter()
-                llm.backend.decode(b)
+                llm.prefill_backend.decode(b)
                 times[name].append(time.perf_counter() - t)
         base = statistics.median(times["step graph"])
         table.add_row(str(size), *(f"{1000 * statistics.median(v):.2f} (x{base / statistics.median(v):.2f})"

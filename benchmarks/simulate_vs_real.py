@@ -104,7 +104,7 @@ def measure(backend: str, workloads: dict[str, list[TimedRequest]], fit: bool,
                      time.perf_counter, time.sleep)
         for i in range(repeats):
             for name, reqs in workloads.items():
-                llm.engine = llm._build_engine()              # an empty prefix cache and step record
+                llm.engine = llm.build_engine()              # an empty prefix cache and step record
                 a = machine.sample()
                 run = driver.drive(llm.engine, [dataclasses.replace(r) for r in reqs], time.perf_counter, time.sleep)
                 m = machine.between(a, machine.sample())

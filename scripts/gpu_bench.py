@@ -107,9 +107,9 @@ def greedy(args) -> int:
         llm = LLM.from_config({"model": {**model, "dtype": "bfloat16"}, "cache": {"num_blocks": 256},
                                "backend": {"name": "torch", "device": device,
                                            "options": {"cuda_graphs": graphs}}})
-        llm.backend.model.load_state_dict(ref.backend.model.state_dict())    # the CPU's draw
+        llm.prefill_backend.model.load_state_dict(ref.prefill_backend.model.state_dict())    # the CPU's draw
         got = llm.generate(prompts, params)
-        captured = sorted(llm.backend.graphs.captured) if llm.backend.graphs is not None else []
+        captured = sorted(llm.prefill_backend.graphs.captured) if llm.prefill_backend.graphs is not None else []
         for i, (o, r) in enumerate(zip(got, want)):
             case = compare_greedy(o, r)
             case.update(graphs=graphs, prompt=i, prompt_tokens=len(prompts[i]), captured=captured)
@@ -219,7 +219,7 @@ def time_decode(llm: LLM, device: str, seqs: int, context: int, warm: int, repea
         eng.step()
     for _ in range(warm):
         eng.step()
-    graphs = llm.backend.graphs
+    graphs = llm.prefill_backend.graphs
     captured = len(graphs.captured) if graphs is not None else 0
     eng.steps.clear()
     times = []

@@ -20,13 +20,14 @@ LAYERS = [
      "twophase.large_pages"],                                       # machine facts, errors, memory
     ["twophase.arch", "twophase.formats", "twophase.kv_formats", "twophase.contract",
      "twophase.backends.hookspecs"],                                # the plugin contract
+    ["twophase.cache"],                                             # cache specs and the pool layout
     ["twophase.structured"],                                        # grammars the sampler applies
     ["twophase.core"],                                              # scheduling, KV, sampling
     ["twophase.models", "twophase.graph"],                          # the model; graph signature, inputs
     ["twophase.config"],                                            # the TOML schema (above the model)
     ["twophase.exporters"],                                         # build artefacts offline
     ["twophase.backends"],                                          # runtimes (and the registry)
-    ["twophase.llm", "twophase.draft", "twophase.quality", "twophase.workload", "twophase.plan",
+    ["twophase.llm", "twophase.builder", "twophase.draft", "twophase.quality", "twophase.workload", "twophase.plan",
      "twophase.routing", "twophase.phase_timing", "twophase.report"],   # the Python API, memory, routing
     ["twophase.server", "twophase.cluster", "twophase.bench", "twophase.simulate", "twophase.cli",
      "twophase.flags",
@@ -148,7 +149,7 @@ def test_the_check_sees_a_violation_and_skips_annotations(tmp_path: Path) -> Non
     found = runtime_imports(src)
     assert found == [(5, "twophase.server.app")]
     assert layer("twophase.server.app") > layer("twophase.core.engine")
-    assert violations("twophase.core.engine", found) == ["line 5: twophase.server.app (layer 9, above 3)"]
+    assert violations("twophase.core.engine", found) == ["line 5: twophase.server.app (layer 10, above 4)"]
 
 
 def test_the_model_never_reads_the_config(tmp_path: Path) -> None:

@@ -86,9 +86,9 @@ def test_plan_matches_the_native_backends_packed_files():
     LLM.from_config(cfg).close()
     llm = LLM.from_config(cfg)
     try:
-        held = sum(a.nbytes for a in llm.backend.weights.arrays.values())
+        held = sum(a.nbytes for a in llm.prefill_backend.weights.arrays.values())
         # the RoPE frequencies and the layers' windows are the architecture's tables, not weights
-        held -= sum(llm.backend.weights.arrays[k].nbytes for k in ("inv_freq", "window"))
+        held -= sum(llm.prefill_backend.weights.arrays[k].nbytes for k in ("inv_freq", "window"))
         assert held == llm.plan.total("weights")
         got = llm.memory["check"]["weights"]
         assert abs(got["measured"] - got["predicted"]) <= 0.1 * got["predicted"], got
@@ -224,20 +224,12 @@ def test_the_plan_counts_what_a_backend_says_it_holds():
     assert [(i.name, i.bytes) for i in p.items if i.kind == "workspace"] == [("its buffers", 5 * MiB)]
 
 
-class _Caps:
-    shares_kv_pool = True
-
-
-class _Backend:
-    def capabilities(self):
-        return _Caps()
-
-
 def _cuda_sizer(p):
-    """The engine's CUDA pool sizing (``LLM._cuda_pool_blocks``) on a plan, without a GPU."""
-    llm = LLM.__new__(LLM)
-    llm.plan, llm.prefill_backend = p, _Backend()
-    return llm._cuda_pool_blocks
+    """The engine's CUDA pool sizing (``twophase.builder.pool.cuda_pool_bytes``) on a plan, in
+    blocks, without a GPU."""
+    from twophase.builder.pool import cuda_pool_bytes
+
+    return lambda free, per_block: cuda_pool_bytes(p, free, shares_pool=True) // (per_block + p.draft_bytes_per_block)
 
 
 def test_the_cuda_pool_is_the_plans_capped_by_what_is_free_now():
@@ -335,7 +327,7 @@ def test_prefault_backs_every_page_and_keeps_the_zeros():
 
     import torch
 
-    from twophase.llm import prefault
+    from twophase.builder.pool import prefault
 
     buf = mmap.mmap(-1, 64 << 20)
     t = torch.frombuffer(buf, dtype=torch.float32)

@@ -423,4 +423,4 @@ def _build_tensorrt_engine(cfg, args) -> Path:
     section = BackendSection(name="tensorrt", device=device if device != "cpu" else "cuda",
                              options=options)
     llm = LLM(replace(cfg, backend=section))
-    return llm.backend.engine_path
+    return llm.prefill_backend.engine_path

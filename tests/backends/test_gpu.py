@@ -32,7 +32,7 @@ def _llm(**backend_options) -> LLM:
 
 def copy_weights(dst: LLM, src: LLM) -> None:
     """``src``'s weights (the CPU's random draw) into ``dst``'s torch model, cast to its dtype."""
-    dst.backend.model.load_state_dict(src.backend.model.state_dict())
+    dst.prefill_backend.model.load_state_dict(src.prefill_backend.model.state_dict())
 
 
 @pytest.mark.gpu
@@ -46,8 +46,8 @@ def test_cuda_graph_decode_equals_eager_decode():
     copy_weights(eager, graphs)
     a = graphs.generate(prompts, params)
     b = eager.generate(prompts, params)
-    assert graphs.backend.graphs is not None and graphs.backend.graphs.captured
-    assert eager.backend.graphs is None
+    assert graphs.prefill_backend.graphs is not None and graphs.prefill_backend.graphs.captured
+    assert eager.prefill_backend.graphs is None
     for i, (x, y) in enumerate(zip(a, b)):
         assert_greedy_match(x.token_ids, y.token_ids, logprob_gaps(y), f"prompt {i}", tie=BF16_TIE)
 
@@ -93,7 +93,7 @@ def test_iree_on_cuda_equals_torch(pool):
     ref = [o.token_ids for o in LLM.from_config(cfg).generate(prompts, p)]
     llm = LLM.from_config({**cfg, "backend": {"name": "iree", "device": "cuda",
                                               "options": {"pool": pool}}})
-    assert llm.backend.capabilities().shares_kv_pool == (pool == "shared")
+    assert llm.prefill_backend.capabilities().shares_kv_pool == (pool == "shared")
     outs = llm.generate(prompts, p)
     assert [o.token_ids for o in outs] == ref
     assert llm.engine.kv.num_free_blocks == llm.num_blocks

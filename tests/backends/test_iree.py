@@ -70,7 +70,7 @@ def test_logits_match_torch_on_the_same_pool(case, pool):
     if case == "decodes of unequal lengths":
         assert not sched.prefills and len({r.num_computed_tokens for r in sched.decodes}) > 1
         batch = decode_batch(sched.decodes, eng.kv)
-        want, got = llm.backend.decode(batch), iree.decode(batch)
+        want, got = llm.prefill_backend.decode(batch), iree.decode(batch)
     else:
         items = [(r, r.num_computed_tokens, 1) for r in sched.decodes] + \
                 [(r, r.num_computed_tokens, n) for r, n in sched.prefills]   # decodes as chunks
@@ -78,7 +78,7 @@ def test_logits_match_torch_on_the_same_pool(case, pool):
             assert any(s > 0 and n > 1 for _, s, n in items)
         batch = prefill_batch(items, eng.kv)
         batch.logits = "all" if case == "all positions" else "last"
-        want, got = llm.backend.prefill(batch), iree.prefill(batch)
+        want, got = llm.prefill_backend.prefill(batch), iree.prefill(batch)
     assert got.shape == want.shape
     assert float((got - want).abs().max() / want.abs().max()) < 1e-4
     after = before if pool == "shared" else iree.read_kv_pool()
@@ -129,8 +129,8 @@ def test_owned_pool_costs_no_engine_memory_and_refuses_shared_phases(caplog):
     llm = tiny_llm(backend={"name": "iree", "options": {"pool": "owned"}})
     assert "copies all of it" in caplog.text                   # its cost, said at load
     assert llm.kv_cache.pool.device.type == "meta"             # the module holds the only pool
-    assert llm.backend.read_kv_pool().shape == llm.kv_cache.pool.shape
-    assert not llm.backend.read_kv_pool().any()                 # zeroed on the device
+    assert llm.prefill_backend.read_kv_pool().shape == llm.kv_cache.pool.shape
+    assert not llm.prefill_backend.read_kv_pool().any()                 # zeroed on the device
     # clear_kv zeroes whatever the pool held (a fresh allocation may be zero by chance)
     full = tiny_llm(cache={"num_blocks": 8}).kv_cache.pool.clone().fill_(1.5)
     other = _iree_for(llm, "owned")

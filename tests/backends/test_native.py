@@ -175,8 +175,8 @@ def test_the_isa_option_runs_that_path_and_refuses_an_unknown_one_by_name():
     avx2 = tiny_llm(model=Q4, backend={"name": "native", "options": {"isa": "avx2"}})
     native = tiny_llm(model=Q4, backend={"name": "native"})
     flags = cpu_flags()
-    assert avx2.backend.isa == "AVX2 (no VNNI)"
-    assert native.backend.isa == ("AVX-512 VNNI" if "avx512_vnni" in flags and "avx512vl" in flags
+    assert avx2.prefill_backend.isa == "AVX2 (no VNNI)"
+    assert native.prefill_backend.isa == ("AVX-512 VNNI" if "avx512_vnni" in flags and "avx512vl" in flags
                                   else "AVX-VNNI (256-bit)" if "avx_vnni" in flags else "AVX2 (no VNNI)")
     prompts, p = random_prompts(3, seed=4), SamplingParams(max_tokens=8, ignore_eos=True)
     assert [o.token_ids for o in avx2.generate(prompts, p)] == [o.token_ids for o in native.generate(prompts, p)]

@@ -66,7 +66,7 @@ def test_logits_match_torch_on_the_same_pool(case):
     batch = prefill_batch(items, eng.kv)
     batch.logits = "all" if case == "all positions" else "last"
     before = llm.kv_cache.pool.clone()
-    want = llm.backend.prefill(batch)
+    want = llm.prefill_backend.prefill(batch)
     torch_pool = llm.kv_cache.pool.clone()
     ort.bind_kv_cache(KVCache(before, 4))
     got = ort.prefill(batch)
@@ -187,7 +187,7 @@ def test_cuda_steps_never_make_the_host_wait(monkeypatch):
     import onnxruntime
 
     llm = tiny_llm(backend={"name": "onnxruntime"})
-    backend = llm.backend
+    backend = llm.prefill_backend
     eng = llm.engine
     req = eng.add_request(list(range(3, 20)), SamplingParams(max_tokens=1))
     batch = prefill_batch([(req, 0, 17)], eng.kv) if eng.kv.allocate(req, 17) else None
@@ -282,7 +282,7 @@ def test_decode_graph_equals_the_step_graph(model):
     """All-decode steps run the decode-only graph: the same logits and K/V as the step graph on
     the same batch (decodes of unequal lengths, over copies of one pool)."""
     llm, reqs = _decoding(model)
-    ort, eng = llm.backend, llm.engine
+    ort, eng = llm.prefill_backend, llm.engine
     assert ort.decode_session is not None
     sched = eng.scheduler.schedule()
     assert not sched.prefills and len({r.num_computed_tokens for r in sched.decodes}) > 1
@@ -323,7 +323,7 @@ def test_verify_graph_equals_the_step_graph(model, logits):
     """Short chunks (a decode and its drafts) run the verify graph: the same logits and K/V as
     the step graph, for chunks of unequal lengths (padded) after caches of unequal lengths."""
     llm, reqs = _decoding(model)
-    ort, kv = llm.backend, llm.engine.kv
+    ort, kv = llm.prefill_backend, llm.engine.kv
     assert ort.verify_session is not None
     drafts = {r.request_id: [7 + i] * i for i, r in enumerate(reqs)}      # 0 to 3 drafts
     items = [(r, r.num_computed_tokens, 1 + i) for i, r in enumerate(reqs)]
@@ -347,7 +347,7 @@ def test_decode_graph_can_be_turned_off():
     from twophase.errors import ConfigError
 
     llm = tiny_llm(backend={"name": "onnxruntime", "options": {"decode_graph": False}})
-    assert llm.backend.decode_session is None
+    assert llm.prefill_backend.decode_session is None
     assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids
     with pytest.raises(ConfigError, match="decode_graph"):
         tiny_llm(backend={"name": "onnxruntime", "options": {"decode_graph": "yes"}})
@@ -364,13 +364,13 @@ def test_torch_glue_runs_on_one_thread_beside_onnxruntime_and_is_restored_after(
         seen = {}
         for name in ("onnxruntime", "torch"):
             llm = tiny_llm(backend={"name": name})
-            decode = llm.backend.decode
+            decode = llm.prefill_backend.decode
 
             def recording(batch, decode=decode, name=name):
                 seen[name] = torch.get_num_threads()
                 return decode(batch)
 
-            llm.backend.decode = recording
+            llm.prefill_backend.decode = recording
             llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
             assert torch.get_num_threads() == 2
         assert seen == {"onnxruntime": 1, "torch": 2}

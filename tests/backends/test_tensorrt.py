@@ -83,7 +83,7 @@ def test_call_sequence_and_tokens_through_the_standin(standin):
     # both contexts on one buffer of the larger profile's size, none of their own
     user = fake_tensorrt.ExecutionContextAllocationStrategy.USER_MANAGED
     assert [c[1] for c in standin if c[0] == "ICudaEngine.create_execution_context"] == [user, user]
-    engine = llm.backend.engine
+    engine = llm.prefill_backend.engine
     sizes = {c[1] for c in standin if c[0] == "IExecutionContext.set_device_memory"}
     assert sizes == {max(engine.get_device_memory_size_for_profile_v2(p) for p in (0, 1))}
     assert all(c[1] == sorted(STEP.names) for c in standin if c[0].endswith("add_optimization_profile"))
@@ -113,7 +113,7 @@ def test_a_step_cut_into_calls_computes_the_same_tokens(standin, monkeypatch):
     cfg = {"cache": {"num_blocks": 64, "block_size": 4},
            "scheduler": {"max_num_batched_tokens": 40, "max_num_seqs": 8}}
     llm = tiny_llm(**cfg, backend={"name": "tensorrt", "device": "cpu"})
-    rungs = llm.backend.rungs
+    rungs = llm.prefill_backend.rungs
     assert len(rungs) > 2 and min(r.chunk for r in rungs if r.phase == "prefill") < 40
     standin.clear()
     p = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -132,7 +132,7 @@ def test_contexts_share_one_activation_buffer(standin, monkeypatch):
     monkeypatch.setattr(fake_tensorrt, "DEVICE_MEMORY", 1)
     cfg = {"cache": {"num_blocks": 32, "block_size": 4}}
     llm = tiny_llm(**cfg, backend={"name": "tensorrt", "device": "cpu"})
-    assert llm.backend.activations.numel() == llm.backend.engine.device_memory_size_v2
+    assert llm.prefill_backend.activations.numel() == llm.prefill_backend.engine.device_memory_size_v2
     monkeypatch.setattr(fake_tensorrt.ICudaEngine, "create_execution_context", lambda self, strategy=0: None)
     with pytest.raises(RuntimeError, match="could not create an execution context"):
         tiny_llm(**cfg, backend={"name": "tensorrt", "device": "cpu"})
@@ -183,7 +183,7 @@ def test_the_pool_is_tuned_for_as_bound_and_another_size_reuses_the_engine(stand
     maximum), and a pool of another size (both wider than any context) reuses the engine."""
     cfg = {"model": {"max_model_len": 100}, "cache": {"num_blocks": 32, "block_size": 4}}
     llm = tiny_llm(**cfg, backend={"name": "tensorrt", "device": "cpu"})
-    assert [p["kv_pool"][1][2] for p in llm.backend.engine.profiles] == [32] * len(llm.backend.rungs)
+    assert [p["kv_pool"][1][2] for p in llm.prefill_backend.engine.profiles] == [32] * len(llm.prefill_backend.rungs)
     tiny_llm(**{**cfg, "cache": {"num_blocks": 48, "block_size": 4}}, backend={"name": "tensorrt", "device": "cpu"})
     assert sum(c[0] == "Builder.build_serialized_network" for c in standin) == 1
 
@@ -209,7 +209,7 @@ def test_the_pool_stays_within_tensorrts_element_limit(small_limit):
     it is refused by its block count, before any engine is built."""
     llm = tiny_llm(**small_limit, cache={"num_blocks": "auto", "block_size": 4},
                    backend={"name": "tensorrt", "device": "cpu"})
-    assert llm.backend.capabilities().max_pool_elements == 40 * TINY_BLOCK + 100
+    assert llm.prefill_backend.capabilities().max_pool_elements == 40 * TINY_BLOCK + 100
     assert llm.num_blocks == 40 and llm.kv_cache.pool.numel() == 40 * TINY_BLOCK
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(out[0].token_ids) == 4
@@ -252,7 +252,7 @@ def test_engine_refusals_are_errors_that_say_so(standin, monkeypatch):
     monkeypatch.setattr(fake_tensorrt.IExecutionContext, "get_tensor_shape",
                         lambda self, name: (lambda s: (s[0], s[1] + 1) if name == "logits" else s)(shape(self, name)))
     llm = tiny_llm(**cfg)
-    assert llm.backend.out_dtypes == {"logits": torch.float32, "new_k": torch.float32, "new_v": torch.float32}
+    assert llm.prefill_backend.out_dtypes == {"logits": torch.float32, "new_k": torch.float32, "new_v": torch.float32}
     with pytest.raises(StepFailed, match=r"the engine's outputs are logits \(1, 513\)"):
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
 

@@ -35,7 +35,7 @@ def test_serving_figures_from_a_fake_clock_are_exact():
     while request 0 decodes; each wants 3 tokens."""
     llm = tiny_llm()
     clock = FakeClock()
-    engine = llm._build_engine(clock=clock)
+    engine = llm.build_engine(clock=clock)
     step = engine.step
 
     def timed_step():

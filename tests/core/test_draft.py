@@ -305,16 +305,14 @@ def test_the_run_report_names_the_draft_model():
 
 def test_a_draft_loads_when_an_engine_first_drafts_with_it(preempting_torch_tokens):
     """``twophase bench --speculative`` turns drafting on over a loaded LLM."""
-    import dataclasses
 
     from twophase.config import DraftConfig, SpeculativeConfig
     from twophase.core.draft_proposer import DraftProposer
 
     llm = tiny_llm(**PREEMPTING)
     assert llm.draft is None and llm.engine.scheduler.proposer is None
-    llm.config = dataclasses.replace(llm.config, speculative=SpeculativeConfig(
-        method="draft", num_tokens=4, draft=DraftConfig(num_layers=1)))
-    llm.reschedule(llm.config.scheduler)
+    llm.reschedule(llm.config.scheduler, SpeculativeConfig(method="draft", num_tokens=4,
+                                                           draft=DraftConfig(num_layers=1)))
     assert isinstance(llm.engine.scheduler.proposer, DraftProposer) and llm.draft is not None
     outs = llm.generate(random_prompts(), GREEDY)
     assert [o.token_ids for o in outs] == preempting_torch_tokens

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from twophase.cache.spec import attention_spec
 from twophase.core.kv_manager import KVManager
 from twophase.core.params import SamplingParams
 from twophase.core.request import Request
@@ -26,7 +27,7 @@ def test_truncate_keeps_exactly_the_committed_blocks(bs: int, rounds: list[tuple
                                                      windows: tuple[int | None, ...]) -> None:
     """Also in groups (full and sliding layers): a sliding group gives back what its window
     passed, never what a rollback could need."""
-    kv = KVManager(num_blocks=256, block_size=bs, windows=windows)
+    kv = KVManager(num_blocks=256, block_size=bs, specs=[attention_spec(w, 1, 1, "float32") for w in windows])
     req = Request("r", [committed(0)], SamplingParams(max_tokens=4000), 0.0)
     for k, accept in rounds:
         accept = min(accept, k)

@@ -51,11 +51,11 @@ def test_logits_match_transformers_whole_and_in_chunks(hf_model):
     assert eng.kv.allocate(req, PROMPT)
     batch = prefill_batch([(req, 0, PROMPT)], eng.kv)
     batch.logits = "all"
-    assert _rel(llm.backend.prefill(batch), want) < 1e-4
+    assert _rel(llm.prefill_backend.prefill(batch), want) < 1e-4
     for start, n in ((0, 30), (30, 1), (31, 49)):      # a one-token chunk: the decode path
         b = prefill_batch([(req, start, n)], eng.kv)
         b.logits = "all"
-        assert _rel(llm.backend.prefill(b), want[start:start + n]) < 1e-4, (start, n)
+        assert _rel(llm.prefill_backend.prefill(b), want[start:start + n]) < 1e-4, (start, n)
     eng.abort(req.request_id)
 
 

@@ -78,7 +78,7 @@ def _prefill_logits(llm, req, start: int, n: int) -> torch.Tensor:
     """The backend's logits at every position of tokens ``start .. start + n`` of ``req``."""
     b = prefill_batch([(req, start, n)], llm.engine.kv)
     b.logits = "all"
-    return llm.backend.prefill(b)
+    return llm.prefill_backend.prefill(b)
 
 
 def _tiny(family: str, folder):

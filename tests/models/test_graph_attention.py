@@ -38,9 +38,9 @@ def test_graph_function_equals_eager_on_a_mixed_batch():
     for mode in ("last", "all"):
         batch.logits = mode
         pool.copy_(before)
-        want = llm.backend.prefill(batch)
+        want = llm.prefill_backend.prefill(batch)
         after = pool.clone()
-        logits, new_k, new_v = run_eager(PagedStep(llm.backend.model), before.clone(),
+        logits, new_k, new_v = run_eager(PagedStep(llm.prefill_backend.model), before.clone(),
                                          step_inputs(batch, llm.kv_cache))
         assert logits.shape == want.shape
         assert float((logits - want).abs().max() / want.abs().max()) < 1e-5, mode
@@ -57,8 +57,8 @@ def test_graph_function_handles_decodes_only_and_chunks_only():
     sched = eng.scheduler.schedule()
     chunks = prefill_batch([(r, 0, n) for r, n in sched.prefills], eng.kv)
     before = llm.kv_cache.pool.clone()
-    want = llm.backend.prefill(chunks)
-    got, _, _ = run_eager(PagedStep(llm.backend.model), before, step_inputs(chunks, llm.kv_cache))
+    want = llm.prefill_backend.prefill(chunks)
+    got, _, _ = run_eager(PagedStep(llm.prefill_backend.model), before, step_inputs(chunks, llm.kv_cache))
     assert float((got - want).abs().max() / want.abs().max()) < 1e-5
     for r, n in sched.prefills:
         r.num_computed_tokens += n
@@ -66,8 +66,8 @@ def test_graph_function_handles_decodes_only_and_chunks_only():
     eng.scheduler.schedule()        # allocates the decode slots
     dec = prefill_batch([(r, r.num_computed_tokens, 1) for r in reqs], eng.kv)
     before = llm.kv_cache.pool.clone()
-    want = llm.backend.prefill(dec)
-    got, _, _ = run_eager(PagedStep(llm.backend.model), before, step_inputs(dec, llm.kv_cache))
+    want = llm.prefill_backend.prefill(dec)
+    got, _, _ = run_eager(PagedStep(llm.prefill_backend.model), before, step_inputs(dec, llm.kv_cache))
     assert float((got - want).abs().max() / want.abs().max()) < 1e-5
 
 
@@ -89,9 +89,9 @@ def test_graph_function_equals_eager_with_windows_and_soft_caps(tmp_path):
     assert batch.block_tables.dim() == 3
     before = llm.kv_cache.pool.clone()
     batch.logits = "all"
-    want = llm.backend.prefill(batch)
+    want = llm.prefill_backend.prefill(batch)
     after = llm.kv_cache.pool.clone()
-    logits, new_k, new_v = run_eager(PagedStep(llm.backend.model), before.clone(),
+    logits, new_k, new_v = run_eager(PagedStep(llm.prefill_backend.model), before.clone(),
                                      step_inputs(batch, llm.kv_cache))
     assert float((logits - want).abs().max() / want.abs().max()) < 1e-5
     mine = before.clone()

@@ -47,13 +47,13 @@ def test_hf_folder_logits_match_transformers(hf_folder):
     assert eng.kv.allocate(req, 150)
     batch = prefill_batch([(req, 0, 150)], eng.kv)
     batch.logits = "all"
-    got = llm.backend.prefill(batch)
+    got = llm.prefill_backend.prefill(batch)
     assert _rel(got, want) < 1e-4
     # the same prompt as three chunks after cached tokens: each chunk sees its cached prefix
     for start, n in ((0, 40), (40, 70), (110, 40)):
         b = prefill_batch([(req, start, n)], eng.kv)
         b.logits = "all"
-        assert _rel(llm.backend.prefill(b), want[start:start + n]) < 1e-4, (start, n)
+        assert _rel(llm.prefill_backend.prefill(b), want[start:start + n]) < 1e-4, (start, n)
     eng.abort(req.request_id)
 
 

@@ -139,7 +139,7 @@ def test_every_quantised_matmul_takes_the_prepacked_path(tmp_path):
     import onnx
 
     llm = tiny_llm(model={"quantization": "q4"}, backend={"name": "onnxruntime"})
-    path = llm.backend.session._model_path
+    path = llm.prefill_backend.session._model_path
     nodes, packed = _prepacked_nodes(path)
     assert nodes == 4 * llm.model.arch.num_layers + 1 and packed == nodes
     # the check can fail: float zero points make ORT dequantise B on every call instead

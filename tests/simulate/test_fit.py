@@ -269,7 +269,7 @@ def test_the_sweeps_prompts_join_running_decodes_and_take_the_same_steps_on_any_
         out = []
         for reqs in sweep(300):
             sim = SimulatedLLM(tiny("torch"), device)
-            sim.engine = sim._build_engine(clock=sim.clock)
+            sim.engine = sim.build_engine(clock=sim.clock)
             run_steps(sim.engine, reqs)
             out += [c.chunks for c in sorted((c for b in sim.backends for c in b.calls), key=lambda c: c.start)]
         return out

@@ -46,7 +46,7 @@ def test_the_token_budget_sets_prefill_batching_as_the_scheduler_does():
     large = SimulatedLLM(config(scheduler={"max_num_batched_tokens": 2048}), H100)
     for llm in (small, large):
         driver.drive(llm.engine, reqs, llm.clock, llm.clock.sleep)
-    chunks = [max(n for c in llm.backend.calls for n, _ in c.chunks) for llm in (small, large)]
+    chunks = [max(n for c in llm.prefill_backend.calls for n, _ in c.chunks) for llm in (small, large)]
     per_step = [max(s.prefill_tokens for s in llm.engine.steps.records) for llm in (small, large)]
     assert per_step == [256, 2048]
     assert chunks == [256, 700]                  # chunked at the budget; whole prompts fit the larger
@@ -87,7 +87,7 @@ def _real_engine_over_simulated_backend(cfg):
     registry = Registry()
     registry.backends["simulated"] = BackendInfo("simulated", "tests", SimulatedBackend)
     llm = LLM(cfg, registry)
-    backend = llm.backend
+    backend = llm.prefill_backend
     backend.cost = StepCostModel(llm.model.arch, TEST_DEVICE, "float32", 4)
     llm.engine.clock = backend.clock
     return llm, backend
@@ -103,7 +103,7 @@ def test_simulate_and_the_real_engine_over_the_same_backend_make_identical_steps
     a, b = list(real.engine.steps.records), list(sim.engine.steps.records)
     assert sum(s.preemptions for s in a) > 0                  # the pool is short: preemption decides
     assert a == b                                             # every step: its tokens, blocks, times
-    assert [c.chunks for c in backend.calls] == [c.chunks for c in sim.backend.calls]
+    assert [c.chunks for c in backend.calls] == [c.chunks for c in sim.prefill_backend.calls]
     assert [o.token_ids for o in run.outputs] == [o.token_ids for o in sim_run.outputs]
     assert set(real.report(run.outputs)) == set(sim.report(sim_run.outputs))
 

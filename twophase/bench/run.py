@@ -149,10 +149,9 @@ def _serve(cfg: Config, lines: dict[str, Any], requests, progress: Phases) -> di
 def _serve_speculative(cfg: Config, name: str, first, requests, progress: Phases) -> tuple[str, dict]:
     progress.phase(f"serving workload on {name}, speculative")
     label, spec = _speculative_line(cfg, name)
-    first.config = dataclasses.replace(first.config, speculative=spec)
-    first.reschedule(cfg.scheduler)
+    first.reschedule(cfg.scheduler, spec)
     out = serving.run(first.engine, requests)
-    first.config = dataclasses.replace(first.config, speculative=SpeculativeConfig())
+    first.reschedule(cfg.scheduler, SpeculativeConfig())
     progress.advance()
     return label, out
 

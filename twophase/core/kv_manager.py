@@ -21,64 +21,23 @@ import hashlib
 from array import array
 from collections.abc import Sequence
 
+from twophase.cache.spec import CacheSpec, FullAttentionSpec, cdiv, sequence_blocks
 from twophase.core.block_pool import BlockPool
 from twophase.core.seq_state import Seq
 
 # a prefix hit: one list a group, each as long as the hit, 0 at a sliding group's passed blocks
 Hit = Sequence[Sequence[int]]
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def live_blocks(window: int | None, tokens: int, chunk: int, block_size: int) -> int:
-    """The most blocks one group holds at once for a sequence of ``tokens``, computed in chunks
-    of at most ``chunk``: all of them, or in a sliding group the window's and a chunk's."""
-    every = cdiv(tokens, block_size)
-    if window is None:
-        return every
-    return min(every, cdiv(window - 1 + min(chunk, tokens), block_size) + 1)
-
-
-def sequence_blocks(windows: Sequence[int | None], tokens: int, chunk: int, block_size: int) -> int:
-    """Blocks of the pool one sequence of ``tokens`` needs at its peak, over all its groups."""
-    return sum(live_blocks(w, tokens, chunk, block_size) for w in windows)
-
-
-def step_blocks(windows: Sequence[int | None], chunk: int, block_size: int) -> int:
-    """Blocks the sliding groups hold beyond their windows while a step's ``chunk`` tokens are
-    computed (at most a budget's worth a step, shared by the sequences prefilling in it)."""
-    return sum(cdiv(chunk, block_size) for w in windows if w is not None)
-
-
-def concurrency(windows: Sequence[int | None], num_blocks: int, context: int, chunk: int,
-                block_size: int) -> int:
-    """Sequences of ``context`` tokens the pool holds at once: each its windows' blocks (and all
-    of them in a full group), and one step's chunk on top."""
-    each = sequence_blocks(windows, context, 1, block_size)
-    return max(0, num_blocks - step_blocks(windows, chunk, block_size)) // each
-
-
-def context_tokens(windows: Sequence[int | None], num_blocks: int, chunk: int, block_size: int) -> int:
-    """The longest sequence ``num_blocks`` hold (``sequence_blocks``' inverse); without a full
-    group, any whose windows and chunk fit."""
-    if all(w is not None for w in windows) and sequence_blocks(windows, 1 << 62, chunk, block_size) <= num_blocks:
-        return 1 << 62
-    lo, hi = 0, num_blocks * block_size                # sequence_blocks grows with the length
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if sequence_blocks(windows, mid, chunk, block_size) <= num_blocks else (lo, mid - 1)
-    return lo
+FULL = FullAttentionSpec(1, 1, "float32")      # one group of full attention (its bytes are the layout's)
 
 
 class KVManager:
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True,
-                 windows: Sequence[int | None] = (None,)):
+                 specs: Sequence[CacheSpec] = (FULL,)):
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.prefix_caching = prefix_caching
-        self.windows = tuple(windows)                 # each group's sliding window (None: full)
+        self.specs = tuple(specs)                     # each group's cache: how its blocks are freed
+        self.windows = tuple(s.window for s in self.specs)   # each group's sliding window (None: full)
         self._dropped: dict[str, list[int]] = {}      # a group's leading blocks given back
         self.tables: dict[str, list[list[int]]] = {}  # a table a group, all of one length
         self._hashes: dict[str, list[bytes]] = {}      # chain hashes of each request's full blocks
@@ -107,7 +66,7 @@ class KVManager:
 
     def peak_blocks(self, num_tokens: int, chunk: int) -> int:
         """Blocks a sequence of ``num_tokens`` holds at its peak, computed ``chunk`` at a time."""
-        return sequence_blocks(self.windows, num_tokens, chunk, self.block_size)
+        return sequence_blocks(self.specs, num_tokens, chunk, self.block_size)
 
     def block_table(self, req: Seq) -> list[int]:
         """The first group's table (a full-attention group's, where there is one)."""
@@ -186,9 +145,9 @@ class KVManager:
         table, rid = self.block_table(req), req.request_id
         dropped = self._dropped.get(rid, [0] * self.num_groups)
         more = max(0, self.blocks_for(num_tokens) - len(table))
-        return sum(more if w is None else
-                   max(0, min(more, live_blocks(w, num_tokens, 1, self.block_size) - (len(table) - d)))
-                   for w, d in zip(self.windows, dropped))
+        return sum(more if s.window is None else
+                   max(0, min(more, s.live_blocks(num_tokens, 1, self.block_size) - (len(table) - d)))
+                   for s, d in zip(self.specs, dropped))
 
     def allocate(self, req: Seq, num_new_tokens: int, computed: Hit = ()) -> bool:
         """Give ``req`` blocks for ``num_new_tokens`` more tokens (after ``computed`` hits, on

@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 
 from twophase.arch import ModelArch
 from twophase.backends.registry import Registry
+from twophase.cache import layout
+from twophase.cache.layout import PoolLayout, PoolSettings, lay_out_pool, model_len, pool_groups
 from twophase.config import BackendSection, Config
-from twophase.contract import BackendMemory, EngineLimits, KVGroups, MemoryQuery
-from twophase.core.kv_manager import concurrency, context_tokens, sequence_blocks, step_blocks
+from twophase.contract import BackendMemory, Capabilities, EngineLimits, KVGroups, MemoryQuery
 from twophase.errors import ConfigError
 from twophase.kv_formats import kv_format
 from twophase.plan import weights as layouts
@@ -40,7 +41,6 @@ AUTO_MAX_DRAFTS = 6                 # the most drafts num_tokens = "auto" gives 
 CUDA_RUNTIME = 512 * MiB            # CUDA context, cuBLAS/cuDNN handles and kernels loaded
 CUBLAS_WORKSPACE = 32 * MiB
 CPU_RUNTIME = 300 * MiB             # Python, torch, libraries (~220 MiB); the first model's threads, kernels
-CPU_POOL_CAP = 2 * GiB              # the CPU pool's default: min(2 GiB, a quarter of free)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -51,6 +51,13 @@ class Item:
     bytes: int
     how: str            # how it was counted, in a few words
     resident: bool = True    # at load; else mapped from a file and paged in as it is used
+    # what the engine's check of the plan does with it: "" held from load on; "draft" the draft
+    # model's, loaded after the pool; "at bind" allocated when the pool is bound (TensorRT's profiles)
+    role: str = ""
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "name": self.name, "bytes": self.bytes, "how": self.how,
+                "resident": self.resident}
 
 
 @dataclass
@@ -58,37 +65,47 @@ class Plan:
     model: PlannedModel
     device: DeviceProfile
     items: list[Item]
-    block_size: int
-    kv_bytes_per_token: int
-    num_blocks: int
-    max_model_len: int                  # what one request may use (the pool's, if smaller)
+    pool: PoolLayout                    # the pool's layout (``twophase.cache.layout``)
     context: int                        # the context the concurrency figures are for
     users: int | None
     notes: list[str] = field(default_factory=list)
     draft_bytes_per_block: int = 0      # a draft model's pool, block for block beside the target's
-    groups: KVGroups | None = None      # the pool's layout (None: a slot a layer)
-    chunk: int = 1                      # tokens one step computes (sliding groups hold them too)
+
+    @property
+    def block_size(self) -> int:
+        return self.pool.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def max_model_len(self) -> int:
+        """What one request may use as the model and config allow (the pool may hold less)."""
+        return self.pool.model_len
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """A token's K/V in every layer."""
+        return len(self.pool.groups.group) * self.pool.slot_bytes_per_token
 
     @property
     def windows(self) -> tuple[int | None, ...]:
-        return self.groups.windows if self.groups else (None,)
+        return self.pool.windows
 
     @property
     def kv_tokens(self) -> int:
         """The longest context one sequence may have in the pool."""
-        return min(self.num_blocks * self.block_size,
-                   context_tokens(self.windows, self.num_blocks, self.chunk, self.block_size))
+        return self.pool.kv_tokens
 
     def concurrency(self, context: int) -> int:
         """Sequences of ``context`` tokens the pool holds at once."""
-        return concurrency(self.windows, self.num_blocks, context, self.chunk, self.block_size)
+        return self.pool.concurrency(context)
 
     def sequence_kv_bytes(self, context: int) -> int:
         """The K/V one sequence of ``context`` tokens holds once it is in (a sliding layer's
         window's, a full layer's every token)."""
-        slots = self.groups.num_slots if self.groups else 1
-        per_slot_token = self.kv_bytes_per_token // (len(self.groups.group) if self.groups else 1)
-        return sequence_blocks(self.windows, context, 1, self.block_size) * self.block_size * slots * per_slot_token
+        return self.pool.sequence_bytes(context)
 
     @property
     def fits(self) -> bool:
@@ -105,7 +122,7 @@ class Plan:
         conc = self.concurrency(self.context)
         out = {"model": self.model.model_id, "model_source": self.model.source,
                "device": self.device.name, "device_bytes": self.device.total_bytes,
-               "items": [i.__dict__ for i in self.items],
+               "items": [i.to_dict() for i in self.items],
                "totals": {k: self.total(k) for k in dict.fromkeys(i.kind for i in self.items)},
                "kv_bytes_per_token": self.kv_bytes_per_token, "block_size": self.block_size,
                "num_blocks": self.num_blocks, "kv_tokens": self.kv_tokens,
@@ -133,12 +150,22 @@ def kv_bytes_per_token(arch: ModelArch, itemsize: float) -> int:
     return round(arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * itemsize)
 
 
+def pool_settings(config: Config, device_kind: str, format: str | None = None) -> PoolSettings:
+    """What ``config`` asks of the pool and a step (``format``: the K/V format the backends keep;
+    by default ``cache.dtype``, or the model's dtype)."""
+    cc, sc = config.cache, config.scheduler
+    if format is None:
+        format = cc.dtype if cc.dtype != "auto" else model_dtype(config, device_kind)
+    return PoolSettings(cc.block_size, None if cc.num_blocks == "auto" else int(cc.num_blocks),
+                        None if cc.memory_gb is None else int(cc.memory_gb * GiB), format, sc.max_num_seqs,
+                        sc.max_num_batched_tokens, sc.chunked_prefill, config.model.max_model_len, device_kind)
+
+
 def token_budget(config: Config, device_kind: str, max_model_len: int) -> int:
     """Tokens one step may compute: the config's, else 4096 on CUDA and 512 on the CPU with
     chunked prefill, else a whole context."""
-    sc = config.scheduler
-    return sc.max_num_batched_tokens or ((4096 if device_kind == "cuda" else 512)
-                                         if sc.chunked_prefill else max_model_len)
+    return layout.token_budget(pool_settings(config, device_kind, "float32"), max_model_len,
+                               config.scheduler.chunked_prefill)
 
 
 def backend_memory(registry: Registry, sec: BackendSection, config: Config, arch: ModelArch, device_kind: str,
@@ -239,7 +266,7 @@ def runtime_items(config: Config, model: PlannedModel, device: DeviceProfile, ma
         items.append(cuda_graph_item(arch, sc.max_num_seqs, max_model_len, config.cache.block_size, e))
     # a backend that runs both phases holds its workspace once
     spaces = dict.fromkeys(m.workspace for m in mems if m.workspace is not None)
-    items += [Item("workspace", w.name, w.bytes, w.how) for w in spaces]
+    items += [Item("workspace", w.name, w.bytes, w.how, role="at bind") for w in spaces]
     return items
 
 
@@ -256,26 +283,6 @@ def cuda_graph_item(arch: ModelArch, seqs: int, context: int, block_size: int, e
                 f"{len(batches)} batch × {contexts} context buckets")
 
 
-def max_model_len_of(config: Config, arch: ModelArch) -> int:
-    return min(config.model.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
-
-
-def pool_blocks(config: Config, free_for_pool: int, per_block: int, device_kind: str, free_now: int) -> int:
-    """The engine's rule for ``num_blocks = "auto"``: ``cache.memory_gb`` if given; on CUDA what
-    is left after every other item and the reserve; on the CPU a quarter of the free memory, at
-    most 2 GiB (the rest stays the system's); never more than ``max_num_seqs`` full contexts."""
-    cc = config.cache
-    if cc.num_blocks != "auto":
-        return int(cc.num_blocks)
-    if cc.memory_gb is not None:
-        budget = int(cc.memory_gb * GiB)
-    elif device_kind == "cuda":
-        budget = free_for_pool
-    else:
-        budget = min(CPU_POOL_CAP, free_now // 4)
-    return max(0, budget // per_block)
-
-
 def plan(config: Config, device: DeviceProfile, context: int | None = None, users: int | None = None,
          model: PlannedModel | None = None, routed: tuple[str, ...] = (), registry: Registry | None = None) -> Plan:
     """``config``'s budget on ``device``, item by item; each backend's share as it says
@@ -283,44 +290,37 @@ def plan(config: Config, device: DeviceProfile, context: int | None = None, user
     registry = registry if registry is not None else Registry()
     model = model or planned_model(config.model)
     arch, kind, cc = model.arch, device.kind, config.cache
-    max_len = max_model_len_of(config, arch)
-    if cc.num_blocks != "auto" and config.model.max_model_len is None:    # the engine lowers it so
-        max_len = min(max_len, int(cc.num_blocks) * cc.block_size)
+    settings = pool_settings(config, kind)
+    max_len = model_len(arch, settings)
     items = (weight_items(config, model, kind, registry, max_len, routed)
              + runtime_items(config, model, device, max_len, registry))
-    per_token = kv_bytes_per_token(arch, kv_dtype_bytes(config, kind, arch))
-    groups = kv_groups(config, arch, registry)
-    chunk = token_budget(config, kind, max_len)
     draft_items, draft_block = draft_model(config, kind, registry)
     items += draft_items
-    per_block = per_token // arch.num_layers * groups.num_slots * cc.block_size + draft_block
     used = sum(i.bytes for i in items)
     reserve = int((1 - cc.memory_utilization) * device.total_bytes) if kind == "cuda" else 0
-    free_for_pool = max(0, device.total_bytes - used - reserve)
-    wanted = (config.scheduler.max_num_seqs * sequence_blocks(groups.windows, max_len, 1, cc.block_size)
-              + step_blocks(groups.windows, chunk, cc.block_size))
-    blocks = pool_blocks(config, free_for_pool, per_block, kind, max(0, device.total_bytes - used))
+    prefill, decode = phase_capabilities(config, registry)
+    # the index limit counts a scratch block, as CUDA graphs keep one
+    pool = lay_out_pool(arch, settings, prefill, [decode], max(0, device.total_bytes - used - reserve),
+                        may_group=not config.cluster.disaggregated, scratch_blocks=1,
+                        extra_bytes_per_block=draft_block)
+    blocks, per_block = pool.num_blocks, pool.page_bytes + draft_block
     notes: list[str] = []
-    limit = pool_limit(config, arch, groups, registry)
-    if cc.num_blocks == "auto":
-        blocks = min(blocks, wanted, limit)
-        if blocks == limit:
-            notes.append(f"the pool stops at {limit} blocks: the most a backend of this config "
-                         f"can index (Capabilities.max_pool_elements)")
+    if pool.at_backend_limit:
+        notes.append(f"the pool stops at {blocks} blocks: the most a backend of this config "
+                     f"can index (Capabilities.max_pool_elements)")
     if kind == "cpu":
         reserve = max(0, device.total_bytes - used - blocks * per_block)
-    items.append(Item("kv cache", "KV pool", blocks * (per_block - draft_block),
-                      f"{blocks} blocks × {cc.block_size} tokens"))
+    items.append(Item("kv cache", "KV pool", blocks * pool.page_bytes, f"{blocks} blocks × {cc.block_size} tokens"))
     if draft_block:
         items.append(Item("kv cache", "draft model's KV pool", blocks * draft_block,
-                          f"{blocks} blocks, as the target's"))
+                          f"{blocks} blocks, as the target's", role="draft"))
     items += [Item("reserve", "left free", reserve,
                    f"1 - cache.memory_utilization ({cc.memory_utilization})" if kind == "cuda"
                    else "the system's: the CPU pool takes at most a quarter of free memory, 2 GiB")]
     over = sum(i.bytes for i in items) - device.total_bytes
     if over > 0:
         notes.append(f"does not fit: {over / GiB:.2f} GiB over the device's {device.total_bytes / GiB:.2f} GiB")
-    pool_tokens = min(blocks * cc.block_size, context_tokens(groups.windows, blocks, chunk, cc.block_size))
+    pool_tokens = pool.kv_tokens
     if blocks == 0:
         notes.append("no room for the KV cache: a smaller model, dtype or quantization, a shorter "
                      "max_model_len or fewer max_num_seqs would leave some")
@@ -331,41 +331,25 @@ def plan(config: Config, device: DeviceProfile, context: int | None = None, user
     if context and context > min(max_len, pool_tokens):
         notes.append(f"a request of {context} tokens is longer than one request may be "
                      f"({min(max_len, pool_tokens)})")
-    return Plan(model, device, items, cc.block_size, per_token, blocks, max_len, context or max_len, users, notes,
-                draft_block, groups, chunk)
+    return Plan(model, device, items, pool, context or max_len, users, notes, draft_block)
 
 
-def pool_limit(config: Config, arch: ModelArch, groups: KVGroups, registry: Registry) -> int:
-    """The most blocks every phase's backend can index, as the engine caps the pool
-    (``LLM._pool_limit``; TensorRT's 2^31 - 1 elements a tensor)."""
-    per_block = groups.num_slots * 2 * arch.num_kv_heads * config.cache.block_size * arch.head_dim
-    limits = []
-    for phase in config.phases():
+def phase_capabilities(config: Config, registry: Registry) -> tuple[Capabilities, Capabilities]:
+    """The prefill and decode backends' capabilities, as their classes say before a load (a
+    backend that cannot start here: none, as the engine would fail on it)."""
+    def caps(name: str) -> Capabilities:
         try:
-            limits.append(registry.get(phase.name)().capabilities().max_pool_elements)
-        except Exception:                   # a backend that cannot start here: no limit known
-            continue
-    known = [n // per_block - 1 for n in limits if n]         # less a scratch block, as CUDA graphs keep
-    return min(known) if known else 1 << 62
+            return registry.get(name)().capabilities()
+        except Exception:
+            return Capabilities()
+    p, d = config.phases()
+    return caps(p.name), caps(d.name)
 
 
 def kv_groups(config: Config, arch: ModelArch, registry: Registry) -> KVGroups:
-    """The pool's layout as the engine chooses it (``LLM._kv_groups``): in groups where the model
-    mixes full and sliding layers, every phase's backend reads them and no K/V move between
-    engines."""
-    groups = KVGroups.of(arch)
-    if groups.num_groups == 1:
-        return groups
-
-    def reads_groups(name: str) -> bool:
-        try:
-            return bool(registry.get(name)().capabilities().kv_groups)
-        except Exception:                   # a backend that cannot start here: as the engine would fail
-            return False
-
-    if config.cluster.disaggregated or not all(reads_groups(s.name) for s in config.phases()):
-        return KVGroups.plain(arch.num_layers)
-    return groups
+    """The pool's layout as the engine chooses it: in groups where the model mixes full and
+    sliding layers, every phase's backend reads them and no K/V move between engines."""
+    return pool_groups(arch, phase_capabilities(config, registry), not config.cluster.disaggregated)
 
 
 def draft_model(config: Config, kind: str, registry: Registry) -> tuple[list[Item], int]:
@@ -377,11 +361,12 @@ def draft_model(config: Config, kind: str, registry: Registry) -> tuple[list[Ite
 
     cfg = draft_config(config)
     model = planned_model(cfg.model)
-    items = [dataclasses.replace(i, name=f"draft model: {i.name}")
-             for i in weight_items(cfg, model, kind, registry, max_model_len_of(cfg, model.arch))]
+    context = model.arch.max_position_embeddings
+    items = [dataclasses.replace(i, name=f"draft model: {i.name}", role="draft")
+             for i in weight_items(cfg, model, kind, registry, min(cfg.model.max_model_len or context, context))]
     if cfg.cache.num_blocks != "auto":
         per = kv_bytes_per_token(model.arch, kv_dtype_bytes(cfg, kind, model.arch)) * cfg.cache.block_size
         items.append(Item("kv cache", "draft model's KV pool", int(cfg.cache.num_blocks) * per,
-                          f"{cfg.cache.num_blocks} blocks"))
+                          f"{cfg.cache.num_blocks} blocks", role="draft"))
         return items, 0
     return items, kv_bytes_per_token(model.arch, kv_dtype_bytes(cfg, kind, model.arch)) * config.cache.block_size

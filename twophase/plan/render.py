@@ -31,10 +31,11 @@ def table(p: Plan) -> Table:
 
 
 def summary(p: Plan) -> list[str]:
-    grouped = p.groups is not None and p.groups.num_groups > 1
+    groups = p.pool.groups
+    grouped = groups.num_groups > 1
     lines = [f"KV cache: {human(p.kv_bytes_per_token * 1024)} per 1k tokens in every layer "
              f"({p.kv_bytes_per_token:,} B a token); {p.num_blocks:,} blocks"
-             + (f" of {p.groups.num_slots} layers: one sequence of up to {p.kv_tokens:,} tokens"  # type: ignore[union-attr]
+             + (f" of {groups.num_slots} layers: one sequence of up to {p.kv_tokens:,} tokens"
                 if grouped else f" = {p.kv_tokens:,} tokens"),
              f"largest max_model_len one request can use: {min(p.kv_tokens, p.max_model_len):,}"
              + ("" if p.kv_tokens >= p.max_model_len else f" (the model's is {p.max_model_len:,})"),
@@ -52,8 +53,8 @@ def summary(p: Plan) -> list[str]:
 
 def _layers(p: Plan) -> str:
     """How the pool counts the layers: windows where sliding layers give back blocks."""
-    g = p.groups
-    if g is None or all(w is None for w in g.windows):
+    g = p.pool.groups
+    if all(w is None for w in g.windows):
         return ""
     full = sum(1 for i in g.group if g.windows[i] is None)
     slide = len(g.group) - full

@@ -4,8 +4,8 @@
 (``planned_model``: a named shape, a config.json or a GGUF header; nothing downloaded), the pool
 sized by the memory plan for the simulated device (``twophase plan``'s figures, which are the
 pool the engine allocates there), and a pool tensor on the ``meta`` device. The rest is
-``LLM``'s own code: the KV layout (``_kv_groups``), the context fitted to the pool, and the
-scheduler, KV manager and admission built by ``_build_engine`` over the virtual clock.
+the engine's own code: the pool laid out by ``twophase.cache.layout``, the context fitted to it,
+and the scheduler, KV manager and admission built by ``LLM.build_engine`` over the virtual clock.
 """
 
 from __future__ import annotations
@@ -18,6 +18,10 @@ import torch
 from twophase import flags, routing
 from twophase import plan as planner
 from twophase.backends.registry import Registry
+from twophase.builder import Loaded
+from twophase.builder.backends import Backends
+from twophase.builder.pool import fit_context
+from twophase.cache.layout import lay_out_pool, model_len
 from twophase.config import Config
 from twophase.contract import BackendConfig, KVCache, ModelSpec
 from twophase.errors import ConfigError, ModelError
@@ -57,54 +61,57 @@ class SimulatedLLM(LLM):
         check_tp(tp, device.kind)
         self.tp = tp
         self.registry = registry or Registry()
-        self.routing = None
-        self.config = config
-        self.device = device
         kind = device.kind
         planned = planned_model(config.model)
         dtype = model_dtype(config, kind)
         spec_dtype = loader.DTYPES[dtype]
-        self.model = loader.ResolvedModel(planned.model_id, planned.arch, "none: shapes only", None, spec_dtype)
-        self.draft = None
-        self.max_model_len = self._model_context()
+        model = loader.ResolvedModel(planned.model_id, planned.arch, "none: shapes only", None, spec_dtype)
         profile = planner.profile(device.name if kind == "cuda" else "cpu")
         if tp > 1:       # weights and K/V split over the devices, each with its own reserve
             profile = dataclasses.replace(profile, name=f"{tp}x {profile.name}",
                                           total_bytes=tp * profile.total_bytes)
-        self.plan = planner.plan(config, profile, model=planned, registry=self.registry)
-        if self.plan.num_blocks == 0:
+        plan = planner.plan(config, profile, model=planned, registry=self.registry)
+        if plan.num_blocks == 0:
             raise ModelError(f"{planned.model_id} leaves no room for a KV pool on {device.name}: "
-                             f"{'; '.join(self.plan.notes) or 'see twophase plan'}")
+                             f"{'; '.join(plan.notes) or 'see twophase plan'}")
         self.clock = VirtualClock()
         weights = "q4" if config.model.quantization == "q4" else dtype
         cost = StepCostModel(planned.arch, device, weights, kv_dtype_bytes(config, kind, planned.arch), tp)
         pcfg, dcfg = config.phases()
-        self.prefill_backend = self._simulated(pcfg.name, cost)
+        prefill = self._simulated(pcfg.name, cost)
         same = (pcfg.name, pcfg.options) == (dcfg.name, dcfg.options)
-        self.decode_backend = self.prefill_backend if same else self._simulated(dcfg.name, cost)
-        self.backend = self.prefill_backend
-        self.decode_routes = []
-        self.spec = ModelSpec(planned.arch, "none: shapes only", spec_dtype, planned.model_id,
-                              quantization=config.model.quantization)
-        for b, sec in {id(b): (b, s) for b, s in ((self.prefill_backend, pcfg), (self.decode_backend, dcfg))}.values():
-            b.load(self.spec, BackendConfig(sec.name, sec.device))
-        self.kv_groups = self._kv_groups()
-        cc = config.cache
-        self.num_blocks = self.plan.num_blocks
-        kv_dtype = kv_format(cc.dtype).storage if cc.dtype != "auto" else spec_dtype
+        backends = Backends(prefill, prefill if same else self._simulated(dcfg.name, cost), [])
+        spec = ModelSpec(planned.arch, "none: shapes only", spec_dtype, planned.model_id,
+                         quantization=config.model.quantization)
+        for b, sec in {id(b): (b, s) for b, s in ((backends.prefill, pcfg), (backends.decode, dcfg))}.values():
+            b.load(spec, BackendConfig(sec.name, sec.device))
+        # the plan's pool on the simulated device, laid out as the engine lays it out
+        settings = planner.pool_settings(config, kind)
+        layout = lay_out_pool(planned.arch, dataclasses.replace(settings, num_blocks=plan.num_blocks),
+                              prefill.capabilities(), [backends.decode.capabilities()], 0)
+        layout = dataclasses.replace(layout, model_len=model_len(planned.arch, settings))
+        fit_context(layout, explicit=config.model.max_model_len is not None)
         a = planned.arch
-        shape = (self.kv_groups.num_slots, 2, self.num_blocks, a.num_kv_heads, cc.block_size,
-                 kv_format(cc.dtype if cc.dtype != "auto" else dtype).row(a.head_dim))
-        self.kv_cache = KVCache(torch.empty(shape, dtype=kv_dtype, device="meta"), cc.block_size, self.kv_groups)
-        self._fit_context(self._pool_tokens())
-        for b in {id(b): b for b in (self.prefill_backend, self.decode_backend)}.values():
-            b.bind_kv_cache(self.kv_cache)
-        self.engine = self._build_engine(clock=self.clock, sleep=self.clock.sleep)
+        shape = (layout.groups.num_slots, 2, layout.num_blocks, a.num_kv_heads, layout.block_size,
+                 kv_format(settings.format).row(a.head_dim))
+        kv_cache = KVCache(torch.empty(shape, dtype=kv_format(settings.format).storage, device="meta"),
+                           layout.block_size, layout.groups)
+        for b in backends.distinct():
+            b.bind_kv_cache(kv_cache)
+        self.loaded = Loaded(config, None, device.name, model, spec, plan, backends, settings, layout, kv_cache,
+                             None)
+        self.draft = None
+        self.engine = self.build_engine(clock=self.clock, sleep=self.clock.sleep)
         if config.speculative.method != "none":       # drafts at the workload's acceptance rate
-            self.engine.scheduler.proposer = AcceptingProposer(self.prefill_backend.token, acceptance)
-        self.load_time_s = time.perf_counter() - t0
-        self.load_breakdown_s = {"simulated load": self.load_time_s}
-        self.memory = self._planned_memory()
+            self.engine.scheduler.proposer = AcceptingProposer(prefill.token, acceptance)
+        self.loaded.load_time_s = time.perf_counter() - t0
+        self.loaded.load_breakdown_s = {"simulated load": self.loaded.load_time_s}
+        self.loaded.memory = self._planned_memory()
+
+    def with_blocks(self, num_blocks: int) -> None:
+        """The pool of ``num_blocks`` (an engine measured beside), with a fresh engine over it."""
+        self.loaded.layout = dataclasses.replace(self.loaded.layout, num_blocks=num_blocks)
+        self.engine = self.build_engine(clock=self.clock, sleep=self.clock.sleep)
 
     def _simulated(self, name: str, cost: StepCostModel) -> SimulatedBackend:
         """A simulated backend with the batching and limits of the backend the config names."""
@@ -116,18 +123,12 @@ class SimulatedLLM(LLM):
 
     def _planned_memory(self) -> dict:
         """``LLM.memory``'s figures as the plan counts them on the simulated device."""
-        from twophase.core.kv_manager import concurrency
-
-        p, bs = self.plan, self.config.cache.block_size
+        p, layout = self.plan, self.loaded.layout
         pool = self.kv_cache.pool
-        kv = pool.numel() * pool.element_size()
-        chunk = self._token_budget(self.config.scheduler.chunked_prefill)
-        return {"kv_cache_bytes": kv, "kv_tokens": min(self._pool_tokens(), self.num_blocks * bs),
-                "max_concurrency": concurrency(self.kv_groups.windows, self.num_blocks,
-                                               self.max_model_len, chunk, bs),
-                "kv_groups": self.kv_groups.num_groups, "weight_bytes": p.total("weights"),
-                "headroom_bytes": max(0, p.device.total_bytes - p.total() + p.total("reserve")),
-                "check": {}}
+        return {"kv_cache_bytes": pool.numel() * pool.element_size(), "kv_tokens": layout.kv_tokens,
+                "max_concurrency": layout.concurrency(layout.max_model_len), "kv_groups": layout.groups.num_groups,
+                "weight_bytes": p.total("weights"),
+                "headroom_bytes": max(0, p.device.total_bytes - p.total() + p.total("reserve")), "check": {}}
 
     @property
     def backends(self) -> list[SimulatedBackend]:

@@ -114,7 +114,7 @@ def measure(cfg: Config, base: DeviceSpec, passes: int = 3) -> tuple[str, list[f
                 progress.phase(f"sweep pass {i} of {passes}" if i else "sweep warm-up pass")
                 walls = []
                 for reqs in workloads:
-                    llm.engine = llm._build_engine()              # a fresh pool and prefix cache each
+                    llm.engine = llm.build_engine()               # a fresh pool and prefix cache each
                     run_steps(llm.engine, reqs)
                     walls += step_walls(list(llm.engine.steps.records))
                     progress.advance()
@@ -122,8 +122,7 @@ def measure(cfg: Config, base: DeviceSpec, passes: int = 3) -> tuple[str, list[f
                     runs.append(walls)
         for reqs in workloads:
             sim = SimulatedLLM(cfg, base)
-            sim.num_blocks = llm.num_blocks
-            sim.engine = sim._build_engine(clock=sim.clock)
+            sim.with_blocks(llm.num_blocks)
             run_steps(sim.engine, reqs)
             calls = sorted((c for b in sim.backends for c in b.calls), key=lambda c: c.start)
             cost = sim.prefill_backend.cost

@@ -71,7 +71,7 @@ def dequantised(llm) -> None:
 
     from twophase.models.q4_weights import model_qweights
 
-    model = llm.backend.model
+    model = llm.prefill_backend.model
     weights = model_qweights(model, model.arch, None)
     with torch.no_grad():
         for name, qw in weights.items():

@@ -38,7 +38,7 @@ def _reference(quantization: str = "none", **sections) -> LLM:
            "scheduler": {"max_num_batched_tokens": TOKENS, "max_num_seqs": SEQS}}
     cfg.update(sections)
     llm = LLM.from_config(cfg)
-    if quantization == "q4" and llm.backend.name == "torch":
+    if quantization == "q4" and llm.prefill_backend.name == "torch":
         dequantised(llm)
     return llm
 
@@ -54,7 +54,7 @@ def _compare(llm: LLM, under_test, run, quantization: str = "none") -> None:
     """``run(backend)`` on the reference and on the backend under test, pools copied first."""
     pool = llm.kv_cache.pool
     theirs = pool.clone().to(under_test.kv_cache_spec().device)
-    want = run(llm.backend)
+    want = run(llm.prefill_backend)
     under_test.bind_kv_cache(KVCache(theirs, BLOCK))
     got = run(under_test).float().cpu()
     assert got.shape == want.shape, f"logits shape {tuple(got.shape)}, reference {tuple(want.shape)}"
