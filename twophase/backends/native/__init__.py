@@ -181,10 +181,11 @@ class NativeBackend(Backend):
         if self.scratch.numel() < need:
             self.scratch = torch.empty(int(need * 1.25) + 1024, dtype=torch.float32)
         logits = self._logits(n_logits)
-        s = Step(rows, tokens.data_ptr(), positions.data_ptr(), slots.data_ptr(), tables.data_ptr(),
-                 tables.shape[-1], tables.shape[-2], seq.data_ptr(), ctx.data_ptr(), n_logits, logit_rows.data_ptr(),
-                 pool.data_ptr(), pool.shape[2], pool.shape[4], KV_TYPES[pool.dtype], logits.data_ptr(),
-                 self.scratch.data_ptr(), max_ctx, self.threads)
+        s = Step(rows=rows, tokens=tokens.data_ptr(), positions=positions.data_ptr(), slots=slots.data_ptr(),
+                 tables=tables.data_ptr(), width=tables.shape[-1], seqs=tables.shape[-2], seq=seq.data_ptr(),
+                 ctx=ctx.data_ptr(), n_logits=n_logits, logit_rows=logit_rows.data_ptr(), pool=pool.data_ptr(),
+                 num_blocks=pool.shape[2], block_size=pool.shape[4], kv_type=KV_TYPES[pool.dtype],
+                 logits=logits.data_ptr(), scratch=self.scratch.data_ptr(), max_ctx=max_ctx, threads=self.threads)
         self.lib.step(self.weights.model, s)     # the tensors above outlive the call
         return logits
 
