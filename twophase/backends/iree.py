@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from twophase.backends.hookspecs import hookimpl
+from twophase.backends.traced import TRACED_FEATURES
 from twophase.contract import (
     Backend,
     BackendConfig,
@@ -44,7 +45,6 @@ from twophase.contract import (
 from twophase.device import require_device, threads_option
 from twophase.errors import ConfigError
 from twophase.graph.inputs import kv_rows, layer_blocks, step_inputs, write_rows
-from twophase.models.graph_attention import TRACED_FEATURES
 
 log = logging.getLogger(__name__)
 OPTIONS = {"threads", "export_dir", "pool"}

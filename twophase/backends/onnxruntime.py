@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from twophase.backends.hookspecs import hookimpl
+from twophase.backends.traced import TRACED_FEATURES
 from twophase.contract import (
     Backend,
     BackendConfig,
@@ -57,7 +58,6 @@ from twophase.contract import (
 from twophase.device import require_device, threads_option
 from twophase.errors import ConfigError
 from twophase.graph.inputs import decode_graph_inputs, step_inputs, verify_graph_inputs, write_new_kv
-from twophase.models.graph_attention import TRACED_FEATURES
 
 log = logging.getLogger(__name__)
 OPTIONS = {"threads", "inter_op_threads", "graph_optimization_level", "spinning", "export_dir",

@@ -32,6 +32,7 @@ import math
 import torch
 
 from twophase.backends.hookspecs import hookimpl
+from twophase.backends.traced import TRACED_FEATURES
 from twophase.backends.trt_calls import last_rows, plan_calls, sub_batch
 from twophase.contract import (
     Backend,
@@ -53,7 +54,6 @@ from twophase.device import available_memory, require_device
 from twophase.errors import ConfigError
 from twophase.graph.inputs import step_inputs, write_new_kv
 from twophase.graph.signature import STEP
-from twophase.models.graph_attention import TRACED_FEATURES
 
 log = logging.getLogger(__name__)
 OPTIONS = {"engine_dir", "rebuild"}

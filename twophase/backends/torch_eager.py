@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 
-from twophase.arch import FEATURES
 from twophase.backends.hookspecs import hookimpl
 from twophase.contract import (
     Backend,
@@ -35,6 +34,14 @@ from twophase.models.decoder import AttnMeta, Decoder
 from twophase.models.weights import build_model
 
 log = logging.getLogger(__name__)
+
+# every departure of the families from the Llama block: the layers kit's decoder computes each.
+# Named one by one, never derived from ``twophase.arch.FEATURES``: a feature added there is
+# refused until the decoder computes it and this list names it.
+TORCH_FEATURES = frozenset({
+    "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "norm_offset", "post_norms", "gelu_tanh", "embed_scale",
+    "attn_softcap", "final_softcap", "query_scale", "partial_rotary", "rope_per_layer", "sliding_window", "moe",
+})
 OPTIONS = {"threads", "cuda_graphs", "keep_freed_memory"}
 
 
@@ -65,7 +72,7 @@ class TorchBackend(Backend):
         return dataclasses.replace(super().memory(query), cuda_graphs=graphs)
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(devices=("cpu", "cuda"), features=frozenset(FEATURES),
+        return Capabilities(devices=("cpu", "cuda"), features=TORCH_FEATURES,
                             dtypes=(torch.float32, torch.bfloat16, torch.float16), kv_groups=True,
                             kv_formats=tuple(KV_FORMATS))
 

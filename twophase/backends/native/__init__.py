@@ -23,7 +23,6 @@ import numpy as np
 import torch
 
 from twophase import large_pages
-from twophase.arch import FEATURES as FEATURE_NAMES
 from twophase.arch import ModelArch
 from twophase.backends.hookspecs import hookimpl
 from twophase.contract import (
@@ -50,7 +49,13 @@ log = logging.getLogger(__name__)
 OPTIONS = {"threads", "isa"}
 LOGIT_BUFFERS = 4      # kept for reuse: a step calls a backend once or twice (prefill, decode)
 LOGIT_BUFFER_BYTES = 64 << 20   # the largest kept (a batch of 64 of a 262144-token vocabulary)
-FEATURES = frozenset(FEATURE_NAMES)
+# every departure of the families from the Llama block (``model_t``'s fields; experts on the
+# GGUF's stored blocks only). Named one by one, never derived from ``twophase.arch.FEATURES``: a
+# feature added there is refused until step.c computes it and this list names it.
+NATIVE_FEATURES = frozenset({
+    "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "norm_offset", "post_norms", "gelu_tanh", "embed_scale",
+    "attn_softcap", "final_softcap", "query_scale", "partial_rotary", "rope_per_layer", "sliding_window", "moe",
+})
 # the formats step.c reads, in the order of its kv_type (KV_F32, KV_F16, KV_BF16, KV_Q8); not
 # fp8, which a CPU converts in software only
 KV_READS = ("float32", "float16", "bfloat16", "int8")
@@ -80,8 +85,8 @@ class NativeBackend(Backend):
         # GGUF's stored blocks only), and reads a pool in groups (a sliding group's blocks freed
         # as its window passes them)
         return Capabilities(devices=("cpu",), dtypes=(torch.float32,), own_threads=True,
-                            features=FEATURES, kv_formats=KV_READS, kv_groups=True,
-                            features_on={"q4": FEATURES - {"moe"}})
+                            features=NATIVE_FEATURES, kv_formats=KV_READS, kv_groups=True,
+                            features_on={"q4": NATIVE_FEATURES - {"moe"}})
 
     def supports(self, arch: ModelArch) -> str | None:
         """Also the shapes ``step.c`` does not tile: query heads that do not group over the KV
@@ -176,10 +181,11 @@ class NativeBackend(Backend):
         if self.scratch.numel() < need:
             self.scratch = torch.empty(int(need * 1.25) + 1024, dtype=torch.float32)
         logits = self._logits(n_logits)
-        s = Step(rows, tokens.data_ptr(), positions.data_ptr(), slots.data_ptr(), tables.data_ptr(),
-                 tables.shape[-1], tables.shape[-2], seq.data_ptr(), ctx.data_ptr(), n_logits, logit_rows.data_ptr(),
-                 pool.data_ptr(), pool.shape[2], pool.shape[4], KV_TYPES[pool.dtype], logits.data_ptr(),
-                 self.scratch.data_ptr(), max_ctx, self.threads)
+        s = Step(rows=rows, tokens=tokens.data_ptr(), positions=positions.data_ptr(), slots=slots.data_ptr(),
+                 tables=tables.data_ptr(), width=tables.shape[-1], seqs=tables.shape[-2], seq=seq.data_ptr(),
+                 ctx=ctx.data_ptr(), n_logits=n_logits, logit_rows=logit_rows.data_ptr(), pool=pool.data_ptr(),
+                 num_blocks=pool.shape[2], block_size=pool.shape[4], kv_type=KV_TYPES[pool.dtype],
+                 logits=logits.data_ptr(), scratch=self.scratch.data_ptr(), max_ctx=max_ctx, threads=self.threads)
         self.lib.step(self.weights.model, s)     # the tensors above outlive the call
         return logits
 

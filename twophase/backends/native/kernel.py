@@ -1,5 +1,6 @@
 """``step.c`` compiled once per machine (``$TWOPHASE_CACHE/native``) and bound with ctypes: the
-C structs mirrored, and the checks that it can be built and run here."""
+C structs mirrored (each checked against the compiled layout at load), and the checks that it can
+be built and run here."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import os
 import platform
 import shutil
 import subprocess
-from ctypes import POINTER, c_float, c_int, c_long, c_void_p
+from ctypes import POINTER, c_char_p, c_float, c_int, c_long, c_size_t, c_void_p
 from importlib.resources import files
 from pathlib import Path
 
@@ -45,22 +46,29 @@ class ProjStored(ctypes.Structure):
     _fields_ = [("n", c_int), ("k", c_int), ("parts", c_int), ("part", Part * 3)]
 
 
+# step.c's model_t, field by field in its order: its one declaration on this side (``Model`` is
+# built from it, ``weights.py`` fills it by name), checked against the compiled struct at load
+MODEL_FIELDS: tuple[tuple[str, type], ...] = (
+    ("layers", c_int), ("dim", c_int), ("heads", c_int), ("kv_heads", c_int), ("head_dim", c_int),
+    ("ffn", c_int), ("vocab", c_int), ("eps", c_float),
+    ("embed", c_void_p), ("attn_norm", c_void_p), ("mlp_norm", c_void_p), ("final_norm", c_void_p),
+    ("inv_freq", c_void_p),
+    ("qkv", POINTER(ProjQ4)), ("o", POINTER(ProjQ4)), ("gate_up", POINTER(ProjQ4)), ("down", POINTER(ProjQ4)),
+    ("head", ProjQ8),
+    ("stored", c_int), ("s_qkv", POINTER(ProjStored)), ("s_o", POINTER(ProjStored)),
+    ("s_gate_up", POINTER(ProjStored)), ("s_down", POINTER(ProjStored)), ("s_head", POINTER(ProjStored)),
+    ("rot_dim", c_int), ("scale", c_float), ("embed_scale", c_float), ("attn_cap", c_float),
+    ("final_cap", c_float), ("act", c_int),
+    ("q_norm", c_void_p), ("k_norm", c_void_p), ("post_attn_norm", c_void_p), ("post_mlp_norm", c_void_p),
+    ("qkv_bias", c_void_p), ("o_bias", c_void_p), ("gate_up_bias", c_void_p), ("down_bias", c_void_p),
+    ("window", c_void_p), ("slot", c_void_p), ("group", c_void_p),
+    ("experts", c_int), ("top_k", c_int), ("norm_topk", c_int), ("s_router", POINTER(ProjStored)),
+    ("s_exp_gu", POINTER(ProjStored)), ("s_exp_dn", POINTER(ProjStored)),
+)
+
+
 class Model(ctypes.Structure):
-    _fields_ = [("layers", c_int), ("dim", c_int), ("heads", c_int), ("kv_heads", c_int),
-                ("head_dim", c_int), ("ffn", c_int), ("vocab", c_int), ("eps", c_float),
-                ("embed", c_void_p), ("attn_norm", c_void_p), ("mlp_norm", c_void_p),
-                ("final_norm", c_void_p), ("inv_freq", c_void_p), ("qkv", POINTER(ProjQ4)),
-                ("o", POINTER(ProjQ4)), ("gate_up", POINTER(ProjQ4)), ("down", POINTER(ProjQ4)),
-                ("head", ProjQ8), ("stored", c_int), ("s_qkv", POINTER(ProjStored)),
-                ("s_o", POINTER(ProjStored)), ("s_gate_up", POINTER(ProjStored)),
-                ("s_down", POINTER(ProjStored)), ("s_head", POINTER(ProjStored)),
-                ("rot_dim", c_int), ("scale", c_float), ("embed_scale", c_float), ("attn_cap", c_float),
-                ("final_cap", c_float), ("act", c_int), ("q_norm", c_void_p), ("k_norm", c_void_p),
-                ("post_attn_norm", c_void_p), ("post_mlp_norm", c_void_p), ("qkv_bias", c_void_p),
-                ("o_bias", c_void_p), ("gate_up_bias", c_void_p), ("down_bias", c_void_p),
-                ("window", c_void_p), ("slot", c_void_p), ("group", c_void_p),
-                ("experts", c_int), ("top_k", c_int), ("norm_topk", c_int), ("s_router", POINTER(ProjStored)),
-                ("s_exp_gu", POINTER(ProjStored)), ("s_exp_dn", POINTER(ProjStored))]
+    _fields_ = list(MODEL_FIELDS)
 
 
 class Step(ctypes.Structure):
@@ -69,6 +77,32 @@ class Step(ctypes.Structure):
                 ("n_logits", c_int), ("logit_rows", c_void_p), ("pool", c_void_p),
                 ("num_blocks", c_int), ("block_size", c_int), ("kv_type", c_int), ("logits", c_void_p),
                 ("scratch", c_void_p), ("max_ctx", c_int), ("threads", c_int)]
+
+
+# each C struct kernel.py passes, by its name in step.c, and its mirror here
+MIRRORS: dict[str, type[ctypes.Structure]] = {"model_t": Model, "step_t": Step, "proj_q4": ProjQ4,
+                                              "proj_q8": ProjQ8, "part_t": Part, "proj_g": ProjStored}
+
+
+def check_layout(so: ctypes.CDLL, c_name: str, struct: type[ctypes.Structure]) -> None:
+    """Raise ``BackendUnavailable`` unless ``struct`` lays out the fields of step.c's ``c_name``
+    as the compiler did (``tp_field``, ``tp_sizeof``): names, offsets and sizes, so a field
+    added, dropped or moved on one side only is named here, before a step reads the wrong bytes."""
+    c, offset, size = {}, c_size_t(), c_size_t()
+    while (name := so.tp_field(c_name.encode(), len(c), ctypes.byref(offset), ctypes.byref(size))) is not None:
+        c[name.decode()] = (offset.value, size.value)
+    ours = {name: (getattr(struct, name).offset, getattr(struct, name).size) for name, *_ in struct._fields_}
+    where = f"kernel.py's {struct.__name__}"
+    wrong = [f"{c_name}.{name} is at offset {c[name][0]} ({c[name][1]} bytes) in step.c but at {at} ({n} bytes) "
+             f"in {where}" for name, (at, n) in ours.items() if name in c and c[name] != (at, n)]
+    wrong += [f"{c_name}.{name} is in {where} but not in step.c" for name in ours if name not in c]
+    wrong += [f"{c_name}.{name} is in step.c but not in {where}" for name in c if name not in ours]
+    if not wrong and so.tp_sizeof(c_name.encode()) != ctypes.sizeof(struct):
+        wrong.append(f"{c_name} is {so.tp_sizeof(c_name.encode())} bytes in step.c but {ctypes.sizeof(struct)} "
+                     f"in {where}")
+    if wrong:
+        raise BackendUnavailable("the native kernels' structs do not match their declarations in kernel.py: "
+                                 + "; ".join(wrong))
 
 
 def compiler() -> str | None:
@@ -149,6 +183,12 @@ def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     so.check_matmul_stored.argtypes = [POINTER(ProjStored), c_int, c_void_p, c_void_p, c_void_p, c_void_p,
                                        c_void_p, c_int]
     so.check_matmul_stored.restype = None
+    so.tp_sizeof.argtypes = [c_char_p]
+    so.tp_sizeof.restype = c_size_t
+    so.tp_field.argtypes = [c_char_p, c_int, POINTER(c_size_t), POINTER(c_size_t)]
+    so.tp_field.restype = c_char_p
+    for c_name, struct in MIRRORS.items():
+        check_layout(so, c_name, struct)
     return so
 
 

@@ -31,6 +31,15 @@ def float_arrays(torch_model, layers: int) -> dict[str, np.ndarray]:
     return {k: (v + offset if k in NORMS and offset else v) for k, v in out.items()}
 
 
+def shared_fields(arch, a: dict[str, np.ndarray]) -> dict:
+    """The ``Model`` struct's fields both layouts set alike, by name: the shapes, and pointers
+    into the packed float32 arrays ``a``."""
+    return {"layers": arch.num_layers, "dim": arch.hidden_size, "heads": arch.num_heads,
+            "kv_heads": arch.num_kv_heads, "head_dim": arch.head_dim, "ffn": arch.intermediate_size,
+            "vocab": arch.vocab_size, "eps": arch.rms_norm_eps,
+            **{n: a[n].ctypes.data for n in ("embed", "attn_norm", "mlp_norm", "final_norm", "inv_freq")}}
+
+
 def set_arch(model, arch, a: dict[str, np.ndarray]) -> None:
     """The ``Model`` struct's fields for the family's departures from the Llama block, pointing
     into the packed arrays ``a`` (the pool's slots and groups are the backend's, at bind)."""

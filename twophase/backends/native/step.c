@@ -29,6 +29,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -1782,4 +1783,59 @@ double bench_matmul(const proj_q4 *p, int rows, const float *x, float *y, float 
         if (dt < best) best = dt;
     }
     return best;
+}
+
+/* The structs kernel.py passes, as this compiler laid them out: kernel.py declares each once (a
+   table of names and ctypes types) and checks that declaration against these at load, so a field
+   added, dropped or moved on one side only stops the load naming it, not a step reading the
+   wrong bytes. A struct's table ends with its size. */
+typedef struct { const char *name; size_t offset, size; } field_t;
+#define FIELD(T, f) {#f, offsetof(T, f), sizeof(((T *)0)->f)}
+#define END(T) {NULL, sizeof(T), 0}
+#define M(f) FIELD(model_t, f)
+static const field_t model_fields[] = {
+    M(layers), M(dim), M(heads), M(kv_heads), M(head_dim), M(ffn), M(vocab), M(eps), M(embed), M(attn_norm),
+    M(mlp_norm), M(final_norm), M(inv_freq), M(qkv), M(o), M(gate_up), M(down), M(head), M(stored), M(s_qkv),
+    M(s_o), M(s_gate_up), M(s_down), M(s_head), M(rot_dim), M(scale), M(embed_scale), M(attn_cap),
+    M(final_cap), M(act), M(q_norm), M(k_norm), M(post_attn_norm), M(post_mlp_norm), M(qkv_bias), M(o_bias),
+    M(gate_up_bias), M(down_bias), M(window), M(slot), M(group), M(experts), M(top_k), M(norm_topk),
+    M(s_router), M(s_exp_gu), M(s_exp_dn), END(model_t)};
+#define S(f) FIELD(step_t, f)
+static const field_t step_fields[] = {
+    S(rows), S(tokens), S(positions), S(slots), S(tables), S(width), S(seqs), S(seq), S(ctx), S(n_logits),
+    S(logit_rows), S(pool), S(num_blocks), S(block_size), S(kv_type), S(logits), S(scratch), S(max_ctx),
+    S(threads), END(step_t)};
+static const field_t proj_q4_fields[] = {
+    FIELD(proj_q4, n), FIELD(proj_q4, k), FIELD(proj_q4, n_out), FIELD(proj_q4, w), FIELD(proj_q4, out_idx),
+    FIELD(proj_q4, out_w), END(proj_q4)};
+static const field_t proj_q8_fields[] = {FIELD(proj_q8, n), FIELD(proj_q8, k), FIELD(proj_q8, w), END(proj_q8)};
+static const field_t part_fields[] = {FIELD(part_t, type), FIELD(part_t, n), FIELD(part_t, w), END(part_t)};
+static const field_t proj_g_fields[] = {
+    FIELD(proj_g, n), FIELD(proj_g, k), FIELD(proj_g, parts), FIELD(proj_g, part), END(proj_g)};
+static const struct { const char *type; const field_t *fields; } layouts[] = {
+    {"model_t", model_fields}, {"step_t", step_fields}, {"proj_q4", proj_q4_fields},
+    {"proj_q8", proj_q8_fields}, {"part_t", part_fields}, {"proj_g", proj_g_fields}};
+
+static const field_t *fields_of(const char *type) {
+    for (size_t t = 0; t < sizeof(layouts) / sizeof(layouts[0]); t++)
+        if (!strcmp(layouts[t].type, type)) return layouts[t].fields;
+    return NULL;
+}
+
+/* sizeof(type); 0 for a type not above */
+size_t tp_sizeof(const char *type) {
+    const field_t *f = fields_of(type);
+    if (!f) return 0;
+    while (f->name) f++;
+    return f->offset;
+}
+
+/* type's field i in its order: its name, and its offset and size; NULL past the last */
+const char *tp_field(const char *type, int i, size_t *offset, size_t *size) {
+    const field_t *f = fields_of(type);
+    for (int j = 0; f && f->name && j < i; j++) f++;
+    if (!f || !f->name) return NULL;
+    *offset = f->offset;
+    *size = f->size;
+    return f->name;
 }

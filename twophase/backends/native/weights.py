@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from twophase.backends.native.kernel import Model, ProjQ4, ProjQ8
-from twophase.backends.native.packed import float_arrays, loaded, set_arch
+from twophase.backends.native.packed import float_arrays, loaded, set_arch, shared_fields
 from twophase.contract import ModelSpec
 from twophase.models.q4_weights import (
     PROJECTIONS,
@@ -34,6 +34,8 @@ from twophase.models.quant import BLOCK, QWeight
 
 log = logging.getLogger(__name__)
 
+# each projection's field in ``Model`` (``s_`` before it: the stored layout's)
+PROJ_FIELDS = {"attn.qkv": "qkv", "attn.o": "o", "mlp.gate_up": "gate_up", "mlp.down": "down"}
 Q4_1 = np.dtype([("d", "<f2"), ("m", "<f2"), ("qs", "u1", 16)])
 Q8_0 = np.dtype([("d", "<f2"), ("qs", "i1", 32)])
 
@@ -164,18 +166,16 @@ class NativeWeights:
         for name in PROJECTIONS:
             rows = a[f"{name}.rows"]
             n, nb, n_out = rows.shape[1], rows.shape[2] // 21, a[f"{name}.idx"].shape[1]
-            arr = (ProjQ4 * L)(*(ProjQ4(n, nb * BLOCK, n_out, ptr(f"{name}.rows", i), ptr(f"{name}.idx", i),
-                                        ptr(f"{name}.cols", i)) for i in range(L)))
+            arr = (ProjQ4 * L)(*(ProjQ4(n=n, k=nb * BLOCK, n_out=n_out, w=ptr(f"{name}.rows", i),
+                                        out_idx=ptr(f"{name}.idx", i), out_w=ptr(f"{name}.cols", i))
+                                 for i in range(L)))
             tables[name] = arr
         head = a["head"]
         if head.shape[0] != arch.vocab_size or a["embed"].shape != (arch.vocab_size, arch.hidden_size) \
                 or head.shape[1] * BLOCK != 34 * arch.hidden_size:
             raise ValueError(f"packed weights in {folder} do not match the model's shapes")
-        model = Model(L, arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
-                      arch.intermediate_size, arch.vocab_size, arch.rms_norm_eps,
-                      ptr("embed"), ptr("attn_norm"), ptr("mlp_norm"), ptr("final_norm"), ptr("inv_freq"),
-                      *(ctypes.cast(tables[n], ctypes.POINTER(ProjQ4)) for n in PROJECTIONS),
-                      ProjQ8(head.shape[0], arch.hidden_size, ptr("head")))
+        model = Model(**shared_fields(arch, a), head=ProjQ8(n=head.shape[0], k=arch.hidden_size, w=ptr("head")),
+                      **{PROJ_FIELDS[n]: ctypes.cast(tables[n], ctypes.POINTER(ProjQ4)) for n in PROJECTIONS})
         set_arch(model, arch, a)
         return cls(model, a, list(tables.values()))
 
@@ -207,8 +207,8 @@ class NativeWeights:
                     raise ValueError(f"packed weights in {folder}: {key}'s rows of {rows.shape[1]} bytes "
                                      f"are not {k} {t} values")
                 n = rows.shape[0] // experts
-                parts.append(Part(fmt.ggml_type, n, rows[e * n:(e + 1) * n].ctypes.data))
-            return ProjStored(sum(p.n for p in parts), k, len(parts), (Part * 3)(*parts))
+                parts.append(Part(type=fmt.ggml_type, n=n, w=rows[e * n:(e + 1) * n].ctypes.data))
+            return ProjStored(n=sum(p.n for p in parts), k=k, parts=len(parts), part=(Part * 3)(*parts))
 
         D, F, E = arch.hidden_size, arch.intermediate_size, arch.layers[0].mlp.num_experts
         widths = {"attn.qkv": D, "attn.o": arch.num_heads * arch.head_dim, "mlp.gate_up": D, "mlp.down": F}
@@ -225,15 +225,9 @@ class NativeWeights:
         head = proj("lm_head", D)
         if head.n != arch.vocab_size or a["embed"].shape != (arch.vocab_size, D):
             raise ValueError(f"packed weights in {folder} do not match the model's shapes")
-
-        def ptr(name: str) -> int:
-            return a[name].ctypes.data
-
-        model = Model(L, D, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.intermediate_size,
-                      arch.vocab_size, arch.rms_norm_eps, ptr("embed"), ptr("attn_norm"), ptr("mlp_norm"),
-                      ptr("final_norm"), ptr("inv_freq"), None, None, None, None, ProjQ8(0, 0, None), 1,
-                      *(ctypes.cast(tables[n], ctypes.POINTER(ProjStored)) for n in PROJECTIONS),
-                      ctypes.pointer(head))
+        model = Model(**shared_fields(arch, a), stored=1, s_head=ctypes.pointer(head),      # the q4 fields NULL
+                      **{f"s_{PROJ_FIELDS[n]}": ctypes.cast(tables[n], ctypes.POINTER(ProjStored))
+                         for n in PROJECTIONS})
         set_arch(model, arch, a)
         if E:
             mlp = arch.layers[0].mlp
