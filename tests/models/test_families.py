@@ -97,8 +97,8 @@ def test_graph_backends_trace_each_family_they_claim(hf_model, backend, monkeypa
     refused before any export."""
     from helpers import fake_tensorrt
 
+    from twophase.backends.traced import TRACED_FEATURES
     from twophase.errors import BackendUnavailable
-    from twophase.models.graph_attention import TRACED_FEATURES
 
     _, _, llm = hf_model
     if backend == "tensorrt":

@@ -19,12 +19,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from twophase.arch import FEATURES
-
-# what a graph traced from the decoder computes: everything but routing to experts, which is not
-# a static graph
-TRACED_FEATURES = frozenset(FEATURES) - {"moe"}
-
 
 @dataclass
 class GraphMeta:
