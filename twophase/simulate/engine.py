@@ -101,7 +101,7 @@ class SimulatedLLM(LLM):
             b.bind_kv_cache(self.kv_cache)
         self.engine = self._build_engine(clock=self.clock, sleep=self.clock.sleep)
         if config.speculative.method != "none":       # drafts at the workload's acceptance rate
-            self.engine.scheduler.proposer = AcceptingProposer(self.prefill_backend.token, acceptance)
+            self.engine.set_proposer(AcceptingProposer(self.prefill_backend.token, acceptance))
         self.load_time_s = time.perf_counter() - t0
         self.load_breakdown_s = {"simulated load": self.load_time_s}
         self.memory = self._planned_memory()
