@@ -77,7 +77,7 @@ def run(engine, requests: list[TimedRequest], clock: Callable[[], float] | None 
     start = clock()
     pending = list(requests)
     submitted = []
-    steps = []
+    steps_before = engine.stats().num_steps
     while pending or engine.has_unfinished():
         now = clock()
         while pending and start + pending[0].offset_s <= now:
@@ -86,12 +86,11 @@ def run(engine, requests: list[TimedRequest], clock: Callable[[], float] | None 
                 r.prompt, SamplingParams(max_tokens=r.max_tokens, ignore_eos=True),
                 arrival=start + r.offset_s))
         if engine.has_unfinished():
-            record = engine.step_with_record().record
-            if record is not None:
-                steps.append(record)
+            engine.step()
         elif pending:
             sleep(start + pending[0].offset_s - now)
     end = clock()
+    steps = engine.step_records()[steps_before:]
     return summary(submitted, end - start, steps)
 
 
