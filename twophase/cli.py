@@ -157,7 +157,7 @@ def _run_and_report(args, cfg, llm) -> int:
     if args.json:
         data = {"config": str(Path(args.config).resolve()) if args.config else None, "report": report,
                 "outputs": [{k: v for k, v in o.__dict__.items() if k != "times"} for o in outputs],
-                "steps": step_dicts(list(llm.engine.steps.records))}
+                "steps": step_dicts(llm.engine.step_records())}
         Path(args.json).write_text(json.dumps(data, indent=2, default=str))
         log.info("wrote %s", args.json)
     return 0

@@ -165,9 +165,9 @@ class LLM:
         """The phase report over every step since the last ``reset_stats``, with latencies of
         ``outputs``."""
         served = [o for o in outputs if o.times is not None]
-        rep = phase_report(list(self.engine.steps.records), [o.times for o in served],
+        rep = phase_report(self.engine.step_records(), [o.times for o in served],
                            sum(len(o.token_ids) for o in served))
-        rep["prefix_cache_hit_rate"] = self.engine.kv.hit_rate
+        rep["prefix_cache_hit_rate"] = self.engine.stats().prefix_hit_rate
         rep["kv_blocks_total"] = self.num_blocks
         rep["memory"] = self.memory
         rep["load_time_s"] = self.load_time_s
@@ -207,5 +207,4 @@ class LLM:
         self.close()
 
     def reset_stats(self) -> None:
-        self.engine.steps.clear()
-        self.engine.kv.queries = self.engine.kv.hits = 0
+        self.engine.reset_stats()

@@ -40,7 +40,7 @@ def prefill_round(llm, n: int, depth: int, salt: int) -> float:
     out = llm.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))[0]
     if out.finish_reason == "rejected":
         raise RuntimeError(f"prefill sweep: the {n}-token prompt was rejected: {out.error}")
-    step = llm.engine.steps.records[0]
+    step = llm.engine.step_records()[0]
     if step.mix != "prefill" or step.prefill_tokens != n:
         raise RuntimeError(f"prefill sweep: expected one step of {n} new tokens, got "
                            f"{step.prefill_tokens} ({step.mix}); is the token budget below {n}?")
@@ -55,10 +55,10 @@ def decode_round(llm, batch: int, context: int, steps: int, salt: int) -> float:
     prompts = decode_prompts(batch, context, vocab)
     llm.reset_stats()
     llm.generate(prompts, SamplingParams(max_tokens=steps + 1, ignore_eos=True))
-    times = [s.duration for s in llm.engine.steps.records
-             if s.mix == "decode" and s.decode_seqs == batch]
+    steps = llm.engine.step_records()
+    times = [s.duration for s in steps if s.mix == "decode" and s.decode_seqs == batch]
     if not times:
-        most = max((s.decode_seqs for s in llm.engine.steps.records), default=0)
+        most = max((s.decode_seqs for s in steps), default=0)
         raise ConfigError("cache.num_blocks", (
             f"the decode sweep at batch {batch}, context {context}, never ran all {batch} sequences "
             f"together (at most {most}): the KV pool ({llm.num_blocks} blocks of "

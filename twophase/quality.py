@@ -2,7 +2,8 @@
 both computed by the engine's own prefill backend (so a quantised graph is measured as it runs).
 
 The text is fed in chunks through ``prefill`` with logits at every position, over KV blocks the
-engine's KV manager lends for the duration and takes back (never published to the prefix cache).
+engine lends for the duration and takes back (``Engine.prefill_logits``: never published to the
+prefix cache).
 """
 
 from __future__ import annotations
@@ -12,10 +13,7 @@ from importlib.resources import files
 
 import torch
 
-from twophase.core.batch import prefill_batch
 from twophase.core.params import SamplingParams
-from twophase.core.request import Request
-from twophase.errors import TwophaseError
 
 
 def shipped_text() -> str:
@@ -25,22 +23,7 @@ def shipped_text() -> str:
 
 def all_logits(llm, ids: list[int], chunk: int | None = None):
     """Yield ``(start, logits [n, vocab])`` for consecutive chunks of ``ids``."""
-    eng = llm.engine
-    if eng.has_unfinished():
-        raise TwophaseError("the engine is busy: measure quality between runs")
-    req = Request("quality", ids, SamplingParams(max_tokens=1), eng.clock())
-    if not eng.kv.allocate(req, len(ids)):
-        raise TwophaseError(f"{len(ids)} tokens need {eng.kv.blocks_for(len(ids))} KV blocks; "
-                            f"the pool has {eng.kv.num_free_blocks} free")
-    chunk = chunk or eng.scheduler.budget
-    try:
-        for start in range(0, len(ids), chunk):
-            n = min(chunk, len(ids) - start)
-            batch = prefill_batch([(req, start, n)], eng.kv)
-            batch.logits = "all"
-            yield start, llm.prefill_backend.prefill(batch).float().cpu()
-    finally:
-        eng.kv.free(req)
+    return llm.engine.prefill_logits(ids, chunk)
 
 
 def perplexity(llm, text: str | list[int]) -> float:
@@ -61,7 +44,7 @@ def compare(llm, reference, text: str | list[int]) -> tuple[float, float, float]
     the forward passes."""
     ids = reference.tokenizer.encode(text) if isinstance(text, str) else list(text)
     nll, ref_nll, total, count = 0.0, 0.0, 0.0, 0
-    chunk = reference.engine.scheduler.budget
+    chunk = reference.engine.limits.max_num_batched_tokens
     for (start, want), (_, got) in zip(all_logits(reference, ids, chunk), all_logits(llm, ids, chunk)):
         ref_lp, lp = torch.log_softmax(want, dim=-1), torch.log_softmax(got, dim=-1)
         total += float((ref_lp.exp() * (ref_lp - lp)).sum())
@@ -81,7 +64,7 @@ def kl_divergence(llm, reference, text: str | list[int]) -> float:
     tokens: llama.cpp's on the default model's GGUF is +0.15% or +0.59% by its attention kernel)."""
     ids = reference.tokenizer.encode(text) if isinstance(text, str) else list(text)
     total, count = 0.0, 0
-    chunk = reference.engine.scheduler.budget           # the same chunks from both
+    chunk = reference.engine.limits.max_num_batched_tokens      # the same chunks from both
     for (_, want), (_, got) in zip(all_logits(reference, ids, chunk), all_logits(llm, ids, chunk)):
         ref_lp, lp = torch.log_softmax(want, dim=-1), torch.log_softmax(got, dim=-1)
         total += float((ref_lp.exp() * (ref_lp - lp)).sum())

@@ -77,7 +77,7 @@ def run(engine, requests: list[TimedRequest], clock: Callable[[], float] | None 
     start = clock()
     pending = list(requests)
     submitted = []
-    steps_before = len(engine.steps.records)
+    steps_before = engine.stats().num_steps
     while pending or engine.has_unfinished():
         now = clock()
         while pending and start + pending[0].offset_s <= now:
@@ -90,7 +90,7 @@ def run(engine, requests: list[TimedRequest], clock: Callable[[], float] | None 
         elif pending:
             sleep(start + pending[0].offset_s - now)
     end = clock()
-    steps = list(engine.steps.records)[steps_before:]
+    steps = engine.step_records()[steps_before:]
     return summary(submitted, end - start, steps)
 
 

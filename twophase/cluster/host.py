@@ -73,10 +73,10 @@ class EngineHost:
         engine.connector.engine_id = name
         engine.connector.transport = transport
         m = self.metrics = ServerMetrics()
-        m.kv_total.set(engine.kv.pool.num_blocks)
+        m.kv_total.set(engine.stats().total_blocks)
         m.loaded(self.llm.memory)
         self.loop = EngineLoop(self.llm, config.server.max_queue, on_step=m.step, on_finish=m.finished,
-                               on_change=lambda: m.refresh(engine.scheduler, engine.kv))
+                               on_change=lambda: m.refresh(engine.stats()))
         self.read_delay_s = 0.0
         self._leases: dict[str, str] = {}                   # caller's id -> lease, until released
         self._handles: dict[str, tuple[Handle, asyncio.AbstractEventLoop]] = {}   # by caller's id
@@ -146,7 +146,7 @@ class EngineHost:
     def kv_state(self) -> dict[str, int]:
         """Blocks held by requests and by leases (tests check both return to zero)."""
         e = self.llm.engine
-        return {"used_blocks": e.kv.num_used_blocks, "leased_blocks": e.connector.num_leased_blocks,
+        return {"used_blocks": e.stats().used_blocks, "leased_blocks": e.connector.num_leased_blocks,
                 "in_flight": self.loop.in_flight}
 
     def kv_transfers(self) -> list[tuple[int, int, float]]:

@@ -13,14 +13,16 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import math
 import time
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from twophase.contract import Backend
+from twophase.contract import Backend, DecodeBatch, EngineLimits, PrefillBatch
 from twophase.core import batch
+from twophase.core.engine_values import EngineStats, PreparedPrompt, StepResult
 from twophase.core.executor import Executor
 from twophase.core.kv_manager import KVManager
 from twophase.core.kv_transfer import KVConnector, KVTransferParams
@@ -31,7 +33,8 @@ from twophase.core.params import SamplingParams
 from twophase.core.request import Request
 from twophase.core.sampler import sample_step
 from twophase.core.scheduler import Scheduler, SchedulerOutput
-from twophase.errors import InvalidSamplingParam, RequestRejected, StepFailed
+from twophase.core.seams import Proposer
+from twophase.errors import InvalidSamplingParam, RequestRejected, StepFailed, TwophaseError
 from twophase.structured import masks as structured_masks
 from twophase.structured.constraint import Constraint, Grammars, rejected
 
@@ -74,6 +77,12 @@ class Engine:
     def max_model_len(self) -> int:
         return self.scheduler.max_model_len
 
+    @property
+    def limits(self) -> EngineLimits:
+        """The most sequences and tokens one step takes, and the longest sequence."""
+        s = self.scheduler
+        return EngineLimits(s.max_num_seqs, s.budget, s.max_model_len)
+
     @functools.cached_property
     def grammars(self) -> Grammars:
         """Structured outputs' compiler for this model (its tokenizer and vocabulary)."""
@@ -84,13 +93,37 @@ class Engine:
     def connector(self) -> KVConnector | None:
         return self.scheduler.connector
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+    def prepare(self, prompt: str | Sequence[int], params: SamplingParams) -> PreparedPrompt:
+        """The prompt tokenised and checked against every limit ``params`` must meet: the one
+        place a prompt is checked (``RequestRejected`` naming the limit). Reads constants only,
+        so a server tokenises and refuses a huge prompt off the engine's thread, before it
+        queues, and hands the result to ``add_request``."""
+        text = prompt if isinstance(prompt, str) else None
+        if text is not None:
+            tok = self.tokenizer
+            if tok is None:
+                raise RequestRejected("this model has no tokenizer: give prompts as token ids")
+            fewest = math.ceil(len(text) / tok.max_token_chars)
+            if fewest > self.max_model_len - params.max_tokens:     # no need to tokenise it to know
+                raise RequestRejected(
+                    f"the prompt ({len(text)} characters, so at least {fewest} tokens) + "
+                    f"max_tokens ({params.max_tokens}) exceeds the model's context of "
+                    f"{self.max_model_len} tokens (model.max_model_len)")
+            ids = tok.encode(check_text(text))
+        else:
+            ids = [int(t) for t in prompt]
+        self.scheduler.admission.check(ids, params)
+        return PreparedPrompt(tuple(ids), params, text)
+
+    def add_request(self, prompt: str | Sequence[int] | PreparedPrompt,
+                    params: SamplingParams | None = None,
                     request_id: str | None = None, arrival: float | None = None,
                     kv_transfer: KVTransferParams | None = None,
                     first_token_ids: Sequence[int] = (),
                     constraint: Constraint | None = None) -> Request:
         """Queue a request; raises ``RequestRejected`` if it could never be served. The returned
-        request is the engine's own: read it on the engine's thread only.
+        request is the engine's own: read it on the engine's thread only. A prompt from
+        ``prepare`` is not checked again (``params``: None, or the ones it was prepared for).
 
         Disaggregated serving: ``kv_transfer`` with ``do_remote_decode`` keeps the prompt's
         blocks for a peer when the request finishes (its output carries ``kv_transfer_params``);
@@ -100,6 +133,11 @@ class Engine:
 
         A request with ``params.structured`` gets its grammar state here (``constraint``: one
         compiled already, off this thread, by ``grammars.constraint``)."""
+        if isinstance(prompt, PreparedPrompt):
+            if params is not None and params != prompt.params:
+                raise ValueError("the prompt was prepared for other SamplingParams: prepare it "
+                                 "again with these, or pass params=None")
+            params = prompt.params
         params = params or SamplingParams()
         if kv_transfer is not None:
             if self.connector is None:
@@ -108,17 +146,10 @@ class Engine:
         if len(first_token_ids) >= params.max_tokens:
             raise RequestRejected(f"{len(first_token_ids)} tokens already sampled leave none of "
                                   f"max_tokens ({params.max_tokens})")
-        if request_id is None:
-            request_id = next(i for i in map(str, self._ids) if i not in self.requests)
-        if request_id in self.requests:
-            raise RequestRejected(f"request id {request_id!r} is already in use")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestRejected("this model has no tokenizer: give prompts as token ids")
-            ids = self.tokenizer.encode(check_text(prompt))
-        else:
-            ids = [int(t) for t in prompt]
-        text = prompt if isinstance(prompt, str) else None
+        request_id = self._new_id(request_id)
+        if not isinstance(prompt, PreparedPrompt):
+            prompt = self.prepare(prompt, params)
+        ids, text = list(prompt.token_ids), prompt.text
         if params.structured is not None and constraint is None:
             constraint = self.compile(params)
         req = Request(request_id, ids, params, self.clock() if arrival is None else arrival, text)
@@ -136,6 +167,14 @@ class Engine:
         self.output.add(request_id, text, ids, params, first_token_ids,
                         hands_off=kv_transfer is not None and kv_transfer.do_remote_decode)
         return req
+
+    def _new_id(self, request_id: str | None) -> str:
+        """``request_id``, or a free one where it is None; ``RequestRejected`` if it is in use."""
+        if request_id is None:
+            request_id = next(i for i in map(str, self._ids) if i not in self.requests)
+        if request_id in self.requests:
+            raise RequestRejected(f"request id {request_id!r} is already in use")
+        return request_id
 
     def compile(self, params: SamplingParams) -> Constraint:
         """A fresh grammar state for ``params.structured`` (``RequestRejected`` naming what is
@@ -163,6 +202,11 @@ class Engine:
             self.connector.expire()
 
     def step(self) -> list[Delta]:
+        return self.step_with_record().deltas
+
+    def step_with_record(self) -> StepResult:
+        """One step: its deltas, and the record of what it computed (for a caller's metrics
+        of this very step, which the step log's newest entry need not be)."""
         start = self.clock()
         out = self.scheduler.schedule(now=start)
         ended = [self._fail(r.request_id, why) for r, why in out.failed]
@@ -171,7 +215,7 @@ class Engine:
         if out.empty:
             if self.connector is not None and self.connector.pulling:
                 self.connector.wait(0.002)
-            return ended
+            return StepResult(ended, None)
         # requests that computed a step before this one: if they fail too, the engine (not a
         # newcomer's prompt) is what breaks
         veterans = any(r.num_computed_tokens > 0 for r, _ in out.scheduled)
@@ -193,13 +237,14 @@ class Engine:
                 self.output.finish(request_id, "error", self._retire(request_id, "error"))
             failed += [d.request_id for d in ended]        # already ended: their sinks wait too
             raise StepFailed(f"the step failed: {exc}", failed, veterans) from exc
-        self.steps.add(self._record(out, start, now))
+        record = self._record(out, start, now)
+        self.steps.add(record)
         control = self.scheduler.spec_control
         if control is not None:
             control.learn(out.num_draft_tokens, sum(out.accepted.values()))
             if out.decodes and not out.prefills:
                 control.observe(len(out.decodes), out.num_draft_tokens, now - start)
-        return deltas
+        return StepResult(deltas, record)
 
     def _fail(self, request_id: str, why: str) -> Delta:
         """End a request the engine could not serve (its K/V never came): an error delta."""
@@ -232,6 +277,73 @@ class Engine:
                           draft_tokens=out.num_draft_tokens,
                           drafted_seqs=len(out.drafts), accepted_tokens=sum(out.accepted.values()),
                           propose_s=out.propose_s, drafted_at=tuple(drafted_at), kept_at=tuple(kept_at))
+
+    # -- what callers outside the engine read -----------------------------------------------
+    def stats(self) -> EngineStats:
+        """The pool, the prefix cache and the queues now (cheap: a server reads it each step)."""
+        kv, s = self.kv, self.scheduler
+        return EngineStats(total_blocks=kv.pool.num_blocks, free_blocks=kv.num_free_blocks,
+                           used_blocks=kv.num_used_blocks, prefix_queries=kv.queries,
+                           prefix_hits=kv.hits, running=len(s.running), waiting=len(s.waiting),
+                           num_steps=len(self.steps.records))
+
+    def step_records(self) -> list[StepRecord]:
+        """A copy of the step log since the last ``reset_stats`` (the newest 200,000 steps)."""
+        return list(self.steps.records)
+
+    def reset_stats(self) -> None:
+        """Forget the step log and the prefix cache's counts: a report starts from here."""
+        self.steps.clear()
+        self.kv.queries = self.kv.hits = 0
+
+    def set_proposer(self, proposer: Proposer) -> None:
+        """Draft with ``proposer`` from the next step on, as many drafts a decode as before (the
+        simulator drafts at a workload's acceptance rate in place of a draft model)."""
+        self.scheduler.proposer = proposer
+
+    # -- a backend's raw calls, outside any step -----------------------------------------------
+    def prefill_logits(self, token_ids: Sequence[int],
+                       chunk: int | None = None) -> Iterator[tuple[int, torch.Tensor]]:
+        """``(start, logits [n, vocab])`` for consecutive chunks of ``token_ids`` (``chunk``
+        tokens each, else the token budget), from the prefill backend with logits at every
+        position: what perplexity and agreement measure, as the model runs when serving. The
+        K/V goes to blocks lent for the duration and taken back after (never published to the
+        prefix cache), so the engine must be idle."""
+        if self.has_unfinished():
+            raise TwophaseError("the engine is busy: measure quality between runs")
+        ids = [int(t) for t in token_ids]
+        req = Request("prefill-logits", ids, SamplingParams(max_tokens=1), self.clock())
+        if not self.kv.allocate(req, len(ids)):
+            raise TwophaseError(f"{len(ids)} tokens need {self.kv.blocks_for(len(ids))} KV blocks; "
+                                f"the pool has {self.kv.num_free_blocks} free")
+        chunk = chunk or self.scheduler.budget
+        try:
+            for start in range(0, len(ids), chunk):
+                n = min(chunk, len(ids) - start)
+                b = batch.prefill_batch([(req, start, n)], self.kv)
+                b.logits = "all"
+                yield start, self.executor.prefill_backend.prefill(b).float().cpu()
+        finally:
+            self.kv.free(req)
+
+    def schedule_batch(self, phase: Literal["prefill", "decode", "mixed"]
+                       ) -> tuple[SchedulerOutput, PrefillBatch | DecodeBatch]:
+        """Schedule the next step and build one backend call of it, without running it: its
+        prefill chunks (``PrefillBatch``), its decodes (``DecodeBatch``), or both in one
+        ``PrefillBatch``, the decodes as one-token chunks first ("mixed"). The conformance kit
+        feeds it to the backend under test and to the reference. The step is never applied, so
+        step this engine no more."""
+        out = self.scheduler.schedule()
+        if phase == "decode":
+            if not out.decodes:
+                raise TwophaseError("no decode was scheduled: step the requests past their prompts first")
+            return out, batch.decode_batch(out.decodes, self.kv)
+        items = [(r, r.num_computed_tokens, n) for r, n in out.prefills]
+        if phase == "mixed":
+            items = [(r, r.num_computed_tokens, 1) for r in out.decodes] + items
+        if not items:
+            raise TwophaseError("no prefill was scheduled: add a request first")
+        return out, batch.prefill_batch(items, self.kv)
 
     def close(self) -> None:
         """Release the backends' resources."""

@@ -89,8 +89,8 @@ class Scheduler:
         self._left = max_num_batched_tokens
 
     def add(self, req: Request) -> None:
-        """Queue ``req``; raises ``RequestRejected`` if it could never be served."""
-        self.admission.check(req.prompt_token_ids, req.params)
+        """Queue ``req``, which ``Engine.prepare`` has checked could ever be served (through
+        ``admission.check``: one check a prompt, wherever it was tokenised)."""
         self.waiting.append(req)
 
     def has_work(self) -> bool:

@@ -33,11 +33,11 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_queue: int 
     if the engine stops for good; ``twophase serve`` then shuts the server down and exits
     non-zero."""
     metrics = ServerMetrics()
-    metrics.kv_total.set(llm.engine.kv.pool.num_blocks)
-    metrics.loaded(llm.memory)
     engine = llm.engine
+    metrics.kv_total.set(engine.stats().total_blocks)
+    metrics.loaded(llm.memory)
     loop = EngineLoop(llm, max_queue, on_step=metrics.step, on_finish=metrics.finished,
-                      on_change=lambda: metrics.refresh(engine.scheduler, engine.kv),
+                      on_change=lambda: metrics.refresh(engine.stats()),
                       on_fatal=on_fatal)
     return build_app(loop, llm.tokenizer, metrics, model_name, api_key, default_max_tokens,
                      max_body_bytes)

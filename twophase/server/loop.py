@@ -20,18 +20,18 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
-import math
 import queue
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from twophase.core.engine import check_text
+from twophase.core.engine_values import PreparedPrompt
 from twophase.core.kv_transfer import KVTransferParams
 from twophase.core.outputs import RequestOutput
 from twophase.core.params import SamplingParams
 from twophase.errors import RequestRejected, StepFailed, TwophaseError
+from twophase.server.commands import Abort, Call, Command, FailAll, Submit, Wake
 
 log = logging.getLogger(__name__)
 
@@ -106,14 +106,17 @@ class Loop(Protocol):
     @property
     def alive(self) -> bool: ...
 
-    async def prepare(self, prompt: str | list[int], params: SamplingParams) -> list[int]: ...
+    async def prepare(self, prompt: str | list[int], params: SamplingParams) -> PreparedPrompt | list[int]:
+        """What ``submit`` takes: the prompt's token ids, checked as far as this side can."""
+        ...
 
     async def constrain(self, params: SamplingParams) -> Any:
         """A structured-output request's grammar state, compiled off the engine's thread (or
         None where the engine compiles it itself); ``RequestRejected`` naming a bad grammar."""
         ...
 
-    def submit(self, prompt: str | list[int], params: SamplingParams, constraint: Any = None) -> Handle: ...
+    def submit(self, prompt: PreparedPrompt | list[int], params: SamplingParams,
+               constraint: Any = None) -> Handle: ...
 
     def fail_all(self, message: str) -> None: ...
 
@@ -138,8 +141,7 @@ class EngineLoop:
         self.fatal: BaseException | None = None
         self._closed = False                     # no more submissions (under _lock)
         self._failed_steps = 0
-        self._last_record: Any = None
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._sinks: dict[str, Callable[[Any], None]] = {}
         self._in_flight = 0                      # admitted and not finished (any thread reads)
         self._lock = threading.Lock()
@@ -162,35 +164,18 @@ class EngineLoop:
         with self._lock:
             self._closed = True
         self._stop.set()
-        self._commands.put(("wake",))
+        self._commands.put(Wake())
         self._thread.join(timeout=timeout)
         self._refuse_queued("the server is shutting down")
         return not self._thread.is_alive()
 
     # -- the handlers' side (asyncio) -------------------------------------------------------
-    async def prepare(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
-        """The prompt's token ids, checked against every limit the request must meet, in a
-        worker thread: a huge prompt is tokenised (or refused) off the engine's thread, and
-        one that could never run is refused before it queues (``RequestRejected``)."""
-        return await asyncio.to_thread(self._prepare, prompt, params)
-
-    def _prepare(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
-        limit = self.engine.max_model_len - params.max_tokens
-        if isinstance(prompt, str):
-            tok = self.engine.tokenizer
-            if tok is None:
-                raise RequestRejected("this model has no tokenizer: give the prompt as token ids")
-            fewest = math.ceil(len(prompt) / tok.max_token_chars)
-            if fewest > limit:             # no need to tokenise it to know
-                raise RequestRejected(
-                    f"the prompt ({len(prompt)} characters, so at least {fewest} tokens) + "
-                    f"max_tokens ({params.max_tokens}) exceeds the model's context of "
-                    f"{self.engine.max_model_len} tokens (model.max_model_len)")
-            ids = tok.encode(check_text(prompt))
-        else:
-            ids = list(prompt)
-        self.engine.scheduler.admission.check(ids, params)       # reads constants only
-        return ids
+    async def prepare(self, prompt: str | list[int], params: SamplingParams) -> PreparedPrompt:
+        """The prompt tokenised and checked against every limit the request must meet
+        (``Engine.prepare``), in a worker thread: a huge prompt is tokenised (or refused) off
+        the engine's thread, and one that could never run is refused before it queues
+        (``RequestRejected``). The engine does not check it again."""
+        return await asyncio.to_thread(self.engine.prepare, prompt, params)
 
     async def constrain(self, params: SamplingParams) -> Any:
         """Compiled in a thread of its own: a slow grammar waits behind other grammars, never
@@ -199,11 +184,12 @@ class EngineLoop:
             return None
         return await asyncio.get_running_loop().run_in_executor(GRAMMAR_THREAD, self.engine.compile, params)
 
-    def submit(self, prompt: str | list[int], params: SamplingParams, constraint: Any = None,
+    def submit(self, prompt: PreparedPrompt | list[int], params: SamplingParams, constraint: Any = None,
                kv_transfer: KVTransferParams | None = None, first_token_ids: Sequence[int] = ()) -> Handle:
         """Queue a request; its deltas, then a ``Finished``, arrive through the handle. Raises
         ``Overloaded`` past the queue limit, ``EngineError`` once the engine has stopped; a
-        prompt that can never be served arrives as a ``RequestRejected`` from the handle."""
+        prompt that can never be served arrives as a ``RequestRejected`` from the handle (token
+        ids are checked on the engine's thread; a prompt from ``prepare`` was checked there)."""
         loop = asyncio.get_running_loop()
         with self._lock:
             if self._closed or not self.alive:
@@ -214,7 +200,7 @@ class EngineLoop:
                                  f"{self.max_queue}); retry later")
             self._in_flight += 1
         request_id = f"req-{next(self._ids)}"
-        handle = Handle(request_id, lambda: self._commands.put(("abort", request_id)))
+        handle = Handle(request_id, lambda: self._commands.put(Abort(request_id)))
 
         def sink(item: Any) -> None:
             try:
@@ -222,17 +208,17 @@ class EngineLoop:
             except RuntimeError:            # the client's event loop is gone
                 pass
 
-        self._commands.put(("add", handle.request_id, prompt, params, sink, kv_transfer,
-                            tuple(first_token_ids), constraint))
+        self._commands.put(Submit(handle.request_id, prompt, params, sink, kv_transfer,
+                                  tuple(first_token_ids), constraint))
         return handle
 
     def call(self, fn: Callable[[], Any]) -> None:
         """Run ``fn`` on the engine's thread between steps (what must not race a step)."""
-        self._commands.put(("call", fn))
+        self._commands.put(Call(fn))
 
     def fail_all(self, message: str) -> None:
         """End every open request with an error (shutdown past its deadline)."""
-        self._commands.put(("fail_all", message))
+        self._commands.put(FailAll(message))
 
     # -- the engine's side (this thread) ---------------------------------------------------
     def _run(self) -> None:
@@ -264,37 +250,39 @@ class EngineLoop:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if cmd[0] == "add":
+            if isinstance(cmd, Submit):
                 self._release_slot()
-                cmd[4](EngineStopped(message))
+                cmd.sink(EngineStopped(message))
 
-    def _handle(self, cmd: tuple) -> None:
-        if cmd[0] == "add":
-            _, request_id, prompt, params, sink, kv_transfer, first, constraint = cmd
-            try:
-                self.engine.add_request(prompt, params, request_id=request_id,
-                                        kv_transfer=kv_transfer, first_token_ids=first,
-                                        constraint=constraint)
-            except RequestRejected as exc:
-                self._release_slot()
-                sink(exc)
-                return
-            except Exception as exc:        # the engine's fault, not the request's
-                log.exception("adding request %s failed", request_id)
-                self._release_slot()
-                sink(EngineError(f"the engine could not take the request: {exc}"))
-                return
-            self._sinks[request_id] = sink
-        elif cmd[0] == "abort":
-            self._end(cmd[1])
-        elif cmd[0] == "fail_all":
-            self._fail_open(cmd[1])
-        elif cmd[0] == "call":
-            self._safely(cmd[1])
+    def _handle(self, cmd: Command) -> None:
+        if isinstance(cmd, Submit):
+            self._add(cmd)
+        elif isinstance(cmd, Abort):
+            self._end(cmd.request_id)
+        elif isinstance(cmd, FailAll):
+            self._fail_open(cmd.message)
+        elif isinstance(cmd, Call):
+            self._safely(cmd.fn)
+
+    def _add(self, cmd: Submit) -> None:
+        try:
+            self.engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id,
+                                    kv_transfer=cmd.kv_transfer, first_token_ids=cmd.first_token_ids,
+                                    constraint=cmd.constraint)
+        except RequestRejected as exc:
+            self._release_slot()
+            cmd.sink(exc)
+            return
+        except Exception as exc:        # the engine's fault, not the request's
+            log.exception("adding request %s failed", cmd.request_id)
+            self._release_slot()
+            cmd.sink(EngineError(f"the engine could not take the request: {exc}"))
+            return
+        self._sinks[cmd.request_id] = cmd.sink
 
     def _step(self) -> None:
         try:
-            deltas = self.engine.step()
+            result = self.engine.step_with_record()
         except StepFailed as exc:        # the engine has ended the step's requests ("error")
             log.exception("engine step failed")
             for request_id in exc.request_ids:
@@ -307,15 +295,12 @@ class EngineLoop:
             self._fail_open(f"the engine failed: {exc}")
             self._count_failure(exc)
             return
-        last = self.engine.steps.records[-1] if self.engine.steps.records else None
-        if last is self._last_record:            # an empty step (K/V still on the way)
-            last = None
-        self._last_record = last or self._last_record
+        last = result.record                     # None: an empty step (K/V still on the way)
         if last is not None and last.decode_seqs:    # running requests advanced: not broken
             self._failed_steps = 0
         if self.on_step is not None and last is not None:
             self._safely(self.on_step, last)
-        for d in deltas:
+        for d in result.deltas:
             sink = self._sinks.get(d.request_id)
             if sink is None:
                 continue

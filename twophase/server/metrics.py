@@ -80,12 +80,13 @@ class ServerMetrics:
         if rec.decode_seqs:
             self.decode_batch.observe(rec.decode_seqs)
 
-    def refresh(self, scheduler, kv) -> None:
-        """The gauges, after every step and every batch of commands (aborts included)."""
-        self.running.set(len(scheduler.running))
-        self.waiting.set(len(scheduler.waiting))
-        self.kv_used.set(kv.num_used_blocks)
-        self.prefix_hit_rate.set(kv.hit_rate)
+    def refresh(self, stats) -> None:
+        """The gauges from the engine's ``EngineStats``, after every step and every batch of
+        commands (aborts included)."""
+        self.running.set(stats.running)
+        self.waiting.set(stats.waiting)
+        self.kv_used.set(stats.used_blocks)
+        self.prefix_hit_rate.set(stats.prefix_hit_rate)
 
     def finished(self, output) -> None:
         """A request's latencies, from its ``RequestOutput``."""

@@ -72,7 +72,6 @@ def drive(engine: Engine, requests: list[TimedRequest], clock: Callable[[], floa
     order: list[str] = []
     rejected: list[str] = []
     queue: list[tuple[float, int, int, int]] = []
-    sched = engine.scheduler
     while pending or engine.has_unfinished():
         now = clock()
         while pending and start + pending[0].offset_s <= now:
@@ -84,12 +83,13 @@ def drive(engine: Engine, requests: list[TimedRequest], clock: Callable[[], floa
             except RequestRejected as exc:
                 rejected.append(str(exc))
         if engine.has_unfinished():
-            before = len(engine.steps.records)
-            for d in engine.step():
+            result = engine.step_with_record()
+            for d in result.deltas:
                 if d.output is not None:
                     done[d.request_id] = d.output
-            if len(engine.steps.records) > before:
-                queue.append((clock(), len(sched.waiting), len(sched.running), engine.kv.num_used_blocks))
+            if result.record is not None:
+                s = engine.stats()
+                queue.append((clock(), s.waiting, s.running, s.used_blocks))
             elif clock() == now:
                 if not pending:
                     raise RuntimeError("the engine has work but schedules none")

@@ -103,7 +103,7 @@ class SimulatedLLM(LLM):
         self.draft = None
         self.engine = self.build_engine(clock=self.clock, sleep=self.clock.sleep)
         if config.speculative.method != "none":       # drafts at the workload's acceptance rate
-            self.engine.scheduler.proposer = AcceptingProposer(prefill.token, acceptance)
+            self.engine.set_proposer(AcceptingProposer(prefill.token, acceptance))
         self.loaded.load_time_s = time.perf_counter() - t0
         self.loaded.load_breakdown_s = {"simulated load": self.loaded.load_time_s}
         self.loaded.memory = self._planned_memory()

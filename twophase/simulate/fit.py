@@ -69,7 +69,7 @@ class StepClock:
         self.engine, self.waited = engine, 0.0
 
     def __call__(self) -> float:
-        return len(self.engine.steps.records) + self.waited
+        return self.engine.stats().num_steps + self.waited
 
     def sleep(self, steps: float) -> None:
         self.waited += steps
@@ -116,7 +116,7 @@ def measure(cfg: Config, base: DeviceSpec, passes: int = 3) -> tuple[str, list[f
                 for reqs in workloads:
                     llm.engine = llm.build_engine()               # a fresh pool and prefix cache each
                     run_steps(llm.engine, reqs)
-                    walls += step_walls(list(llm.engine.steps.records))
+                    walls += step_walls(llm.engine.step_records())
                     progress.advance()
                 if i:
                     runs.append(walls)

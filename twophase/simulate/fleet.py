@@ -136,7 +136,7 @@ class Fleet:
     @property
     def steps(self) -> list[StepRecord]:
         """Every engine's steps, by start time."""
-        return sorted((s for m in self.members for s in m.llm.engine.steps.records), key=lambda s: s.start)
+        return sorted((s for m in self.members for s in m.llm.engine.step_records()), key=lambda s: s.start)
 
     def report(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         """``LLM.report``'s keys over the whole deployment: its steps on one timeline, the
@@ -146,8 +146,9 @@ class Fleet:
         served = [o for o in outputs if o.times is not None]
         rep = phase_report(self.steps, [o.times for o in served if o.times is not None],
                            sum(len(o.token_ids) for o in served))
-        kvs = [m.llm.engine.kv for m in self.members]
-        rep["prefix_cache_hit_rate"] = sum(k.hits for k in kvs) / max(1, sum(k.queries for k in kvs))
+        stats = [m.llm.engine.stats() for m in self.members]
+        rep["prefix_cache_hit_rate"] = (sum(s.prefix_hits for s in stats)
+                                        / max(1, sum(s.prefix_queries for s in stats)))
         rep["kv_blocks_total"] = self.num_blocks
         rep["memory"] = self.members[0].llm.memory
         rep["load_time_s"] = sum(m.llm.load_time_s for m in self.members)
@@ -231,16 +232,16 @@ class _Frontend:
 
     def step(self, m: Member) -> None:
         engine = m.llm.engine
-        before, recorded = m.clock, len(engine.steps.records)
-        for delta in engine.step():
+        before = m.clock
+        result = engine.step_with_record()
+        for delta in result.deltas:
             if delta.output is not None:
                 self.finished(m, delta.output)
         engine.expire_leases()                # as the server's loop does after each step
-        if len(engine.steps.records) > recorded:
-            engines = [w.llm.engine for w in self.fleet.members]
-            self.queue.append((m.clock, sum(len(e.scheduler.waiting) for e in engines),
-                               sum(len(e.scheduler.running) for e in engines),
-                               sum(e.kv.num_used_blocks for e in engines)))
+        if result.record is not None:
+            stats = [w.llm.engine.stats() for w in self.fleet.members]
+            self.queue.append((m.clock, sum(s.waiting for s in stats), sum(s.running for s in stats),
+                               sum(s.used_blocks for s in stats)))
         elif m.clock == before:               # work it cannot schedule yet: wait for the next event
             if not self.events:
                 raise RuntimeError(f"{m.name} has work but schedules none")

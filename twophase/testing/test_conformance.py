@@ -22,7 +22,6 @@ from twophase.contract import (
     EngineLimits,
     KVCache,
 )
-from twophase.core.batch import decode_batch, prefill_batch
 from twophase.testing import Tolerance, assert_greedy_match, compare_quantised, dequantised, logprob_gaps
 
 log = logging.getLogger("twophase.testing")
@@ -133,8 +132,7 @@ def test_prefill_of_fresh_prompts_of_unequal_lengths(backend_name, backend_devic
     llm = _reference(quantization)
     for i, n in enumerate((9, 30, 3)):
         llm.engine.add_request([3 + (5 * i + j) % 500 for j in range(n)], SamplingParams(max_tokens=4))
-    sched = llm.engine.scheduler.schedule()
-    batch = prefill_batch([(r, 0, n) for r, n in sched.prefills], llm.engine.kv)
+    _, batch = llm.engine.schedule_batch("prefill")
     batch.logits = logits
     _compare(llm, _backend(llm, backend_name, backend_device, backend_options, quantization),
              lambda b: b.prefill(batch), quantization)
@@ -145,10 +143,9 @@ def test_chunked_prefill_after_cached_tokens(backend_name, backend_device, backe
     _advance(llm, (21,), 1)
     req = llm.engine.add_request([3 + (7 * 0 + j) % 500 for j in range(21)] + list(range(200, 230)),
                                  SamplingParams(max_tokens=3))
-    sched = llm.engine.scheduler.schedule()
+    sched, batch = llm.engine.schedule_batch("prefill")
     items = [(r, r.num_computed_tokens, n) for r, n in sched.prefills]
     assert any(r is req and s > 0 for r, s, _ in items), "expected a prefix-cache hit"
-    batch = prefill_batch(items, llm.engine.kv)
     _compare(llm, _backend(llm, backend_name, backend_device, backend_options, quantization),
              lambda b: b.prefill(batch), quantization)
 
@@ -156,9 +153,8 @@ def test_chunked_prefill_after_cached_tokens(backend_name, backend_device, backe
 def test_decode_of_sequences_of_unequal_lengths(backend_name, backend_device, backend_options, quantization):
     llm = _reference(quantization)
     reqs = _advance(llm, (5, 17, 33, 2), 2)
-    sched = llm.engine.scheduler.schedule()
+    sched, batch = llm.engine.schedule_batch("decode")
     assert not sched.prefills and len({r.num_computed_tokens for r in sched.decodes}) > 1
-    batch = decode_batch(sched.decodes, llm.engine.kv)
     assert len(sched.decodes) == len(reqs)
     _compare(llm, _backend(llm, backend_name, backend_device, backend_options, quantization),
              lambda b: b.decode(batch), quantization)
@@ -171,11 +167,8 @@ def test_mixed_batch_of_chunks_and_decodes(backend_name, backend_device, backend
         pytest.skip("the backend declares no mixed batches")
     _advance(llm, (6, 25), 1)
     llm.engine.add_request(list(range(40, 80)), SamplingParams(max_tokens=3))
-    sched = llm.engine.scheduler.schedule()
+    sched, batch = llm.engine.schedule_batch("mixed")
     assert sched.decodes and sched.prefills
-    items = [(r, r.num_computed_tokens, 1) for r in sched.decodes] + \
-            [(r, r.num_computed_tokens, n) for r, n in sched.prefills]
-    batch = prefill_batch(items, llm.engine.kv)
     _compare(llm, b, lambda x: x.prefill(batch), quantization)
 
 
@@ -198,7 +191,7 @@ def test_generate_with_chunking_and_preemption_equals_torch(backend_name, backen
     if quantization != "none":
         assert ref.report(want)["preemptions"] == 0, "the backend's own run was meant not to preempt"
     assert [o.token_ids for o in outs] == [o.token_ids for o in want]
-    assert llm.engine.kv.num_free_blocks == llm.num_blocks, "blocks leaked"
+    assert llm.engine.stats().free_blocks == llm.num_blocks, "blocks leaked"
 
 
 def test_greedy_tokens_on_the_default_model(backend_name, backend_device, backend_options, quantization,
