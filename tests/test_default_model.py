@@ -77,7 +77,7 @@ def test_prompt_logits_close_to_hf(hf, default_llm, default_prompts):
     req = eng.add_request(prompt, SamplingParams(max_tokens=1))
     sched = eng.scheduler.schedule()
     (r, n), = sched.prefills
-    logits = default_llm.backend.prefill(prefill_batch([(r, r.num_computed_tokens, n)], eng.kv))[0]
+    logits = default_llm.prefill_backend.prefill(prefill_batch([(r, r.num_computed_tokens, n)], eng.kv))[0]
     eng.abort(req.request_id)
     err = (logits - ref).abs().max() / ref.abs().max()
     assert err < 1e-4, f"relative logit error {err:.2e}"

@@ -36,7 +36,11 @@ class LLM:
         self.registry = registry or Registry()
         self.loaded: Loaded = load(config, self.registry, make_engine=LLM)
         self.draft: LLM | None = None             # loaded by the first engine that drafts with it
+        t0 = time.perf_counter()
         self.engine = self.build_engine()
+        engine_s = time.perf_counter() - t0           # a draft model loads here
+        self.loaded.load_breakdown_s["engine"] = engine_s
+        self.loaded.load_time_s += engine_s
 
     @classmethod
     def from_config(cls, source: str | Path | dict[str, Any]) -> "LLM":

@@ -215,7 +215,7 @@ def test_native_refuses_shapes_it_does_not_compute():
     from twophase.arch import uniform_layers
     from twophase.backends.native import NativeBackend
 
-    arch = tiny_llm(model=Q4, backend={"name": "native"}).backend.arch
+    arch = tiny_llm(model=Q4, backend={"name": "native"}).prefill_backend.arch
     native = NativeBackend()
     assert native.supports(arch) is None
     wider = uniform_layers(arch.num_layers, arch.intermediate_size + 8, arch.rope_theta)

@@ -364,7 +364,7 @@ def install(monkeypatch, tmp_path) -> list:
     import pytest
 
     pytest.importorskip("onnxruntime")
-    import twophase.llm
+    import twophase.builder.pool
     from twophase.backends.tensorrt import TensorRTBackend
     from twophase.exporters import tensorrt as exporter
     from twophase.paths import cache_dir
@@ -373,7 +373,7 @@ def install(monkeypatch, tmp_path) -> list:
     shared_onnx.mkdir(parents=True, exist_ok=True)
     (tmp_path / "onnx").symlink_to(shared_onnx, target_is_directory=True)
     module = sys.modules[__name__]
-    monkeypatch.setattr(twophase.llm, "zeros", aligned_zeros)
+    monkeypatch.setattr(twophase.builder.pool, "zeros", aligned_zeros)
     monkeypatch.setattr(module, "allocated", [0])
     monkeypatch.setitem(sys.modules, "tensorrt", module)
     monkeypatch.setattr(TensorRTBackend, "check_available", classmethod(lambda cls, device="cuda": None))

@@ -95,5 +95,5 @@ def test_the_contracts_state_dict_is_hfs_for_a_folder_and_for_random_weights(hf_
     batch = prefill_batch([(req, 0, len(ids))], rnd.engine.kv)
     batch.logits = "all"
     with torch.no_grad():
-        assert _rel(rnd.backend.prefill(batch), hf(torch.tensor([ids])).logits[0]) < 1e-4
+        assert _rel(rnd.prefill_backend.prefill(batch), hf(torch.tensor([ids])).logits[0]) < 1e-4
     rnd.engine.abort(req.request_id)
