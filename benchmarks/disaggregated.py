@@ -32,7 +32,7 @@ from twophase import LLM, SamplingParams
 from twophase.cluster import launch
 from twophase.cluster.frontend import ClusterLoop
 from twophase.config import load_config
-from twophase.quality import shipped_text
+from twophase.measure.quality import shipped_text
 from twophase.server.loop import EngineLoop, Finished
 
 MODEL = {"name": "smollm2-135m-instruct"}

@@ -22,8 +22,8 @@ import sys
 import torch
 
 from twophase import LLM
+from twophase.measure.quality import all_logits, shipped_text
 from twophase.models import hub
-from twophase.quality import all_logits, shipped_text
 
 MODEL = "smollm2-135m-instruct"
 

@@ -26,7 +26,7 @@ STEPS = 16
 
 def twophase_worker(fmt: str, context: int, threads: int) -> None:
     from twophase import LLM, SamplingParams
-    from twophase.phase_timing import decode_prompts, decode_round
+    from twophase.measure.phase_timing import decode_prompts, decode_round
 
     blocks = 9 * (context + STEPS + 32) // 16 + 64       # batch 8 and batch 1's cached prompts
     llm = LLM.from_config({"model": {"quantization": "q4"},

@@ -40,8 +40,8 @@ from rich.table import Table
 from twophase import LLM
 from twophase.backends.native.kernel import ISA_FLAGS
 from twophase.bench import sweeps
+from twophase.measure.quality import all_logits, shipped_text
 from twophase.models import hub
-from twophase.quality import all_logits, shipped_text
 
 MODEL = "smollm2-135m-instruct"
 LINES = ("native-gguf", "native-q4", "onnxruntime-q4", "onnxruntime-native-q4", "onnxruntime-fp32")

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ROUND = """
 import json, sys
 from twophase import LLM
-from twophase.phase_timing import decode_round, prefill_round
+from twophase.measure.phase_timing import decode_round, prefill_round
 backend = {"name": sys.argv[1]}
 if len(sys.argv) > 3:
     backend["options"] = {"threads": int(sys.argv[3])}

@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from twophase import LLM, SamplingParams
-from twophase.quality import shipped_text
+from twophase.measure.quality import shipped_text
 
 CHAT = ["What is the capital of France, and why is it famous?", "Write a haiku about the sea.",
         "Explain what a hash table is to a child.", "Give three tips for learning to cook."]

@@ -2,7 +2,7 @@
 
 The kernels are built once more with ``-DSTEP_PHASES``: thread 0 reads the clock after each op
 of ``step.c`` (after its barrier, so an op's time includes waiting for the slower thread) and
-adds it to that op's total. The steps are the engine's own (``twophase.phase_timing``): one
+adds it to that op's total. The steps are the engine's own (``twophase.measure.phase_timing``): one
 512-token prefill, decode at batch 1 and at batch 32 (context 128; a decode round also
 recomputes each prompt's last token: that prefill step is left out). Means over the rounds'
 steps. The K/V pool is backed at the start (``cache.prefault``): otherwise each round's new
@@ -28,7 +28,7 @@ from rich.table import Table
 
 from twophase import LLM
 from twophase.backends.native import kernel
-from twophase.phase_timing import decode_round, prefill_round
+from twophase.measure.phase_timing import decode_round, prefill_round
 
 # step.c's PH_* in order
 OPS = ("embed", "norm", "q/k/v", "rope, K/V store", "attention", "round", "o", "residual", "gate/up",

@@ -104,7 +104,7 @@ def main() -> None:
     t0 = time.perf_counter()
     import torch
 
-    from twophase.core.params import SamplingParams
+    from twophase.core.sampling_params import SamplingParams
     from twophase.llm import LLM
     from twophase.paths import cache_dir
     if args.threads:

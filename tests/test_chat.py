@@ -9,7 +9,7 @@ import pytest
 from helpers.models import tiny_llm
 
 from twophase import SamplingParams
-from twophase.chat import chat
+from twophase.cli.chat import chat
 
 pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(max_tokens=12)

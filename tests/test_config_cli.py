@@ -562,7 +562,7 @@ def test_cli_version(cli):
 def test_flags_override_the_config_key_by_key():
     import argparse
 
-    from twophase import flags
+    from twophase.cli import flags
 
     def parsed(*argv):
         p = argparse.ArgumentParser()
@@ -588,7 +588,7 @@ def test_flags_override_the_config_key_by_key():
 
 
 def test_chat_auto_uses_the_template_only_where_the_model_has_one():
-    from twophase import workload
+    from twophase.cli import workload
 
     class Tok:
         chat_template = "x"
@@ -609,7 +609,7 @@ def test_a_templated_prompt_says_so_and_raw_sends_it_as_written(caplog):
     import argparse
     import logging
 
-    from twophase import flags, workload
+    from twophase.cli import flags, workload
 
     class Tok:
         chat_template = "x"
@@ -629,7 +629,7 @@ def test_a_templated_prompt_says_so_and_raw_sends_it_as_written(caplog):
 
 
 def test_cache_lists_kinds_and_clears_only_what_is_named(tmp_path):
-    from twophase import cache_contents as cc
+    from twophase.cli import cache_contents as cc
 
     (tmp_path / "onnx" / "m-1").mkdir(parents=True)
     (tmp_path / "onnx" / "m-1" / "model.onnx").write_bytes(b"x" * 1000)

@@ -27,12 +27,9 @@ LAYERS = [
     ["twophase.config"],                                            # the TOML schema (above the model)
     ["twophase.exporters"],                                         # build artefacts offline
     ["twophase.backends"],                                          # runtimes (and the registry)
-    ["twophase.llm", "twophase.builder", "twophase.draft", "twophase.quality", "twophase.workload", "twophase.plan",
-     "twophase.routing", "twophase.phase_timing", "twophase.report"],   # the Python API, memory, routing
+    ["twophase.llm", "twophase.builder", "twophase.measure", "twophase.plan"],   # the Python API, its load, memory
     ["twophase.server", "twophase.cluster", "twophase.bench", "twophase.simulate", "twophase.cli",
-     "twophase.flags",
-     "twophase.chat", "twophase.cache_contents", "twophase.testing", "twophase.__main__",
-     "twophase"],                                                   # front ends; the package itself
+     "twophase.testing", "twophase.__main__", "twophase"],         # front ends; the package itself
 ]
 
 # imports a layer must never make, whatever the order above becomes

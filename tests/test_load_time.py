@@ -9,7 +9,7 @@ import sys
 
 from helpers.models import tiny_llm
 
-from twophase.report import SLOW_LOAD_S, load_line
+from twophase.builder.stage_times import SLOW_LOAD_S, load_line
 
 
 def test_a_load_records_its_stages_and_a_slow_one_names_them():

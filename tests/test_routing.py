@@ -11,8 +11,9 @@ import sys
 import pytest
 from helpers.models import random_prompts
 
-from twophase import LLM, SamplingParams, routing
+from twophase import LLM, SamplingParams
 from twophase.backends.registry import Registry
+from twophase.builder import routing
 from twophase.config import load_config
 from twophase.errors import ConfigError
 

@@ -9,7 +9,7 @@ import pytest
 
 from twophase import LLM, SamplingParams
 from twophase.contract import BackendUnavailable
-from twophase.quality import shipped_text
+from twophase.measure.quality import shipped_text
 from twophase.testing import assert_greedy_match, logprob_gaps
 
 pytestmark = pytest.mark.slow

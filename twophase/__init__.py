@@ -17,7 +17,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(llm, name)
     if name == "SamplingParams":
-        from twophase.core.params import SamplingParams
+        from twophase.core.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(name)

@@ -19,7 +19,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from twophase.core.params import SamplingParams
+from twophase.core.sampling_params import SamplingParams
 from twophase.errors import ConfigError, InvalidSamplingParam
 from twophase.models.source import ModelSource
 

@@ -164,7 +164,7 @@ class Workspace:
 class BackendMemory:
     """What a backend holds beside core's KV pool, as the planner counts it (``Backend.memory``)."""
 
-    # the weights as it holds them (``twophase.plan.weights``): "dense", every tensor in the
+    # the weights as it holds them (``twophase.plan.weight_layouts``): "dense", every tensor in the
     # model's dtype; "blocks", the GGUF's q4 blocks as they are (native); "matmulnbits", ONNX
     # Runtime's MatMulNBits inputs for q4; "stored", every tensor as the GGUF stores it (gguf)
     layout: Literal["dense", "blocks", "matmulnbits", "stored"] = "dense"

@@ -39,10 +39,10 @@ class InvalidSamplingParam(TwophaseError, ValueError):
 
 class StepFailed(TwophaseError):
     """An engine step raised; the requests it computed (``request_ids``) were ended with
-    ``finish_reason = "error"`` and their blocks freed. The cause is chained. ``veterans``:
+    ``finish_reason = "error"`` and their blocks freed. The cause is chained. ``had_running``:
     some of them had computed earlier steps (a failure of new prompts alone may be theirs)."""
 
-    def __init__(self, message: str, request_ids: list[str], veterans: bool = True):
+    def __init__(self, message: str, request_ids: list[str], had_running: bool = True):
         self.request_ids = list(request_ids)
-        self.veterans = veterans
+        self.had_running = had_running
         super().__init__(message)

@@ -1,8 +1,8 @@
 """Zeroed CPU memory the OS is asked to back with 2 MB pages, for what a step streams.
 
 A decode step reads every weight once. On 4 KB pages the hardware's prefetchers stop at each
-page's end and each page costs a translation (a two-level walk under a VM): on a 2-core Zen 4
-VM a plain 2-thread read of 178 MB ran at 38-39 GB/s on 4 KB pages and 60-62 on 2 MB ones.
+page's end and each page costs a translation (a two-level walk under a VM), and a plain read
+runs markedly faster on 2 MB pages (docs/measurements.md).
 Linux backs an anonymous region with 2 MB pages where madvise asks (transparent_hugepage =
 madvise, the common default) at its first touch, so the region is asked before it is touched.
 Where the OS gives none (another OS, THP off, no free 2 MB frames) the same memory comes on

@@ -14,9 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from twophase import draft
 from twophase.backends.registry import Registry
-from twophase.builder import Loaded, load
+from twophase.builder import Loaded, draft, load
 from twophase.builder.backends import Backends
 from twophase.builder.checks import check_draft
 from twophase.builder.engine import make_engine
@@ -25,7 +24,7 @@ from twophase.config import Config, SchedulerConfig, SpeculativeConfig, load_con
 from twophase.core.engine import Engine
 from twophase.core.metrics import phase_report
 from twophase.core.outputs import RequestOutput
-from twophase.core.params import SamplingParams
+from twophase.core.sampling_params import SamplingParams
 from twophase.errors import RequestRejected
 
 log = logging.getLogger(__name__)

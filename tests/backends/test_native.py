@@ -237,7 +237,7 @@ def test_native_refuses_shapes_it_does_not_compute():
 def test_default_model_quality_on_native():
     """The GGUF's blocks through the C step: perplexity within 0.5% of the float model's on the
     shipped text and mean KL under 0.005 (measured: -0.16%, 0.0034; llama.cpp: 0.0080)."""
-    from twophase.quality import compare, shipped_text
+    from twophase.measure.quality import compare, shipped_text
 
     text = shipped_text()
     cfg = {"cache": {"num_blocks": 128}}

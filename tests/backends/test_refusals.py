@@ -43,7 +43,7 @@ def test_each_phase_is_asked(folders):
 
 
 def test_auto_leaves_out_a_backend_that_refuses_the_model(folders):
-    from twophase import routing
+    from twophase.builder import routing
 
     config = load_config(_cfg(folders["mixtral"], "auto"))
     chosen, left_out = routing.candidates(config, Registry())

@@ -273,7 +273,7 @@ def test_calibrate_refuses_a_device_it_cannot_measure():
 
 def test_a_pool_too_small_for_the_decode_batch_says_which_key_to_raise():
     from twophase.errors import ConfigError
-    from twophase.phase_timing import decode_round
+    from twophase.measure.phase_timing import decode_round
 
     llm = tiny_llm(cache={"num_blocks": 16, "block_size": 4})       # 64 tokens: 8 x 32 cannot fit
     with pytest.raises(ConfigError, match="raise cache.num_blocks"):

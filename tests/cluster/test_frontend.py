@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from twophase.cluster.frontend import ClusterLoop
-from twophase.core.params import SamplingParams
+from twophase.core.sampling_params import SamplingParams
 
 
 class NoCluster:

@@ -10,7 +10,7 @@ import pytest
 from twophase.cluster.affinity import PrefixMap, prefix_keys
 from twophase.cluster.board import labelled
 from twophase.cluster.launch import Cluster, check_layouts
-from twophase.core.seams import KVLayout
+from twophase.core.proposer import KVLayout
 from twophase.errors import ConfigError
 
 

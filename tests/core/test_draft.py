@@ -291,7 +291,7 @@ def test_draft_errors_are_keyed_under_the_draft(monkeypatch):
 def test_the_run_report_names_the_draft_model():
     from rich.console import Console
 
-    from twophase.report import phase_table
+    from twophase.cli.phase_table import phase_table
 
     llm = _draft_llm(SHALLOW)
     rep = llm.report(llm.generate(random_prompts(3), GREEDY))

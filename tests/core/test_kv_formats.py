@@ -13,7 +13,7 @@ from helpers.models import tiny_llm
 from twophase import LLM, SamplingParams
 from twophase.errors import ConfigError
 from twophase.kv_formats import RUN, kv_format
-from twophase.quality import kl_divergence, shipped_text
+from twophase.measure.quality import kl_divergence, shipped_text
 
 INT8 = kv_format("int8")
 
@@ -107,8 +107,8 @@ def test_backends_that_cannot_read_a_format_refuse_it_by_name(default_llm):
 
 
 def test_auto_leaves_out_the_backends_that_cannot_read_the_format():
-    from twophase import routing
     from twophase.backends.registry import Registry
+    from twophase.builder import routing
     from twophase.config import load_config
 
     cfg = load_config({"backend": {"name": "auto"}, "cache": {"dtype": "int8"}})

@@ -14,8 +14,8 @@ from twophase import SamplingParams
 from twophase.core.kv_transfer import (
     KVTransferParams,
     LocalTransport,
+    continues_on_peer,
     first_token_params,
-    hands_off,
     joined,
     layout_of,
     wants_decode_peer,
@@ -45,7 +45,7 @@ class Pair:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
         """As the cluster's frontend runs a request, by the same rules (``kv_transfer.py``)."""
         firsts = [self.prefill(p, params) for p in prompts]
-        handed = [i for i, f in enumerate(firsts) if hands_off(f)]
+        handed = [i for i, f in enumerate(firsts) if continues_on_peer(f)]
         jobs = [(prompts[i], params, KVTransferParams.from_dict(firsts[i].kv_transfer_params),
                  firsts[i].token_ids) for i in handed]
         outs = dict(zip(handed, run(self.d.engine, jobs)))

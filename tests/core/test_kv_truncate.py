@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from twophase.cache.spec import attention_spec
 from twophase.core.kv_manager import KVManager
-from twophase.core.params import SamplingParams
 from twophase.core.request import Request
+from twophase.core.sampling_params import SamplingParams
 
 DRAFT = 999                      # a token id only drafts use: never committed
 

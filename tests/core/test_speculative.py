@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 from twophase.core import verify as V
 from twophase.core.ngram import NgramProposer
-from twophase.core.params import SamplingParams
+from twophase.core.proposer import Proposal
 from twophase.core.request import Request
-from twophase.core.seams import Proposal
+from twophase.core.sampling_params import SamplingParams
 from twophase.core.spec_control import REFRESH, SpecController
 
 P = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])

@@ -31,7 +31,7 @@ from twophase.contract import (
 )
 from twophase.core.engine import Engine
 from twophase.core.kv_manager import KVManager
-from twophase.core.params import SamplingParams
+from twophase.core.sampling_params import SamplingParams
 from twophase.core.scheduler import Scheduler
 
 VOCAB = 97

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from helpers.models import random_prompts, tiny_llm
 
-from twophase.quality import compare, kl_divergence, perplexity
+from twophase.measure.quality import compare, kl_divergence, perplexity
 
 
 def test_one_pass_gives_both_perplexities_and_the_kl():

@@ -189,13 +189,13 @@ def test_perplexity_of_the_gguf_weights_in_q4(tmp_path):
     level 4 (int8 activations, the fast path) it stays within 0.5%, and the mean KL divergence
     from the float model, measured at 0.0034, stays under 0.005 (llama.cpp's on the same file:
     0.0080). A float folder requantised to 4 bits stays within 5%."""
-    from twophase.paths import cache_dir
-    from twophase.quality import (
+    from twophase.measure.quality import (
         greedy_agreement,
         kl_divergence,
         perplexity,
         shipped_text,
     )
+    from twophase.paths import cache_dir
 
     text = shipped_text()
     cfg = {"cache": {"num_blocks": 128}}

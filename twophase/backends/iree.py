@@ -14,7 +14,7 @@ Two ways to hold the KV pool (option ``pool``):
   ``write_kv`` entry point writes each step's K/V into it; only logits come back. For a runtime
   that cannot import torch's memory. It costs ``shares_kv_pool = False`` (no other backend for
   the other phase) and, measured, a copy of the whole pool per step: IREE realises an in-place
-  update of a function argument as a copy (8.7 ms at 47 MB, 358 ms at 755 MB on this CPU).
+  update of a function argument as a copy (its cost: docs/measurements.md).
   Memory is not doubled: the engine gives such a backend a pool on the ``meta`` device.
 
 The module is compiled when the pool is bound, because the pool's block size is compiled in.

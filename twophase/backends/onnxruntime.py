@@ -190,9 +190,9 @@ class OnnxRuntimeBackend(Backend):
             raise ConfigError("backend.options.graph_optimization_level",
                               f"must be one of {', '.join(LEVELS)}; got {level!r}")
         so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, LEVELS[level])
-        # between ops of a run, threads spin (a decode step is ~1,900 ops of microseconds; waking
-        # sleeping threads for each cost 2.5 ms of a 12 ms step); when the run ends they stop, so
-        # they never steal the cores the engine's own work needs between runs
+        # between ops of a run, threads spin (a decode step is thousands of ops of microseconds, and
+        # waking sleeping threads for each costs a fifth of a step: docs/measurements.md); when
+        # the run ends they stop, so they never steal the cores the engine needs between runs
         spin = options.get("spinning", True)
         if not isinstance(spin, bool):
             raise ConfigError("backend.options.spinning", f"must be true or false; got {spin!r}")

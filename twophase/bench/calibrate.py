@@ -81,7 +81,7 @@ def _cache_path() -> Path:
 
 
 # A CPU's bandwidth is read on the engine's large pages (twophase.large_pages), and its key says
-# so: a figure measured on 4 KB pages (38-39 against 60-62 GB/s on a Zen 4 VM), and the
+# so: a figure measured on 4 KB pages (much lower: docs/measurements.md), and the
 # simulator's efficiencies fitted against the engine before its weights moved onto large pages
 # (simulate.devices.fit_key), are measured again rather than reused.
 CPU_PAGES = "large-pages"

@@ -200,9 +200,9 @@ SMALL_MODEL_BYTES = 64 << 20      # weights a step reads, below which torch runs
 
 def _threads_for_size(cfg: Config, device: str, cost: CostModel) -> None:
     """One torch thread for a small model on the CPU, unless ``backend.options.threads`` says
-    otherwise: its ops last microseconds, so threads spend a step waiting for each other (the
-    tiny model's decode step: 0.4 ms on one thread, 47 ms on two while another process held a
-    core). Set before calibrating, so the ceilings are those of the threads the bench uses."""
+    otherwise: its ops last microseconds, so threads spend a step waiting for each other, the
+    more so beside a busy process (docs/measurements.md). Set before calibrating, so the
+    ceilings are those of the threads the bench uses."""
     if device != "cpu" or "threads" in cfg.backend.options or cost.weight_bytes_per_step >= SMALL_MODEL_BYTES:
         return
     if torch.get_num_threads() != 1:
@@ -331,7 +331,7 @@ def _long_prompt_among_decodes(engine, requests, n: int, max_tokens: int) -> dic
     """Half the workload's requests start together; once each has two output tokens (all are
     decoding), an ``n``-token prompt arrives. Without chunked prefill its whole prefill lands in
     one step, and every running decode waits for it: the ITL spike this run shows."""
-    from twophase.core.params import SamplingParams
+    from twophase.core.sampling_params import SamplingParams
 
     p = lambda m: SamplingParams(max_tokens=m, ignore_eos=True)  # noqa: E731
     start = engine.clock()

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from twophase.core.metrics import speculative_summary, summarize
-from twophase.core.params import SamplingParams
+from twophase.core.sampling_params import SamplingParams
 from twophase.errors import ConfigError
 
 

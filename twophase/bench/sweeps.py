@@ -18,7 +18,7 @@ import statistics
 
 from twophase.config import BenchConfig
 from twophase.errors import ConfigError
-from twophase.phase_timing import decode_prompts, decode_round, prefill_prompt, prefill_round, tokens
+from twophase.measure.phase_timing import decode_prompts, decode_round, prefill_prompt, prefill_round, tokens
 
 __all__ = ["decode_prompts", "decode_round", "outliers", "prefill_prompt", "prefill_round", "servable",
            "spread", "tokens"]

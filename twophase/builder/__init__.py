@@ -12,12 +12,13 @@ from typing import Any
 
 import torch
 
-from twophase import routing
 from twophase.backends.registry import Registry
+from twophase.builder import routing
 from twophase.builder.backends import Backends, load_backends, one_backend
 from twophase.builder.checks import check_devices, check_draft, check_features, check_fits, check_fixed_pool
 from twophase.builder.memory import checked_plan, held_memory, log_memory
 from twophase.builder.pool import allocate, fit_context, lay_out
+from twophase.builder.stage_times import StageTimes, load_line
 from twophase.cache.layout import PoolLayout, PoolSettings, model_len, token_budget
 from twophase.config import Config
 from twophase.contract import EngineLimits, KVCache, ModelSpec
@@ -29,22 +30,8 @@ from twophase.plan import DeviceProfile, Plan, pool_settings
 from twophase.plan import check as memcheck
 from twophase.plan import plan as memory_plan
 from twophase.plan.model_source import planned_model
-from twophase.report import load_line
 
 log = logging.getLogger(__name__)
-
-
-class StageTimes:
-    """Seconds spent in each stage of a load, so a slow load says where its time went."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self._last = time.perf_counter()
-
-    def __call__(self, stage: str) -> None:
-        now = time.perf_counter()
-        self.seconds[stage] = self.seconds.get(stage, 0.0) + now - self._last
-        self._last = now
 
 
 @dataclass

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 import torch
 
 from twophase.backends.registry import Registry
+from twophase.builder.routing import Routing
 from twophase.config import BackendSection, Config
 from twophase.contract import Backend, BackendConfig, EngineLimits, ModelArch, ModelSpec
 from twophase.errors import ConfigError
 from twophase.kv_formats import kv_format
-from twophase.routing import Routing
 
 
 @dataclass

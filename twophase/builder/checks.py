@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from twophase import draft
 from twophase.backends.registry import Registry
+from twophase.builder import draft
 from twophase.cache.layout import PoolSettings, fixed_pool_tokens
 from twophase.config import Config
 from twophase.contract import ModelArch

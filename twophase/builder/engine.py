@@ -17,8 +17,8 @@ from twophase.core.engine import Engine
 from twophase.core.kv_manager import KVManager
 from twophase.core.kv_transfer import KVConnector, layout_of
 from twophase.core.ngram import NgramProposer
+from twophase.core.proposer import Proposer
 from twophase.core.scheduler import Scheduler
-from twophase.core.seams import Proposer
 from twophase.core.spec_control import SpecController
 from twophase.errors import ConfigError
 

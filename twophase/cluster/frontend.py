@@ -24,10 +24,10 @@ import ray
 
 from twophase.cluster.host import Failure, Job
 from twophase.core.engine import check_text
-from twophase.core.handoff import first_text, first_token_params, hands_off, joined, wants_decode_peer
+from twophase.core.handoff import continues_on_peer, first_text, first_token_params, joined, wants_decode_peer
 from twophase.core.kv_params import KVTransferParams
 from twophase.core.outputs import Delta
-from twophase.core.params import SamplingParams
+from twophase.core.sampling_params import SamplingParams
 from twophase.errors import InvalidSamplingParam, RequestRejected
 from twophase.server.loop import GRAMMAR_THREAD, EngineError, EngineStopped, Finished, Handle, Overloaded
 from twophase.structured.constraint import Grammars, rejected
@@ -170,7 +170,7 @@ class ClusterLoop:
         out = first.output
         assert out is not None
         kv = out.kv_transfer_params
-        if not hands_off(out):
+        if not continues_on_peer(out):
             if kv:
                 prefill.release_kv.remote(kv["remote_request_id"])
             put(first)

@@ -18,7 +18,7 @@ import torch
 from twophase.cluster.board import POST_EVERY_S
 from twophase.config import Config
 from twophase.core.kv_transfer import KVTransferParams
-from twophase.core.params import SamplingParams
+from twophase.core.sampling_params import SamplingParams
 from twophase.errors import RequestRejected
 from twophase.server.loop import EngineError, EngineLoop, EngineStopped, Finished, Handle, Overloaded
 from twophase.server.metrics import ServerMetrics

@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from twophase.core.kv_manager import KVManager
-from twophase.core.params import SamplingParams
 from twophase.core.request import Request
+from twophase.core.sampling_params import SamplingParams
 from twophase.errors import RequestRejected
 
 RATIO_START = 0.5           # of each running sequence's remaining tokens, reserved at first

@@ -32,8 +32,8 @@ from twophase.core import batch
 from twophase.core.distribution import distribution, is_greedy, processed
 from twophase.core.executor import Executor
 from twophase.core.kv_manager import KVManager
+from twophase.core.proposer import Proposal
 from twophase.core.request import Request
-from twophase.core.seams import Proposal
 from twophase.core.seq_state import SeqState
 
 log = logging.getLogger(__name__)

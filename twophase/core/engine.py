@@ -29,11 +29,11 @@ from twophase.core.kv_transfer import KVConnector, KVTransferParams
 from twophase.core.metrics import StepLog, StepRecord
 from twophase.core.output_processor import OutputProcessor
 from twophase.core.outputs import Delta, RequestOutput, RequestStats
-from twophase.core.params import SamplingParams
+from twophase.core.proposer import Proposer
 from twophase.core.request import Request
 from twophase.core.sampler import sample_step
+from twophase.core.sampling_params import SamplingParams
 from twophase.core.scheduler import Scheduler, SchedulerOutput
-from twophase.core.seams import Proposer
 from twophase.errors import InvalidSamplingParam, RequestRejected, StepFailed, TwophaseError
 from twophase.structured import masks as structured_masks
 from twophase.structured.constraint import Constraint, Grammars, rejected
@@ -165,7 +165,7 @@ class Engine:
         self.scheduler.add(req)
         self.requests[request_id] = req
         self.output.add(request_id, text, ids, params, first_token_ids,
-                        hands_off=kv_transfer is not None and kv_transfer.do_remote_decode)
+                        continues_on_peer=kv_transfer is not None and kv_transfer.do_remote_decode)
         return req
 
     def _new_id(self, request_id: str | None) -> str:
@@ -218,7 +218,7 @@ class Engine:
             return StepResult(ended, None)
         # requests that computed a step before this one: if they fail too, the engine (not a
         # newcomer's prompt) is what breaks
-        veterans = any(r.num_computed_tokens > 0 for r, _ in out.scheduled)
+        had_running = any(r.num_computed_tokens > 0 for r, _ in out.scheduled)
         try:
             with self.executor.glue():
                 batches = batch.build(out, self.kv, self.executor.one_call(len(out.decodes)))
@@ -236,7 +236,7 @@ class Engine:
             for request_id in failed:
                 self.output.finish(request_id, "error", self._retire(request_id, "error"))
             failed += [d.request_id for d in ended]        # already ended: their sinks wait too
-            raise StepFailed(f"the step failed: {exc}", failed, veterans) from exc
+            raise StepFailed(f"the step failed: {exc}", failed, had_running) from exc
         record = self._record(out, start, now)
         self.steps.add(record)
         control = self.scheduler.spec_control

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from twophase.core.metrics import StepRecord
 from twophase.core.outputs import Delta
-from twophase.core.params import SamplingParams
+from twophase.core.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ class Executor:
         self.mixed = prefill_backend.capabilities().mixed_batches
         # where no backend computes with torch, torch only glues a step together: one thread,
         # since an OpenMP team woken for a 49k-logit argmax keeps spinning into the runtime's
-        # next call (measured: q4 batch-1 decode 67 -> 92 tok/s)
+        # next call (measured: docs/measurements.md, "Figures behind choices in the code")
         self.glue_threads = 1 if all(b.capabilities().own_threads for b in self.backends()) else None
 
     def one_call(self, decodes: int) -> bool:

@@ -9,7 +9,7 @@ import dataclasses
 
 from twophase.core.output_processor import hold_back
 from twophase.core.outputs import RequestOutput
-from twophase.core.params import SamplingParams
+from twophase.core.sampling_params import SamplingParams
 
 
 def first_token_params(p: SamplingParams) -> SamplingParams:
@@ -27,7 +27,7 @@ def wants_decode_peer(p: SamplingParams) -> bool:
     return p.max_tokens > 1
 
 
-def hands_off(first: RequestOutput) -> bool:
+def continues_on_peer(first: RequestOutput) -> bool:
     """Whether the prefill side's output goes on at a peer: it stopped only for its one token
     and kept the prompt's blocks."""
     return first.finish_reason == "length" and bool(first.kv_transfer_params)

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
-from twophase.core.handoff import first_text, first_token_params, hands_off, joined, wants_decode_peer
+from twophase.core.handoff import continues_on_peer, first_text, first_token_params, joined, wants_decode_peer
 from twophase.core.kv_params import KVLayout, KVTransferParams
 from twophase.errors import RequestRejected
 from twophase.kv_formats import kv_format_of
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 
 # the values (core/kv_params.py) and the handoff rules (core/handoff.py) are importable from here too
 __all__ = ["KVConnector", "KVLayout", "KVTransferParams", "KVTransport", "LocalTransport", "PullResults",
-           "first_text", "first_token_params", "hands_off", "joined", "layout_of", "wants_decode_peer"]
+           "first_text", "first_token_params", "continues_on_peer", "joined", "layout_of", "wants_decode_peer"]
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from twophase.core.proposer import Proposal
 from twophase.core.request import Request
-from twophase.core.seams import Proposal
 
 
 class NgramProposer:

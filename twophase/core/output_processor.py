@@ -19,7 +19,7 @@ from twophase.core.outputs import (
     RequestStats,
     SeqUpdate,
 )
-from twophase.core.params import SamplingParams
+from twophase.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from twophase.models.tokenizer import Tokenizer
@@ -44,7 +44,7 @@ class _Stream:
     prompt_token_ids: list[int]
     params: SamplingParams
     detok: IncrementalDetokenizer | None
-    hands_off: bool = False             # a peer decodes on: it releases what is held back
+    continues_on_peer: bool = False             # a peer decodes on: it releases what is held back
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[LogProbs] = field(default_factory=list)
     text: str = ""                      # released so far
@@ -58,16 +58,16 @@ class OutputProcessor:
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
             params: SamplingParams, first_token_ids: Sequence[int] = (),
-            hands_off: bool = False) -> None:
+            continues_on_peer: bool = False) -> None:
         """``first_token_ids``: output another engine sampled and sent (disaggregated serving):
         the text of what follows them is decoded after them, and they are not sent again, but
         their text's last characters are held back here as one engine would have (the sender
         streamed only what ``hold_back`` releases), so a stop string may begin in them.
-        ``hands_off``: another engine continues this request, so an incomplete character at the
+        ``continues_on_peer``: another engine continues this request, so an incomplete character at the
         end stays held back (that engine releases it whole) instead of flushed as U+FFFD."""
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
         first = "".join(detok.push(t) for t in first_token_ids) if detok is not None else ""
-        self._streams[request_id] = _Stream(prompt, list(prompt_token_ids), params, detok, hands_off,
+        self._streams[request_id] = _Stream(prompt, list(prompt_token_ids), params, detok, continues_on_peer,
                                             held=hold_back(first, params.stop)[1])
 
     def process(self, updates: list[SeqUpdate], retire: Retire) -> list[Delta]:
@@ -93,7 +93,7 @@ class OutputProcessor:
         for i, token in enumerate(tokens):
             final = reason is not None and i == len(tokens) - 1
             new_text = s.detok.push(token) if s.detok else ""
-            if final and s.detok is not None and not s.hands_off:
+            if final and s.detok is not None and not s.continues_on_peer:
                 new_text += s.detok.flush()
             piece, hit = self._release(s, new_text, before + i + 1, final)
             text += piece

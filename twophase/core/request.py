@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from twophase.core.params import SamplingParams
+from twophase.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from twophase.core.kv_params import KVTransferParams

@@ -14,8 +14,8 @@ import torch
 
 from twophase.core.distribution import distribution, is_greedy, processed
 from twophase.core.outputs import SampledTokens
+from twophase.core.proposer import Proposal
 from twophase.core.request import Request
-from twophase.core.seams import Proposal
 from twophase.core.verify import verify
 from twophase.structured.masks import StepMasks
 from twophase.structured.masks import apply as apply_masks
@@ -80,8 +80,8 @@ def sample(logits: torch.Tensor, reqs: list[Request], eos_ids: tuple[int, ...],
 
 def argmax_rows(rows: torch.Tensor) -> list[int]:
     """Each row's first largest logit. On the CPU through numpy, whose vectorised argmax is
-    about 9x torch's on one thread (32 rows of a 262k vocabulary: 1.3 against 11.7 ms), the
-    thread count a step runs torch at beside a native backend."""
+    several times torch's on one thread (docs/measurements.md), the thread count a step runs
+    torch at beside a native backend."""
     if rows.device.type == "cpu" and rows.dtype == torch.float32:
         return rows.numpy().argmax(axis=-1).tolist()
     return rows.argmax(dim=-1).tolist()

@@ -23,8 +23,8 @@ from twophase.core.admission import Admission
 from twophase.core.kv_manager import KVManager
 from twophase.core.kv_transfer import KVConnector
 from twophase.core.outputs import SampledTokens, SeqUpdate
+from twophase.core.proposer import Proposal, Proposer
 from twophase.core.request import Request, Status
-from twophase.core.seams import Proposal, Proposer
 from twophase.core.spec_control import SpecController
 from twophase.core.stop import check_stop
 

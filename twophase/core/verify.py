@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from twophase.core.distribution import distribution, is_greedy, processed
+from twophase.core.proposer import Proposal
 from twophase.core.request import Request
-from twophase.core.seams import Proposal
 
 
 def verify(logits: torch.Tensor, req: Request, proposal: Proposal,

@@ -144,8 +144,8 @@ def write_new_kv(pool: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor,
                  slots: torch.Tensor, groups: KVGroups | None = None) -> None:
     """Write a graph's ``new_k``/``new_v [L, T, KVH, hd]`` into ``pool`` at ``slots`` (``[T]``,
     or ``[G, T]`` in ``groups``), as one ``index_copy_`` over the pool viewed as rows of ``hd``
-    values (60 advanced-index writes, two a layer, took 15 ms a decode step for the default
-    model)."""
+    values: two advanced-index writes a layer cost far more a decode step (docs/measurements.md,
+    "Figures behind choices in the code")."""
     write_rows(pool, new_k, new_v, kv_rows(tuple(pool.shape), slots, groups).to(pool.device))
 
 

@@ -4,7 +4,7 @@ The engine sizes its KV pool with the same functions (``pool_blocks``), so the p
 loading is the pool the engine allocates. Items:
 
 - ``weights``: per backend that holds them, per tensor group, in the layout it holds
-  (``twophase.plan.weights``), as many copies as it says (``Backend.memory``: ONNX Runtime on
+  (``twophase.plan.weight_layouts``), as many copies as it says (``Backend.memory``: ONNX Runtime on
   the CPU holds one in each of its graphs).
 - ``activations``: the peak of one step at the engine's limits (the token budget's prefill, or
   ``max_num_seqs`` decodes whose context is padded to ``max_model_len``, whichever is larger),
@@ -32,7 +32,7 @@ from twophase.config import BackendSection, Config
 from twophase.contract import BackendMemory, Capabilities, EngineLimits, KVGroups, MemoryQuery
 from twophase.errors import ConfigError
 from twophase.kv_formats import kv_format
-from twophase.plan import weights as layouts
+from twophase.plan import weight_layouts as layouts
 from twophase.plan.devices import DeviceProfile
 from twophase.plan.model_source import PlannedModel, planned_model
 
@@ -357,7 +357,7 @@ def draft_model(config: Config, kind: str, registry: Registry) -> tuple[list[Ite
     target's (its pool holds as many blocks unless ``[speculative.draft] num_blocks`` is set)."""
     if config.speculative.method != "draft":
         return [], 0
-    from twophase.draft import draft_config
+    from twophase.builder.draft import draft_config
 
     cfg = draft_config(config)
     model = planned_model(cfg.model)

@@ -9,7 +9,7 @@ from typing import Any
 
 from twophase.core.engine_values import PreparedPrompt
 from twophase.core.kv_transfer import KVTransferParams
-from twophase.core.params import SamplingParams
+from twophase.core.sampling_params import SamplingParams
 
 Sink = Callable[[Any], None]        # takes a request's deltas, its ``Finished`` or an exception
 

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 from twophase.core.engine_values import PreparedPrompt
 from twophase.core.kv_transfer import KVTransferParams
 from twophase.core.outputs import RequestOutput
-from twophase.core.params import SamplingParams
+from twophase.core.sampling_params import SamplingParams
 from twophase.errors import RequestRejected, StepFailed, TwophaseError
 from twophase.server.commands import Abort, Call, Command, FailAll, Submit, Wake
 
@@ -287,7 +287,7 @@ class EngineLoop:
             log.exception("engine step failed")
             for request_id in exc.request_ids:
                 self._error(request_id, f"the engine failed: {exc.__cause__}")
-            if exc.veterans:             # new prompts failing alone may be their own fault
+            if exc.had_running:             # new prompts failing alone may be their own fault
                 self._count_failure(exc)
             return
         except Exception as exc:         # outside the backends: end everything in flight

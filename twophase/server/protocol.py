@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from twophase.core.engine import check_text
-from twophase.core.params import SamplingParams
+from twophase.core.sampling_params import SamplingParams
 from twophase.errors import InvalidSamplingParam, RequestRejected
 from twophase.structured import StructuredOutputs
 

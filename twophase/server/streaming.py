@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
 from twophase.core.outputs import Delta, RequestOutput
-from twophase.core.params import SamplingParams
+from twophase.core.sampling_params import SamplingParams
 from twophase.errors import RequestRejected
 from twophase.server import protocol as P
 from twophase.server.loop import EngineError, EngineLoop, EngineStopped, Finished, Handle, Overloaded

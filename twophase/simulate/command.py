@@ -8,7 +8,7 @@ import json
 import logging
 from pathlib import Path
 
-from twophase import flags
+from twophase.cli import flags
 
 log = logging.getLogger("twophase")
 
@@ -51,9 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def cmd_simulate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from twophase.cli.phase_table import phase_table
     from twophase.config import load_config
     from twophase.core.metrics import step_dicts
-    from twophase.report import phase_table
     from twophase.simulate import driver, fleet, report, search
     from twophase.simulate.devices import check_tp, device_spec, fitted_backend, with_link
     from twophase.simulate.engine import for_device
@@ -62,7 +62,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         args.model, args.config = args.config, None          # CONFIG may name a model or shape
     data = {}
     if args.config:
-        from twophase.flags import tomllib
+        from twophase.cli.flags import tomllib
 
         data = tomllib.loads(Path(args.config).read_text(encoding="utf-8-sig"))
     base = flags.overrides(args, data)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+from twophase.core.proposer import Proposal
 from twophase.core.request import Request
-from twophase.core.seams import Proposal
 
 
 class AcceptingProposer:

@@ -18,7 +18,7 @@ from twophase.bench import serving
 from twophase.bench.serving import TimedRequest
 from twophase.core.engine import Engine
 from twophase.core.outputs import RequestOutput
-from twophase.core.params import SamplingParams
+from twophase.core.sampling_params import SamplingParams
 from twophase.errors import ConfigError, RequestRejected
 
 log = logging.getLogger(__name__)

@@ -15,13 +15,13 @@ import time
 
 import torch
 
-from twophase import flags, routing
 from twophase import plan as planner
 from twophase.backends.registry import Registry
-from twophase.builder import Loaded
+from twophase.builder import Loaded, routing
 from twophase.builder.backends import Backends
 from twophase.builder.pool import fit_context
 from twophase.cache.layout import lay_out_pool, model_len
+from twophase.cli import flags
 from twophase.config import Config
 from twophase.contract import BackendConfig, KVCache, ModelSpec
 from twophase.errors import ConfigError, ModelError

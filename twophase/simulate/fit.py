@@ -220,7 +220,7 @@ def fit(measured: list[float], parts: list[Part]) -> Fit:
 def fit_cpu(config: Config, console: Any = None) -> DeviceSpec:
     """Measure ``config``'s own backend, fit, cache (``devices.save_fit``, under that backend and
     weight format) and return the fitted CPU figures."""
-    from twophase import flags
+    from twophase.cli import flags
     from twophase.plan.budget import model_dtype
     from twophase.simulate.engine import for_device
 

@@ -29,11 +29,11 @@ from twophase.bench.serving import TimedRequest
 from twophase.cluster.affinity import PrefixMap, pick
 from twophase.cluster.launch import role_config
 from twophase.config import ClusterConfig, Config
-from twophase.core.handoff import first_token_params, hands_off, joined, wants_decode_peer
+from twophase.core.handoff import continues_on_peer, first_token_params, joined, wants_decode_peer
 from twophase.core.kv_transfer import KVConnector, KVTransferParams, LocalTransport
 from twophase.core.metrics import StepRecord, phase_report
 from twophase.core.outputs import RequestOutput
-from twophase.core.params import SamplingParams
+from twophase.core.sampling_params import SamplingParams
 from twophase.errors import ConfigError, RequestRejected
 from twophase.simulate.driver import Run
 from twophase.simulate.engine import SimulatedLLM
@@ -250,7 +250,7 @@ class _Frontend:
     def finished(self, m: Member, out: RequestOutput) -> None:
         self.load[m.name] -= 1
         i = self.owner.pop(f"{m.name}/{out.request_id}")
-        if m.role == "prefill" and hands_off(out):
+        if m.role == "prefill" and continues_on_peer(out):
             self.firsts[i] = out
             heapq.heappush(self.events, (m.clock, next(self.seq), "handoff", i))
         elif i in self.firsts:

@@ -206,7 +206,7 @@ def test_greedy_tokens_on_the_default_model(backend_name, backend_device, backen
                            "backend": {"name": backend_name, "device": backend_device,
                                        "options": backend_options}})
     if quantization != "none":
-        from twophase import quality
+        from twophase.measure import quality
 
         kl = quality.kl_divergence(llm, ref, quality.shipped_text()[:2000])
         agree = quality.greedy_agreement(llm, ref, prompts, max_tokens=16)

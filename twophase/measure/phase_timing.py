@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 import statistics
 
-from twophase.core.params import SamplingParams
+from twophase.core.sampling_params import SamplingParams
 from twophase.errors import ConfigError
 
 

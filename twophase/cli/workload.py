@@ -8,7 +8,7 @@ import random
 from dataclasses import asdict
 
 from twophase.config import Config
-from twophase.core.params import SamplingParams
+from twophase.core.sampling_params import SamplingParams
 from twophase.errors import ConfigError, InvalidSamplingParam
 
 log = logging.getLogger(__name__)

@@ -12,8 +12,8 @@ import logging
 import sys
 from pathlib import Path
 
-from twophase import flags
-from twophase.cache_contents import KINDS
+from twophase.cli import flags
+from twophase.cli.cache_contents import KINDS
 from twophase.errors import ConfigError, TwophaseError
 
 log = logging.getLogger("twophase")
@@ -124,7 +124,7 @@ def _version() -> str:
 
 
 def cmd_run(args) -> int:
-    from twophase import workload
+    from twophase.cli import workload
 
     cfg = flags.load(args)          # before torch is imported: config errors come at once
     workload.validate(cfg)
@@ -137,9 +137,9 @@ def cmd_run(args) -> int:
 def _run_and_report(args, cfg, llm) -> int:
     from rich.console import Console
 
-    from twophase import workload
+    from twophase.cli import workload
+    from twophase.cli.phase_table import phase_table
     from twophase.core.metrics import step_dicts
-    from twophase.report import phase_table
 
     items = workload.build(cfg, llm.tokenizer, llm.model.arch.vocab_size)
     outputs = llm.generate([p for p, _ in items], [s for _, s in items], use_tqdm=True)
@@ -199,8 +199,8 @@ def cmd_serve(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    from twophase import workload
-    from twophase.chat import chat
+    from twophase.cli import workload
+    from twophase.cli.chat import chat
     from twophase.llm import LLM
 
     cfg = flags.load(args)
@@ -247,7 +247,7 @@ def cmd_plan(args) -> int:
 def _plan_routing(cfg, device, registry):
     """``[backend] name = "auto"`` as it was timed on this machine (if it was, and the plan is for
     this machine), else on torch with a note saying so."""
-    from twophase import routing
+    from twophase.builder import routing
 
     if not routing.wanted(cfg):
         return cfg, (), None
@@ -268,7 +268,7 @@ def cmd_cache(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from twophase import cache_contents as cc
+    from twophase.cli import cache_contents as cc
     from twophase.paths import cache_dir
 
     root = cache_dir()
@@ -360,7 +360,7 @@ def _print_routing(console, reg, args) -> None:
 
     from rich.table import Table
 
-    from twophase import routing
+    from twophase.builder import routing
     from twophase.llm import LLM
 
     cfg = flags.load(args)

@@ -13,7 +13,7 @@ from importlib.resources import files
 
 import torch
 
-from twophase.core.params import SamplingParams
+from twophase.core.sampling_params import SamplingParams
 
 
 def shipped_text() -> str:

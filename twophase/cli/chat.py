@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable
 from typing import TextIO
 
-from twophase.core.params import SamplingParams
+from twophase.core.sampling_params import SamplingParams
 from twophase.errors import RequestRejected
 from twophase.llm import LLM
 

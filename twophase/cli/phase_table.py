@@ -6,6 +6,8 @@ from typing import Any
 
 from rich.table import Table
 
+from twophase.builder.stage_times import load_line
+
 
 def _f(v: float | None, scale: float = 1.0, fmt: str = "{:.1f}") -> str:
     return "-" if v is None else fmt.format(v * scale)
@@ -50,14 +52,3 @@ def phase_table(r: dict[str, Any]) -> Table:
     t.caption = "* rates over steps that ran that phase alone; mixed steps are counted apart"
     return t
 
-
-SLOW_LOAD_S = 2.0            # past this a load says where its time went
-
-
-def load_line(r: dict) -> str:
-    """``1.31 s``, or for a slow load ``12.10 s (memory plan 10.52 s, backend load 1.30 s, ...)``."""
-    total = r["load_time_s"]
-    stages = sorted(r.get("load_breakdown_s", {}).items(), key=lambda kv: -kv[1])
-    if total < SLOW_LOAD_S or not stages:
-        return f"{total:.2f} s"
-    return f"{total:.2f} s (" + ", ".join(f"{k} {v:.2f} s" for k, v in stages if v >= 0.01) + ")"

@@ -295,7 +295,7 @@ def calibrate(config: Config, names: list[str], make_engine: EngineFactory) -> d
     interleaved)."""
     from tqdm import tqdm
 
-    from twophase.phase_timing import decode_round, prefill_round
+    from twophase.measure.phase_timing import decode_round, prefill_round
 
     n, batches = _prefill_tokens(config), _batches(config)
     log.info("backend auto: timing %s on this machine (once; cached): each is loaded first (an "
