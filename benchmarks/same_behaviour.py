@@ -26,7 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 LOGITS = """
 import hashlib, json, sys
 from twophase import LLM
-from twophase.measure.quality import all_logits, shipped_text
+try:
+    from twophase.measure.quality import all_logits, shipped_text
+except ImportError:                      # a revision from before quality.py moved into measure/
+    from twophase.quality import all_logits, shipped_text
 model, backend, quantization = sys.argv[1:4]
 llm = LLM.from_config({"model": {"name": model, "quantization": quantization},
                        "backend": {"name": backend, "options": {"threads": 2}},
