@@ -410,3 +410,19 @@ def test_the_check_finds_a_planted_reach_in(tmp_path):
     found = engine_violations(root)
     assert [f.split(":")[1] for f in found] == ["2", "3", "5", "7", "9"], found
     assert all(f.startswith("twophase/server/planted.py:") for f in found), found
+
+
+# -- a backend's claim of features is a list of names -----------------------------------------
+def test_no_backend_module_reads_the_list_of_all_features():
+    """A claim is a literal set: no module of ``twophase.backends`` reads ``twophase.arch.FEATURES``
+    or a set built from it elsewhere (a name ending in ``FEATURES`` imported from outside)."""
+    root = ROOT / "backends"
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            where = f"{path.relative_to(root.parent.parent)}:{getattr(node, 'lineno', '?')}"
+            if isinstance(node, ast.Attribute) and node.attr == "FEATURES":
+                found.append(f"{where}: .FEATURES")
+            elif isinstance(node, ast.ImportFrom) and not (node.module or "").startswith("twophase.backends"):
+                found += [f"{where}: {node.module}.{a.name}" for a in node.names if a.name.endswith("FEATURES")]
+    assert not found, "backend modules that derive a claim from a list of all features: " + ", ".join(found)
