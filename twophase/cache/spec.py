@@ -32,6 +32,7 @@ class CacheSpec(ABC):
     freed: ClassVar[str]              # when its memory goes back, in words
     prefix_hit: ClassVar[str]         # what a prefix-cache hit must restore
     rollback: ClassVar[str]           # what a rejected draft takes back
+    travels: ClassVar[str]            # what moves with a request to another worker
 
     @property
     def window(self) -> int | None:
@@ -71,6 +72,7 @@ class FullAttentionSpec(CacheSpec):
     freed: ClassVar[str] = "at the end of the request"
     prefix_hit: ClassVar[str] = "the prefix's blocks"
     rollback: ClassVar[str] = "the blocks wholly past the kept tokens"
+    travels: ClassVar[str] = "its blocks, in the block table's order"
 
     def row_bytes(self) -> int:
         """Bytes of one head's vector as the pool stores it (an int8 row carries its scales)."""
