@@ -19,6 +19,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -43,9 +44,48 @@ __all__ = [
     "ModelArch",
     "ModelSpec",
     "PrefillBatch",
+    "WeightSource",
     "Workspace",
     "parse_device",
 ]
+
+
+@dataclass(frozen=True)
+class WeightSource:
+    """Where a model's weights are read from, each kind as what it is, so a loader reads the
+    file it needs and never looks for one through another:
+
+    - ``"gguf"``: ``path`` is the ``.gguf`` file, which the loaders that keep its blocks (q4,
+      native) read as it is; ``float_cache`` is the HF folder its tensors were dequantised into
+      once (keyed by the file), which the loaders that need floats read.
+    - ``"folder"``: ``path`` is an HF folder (``config.json`` and ``*.safetensors``).
+    - ``"random"``: numbers drawn from ``seed``.
+    """
+
+    kind: Literal["gguf", "folder", "random"]
+    path: Path | None = None
+    float_cache: Path | None = None
+    seed: int = 0
+
+    @classmethod
+    def of(cls, weights: str, seed: int = 0) -> WeightSource:
+        """The source that ``ModelSpec.weights`` names: random weights, else an HF folder."""
+        return cls("random", seed=seed) if weights == "random" else cls("folder", Path(weights))
+
+    @property
+    def gguf(self) -> Path | None:
+        """The GGUF file, for a model loaded from one."""
+        return self.path if self.kind == "gguf" else None
+
+    @property
+    def floats(self) -> Path | None:
+        """The HF folder that float weights are read from (None: random weights)."""
+        return self.float_cache if self.kind == "gguf" else self.path
+
+    @property
+    def weights(self) -> str:
+        """What ``ModelSpec.weights`` says of it: that folder, or "random"."""
+        return "random" if self.floats is None else str(self.floats)
 
 
 @dataclass(frozen=True)
@@ -53,7 +93,8 @@ class ModelSpec:
     """What to load: the architecture, and where its weights come from."""
 
     arch: ModelArch               # the typed architecture, layer by layer (twophase.arch)
-    weights: str                  # "random" or a path to a folder with model.safetensors
+    # "random", or a folder with model.safetensors: the float weights (a GGUF's float cache)
+    weights: str
     dtype: torch.dtype            # weights' and activations' dtype
     model_id: str                 # a name for reports and caches
     seed: int = 0                 # for random weights
@@ -63,6 +104,15 @@ class ModelSpec:
     # what ``state_dict()`` calls: set by core where the spec is made
     weight_loader: Callable[[], dict[str, torch.Tensor]] | None = field(
         default=None, compare=False, repr=False)
+    # where the weights come from, as what they are; left out, what ``weights`` names
+    source: WeightSource = None  # type: ignore[assignment]   # set in __post_init__
+
+    def __post_init__(self) -> None:
+        # ``weights`` and ``seed`` are what plugins read and older code sets (a spec replaced
+        # field by field): a source that no longer agrees with them gives way to what they name
+        s = self.source
+        if s is None or s.weights != self.weights or (s.kind == "random" and s.seed != self.seed):
+            object.__setattr__(self, "source", WeightSource.of(self.weights, self.seed))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The weights, float32 on the CPU, under the HF names of a Llama-style checkpoint

@@ -10,7 +10,6 @@ import ctypes
 import dataclasses
 import logging
 import sys
-from pathlib import Path
 
 import torch
 
@@ -85,8 +84,8 @@ class TorchBackend(Backend):
             keep_freed_memory()
         self.device = torch.device(cfg.device)
         self.arch = model.arch
-        folder = None if model.weights == "random" else Path(model.weights)
-        self.model = build_model(self.arch, model.dtype, self.device, folder, model.seed)
+        self.model = build_model(self.arch, model.dtype, self.device, model.source.floats,
+                                 model.source.seed)
         self.dtype = model.dtype
         self.use_graphs = self.device.type == "cuda" and bool(cfg.options.get("cuda_graphs", True))
 

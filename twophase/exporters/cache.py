@@ -28,15 +28,28 @@ log = logging.getLogger(__name__)
 
 
 def weights_digest(model: ModelSpec) -> str:
-    """sha256 of the weights' files (remembered beside them per file size and mtime, so a
-    second load does not re-read hundreds of MB); for random weights, the seed."""
-    if model.weights == "random":
-        return f"random:{model.seed}"
-    folder = Path(model.weights)
-    memo_path = folder / ".twophase-sha256.json"
+    """sha256 of the weights' files, as the model's ``WeightSource`` names them: a GGUF file
+    (with the version of the conversion that float loaders read it through), an HF folder's
+    safetensors; for random weights, the seed. Remembered per file size and mtime (beside a
+    folder's files, in the cache for a GGUF), so a second load does not re-read hundreds of MB."""
+    source = model.source
+    if source.kind == "random":
+        return f"random:{source.seed}"
+    assert source.path is not None
+    if source.kind == "gguf":
+        from twophase.models.gguf import CONVERSION
+
+        where = hashlib.sha256(str(source.path.resolve()).encode()).hexdigest()[:16]
+        memo = cache_dir() / "sha256" / f"{source.path.stem}-{where}.json"
+        return f"gguf:{CONVERSION}:{_files_sha256([source.path], memo)}"
+    return _files_sha256(sorted(source.path.glob("*.safetensors")), source.path / ".twophase-sha256.json")
+
+
+def _files_sha256(files: list[Path], memo_path: Path) -> str:
+    """sha256 over each file's sha256, those remembered in ``memo_path`` by name, size and mtime."""
     memo = json.loads(memo_path.read_text()) if memo_path.exists() else {}
     h = hashlib.sha256()
-    for f in sorted(folder.glob("*.safetensors")):
+    for f in files:
         st = f.stat()
         key = f"{f.name}:{st.st_size}:{st.st_mtime_ns}"
         if key not in memo:
@@ -47,6 +60,7 @@ def weights_digest(model: ModelSpec) -> str:
             memo[key] = fh.hexdigest()
         h.update(memo[key].encode())
     try:
+        memo_path.parent.mkdir(parents=True, exist_ok=True)
         memo_path.write_text(json.dumps(memo))
     except OSError:           # a read-only model folder: hash again next time
         pass

@@ -37,7 +37,6 @@ from twophase.models.q4_weights import (
     cpu_model,
     model_qweights,
     outlier_channels,
-    source_gguf,
 )
 
 INPUTS = STEP.names
@@ -140,9 +139,10 @@ def _quantize_to(model: ModelSpec, float_graph: Path, folder: Path) -> None:
     blocks where the model came from one, else the float weights quantised to 4 bits."""
     from twophase.exporters import q4
 
-    gguf = source_gguf(model)
+    # the float model, even for a GGUF's blocks: the graph's other weights, the calibration
+    # text's activations (outlier channels) and the decode graphs are built from it
     torch_model = cpu_model(model)
-    weights = model_qweights(torch_model, model.arch, gguf)
+    weights = model_qweights(torch_model, model.arch, model.source.gguf)
     outliers = outlier_channels(torch_model, calibration_ids(model), model.outlier_channels)
     n = q4.quantize_graph(float_graph, folder / "model.onnx", weights, model.accuracy_level,
                           outliers)

@@ -1,6 +1,8 @@
 """GGUF → HF folder: dequantise every tensor once with the ``gguf`` package and write
-``model.safetensors`` (fp32, HF names), ``config.json`` and the tokenizer files, so later loads
-read plain safetensors in seconds instead of re-parsing and dequantising the GGUF."""
+``model.safetensors`` (fp32, HF names), ``config.json`` and the tokenizer files: the float cache
+of a model loaded from a GGUF (``WeightSource.float_cache``), so the loaders that need floats
+read plain safetensors in seconds instead of re-parsing and dequantising the GGUF. The loaders
+that keep the file's blocks read the GGUF itself."""
 
 from __future__ import annotations
 
@@ -101,12 +103,34 @@ def hf_config(header: GGUFFile) -> dict:
     }
 
 
+def hf_tensors(header: GGUFFile, name: str, fam: Family, heads: int,
+               kv_heads: int) -> dict[str, np.ndarray]:
+    """The GGUF tensor ``name`` in float32 under its HF name, undone where llama.cpp changed it
+    (Q/K rows permuted, ``1 + w`` norms); stacked experts as one HF tensor an expert. What the
+    converted folder holds, and what a loader reading a few tensors from the file takes, alike."""
+    import gguf
+
+    t = header.tensors[name]
+    w = gguf.quants.dequantize(header.data(t.name), t.ggml_type).astype(np.float32)
+    w = w.reshape(t.shape)
+    hf = hf_name(t.name, fam)
+    # llama.cpp permutes q and k, weights and biases, for the Llama family's interleaved RoPE
+    if fam.gguf_rope_permuted and hf.endswith(("q_proj.weight", "q_proj.bias")):
+        w = unpermute_rope(w, heads)
+    elif fam.gguf_rope_permuted and hf.endswith(("k_proj.weight", "k_proj.bias")):
+        w = unpermute_rope(w, kv_heads)
+    elif fam.gguf_norm_offset and hf.endswith("norm.weight"):
+        w = w - fam.gguf_norm_offset
+    if "{e}" in hf:                           # [experts, out, in]: one HF tensor an expert
+        return {hf.format(e=e): np.ascontiguousarray(we) for e, we in enumerate(w)}
+    return {hf: np.ascontiguousarray(w)}
+
+
 CONVERSION = 2          # of the folder convert writes (2: the file's add_bos_token kept)
 
 
 def convert(gguf_path: Path, out_dir: Path) -> None:
     """Write an HF folder for ``gguf_path`` into ``out_dir`` (atomically: a temp folder renamed)."""
-    import gguf
     from safetensors.numpy import save_file
     from tqdm import tqdm
 
@@ -116,21 +140,9 @@ def convert(gguf_path: Path, out_dir: Path) -> None:
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, np.ndarray] = {}
+    heads = (config["num_attention_heads"], config["num_key_value_heads"])
     for t in tqdm(header.tensors.values(), desc=f"dequantising {gguf_path.name}", unit="tensor"):
-        w = gguf.quants.dequantize(header.data(t.name), t.ggml_type).astype(np.float32)
-        w = w.reshape(t.shape)
-        name = hf_name(t.name, fam)
-        # llama.cpp permutes q and k, weights and biases, for the Llama family's interleaved RoPE
-        if fam.gguf_rope_permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
-            w = unpermute_rope(w, config["num_attention_heads"])
-        elif fam.gguf_rope_permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
-            w = unpermute_rope(w, config["num_key_value_heads"])
-        elif fam.gguf_norm_offset and name.endswith("norm.weight"):
-            w = w - fam.gguf_norm_offset
-        if "{e}" in name:                     # [experts, out, in]: one HF tensor an expert
-            tensors.update({name.format(e=e): np.ascontiguousarray(we) for e, we in enumerate(w)})
-        else:
-            tensors[name] = np.ascontiguousarray(w)
+        tensors.update(hf_tensors(header, t.name, fam, *heads))
     save_file(tensors, str(tmp / "model.safetensors"))
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     _save_tokenizer(gguf_path, tmp)

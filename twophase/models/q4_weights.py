@@ -7,7 +7,6 @@ The ONNX graph rewrite (``exporters/q4.py``) and the native backend both start f
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from importlib.resources import files
 from pathlib import Path
@@ -17,6 +16,7 @@ import torch
 
 from twophase.arch import ModelArch
 from twophase.contract import ModelSpec
+from twophase.errors import ModelError
 from twophase.models.decoder import Decoder
 from twophase.models.quant import QWeight
 
@@ -36,7 +36,7 @@ def calibration_ids(model: ModelSpec) -> list[int]:
     """``twophase/data/calibration.txt`` in the model's tokens (its bytes, for a model without
     a tokenizer: random weights)."""
     text = _calibration_text()
-    folder = None if model.weights == "random" else Path(model.weights)
+    folder = model.source.floats              # a GGUF's float cache holds its tokenizer
     if folder is not None and (folder / "tokenizer.json").exists():
         from twophase.models.tokenizer import HFTokenizer
 
@@ -44,24 +44,17 @@ def calibration_ids(model: ModelSpec) -> list[int]:
     return [b % model.arch.vocab_size for b in text.encode()]
 
 
-def source_gguf(model: ModelSpec) -> Path | None:
-    """The GGUF file a converted model folder came from, if it still exists."""
-    if model.weights == "random":
-        return None
-    stamp = Path(model.weights) / "source.json"
-    if not stamp.exists():
-        return None
-    path = Path(json.loads(stamp.read_text()).get("gguf", ""))
-    return path if path.is_file() else None
-
-
 def cpu_model(model: ModelSpec) -> Decoder:
-    """The float model on the CPU: what every exporter traces and quantises from."""
+    """The float model on the CPU: what the exporters trace, and what calibration runs the
+    outlier channels' text through. A GGUF's is read from its float cache."""
     from twophase.models.weights import build_model
 
-    folder = None if model.weights == "random" else Path(model.weights)
-    return build_model(model.arch, model.dtype, torch.device("cpu"), folder,
-                       model.seed)
+    source = model.source
+    if source.kind != "random" and source.floats is None:
+        raise ModelError(f"{model.model_id}: the float model needs the GGUF's float cache "
+                         f"(WeightSource.float_cache), which this model's source lacks; load "
+                         f"the model through twophase.models.loader (as the engine does)")
+    return build_model(model.arch, model.dtype, torch.device("cpu"), source.floats, source.seed)
 
 
 def outlier_channels(model, ids: list[int], count: int) -> dict[str, np.ndarray]:
@@ -95,12 +88,13 @@ def outlier_channels(model, ids: list[int], count: int) -> dict[str, np.ndarray]
     return {name: np.sort(p.topk(min(count, p.numel() // 2)).indices.numpy()) for name, p in peak.items()}
 
 
-def model_qweights(model, arch, gguf_path: Path | None) -> dict[str, QWeight]:
+def model_qweights(model: Decoder | None, arch: ModelArch, gguf_path: Path | None) -> dict[str, QWeight]:
     """Quantised forms of every projection and the head, keyed by parameter name: the GGUF's
-    own blocks where the model came from one, else the float weights quantised (projections
-    to 4 bits, the head to 8)."""
+    own blocks where the model came from one (``model`` unused), else ``model``'s float weights
+    quantised (projections to 4 bits, the head to 8)."""
     if gguf_path is not None:
         return gguf_qweights(gguf_path, arch)
+    assert model is not None, "weights not from a GGUF are quantised from the float model"
     from twophase.models.quant import quantize_q4, quantize_q8
 
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}

@@ -6,13 +6,14 @@ nothing is allocated twice and a 16 GB random model never touches host memory on
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from twophase.arch import ModelArch
+from twophase.contract import ModelSpec
 from twophase.errors import ModelError
 from twophase.models.decoder import Decoder, rope_inv_freq
 from twophase.models.families import family
@@ -73,6 +74,57 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, 
                     for name, piece in zip(parts, torch.split(te, rows) if rows else [te]):
                         out[f"model.layers.{i}.{name.format(e=e) if stacked else name}.{kind}"] = piece
     return out
+
+
+def hf_names(arch: ModelArch, ours: Callable[[str], bool]) -> set[str]:
+    """The HF names of the tensors whose own names (``layers.0.attn_norm.weight``) pass
+    ``ours``, by the family's table: all the parts of a fused one, each expert's."""
+    out = {f"{name}.weight" for o, (name, _) in TOP_NAMES.items() if ours(f"{o}.weight")}
+    for i, spec in enumerate(arch.layers):
+        experts = range(max(1, spec.mlp.num_experts))
+        for o, (parts, _) in family(arch.family).layer_names.items():
+            for kind in ("weight", "bias"):
+                if ours(f"layers.{i}.{o}.{kind}"):
+                    out.update(f"model.layers.{i}.{p.format(e=e)}.{kind}" for p in parts for e in experts)
+    return out
+
+
+def float_weights(spec: ModelSpec, ours: Callable[[str], bool],
+                  model: Decoder | None = None) -> dict[str, torch.Tensor]:
+    """The CPU tensors whose own names pass ``ours``, in float32, read by the family's table from
+    where ``spec.source`` says, without building the model: only those tensors of a GGUF,
+    dequantised as its float cache holds them (``gguf.hf_tensors``), or of an HF folder. Random
+    weights are the model's own draws, so they come from ``model`` (built here if not given)."""
+    source, arch = spec.source, spec.arch
+    if source.kind == "random":
+        if model is None:
+            model = build_model(arch, spec.dtype, torch.device("cpu"), None, source.seed)
+        return {k: v.float() for k, v in model.state_dict().items() if ours(k)}
+    with torch.device("meta"), no_init():
+        held = set(Decoder(arch).state_dict())    # the model's own names (nothing allocated)
+    names = hf_names(arch, lambda k: k in held and ours(k))
+    hf: dict[str, torch.Tensor] = {}
+    if source.kind == "gguf":
+        from twophase.models.gguf import hf_name, hf_tensors
+        from twophase.models.gguf_file import GGUFFile
+
+        assert source.path is not None
+        header = GGUFFile(source.path)
+        fam = family(arch.family)
+        for name in header.tensors:
+            if hf_name(name, fam).format(e=0) in names:
+                hf.update({k: torch.from_numpy(v) for k, v in
+                           hf_tensors(header, name, fam, arch.num_heads, arch.num_kv_heads).items()})
+    else:
+        from safetensors import safe_open
+
+        assert source.path is not None
+        for f in sorted(source.path.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as st:
+                hf.update({k: st.get_tensor(k) for k in st.keys() if k in names})
+    # rounded to the model's dtype, as the model built from them holds them
+    return {k: v.to(spec.dtype).float() for k, v in from_hf_state_dict(hf, arch).items()
+            if k in held and ours(k)}
 
 
 def hf_weights(arch: ModelArch, folder: Path | None, seed: int) -> dict[str, torch.Tensor]:

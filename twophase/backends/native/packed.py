@@ -7,7 +7,9 @@ from pathlib import Path
 
 import numpy as np
 
+from twophase.contract import ModelSpec
 from twophase.large_pages import region
+from twophase.models.decoder import Decoder, rope_inv_freq, rope_thetas
 
 # per layer, the float32 tensors a family may add: array name -> the Decoder's parameter
 OPTIONAL = {"q_norm": "attn.q_norm.weight", "k_norm": "attn.k_norm.weight",
@@ -17,17 +19,31 @@ OPTIONAL = {"q_norm": "attn.q_norm.weight", "k_norm": "attn.k_norm.weight",
 NORMS = {"attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm"}
 
 
-def float_arrays(torch_model, layers: int) -> dict[str, np.ndarray]:
+PER_LAYER = {"attn_norm": "attn_norm.weight", "mlp_norm": "mlp_norm.weight", **OPTIONAL}
+
+
+def kept_in_float(name: str) -> bool:
+    """Whether the model's tensor ``name`` is one both layouts keep in float32."""
+    return name in ("embed.weight", "norm.weight") or name.split(".", 2)[-1] in PER_LAYER.values()
+
+
+def float_arrays(spec: ModelSpec, model: Decoder | None = None) -> dict[str, np.ndarray]:
     """What both layouts keep in float32: embedding, norms and biases (layers stacked), each
-    layer's RoPE frequencies. A ``(1 + w)`` norm is stored as ``1 + w`` (in float32, as the
-    family computes it), so the C step has one RMSNorm."""
-    sd = {k: v.detach().float().numpy() for k, v in torch_model.state_dict().items()}
-    per_layer = {"attn_norm": "attn_norm.weight", "mlp_norm": "mlp_norm.weight", **OPTIONAL}
+    layer's RoPE frequencies. The tensors are read by the family's table from where the weights
+    lie (``float_weights``; random ones from ``model``, the Decoder that drew them, if given). A
+    ``(1 + w)`` norm is stored as ``1 + w`` (in float32, as the family computes it), so the C step
+    has one RMSNorm."""
+    from twophase.models.weights import float_weights
+
+    arch, layers = spec.arch, spec.arch.num_layers
+    sd = {k: v.numpy() for k, v in float_weights(spec, kept_in_float, model).items()}
+    thetas = rope_thetas(arch)
+    rope_index = [thetas.index(s.attention.rope_theta) for s in arch.layers]
     out = {"embed": sd["embed.weight"], "final_norm": sd["norm.weight"],
-           "inv_freq": torch_model.inv_freq[torch_model.rope_index].float().numpy()}
+           "inv_freq": rope_inv_freq(arch)[rope_index].float().numpy()}
     out.update({name: np.stack([sd[f"layers.{i}.{p}"] for i in range(layers)])
-                for name, p in per_layer.items() if f"layers.0.{p}" in sd})
-    offset = np.float32(torch_model.arch.norm_offset)
+                for name, p in PER_LAYER.items() if f"layers.0.{p}" in sd})
+    offset = np.float32(arch.norm_offset)
     return {k: (v + offset if k in NORMS and offset else v) for k, v in out.items()}
 
 

@@ -3,9 +3,9 @@
 Each projection is its parts (q, k and v; gate and up; an expert layer's router and its
 experts' stacked gate, up and down) in their own block types, their rows the file's bytes, only
 reordered where llama.cpp permuted the Q/K rows for its RoPE (whole rows move, so the blocks
-stay exact); the head likewise. Norms, RoPE frequencies and the embedding
-(looked up, never multiplied) are float32. A tensor type ``gguf_blocks.h`` cannot run is
-refused by name: nothing is converted."""
+stay exact); the head likewise. Norms, RoPE frequencies and the embedding (looked up, never
+multiplied) are float32, read from the file by the family's name table. A tensor type
+``gguf_blocks.h`` cannot run is refused by name: nothing is converted."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from twophase.backends.native.packed import float_arrays
 from twophase.contract import ModelSpec
 from twophase.errors import ConfigError
 from twophase.formats import by_ggml_type
-from twophase.models.q4_weights import PROJECTIONS, cpu_model, source_gguf
+from twophase.models.q4_weights import PROJECTIONS
 
 # the tensor types gguf_blocks.h runs
 RUNS = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
@@ -35,7 +35,7 @@ def projections(experts: bool) -> tuple[str, ...]:
 
 
 def gguf_of(spec: ModelSpec) -> Path:
-    path = source_gguf(spec)
+    path = spec.source.gguf
     if path is None:
         raise ConfigError("model.quantization", f'"gguf" runs the tensors of a GGUF file as it stores '
                           f"them; {spec.model_id} was not loaded from one (use \"q4\" to quantise it)")
@@ -82,5 +82,5 @@ def pack(spec: ModelSpec, folder: Path) -> None:
         for j, (_, rows) in enumerate(parts):
             np.save(folder / f"{key}.{j}.npy", np.ascontiguousarray(rows))
     (folder / "types.json").write_text(json.dumps(types))
-    for name, a in float_arrays(cpu_model(spec), spec.arch.num_layers).items():
+    for name, a in float_arrays(spec).items():
         np.save(folder / f"{name}.npy", np.ascontiguousarray(a, dtype=np.float32))

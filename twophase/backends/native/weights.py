@@ -28,7 +28,6 @@ from twophase.models.q4_weights import (
     cpu_model,
     model_qweights,
     outlier_channels,
-    source_gguf,
 )
 from twophase.models.quant import BLOCK, QWeight
 
@@ -102,17 +101,21 @@ def manifest(spec: ModelSpec) -> dict:
     from twophase.exporters.cache import weights_digest
 
     return {"format": FORMAT, "model_id": spec.model_id, "arch": spec.arch.to_dict(),
-            "weights_sha256": weights_digest(spec), "from_gguf": source_gguf(spec) is not None,
+            "weights_sha256": weights_digest(spec), "from_gguf": spec.source.kind == "gguf",
             "outlier_channels": spec.outlier_channels, "calibration_sha256": calibration_digest()}
 
 
 def pack(spec: ModelSpec, folder: Path) -> None:
     """Write the model's arrays to ``folder``, one ``.npy`` each (layers stacked)."""
-    arch = spec.arch
-    torch_model = cpu_model(spec)
-    qweights = model_qweights(torch_model, arch, source_gguf(spec))
-    outliers = outlier_channels(torch_model, calibration_ids(spec), spec.outlier_channels)
-    out = float_arrays(torch_model, arch.num_layers)
+    arch, gguf = spec.arch, spec.source.gguf
+    # the float model, where it is needed: to quantise weights that are not a GGUF's blocks, and
+    # to find the outlier channels by running the calibration text's activations through it
+    need_float = gguf is None or spec.outlier_channels > 0
+    torch_model = cpu_model(spec) if need_float else None
+    qweights = model_qweights(torch_model, arch, gguf)
+    outliers = outlier_channels(torch_model, calibration_ids(spec), spec.outlier_channels) \
+        if torch_model is not None else {}
+    out = float_arrays(spec, torch_model)
     L = arch.num_layers
     for name in PROJECTIONS:
         parts = {"rows": [], "idx": [], "cols": []}
