@@ -28,7 +28,7 @@ from twophase.graph.inputs import step_inputs
 from twophase.models.decoder import Decoder
 from twophase.models.layers.rotary import apply_rope
 from twophase.models.shapes import named_shape
-from twophase.models.weights import build_model
+from twophase.models.state_dict import build_model
 
 
 class ContiguousDecode(nn.Module):

@@ -284,7 +284,7 @@ def test_a_path_switching_off_what_the_cpu_lacks_is_the_native_build(monkeypatch
 def _q4_weight(rng, n, k, n_out):
     import numpy as np
 
-    from twophase.backends.native.weights import Q4_1
+    from twophase.backends.native.model_struct import Q4_1
 
     nb = k // 32
     blocks = np.empty((n, nb), Q4_1)
@@ -304,7 +304,7 @@ def _q4_weight(rng, n, k, n_out):
 def _q8_weight(rng, n, k):
     import numpy as np
 
-    from twophase.backends.native.weights import Q8_0
+    from twophase.backends.native.model_struct import Q8_0
 
     blocks = np.empty((n, k // 32), Q8_0)
     blocks["d"] = rng.uniform(0.001, 0.02, blocks.shape).astype(np.float16)
@@ -346,7 +346,7 @@ def test_q4_tiles_equal_the_scalar_reference_in_every_batch(flags, shape):
     import numpy as np
 
     from twophase.backends.native import kernel
-    from twophase.backends.native.weights import q4_rows
+    from twophase.backends.native.model_struct import q4_rows
 
     lib = kernel.load(flags)
     n, k, n_out = shape
@@ -371,7 +371,7 @@ def test_q8_head_tiles_equal_the_scalar_reference_in_every_batch(flags):
     import numpy as np
 
     from twophase.backends.native import kernel
-    from twophase.backends.native.weights import q8_rows
+    from twophase.backends.native.model_struct import q8_rows
 
     lib = kernel.load(flags)
     rng = np.random.default_rng(8)
@@ -398,7 +398,7 @@ def test_the_paths_agree_up_to_float_rounding():
     import numpy as np
 
     from twophase.backends.native import kernel
-    from twophase.backends.native.weights import q4_rows, q8_rows
+    from twophase.backends.native.model_struct import q4_rows, q8_rows
 
     libs = [kernel.load(flags) for flags in PATHS.values()]
     rng = np.random.default_rng(3)

@@ -15,7 +15,7 @@ from twophase.errors import ConfigError
 from twophase.exporters import trt_profiles
 from twophase.exporters.trt_profiles import ELEMENT_LIMIT, profile_memory, profile_shapes, rung_tensors, rungs
 from twophase.models.families.llama import arch as llama_arch
-from twophase.models.params import num_params
+from twophase.models.param_counts import num_params
 from twophase.models.shapes import SHAPES
 
 H200 = 141 * 10**9

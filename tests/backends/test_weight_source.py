@@ -63,7 +63,7 @@ def test_native_gguf_reads_the_file_the_source_names(tiny_gguf, tmp_path, monkey
     """``quantization = "gguf"`` packs the same arrays whether or not the float cache carries
     the stamp, and never builds the float model (its norms and embedding come by name)."""
     from twophase.backends.native import stored_weights
-    from twophase.models import weights
+    from twophase.models import state_dict
 
     spec, bare = _specs(tiny_gguf, "gguf", tmp_path)
     want = _packed(stored_weights.pack, spec, tmp_path / "with-stamp")
@@ -71,7 +71,7 @@ def test_native_gguf_reads_the_file_the_source_names(tiny_gguf, tmp_path, monkey
     def no_float_model(*a, **k):
         raise AssertionError("the float model was built")
 
-    monkeypatch.setattr(weights, "build_model", no_float_model)
+    monkeypatch.setattr(state_dict, "build_model", no_float_model)
     got = _packed(stored_weights.pack, bare, tmp_path / "without-stamp")
     assert got.keys() == want.keys() and {"embed.npy", "attn_norm.npy", "final_norm.npy"} <= got.keys()
     for name in want:
@@ -81,8 +81,8 @@ def test_native_gguf_reads_the_file_the_source_names(tiny_gguf, tmp_path, monkey
 def test_q4_takes_the_files_blocks_from_the_source(tiny_gguf, tmp_path, monkeypatch):
     """``quantization = "q4"`` on native takes the GGUF's own blocks by the source (not the
     float cache requantised), and without outlier channels builds no float model."""
-    from twophase.backends.native import weights as native_weights
-    from twophase.models import q4_weights, weights
+    from twophase.backends.native import model_struct as native_weights
+    from twophase.models import q4_weights, state_dict
 
     spec, bare = _specs(tiny_gguf, "q4", tmp_path)
     want = _packed(native_weights.pack, spec, tmp_path / "with-stamp")
@@ -98,7 +98,7 @@ def test_q4_takes_the_files_blocks_from_the_source(tiny_gguf, tmp_path, monkeypa
     def no_float_model(*a, **k):
         raise AssertionError("the float model was built")
 
-    monkeypatch.setattr(weights, "build_model", no_float_model)
+    monkeypatch.setattr(state_dict, "build_model", no_float_model)
     _packed(native_weights.pack, dataclasses.replace(bare, outlier_channels=0), tmp_path / "no-outliers")
 
 

@@ -8,7 +8,7 @@ import pytest
 from helpers.models import tiny_llm
 
 from twophase import SamplingParams
-from twophase.models.params import num_params
+from twophase.models.param_counts import num_params
 from twophase.testing import assert_greedy_match
 
 

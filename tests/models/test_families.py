@@ -252,7 +252,7 @@ def test_window_release_keeps_tokens_through_preemption_prefix_hits_and_drafts(t
 
 def test_named_shapes_count_what_their_model_cards_state():
     from twophase.config import load_config
-    from twophase.models.params import active_layer_params, group_params, num_params
+    from twophase.models.param_counts import active_layer_params, group_params, num_params
     from twophase.models.shapes import SHAPES
     from twophase.plan import plan
     from twophase.plan.devices import profile

@@ -30,7 +30,7 @@ from twophase.contract import (
 from twophase.device import require_device, threads_option
 from twophase.kv_formats import KV_FORMATS
 from twophase.models.decoder import AttnMeta, Decoder
-from twophase.models.weights import build_model
+from twophase.models.state_dict import build_model
 
 log = logging.getLogger(__name__)
 

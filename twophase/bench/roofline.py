@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from twophase.arch import ModelArch
-from twophase.models.params import active_layer_params
+from twophase.models.param_counts import active_layer_params
 
 
 def _pairs(n: float, depth: float, window: int) -> float:

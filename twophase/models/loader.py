@@ -46,7 +46,7 @@ class ResolvedModel:
 def model_spec(m: ResolvedModel, cfg: ModelSource) -> ModelSpec:
     """What a backend loads: the one place a ``ModelSpec`` is made (from the config's
     ``ModelConfig.source()``)."""
-    from twophase.models.weights import hf_weights
+    from twophase.models.state_dict import hf_weights
 
     source = m.source or WeightSource.of(m.weights, cfg.seed)
     spec = ModelSpec(m.arch, source.weights, m.dtype, m.model_id, cfg.seed, cfg.quantization,
@@ -142,6 +142,6 @@ def load_folder(folder: Path, model_id: str, dtype: torch.dtype, gguf: Path | No
 
 
 def weight_bytes(arch: ModelArch, dtype: torch.dtype) -> int:
-    from twophase.models.params import num_params
+    from twophase.models.param_counts import num_params
 
     return num_params(arch) * torch.empty((), dtype=dtype).element_size()

@@ -47,7 +47,7 @@ def calibration_ids(model: ModelSpec) -> list[int]:
 def cpu_model(model: ModelSpec) -> Decoder:
     """The float model on the CPU: what the exporters trace, and what calibration runs the
     outlier channels' text through. A GGUF's is read from its float cache."""
-    from twophase.models.weights import build_model
+    from twophase.models.state_dict import build_model
 
     source = model.source
     if source.kind != "random" and source.floats is None:

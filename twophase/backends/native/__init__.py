@@ -114,7 +114,7 @@ class NativeBackend(Backend):
             raise ConfigError("model.dtype", f"the native backend runs float32, not {model.dtype}")
         self.arch = model.arch
         from twophase.backends.native import kernel
-        from twophase.backends.native.weights import NativeWeights
+        from twophase.backends.native.model_struct import NativeWeights
 
         isa = cfg.options.get("isa", "native")
         if not isinstance(isa, str) or isa not in kernel.ISA_FLAGS:

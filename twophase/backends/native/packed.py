@@ -33,7 +33,7 @@ def float_arrays(spec: ModelSpec, model: Decoder | None = None) -> dict[str, np.
     lie (``float_weights``; random ones from ``model``, the Decoder that drew them, if given). A
     ``(1 + w)`` norm is stored as ``1 + w`` (in float32, as the family computes it), so the C step
     has one RMSNorm."""
-    from twophase.models.weights import float_weights
+    from twophase.models.state_dict import float_weights
 
     arch, layers = spec.arch, spec.arch.num_layers
     sd = {k: v.numpy() for k, v in float_weights(spec, kept_in_float, model).items()}
