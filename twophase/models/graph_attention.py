@@ -3,8 +3,8 @@
 The eager path loops over prefill chunks in Python; a graph cannot. Here a step's sequences form
 two groups, each a dense tensor problem, while the projections still run once over all packed
 tokens: *decodes* (one query each, attended block by block on one flat gather of their blocks,
-no transpose: the layout that cost x1.08 over contiguous K/V in the prototype) and *chunks*
-(padded to the longest chunk, cached blocks gathered and transposed once, x1.11). A mixed step
+no transpose: the layout that cost least over contiguous K/V in the prototype) and *chunks*
+(padded to the longest chunk, cached blocks gathered and transposed once). A mixed step
 is still one graph run. Either group may be empty, or absent (``None``: a graph traced for one
 phase only, like the MLIR module's ``prefill`` and ``decode`` entry points).
 

@@ -163,8 +163,8 @@ def build_model(arch: ModelArch, dtype: torch.dtype, device: torch.device,
             hf.update(load_file(str(f)))
         # copies of what is still a view of the file's mapping (it would keep the whole mapping
         # resident, the unfused sources of q/k/v and gate/up with it: ~16% over the weights'
-        # bytes); the fused tensors are fresh already, and a second copy of them cost ~1 s a GiB
-        # of page faults in a VM
+        # bytes); the fused tensors are fresh already, and a second copy of them costs page
+        # faults (docs/measurements.md)
         mapped = {t.untyped_storage().data_ptr() for t in hf.values()}
         sd = {k: v.to(device=device, dtype=dtype, copy=v.untyped_storage().data_ptr() in mapped)
               for k, v in from_hf_state_dict(hf, arch).items()}

@@ -192,9 +192,8 @@ class NativeBackend(Backend):
     def _logits(self, rows: int) -> torch.Tensor:
         """A [rows, vocab] float32 tensor for a step's logits, on a buffer no earlier result
         still holds. A fresh one each step can cost its pages' first touch: 32 rows of Gemma's
-        262144 logits are 33.5 MB, past what glibc keeps for reuse (32 MB), and writing a fresh
-        one took 19 ms alone; in the engine the batch-32 step's head went from 57.2 to 53.5 ms
-        (medians of 4 rounds, a Zen 4 VM). A buffer is free when nothing but it refers to its
+        262144 logits are 33.5 MB, past what glibc keeps for reuse (32 MB); the cost is in
+        docs/measurements.md. A buffer is free when nothing but it refers to its
         memory's array (a returned tensor, and any view of it, holds that array: numpy's views
         all point at it)."""
         need, kept = rows * self.arch.vocab_size, self.logit_buffers
