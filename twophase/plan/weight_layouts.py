@@ -12,24 +12,24 @@ the figures are exact to the byte for the tensors and leave out only runtime boo
 from __future__ import annotations
 
 from twophase.arch import ModelArch
-from twophase.models import params
+from twophase.models import param_counts
 
 BLOCK = 32
-GROUPS = params.GROUPS
+GROUPS = param_counts.GROUPS
 
 
 def projections(arch: ModelArch) -> dict[str, list[tuple[int, int]]]:
     """Each group's matrices as (out, in) shapes, for all layers (from the model itself)."""
-    return params.matrices(arch)
+    return param_counts.matrices(arch)
 
 
 def _biases(arch: ModelArch) -> dict[str, int]:
-    return params.biases(arch)
+    return param_counts.biases(arch)
 
 
 def dense(arch: ModelArch, itemsize: int) -> dict[str, int]:
     """Every tensor in one dtype; a tied head shares the embedding's bytes."""
-    return {g: n * itemsize for g, n in params.group_params(arch).items()}
+    return {g: n * itemsize for g, n in param_counts.group_params(arch).items()}
 
 
 def _outliers(k: int, count: int) -> int:
@@ -48,7 +48,7 @@ def blocks(arch: ModelArch, outlier_channels: int, head_bits: int = 8) -> dict[s
         out[g] = total + _biases(arch)[g] * 4
     V, h = arch.vocab_size, arch.hidden_size
     head = V * (h // BLOCK) * (34 if head_bits == 8 else 21)
-    return {"embedding": V * h * 4, **out, "norms": params.group_params(arch)["norms"] * 4, "head": head}
+    return {"embedding": V * h * 4, **out, "norms": param_counts.group_params(arch)["norms"] * 4, "head": head}
 
 
 def matmulnbits(arch: ModelArch, outlier_channels: int, head_bits: int = 8) -> dict[str, int]:
@@ -71,4 +71,4 @@ def matmulnbits(arch: ModelArch, outlier_channels: int, head_bits: int = 8) -> d
         head = V * h + V * nb * 4 + V * nb
     else:
         head = V * h // 2 + V * nb * 4 + V * -(-nb // 2) + nb * V * 4 + 24
-    return {"embedding": V * h * 4, **out, "norms": params.group_params(arch)["norms"] * 4, "head": head}
+    return {"embedding": V * h * 4, **out, "norms": param_counts.group_params(arch)["norms"] * 4, "head": head}
