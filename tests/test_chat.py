@@ -9,7 +9,7 @@ import pytest
 from helpers.models import tiny_llm
 
 from twophase import SamplingParams
-from twophase.cli.chat import chat
+from twophase.cli.chat import chat, cut_notice
 
 pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(max_tokens=12)
@@ -30,16 +30,23 @@ def _talk(llm, lines: list[str], params=GREEDY) -> tuple[int, str]:
 
 def test_each_turn_answers_the_whole_conversation(default_llm):
     tok = default_llm.tokenizer
+
+    def answer(messages) -> tuple[str, list[str]]:
+        """The answer, and the notice chat prints after it where max_tokens cut it."""
+        o = default_llm.generate(tok.apply_chat_template(messages), GREEDY)[0]
+        return o.text, [cut_notice(GREEDY)] if o.finish_reason == "length" else []
+
     first = [{"role": "user", "content": "What is the capital of France?"}]
-    a1 = default_llm.generate(tok.apply_chat_template(first), GREEDY)[0].text
+    a1, cut1 = answer(first)
     both = first + [{"role": "assistant", "content": a1}, {"role": "user", "content": "And of Spain?"}]
-    a2 = default_llm.generate(tok.apply_chat_template(both), GREEDY)[0].text
-    fresh = default_llm.generate(tok.apply_chat_template([both[-1]]), GREEDY)[0].text
+    a2, cut2 = answer(both)
+    fresh, cut3 = answer([both[-1]])
     assert a2 != fresh                      # the history changes the answer: the test can tell
+    assert cut1 or cut2 or cut3             # 12 tokens cut some answer: the notice is tested
     status, text = _talk(default_llm, ["What is the capital of France?", "And of Spain?", "/reset",
                                        "And of Spain?", "/exit"])
     assert status == 0
-    assert text.splitlines()[1:] == [a1, a2, "(a new conversation)", fresh]
+    assert text.splitlines()[1:] == [a1, *cut1, a2, *cut2, "(a new conversation)", fresh, *cut3]
 
 
 def test_a_refused_turn_keeps_the_conversation(default_llm):

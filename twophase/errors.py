@@ -46,3 +46,9 @@ class StepFailed(TwophaseError):
         self.request_ids = list(request_ids)
         self.had_running = had_running
         super().__init__(message)
+
+
+def install_hint(extra: str) -> str:
+    """The command that installs an optional part: twophase installs from its checkout (it is not
+    on PyPI, so ``pip install 'twophase[extra]'`` finds nothing)."""
+    return f"pip install -e '.[{extra}]' in the twophase checkout"

@@ -43,7 +43,7 @@ from twophase.contract import (
     parse_device,
 )
 from twophase.device import require_device, threads_option
-from twophase.errors import ConfigError
+from twophase.errors import ConfigError, install_hint
 from twophase.graph.inputs import kv_rows, layer_blocks, step_inputs, write_rows
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def _iree():
         import iree.turbine  # noqa: F401
     except ImportError as exc:
         raise BackendUnavailable(f"IREE is not installed ({exc.name} missing): "
-                                 f"pip install 'twophase[mlir]'") from None
+                                 f"{install_hint('mlir')}") from None
     return rt
 
 

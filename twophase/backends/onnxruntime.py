@@ -56,7 +56,7 @@ from twophase.contract import (
     parse_device,
 )
 from twophase.device import require_device, threads_option
-from twophase.errors import ConfigError
+from twophase.errors import ConfigError, install_hint
 from twophase.graph.inputs import decode_graph_inputs, step_inputs, verify_graph_inputs, write_new_kv
 
 log = logging.getLogger(__name__)
@@ -88,8 +88,8 @@ def _ort():
     try:
         import onnxruntime
     except ImportError:
-        raise BackendUnavailable("onnxruntime is not installed: pip install 'twophase[onnx]' "
-                                 "(CPU) or 'twophase[onnx-cuda]' (GPU)") from None
+        raise BackendUnavailable(f"onnxruntime is not installed: {install_hint('onnx')} (CPU), or the "
+                                 f"onnx-cuda extra (GPU)") from None
     return onnxruntime
 
 
@@ -106,8 +106,8 @@ class OnnxRuntimeBackend(Backend):
         if kind == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
             raise BackendUnavailable(
                 f"onnxruntime {ort.__version__} has no CUDA execution provider "
-                f"(providers: {', '.join(ort.get_available_providers())}): install "
-                f"'twophase[onnx-cuda]' (onnxruntime-gpu, never beside onnxruntime)")
+                f"(providers: {', '.join(ort.get_available_providers())}): {install_hint('onnx-cuda')} "
+                f"(onnxruntime-gpu, never beside onnxruntime)")
         require_device(device)
         if kind not in ("cpu", "cuda"):
             raise BackendUnavailable(f"device {device!r}: onnxruntime runs on cpu or cuda here")

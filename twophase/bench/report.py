@@ -19,6 +19,9 @@ from rich.table import Table
 
 from twophase.bench import machine
 from twophase.bench.results import above_roofline, tokens_range
+from twophase.cli.terminal import console as terminal_console
+from twophase.cli.terminal import styled
+from twophase.errors import install_hint
 
 RECALIBRATE = "run `twophase calibrate --force` on a quiet machine, then bench again"
 
@@ -237,11 +240,11 @@ def fit(columns: list[str], rows: list[list[str]], width: int) -> tuple[list[str
 
 
 def print_tables(res: dict[str, Any], console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or terminal_console()
     for text in headline(res):
         console.print(text, highlight=False)
     for text in warnings(res):
-        console.print(f"[bold yellow]warning:[/] {text}", highlight=False)
+        console.print(styled(("warning:", "bold yellow"), " ", text))
     for title, columns, rows in tables(res):
         columns, rows, dropped = fit(columns, rows, console.width)
         console.print(_table(title, columns, rows))
@@ -277,7 +280,7 @@ def plot(res: dict[str, Any], out: Path) -> list[str]:
         import logging
 
         logging.getLogger(__name__).warning("no plots: matplotlib is not installed "
-                                            "(pip install 'twophase[bench]')")
+                                            f"({install_hint('bench')})")
         return []
 
     matplotlib.use("Agg")

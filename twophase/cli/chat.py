@@ -60,7 +60,7 @@ def _answer(llm: LLM, prompt: str, params: SamplingParams, out: TextIO) -> str |
     except RequestRejected as exc:
         out.write(f"(refused: {exc}; /reset starts a shorter conversation)\n")
         return None
-    text = []
+    text, reason = [], None
     try:
         while engine.has_unfinished():
             for d in engine.step():
@@ -68,8 +68,16 @@ def _answer(llm: LLM, prompt: str, params: SamplingParams, out: TextIO) -> str |
                     out.write(d.text)
                     out.flush()
                     text.append(d.text)
+                    reason = d.finish_reason or reason
     except KeyboardInterrupt:
         engine.abort(req_id)
         out.write(" (stopped)")
     out.write("\n")
+    if reason == "length":
+        out.write(f"{cut_notice(params)}\n")
     return "".join(text)
+
+
+def cut_notice(params: SamplingParams) -> str:
+    """What a turn cut at ``max_tokens`` says after it (the answer is not finished)."""
+    return f"(cut at max_tokens = {params.max_tokens}; --max-tokens gives answers more room)"

@@ -12,9 +12,9 @@ import logging
 import sys
 from pathlib import Path
 
-from twophase.cli import flags
+from twophase.cli import flags, terminal
 from twophase.cli.cache_contents import KINDS
-from twophase.errors import ConfigError, TwophaseError
+from twophase.errors import ConfigError, TwophaseError, install_hint
 
 log = logging.getLogger("twophase")
 
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, help="default: server.port (8000)")
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: "
                                          "server.api_key or $TWOPHASE_API_KEY)")
-    ray = serve.add_argument_group("on Ray (pip install 'twophase[cluster]'; docs/cluster.md)")
+    ray = serve.add_argument_group(f"on Ray ({install_hint('cluster')}; docs/cluster.md)")
     ray.add_argument("--replicas", type=int, help="engine replicas behind the endpoint (cluster.replicas)")
     ray.add_argument("--prefill-workers", type=int, help="disaggregated: prefill workers "
                                                          "(cluster.prefill_workers)")
@@ -135,7 +135,6 @@ def cmd_run(args) -> int:
 
 
 def _run_and_report(args, cfg, llm) -> int:
-    from rich.console import Console
 
     from twophase.cli import workload
     from twophase.cli.phase_table import phase_table
@@ -143,15 +142,15 @@ def _run_and_report(args, cfg, llm) -> int:
 
     items = workload.build(cfg, llm.tokenizer, llm.model.arch.vocab_size)
     outputs = llm.generate([p for p, _ in items], [s for _, s in items], use_tqdm=True)
-    console = Console()
+    console = terminal.console()
     if not args.quiet:
         for i, o in enumerate(outputs):
             shown = o.text if llm.tokenizer is not None else str(o.token_ids)
             if o.finish_reason == "rejected":
-                console.print(f"[bold red]#{i} rejected:[/] {o.error}")
+                console.print(terminal.styled((f"#{i} rejected:", "bold red"), " ", o.error or ""))
             else:
-                console.print(f"[bold]#{i}[/] [dim]({o.finish_reason}, {len(o.token_ids)} tokens)[/] {shown}",
-                              markup=True, highlight=False)
+                console.print(terminal.styled((f"#{i}", "bold"), " ",
+                                              (f"({o.finish_reason}, {len(o.token_ids)} tokens)", "dim"), " ", shown))
     report = llm.report(outputs)
     console.print(phase_table(report))
     if args.json:
@@ -167,7 +166,6 @@ def cmd_bench(args) -> int:
     from twophase.config import load_config
 
     cfg = load_config(args.config)
-    from rich.console import Console
 
     from twophase.bench import run as bench
     from twophase.bench.report import print_tables
@@ -176,7 +174,7 @@ def cmd_bench(args) -> int:
     if names is not None and not names:
         raise ConfigError("--backends", "name at least one backend")
     res = bench.run(cfg, names, args.compare_chunked, bench.command_line(args.argv), args.speculative)
-    print_tables(res, Console())
+    print_tables(res, terminal.console())
     for path in bench.write(res, args.out):
         log.info("wrote %s", path)
     return 0
@@ -210,7 +208,6 @@ def cmd_chat(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from rich.console import Console
 
     from twophase import plan as planner
     from twophase.backends.registry import Registry
@@ -229,7 +226,7 @@ def cmd_plan(args) -> int:
     p = planner.plan(cfg, device, args.context, args.users, routed=routed, registry=registry)
     if note:
         p.notes.insert(0, note)
-    console = Console()
+    console = terminal.console()
     console.print(render.table(p))
     for line in render.summary(p):
         console.print(line, highlight=False)
@@ -240,7 +237,7 @@ def cmd_plan(args) -> int:
         try:
             console.print(f"wrote {render.plot(p, Path(args.plot))}")
         except ImportError:
-            console.print("no plot: matplotlib is not installed (pip install 'twophase[bench]')")
+            console.print(f"no plot: matplotlib is not installed ({install_hint('bench')})")
     return 0 if p.fits else 1
 
 
@@ -265,7 +262,6 @@ def _plan_routing(cfg, device, registry):
 
 
 def cmd_cache(args) -> int:
-    from rich.console import Console
     from rich.table import Table
 
     from twophase.cli import cache_contents as cc
@@ -287,7 +283,7 @@ def cmd_cache(args) -> int:
     for e in found:
         t.add_row(e.kind, e.name + ("" if e.complete else " (incomplete build)"), cc.human(e.bytes),
                   cc.age(e.modified))
-    console = Console()
+    console = terminal.console()
     console.print(t if found else f"{root} is empty")
     for kind, what in KINDS.items():
         total = sum(e.bytes for e in found if e.kind == kind)
@@ -324,8 +320,6 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_backends(args) -> int:
-    from rich.console import Console
-    from rich.markup import escape
     from rich.table import Table
 
     from twophase.backends.registry import Registry
@@ -338,7 +332,8 @@ def cmd_backends(args) -> int:
         cells = []
         for device in ("cpu", "cuda"):
             why = reg.availability(name, device)
-            cells.append("[green]yes[/]" if why is None else f"[red]no[/]: {escape(why)}")
+            yes, no = ("yes", "green"), ("no", "red")
+            cells.append(terminal.styled(yes) if why is None else terminal.styled(no, ": ", why))
         try:
             caps = info.cls().capabilities()     # the class's own statement: nothing is loaded
             kv = ", ".join(dict.fromkeys([str(d).removeprefix("torch.") for d in caps.dtypes] + list(caps.kv_formats)))
@@ -346,8 +341,8 @@ def cmd_backends(args) -> int:
             kv = f"? ({type(exc).__name__})"
         table.add_row(name, info.source, ", ".join(info.cls.quantizations), kv, *cells)
     for info in reg.failures:
-        table.add_row(info.name, info.source, "", "", f"[red]failed to load[/]: {escape(info.error)}", "")
-    console = Console()
+        table.add_row(info.name, info.source, "", "", terminal.styled(("failed to load", "red"), ": ", info.error), "")
+    console = terminal.console()
     console.print(table)
     if args.config or args.model or args.quantization:
         _print_routing(console, reg, args)

@@ -15,7 +15,7 @@ from typing import Any
 
 from twophase.cluster.board import BOARD, MetricsBoard, labelled
 from twophase.config import Config
-from twophase.errors import ConfigError, TwophaseError
+from twophase.errors import ConfigError, TwophaseError, install_hint
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +25,7 @@ def check_installed() -> None:
         import ray  # noqa: F401
         from ray import serve  # noqa: F401
     except ImportError:
-        raise TwophaseError("serving on a cluster needs Ray: install the cluster extra, "
-                            "pip install 'twophase[cluster]'") from None
+        raise TwophaseError(f"serving on a cluster needs Ray: {install_hint('cluster')}") from None
 
 
 @dataclass(eq=False)

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from twophase.contract import EngineLimits, ModelSpec
-from twophase.errors import BackendUnavailable, TwophaseError
+from twophase.errors import BackendUnavailable, TwophaseError, install_hint
 from twophase.exporters.trt_profiles import WORKSPACE_BYTES, Profile, cache_key, profile_shapes
 
 __all__ = ["EngineMismatch", "build_engine", "export", "import_tensorrt", "profile_shapes",
@@ -180,14 +180,14 @@ def require_export_packages() -> None:
     missing = [name for name in EXPORT_PACKAGES if importlib.util.find_spec(name) is None]
     if missing:
         raise BackendUnavailable(f"the tensorrt backend builds its engine from the model's ONNX "
-                                 f"export, which needs {' and '.join(missing)}: pip install "
-                                 f"'twophase[tensorrt]' (or pip install {' '.join(missing)})")
+                                 f"export, which needs {' and '.join(missing)}: {install_hint('tensorrt')} "
+                                 f"(or pip install {' '.join(missing)})")
 
 
 def import_tensorrt():
     try:
         import tensorrt
     except ImportError:
-        raise BackendUnavailable("TensorRT is not installed: pip install 'twophase[tensorrt]' "
-                                 "(NVIDIA's wheel, with its CUDA libraries)") from None
+        raise BackendUnavailable(f"TensorRT is not installed: {install_hint('tensorrt')} "
+                                 f"(NVIDIA's wheel, with its CUDA libraries)") from None
     return tensorrt

@@ -8,7 +8,7 @@ import json
 import logging
 from pathlib import Path
 
-from twophase.cli import flags
+from twophase.cli import flags, terminal
 
 log = logging.getLogger("twophase")
 
@@ -49,7 +49,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from rich.console import Console
 
     from twophase.cli.phase_table import phase_table
     from twophase.config import load_config
@@ -68,7 +67,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     base = flags.overrides(args, data)
     cfg = flags.load(args)
     slo = report.parse_slo(args.slo)
-    console = Console()
+    console = terminal.console()
     check_tp(args.tp, args.device)            # before a CPU's calibration is measured
     if args.fit:
         from twophase.simulate import fit

@@ -10,6 +10,7 @@ from typing import Any
 
 from rich.table import Table
 
+from twophase.cli.terminal import styled
 from twophase.errors import ConfigError
 
 
@@ -96,7 +97,7 @@ def table(rows: list[dict[str, Any]]) -> Table:
     for i, r in enumerate(rows, 1):
         cells = [str(r["settings"][k]) for k in keys]
         if "error" in r:
-            t.add_row(str(i), *cells, "", f"[red]{r['error']}[/]", "", "", "", "", "", "")
+            t.add_row(str(i), *cells, "", styled((r["error"], "red")), "", "", "", "", "", "")
             continue
         t.add_row(str(i), *cells, str(r["devices"]), f"{r['goodput_rps']:.3f}",
                   f"{r['goodput_per_device_rps']:.3f}",
