@@ -279,7 +279,7 @@ def test_a_missing_onnx_package_is_named_with_the_extra(standin, monkeypatch):
     import sys
 
     monkeypatch.setitem(sys.modules, "onnxscript", None)         # not installed
-    with pytest.raises(BackendUnavailable, match=r"needs onnxscript: pip install -e '\.\[tensorrt\]' in the twophase checkout") as got:
+    with pytest.raises(BackendUnavailable, match=r"needs onnxscript: pip install -e '\.\[tensorrt\]'") as got:
         tiny_llm(cache={"num_blocks": 32, "block_size": 4}, backend={"name": "tensorrt", "device": "cpu"})
     assert "load" in [entry.name for entry in got.traceback]
 
