@@ -294,7 +294,7 @@ def test_backends_lists_tensorrt_as_unavailable_with_the_reason():
 
     why = Registry().availability("tensorrt", "cuda")
     assert why and "TensorRT is not installed" in why
-    with pytest.raises(BackendUnavailable, match="twophase\\[tensorrt\\]"):
+    with pytest.raises(BackendUnavailable, match=r"pip install -e '\.\[tensorrt\]'"):
         tiny_llm(backend={"name": "tensorrt", "device": "cuda"})
 
 
