@@ -682,3 +682,19 @@ def test_a_context_the_pool_cannot_hold_is_refused_or_lowered(monkeypatch):
         LLM.from_config({"model": {**TINY, "max_model_len": 512}, "cache": {"num_blocks": 8}})
     assert info.value.key == "model.max_model_len"
     assert "holds 128" in str(info.value) and "set it to 128 at most" in str(info.value)
+
+
+@pytest.mark.parametrize("model", ["/no/such/path", "./no-such.gguf", "no/such/deep/path"])
+def test_a_missing_path_is_reported_alike_by_the_cli_and_the_api(model):
+    """``--model`` that reads as a path is a path: the CLI and the API (``model.path``) say the
+    same thing about a missing one (not "unknown model")."""
+    from twophase.cli import flags
+
+    run = subprocess.run([sys.executable, "-m", "twophase", "run", "--model", model], capture_output=True,
+                         text=True)
+    with pytest.raises(ConfigError) as info:
+        LLM.from_config({"model": {"path": model}})
+    api = info.value
+    assert run.returncode != 0 and "Traceback" not in run.stderr
+    assert f"config error: {api}" in run.stderr and "does not exist" in str(api)
+    assert flags.model_keys(model)["path"] == model

@@ -73,12 +73,16 @@ def overrides(args: argparse.Namespace, data: dict[str, Any]) -> dict[str, Any]:
 
 
 def model_keys(model: str) -> dict[str, Any]:
-    """``--model``: a path if one exists there, a shape with random weights if it names only a
-    shape, else a named model."""
+    """``--model``: a path if one exists there or it reads as one (``/``, ``./``, ``~``, a
+    ``.gguf``: then a missing one is reported as the API reports ``model.path``), a shape with
+    random weights if it names only a shape, else a named model."""
+    from twophase.models.hf_repo import is_repo_name
     from twophase.models.hub import PYPI_MODELS
     from twophase.models.shapes import SHAPES
 
-    if Path(model).expanduser().exists():
+    reads_as_path = model.startswith(("/", ".", "~")) or model.endswith(".gguf") or (
+        "/" in model and not is_repo_name(model))
+    if Path(model).expanduser().exists() or reads_as_path:
         return {"path": model, "name": None, "weights": None, "num_layers": None}
     random = model in SHAPES and model not in PYPI_MODELS
     return {"name": model, "path": None, "weights": "random" if random else None}
