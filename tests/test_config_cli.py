@@ -698,3 +698,20 @@ def test_a_missing_path_is_reported_alike_by_the_cli_and_the_api(model):
     assert run.returncode != 0 and "Traceback" not in run.stderr
     assert f"config error: {api}" in run.stderr and "does not exist" in str(api)
     assert flags.model_keys(model)["path"] == model
+
+
+def test_every_run_says_what_happens_to_its_prompts():
+    """Template, none, and why: a base model without a chat template gets its prompts as written,
+    and the run says so."""
+    from types import SimpleNamespace
+
+    from twophase.cli.workload import prompt_handling
+
+    base, instruct = SimpleNamespace(chat_template=None), SimpleNamespace(chat_template="{{ x }}")
+    assert prompt_handling("auto", base).startswith("sent as written: this model has no chat template")
+    assert prompt_handling("auto", instruct).startswith("through the model's chat template")
+    assert prompt_handling(False, instruct).startswith("sent as written (workload.chat = false, or --raw)")
+    assert prompt_handling("auto", None).startswith("token ids only")
+    run = subprocess.run([sys.executable, "-m", "twophase", "run", "--model", "tiny", "--prompt", "x",
+                          "--max-tokens", "1"], capture_output=True, text=True)
+    assert run.returncode == 0 and "prompts: " in run.stderr

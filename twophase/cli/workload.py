@@ -30,6 +30,19 @@ def sampling_params(cfg: Config, **overrides) -> SamplingParams:
         raise ConfigError(f"sampling.{exc.name}", exc.message) from None
 
 
+def prompt_handling(chat: bool | str, tokenizer) -> str:
+    """What a run does to a text prompt, and why, in words (said on every run that has text prompts)."""
+    if tokenizer is None:
+        return "token ids only: this model has no tokenizer"
+    if chat is False:
+        return "sent as written (workload.chat = false, or --raw)"
+    if chat is True or tokenizer.chat_template:
+        return (f"through the model's chat template (workload.chat = {json.dumps(chat)}); --raw, or "
+                f"workload.chat = false, sends them as written")
+    return ("sent as written: this model has no chat template (a base model continues the text; "
+            "write prompts to be continued, e.g. \"The capital of France is\")")
+
+
 def build(cfg: Config, tokenizer, vocab_size: int) -> list[tuple[str | list[int], SamplingParams]]:
     w = cfg.workload
     base = sampling_params(cfg)
@@ -38,9 +51,8 @@ def build(cfg: Config, tokenizer, vocab_size: int) -> list[tuple[str | list[int]
         w.chat == "auto" and tokenizer.chat_template))
     chat = (lambda p: tokenizer.apply_chat_template([{"role": "user", "content": p}])) \
         if templated else (lambda p: p)
-    if templated and (w.prompts or w.jsonl):
-        log.info("prompts go through the model's chat template (workload.chat = %s); --raw, or "
-                 "workload.chat = false, sends them as written", json.dumps(w.chat))
+    if w.prompts or w.jsonl or w.synthetic is None:
+        log.info("prompts: %s", prompt_handling(w.chat, tokenizer))
     items += [(chat(p), base) for p in w.prompts or []]
     if w.jsonl:
         items += _jsonl(cfg, chat)
