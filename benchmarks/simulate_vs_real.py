@@ -85,8 +85,8 @@ def measure(backend: str, workloads: dict[str, list[TimedRequest]], fit: bool,
     """In a process of its own: the backend's fit, then each workload served for real on a
     fresh engine (after a warm-up), ``repeats`` rounds over the workloads, with how busy the
     machine was meanwhile."""
-    from twophase.bench import machine
     from twophase.llm import LLM
+    from twophase.measure import machine
     from twophase.simulate import driver
 
     console = Console(width=200)

@@ -88,6 +88,7 @@ def test_decode_routed_by_batch_size_keeps_the_tokens_and_uses_each_backend(monk
 
 def test_calibration_is_measured_once_and_cached(monkeypatch):
     pytest.importorskip("onnxruntime")
+    monkeypatch.setattr(routing.machine, "busy_reasons", lambda m: [])     # as on a quiet machine
     cfg = load_config({"model": TINY, "backend": {"name": "auto"},
                        "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 64}})
     reg = Registry()
@@ -138,6 +139,7 @@ def test_a_candidate_that_refuses_the_model_is_left_out_with_its_reason(monkeypa
 
 def test_a_torn_cache_file_is_measured_again(monkeypatch):
     pytest.importorskip("onnxruntime")
+    monkeypatch.setattr(routing.machine, "busy_reasons", lambda m: [])     # as on a quiet machine
     cfg = load_config({"model": TINY, "backend": {"name": "auto"}, "scheduler": SMALL})
     reg = Registry()
     first = routing.resolve(cfg, reg, make_engine=LLM)
@@ -162,3 +164,25 @@ def test_a_first_run_routes_by_the_stored_table_and_says_so_without_timing(monke
     assert "not measured here yet" in caplog.text and "twophase backends CONFIG" in caplog.text
     q4 = routing.stored(load_config({**cfg, "model": {**TINY, "quantization": "q4"}}), ["onnxruntime", "native"], {})
     assert (q4.prefill, q4.decode) == ("native", "native")
+
+
+def test_a_timing_taken_on_a_busy_machine_routes_the_run_but_is_not_cached(monkeypatch, caplog):
+    """Figures measured under load say so, and the next start times the backends again rather than
+    trusting them as if the machine had been quiet."""
+    pytest.importorskip("onnxruntime")
+    cfg = load_config({"model": TINY, "backend": {"name": "auto"}, "scheduler": SMALL})
+    reg = Registry()
+    from twophase.paths import cache_dir
+
+    path = cache_dir() / "routing" / f"{routing._key(cfg, routing.candidates(cfg, reg)[0])}.json"
+    path.unlink(missing_ok=True)              # another test's quiet table for this config
+    monkeypatch.setattr(routing.machine, "busy_reasons", lambda m: ["1-minute load 9.00 on 2 cores"])
+    with caplog.at_level(logging.WARNING):
+        busy = routing.resolve(cfg, reg, make_engine=LLM, recalibrate=True)
+    assert busy.table["busy"] == ["1-minute load 9.00 on 2 cores"] and "machine" in busy.table
+    assert "timed while the machine was busy" in caplog.text and not path.exists()
+    measured = []
+    calibrate = routing.calibrate
+    monkeypatch.setattr(routing, "calibrate", lambda *a: measured.append(1) or calibrate(*a))
+    routing.resolve(cfg, reg, make_engine=LLM)
+    assert measured, "a busy machine's table was cached and reused"

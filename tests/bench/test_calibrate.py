@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from twophase.bench import calibrate, machine
+from twophase.bench import calibrate
+from twophase.measure import machine
 from twophase.paths import cache_dir
 
 

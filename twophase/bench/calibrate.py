@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from twophase import large_pages
-from twophase.bench import machine
 from twophase.device import cpu_name
+from twophase.measure import machine
 from twophase.paths import cache_dir
 
 log = logging.getLogger(__name__)

@@ -15,8 +15,8 @@ from typing import Any
 import matplotlib.pyplot as plt
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLocator
 
-from twophase.bench import machine
 from twophase.bench.results import above_roofline, tokens_range
+from twophase.measure import machine
 
 STALE = ("measured above the roofline: the ceilings are probably stale;\n"
          "run `twophase calibrate --force` on a quiet machine")

@@ -17,11 +17,11 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from twophase.bench import machine
 from twophase.bench.results import above_roofline, tokens_range
 from twophase.cli.terminal import console as terminal_console
 from twophase.cli.terminal import styled
 from twophase.errors import install_hint
+from twophase.measure import machine
 
 RECALIBRATE = "run `twophase calibrate --force` on a quiet machine, then bench again"
 

@@ -22,12 +22,13 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from twophase.bench import calibrate, machine, serving, sweeps
+from twophase.bench import calibrate, serving, sweeps
 from twophase.bench.isolated import ISOLATED, IsolatedLine
 from twophase.bench.lines import bench_llm as _bench_llm  # the name run has always called it by
 from twophase.bench.roofline import CostModel
 from twophase.config import Config, SpeculativeConfig
 from twophase.errors import ConfigError
+from twophase.measure import machine
 
 log = logging.getLogger(__name__)
 

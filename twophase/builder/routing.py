@@ -29,6 +29,7 @@ from typing import Any, Protocol
 from twophase.arch import ModelArch
 from twophase.config import BackendSection, CacheConfig, Config, SchedulerConfig, SpeculativeConfig
 from twophase.errors import BackendUnavailable, ConfigError, TwophaseError
+from twophase.measure import machine
 from twophase.paths import cache_dir
 from twophase.plan.model_source import planned_model
 
@@ -189,7 +190,13 @@ def resolve(config: Config, registry, *, make_engine: EngineFactory, recalibrate
         table = calibrate(config, names, make_engine)
         failed = table.get("left_out", {})
         table["left_out"] = {**left_out, **failed}
-        if not failed:                         # a failure to load may pass: time it again next start
+        busy = machine.busy_reasons(table.get("machine"))
+        if busy:
+            table["busy"] = busy
+            log.warning("backend auto: timed while the machine was busy (%s): these figures route this run "
+                        "but are not cached; `twophase backends CONFIG` on a quiet machine times them again",
+                        "; ".join(busy))
+        if not failed and not busy:            # a failure to load may pass: time it again next start
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(table, indent=2))
@@ -303,6 +310,7 @@ def calibrate(config: Config, names: list[str], make_engine: EngineFactory) -> d
              "progress bar", ", ".join(names), ROUNDS * len(names) * (1 + len(batches)))
     llms: dict[str, TimedEngine] = {}
     failed: dict[str, str] = {}
+    before = machine.sample()
     try:
         for name in names:
             try:
@@ -328,6 +336,7 @@ def calibrate(config: Config, names: list[str], make_engine: EngineFactory) -> d
         for llm in llms.values():
             llm.close()
     return {"version": VERSION, "prefill_tokens": n, "context": context, "left_out": failed,
+            "machine": machine.between(before, machine.sample()),
             "prefill": {k: n / statistics.median(v) for k, v in prefill.items()},
             "decode": {k: {str(b): b / statistics.median(t) for b, t in v.items()} for k, v in decode.items()}}
 

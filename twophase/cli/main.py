@@ -375,8 +375,12 @@ def _print_routing(console, reg, args) -> None:
             t.add_row(name, prefill, *decode)
         console.print(t)
     for name, why in r.table.get("left_out", {}).items():
-        console.print(f"left out: {name}: {why}", highlight=False)
-    console.print(f"auto: {r.describe()}", highlight=False)
+        console.print(f"left out: {name}: {why}")
+    if r.table.get("busy"):
+        why = "; ".join(r.table["busy"])
+        console.print(terminal.styled(("measured on a busy machine", "bold yellow"),
+                                      f" ({why}): not cached; run this again on a quiet machine"))
+    console.print(f"auto: {r.describe()}")
 
 
 def cmd_export(args) -> int:
