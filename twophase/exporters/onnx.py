@@ -27,6 +27,7 @@ from torch import nn
 from twophase.contract import KVGroups, ModelSpec
 from twophase.exporters import decode_graph
 from twophase.exporters.cache import build_cached, cache_folder, weights_digest
+from twophase.exporters.shared_weights import share_weights
 from twophase.graph.inputs import layer_blocks
 from twophase.graph.signature import STEP
 from twophase.models.decoder import Decoder
@@ -123,6 +124,7 @@ def _export_to(model: ModelSpec, folder: Path) -> None:
     graphs for all-decode steps and short chunks (``twophase.exporters.decode_graph``)."""
     step = PagedStep(cpu_model(model)).eval()
     args, dynamic = _example(step.model.arch, model.dtype)
+    log.info("tracing the step graph (model.onnx)")
     with quiet_exporter_logs(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(step, args, str(folder / "model.onnx"), dynamo=True,
@@ -131,7 +133,9 @@ def _export_to(model: ModelSpec, folder: Path) -> None:
                           optimize=False)   # ORT optimises at load; onnxscript's pass took minutes
     if model.dtype == torch.float32 and decode_graph.supported(step.model.arch):
         for name, verify in (("decode.onnx", False), ("verify.onnx", True)):
+            log.info("building %s (the graph for %s)", name, "short chunks" if verify else "decode steps")
             decode_graph.build(step.model, folder / name, verify=verify)
+        share_weights([folder / "model.onnx", folder / "decode.onnx", folder / "verify.onnx"])
 
 
 def _quantize_to(model: ModelSpec, float_graph: Path, folder: Path) -> None:
@@ -150,6 +154,7 @@ def _quantize_to(model: ModelSpec, float_graph: Path, folder: Path) -> None:
         for name, verify in (("decode.onnx", False), ("verify.onnx", True)):
             decode_graph.build(torch_model, folder / name, weights, outliers, model.accuracy_level,
                                verify=verify)
+        share_weights([folder / "model.onnx", folder / "decode.onnx", folder / "verify.onnx"])
     log.info("%d matmuls run on quantised weights (MatMulNBits, accuracy level %d, %d outlier "
              "channels each in float32)", n, model.accuracy_level, model.outlier_channels)
 
