@@ -467,7 +467,8 @@ class Backend(ABC):
 
     name: ClassVar[str]
     # the contract version the class was written for (``CONTRACT_VERSION``); None: undeclared,
-    # taken as 1. Discovery refuses one this twophase does not know (twophase.backends.registry)
+    # taken as 1. Discovery refuses one this twophase does not know, and a plugin's class does
+    # not inherit a built-in's (twophase.backends.registry.declared_version)
     contract_version: ClassVar[int | None] = None
     # the weight formats it runs (``model.quantization``); core refuses the others before load
     quantizations: ClassVar[tuple[str, ...]] = ("none",)

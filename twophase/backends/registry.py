@@ -8,7 +8,8 @@ point names) limits which third-party plugins load; built-in ones always do. Bui
 load first and their names always win: a plugin that registers a backend named ``torch`` is
 reported, never run in the built-in's place.
 
-Each backend class declares the contract version it was written for (``contract_version``). One
+Each backend class declares the contract version it was written for (``contract_version``; a
+plugin's class does not inherit a built-in's declaration: see ``declared_version``). One
 this twophase does not know (newer, or not a version at all) is refused here: it stays listed
 under its name, and ``check_available`` says why it cannot run, naming both versions. A
 version-1 class, or one that declares none, runs through a subclass whose ``load`` gets
@@ -119,10 +120,11 @@ class Registry:
             log.warning("backend %r from %s refused: %s", name, source, refused)
             self.backends[name] = BackendInfo(name, source, _refused(cls, refused), refused=refused)
             return
-        version = cls.contract_version or 1
+        declared = declared_version(cls)
+        version = declared if isinstance(declared, int) else 1
         if version < CONTRACT_VERSION:
             warnings.warn(f"backend {name!r} from {source} is written for twophase's plugin contract "
-                          f"version {cls.contract_version or '1 (it declares none)'}, deprecated; "
+                          f"version {declared or '1 (it declares none)'}, deprecated; "
                           f"this twophase's is {CONTRACT_VERSION}: see {MIGRATION}",
                           DeprecationWarning, stacklevel=2)
         if version == 1:
@@ -147,10 +149,21 @@ class Registry:
         return None
 
 
+def declared_version(cls: type) -> object:
+    """The contract version ``cls`` declares (``contract_version``), from its own definition or
+    a base's; None: none. A plugin's class does not inherit the declaration of twophase's own
+    classes (it subclasses ``TorchBackend``): the version is what its author wrote it for."""
+    ours = cls.__module__.partition(".")[0] == "twophase"
+    for c in cls.__mro__:
+        if "contract_version" in vars(c) and (ours or c.__module__.partition(".")[0] != "twophase"):
+            return vars(c)["contract_version"]
+    return None
+
+
 def contract_refusal(cls: type[Backend], source: str) -> str | None:
     """Why ``cls`` may not run under this twophase's contract, or None: it declares a version
     this twophase does not know (a newer one, or not an integer)."""
-    declared = cls.contract_version
+    declared = declared_version(cls)
     if declared is None or (type(declared) is int and declared in SUPPORTED_CONTRACT_VERSIONS):
         return None
     known = ", ".join(map(str, SUPPORTED_CONTRACT_VERSIONS))

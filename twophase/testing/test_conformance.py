@@ -99,8 +99,10 @@ def test_it_declares_a_contract_version_this_twophase_supports(backend_info):
     """The class says which plugin contract it was written for (``contract_version``), one this
     twophase supports; an older one passes with a ``DeprecationWarning``. Runs on any device: a
     backend refused at discovery (a newer version) fails here with the reason."""
+    from twophase.backends.registry import declared_version
+
     assert backend_info.refused is None, backend_info.refused
-    declared = backend_info.cls.contract_version
+    declared = declared_version(backend_info.cls)
     assert declared is not None, (
         f"{backend_info.name} declares no plugin contract version (taken as version 1, deprecated): "
         f"set contract_version = {CONTRACT_VERSION} on the class; see {MIGRATION}")
