@@ -12,13 +12,26 @@ KV pool layout (one tensor per engine):
 block, so exported graphs attend per block without a transpose. A model that mixes full and
 sliding-window layers may get a pool in groups instead (``KVGroups``), for a backend that says it
 reads one (``Capabilities.kv_groups``).
+
+The contract has a version (``CONTRACT_VERSION``); a backend class says which one it was written
+for (``Backend.contract_version``), and discovery refuses a version this twophase does not know:
+
+- version 1 (the first release): ``ModelSpec.arch`` was a mapping of Llama config keys
+  (``dict(model.arch)``, ``model.arch["num_layers"]``; the keys are ``V1_ARCH_KEYS``).
+- version 2: ``ModelSpec.arch`` is the typed ``ModelArch`` (fields, one ``LayerSpec`` a layer);
+  ``Capabilities.features`` and ``Backend.supports`` name the architecture features computed.
+
+A version-1 backend still runs: its ``load`` gets ``model.arch`` as ``ArchV1``, the typed
+``ModelArch`` that also reads as the old mapping, with a ``DeprecationWarning``. One that declares
+no version is taken as version 1. See docs/plugins.md, "Contract versions".
 """
 
 from __future__ import annotations
 
+import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -30,6 +43,9 @@ from twophase.errors import BackendUnavailable, ConfigError
 from twophase.kv_formats import kv_format_of
 
 __all__ = [
+    "CONTRACT_VERSION",
+    "SUPPORTED_CONTRACT_VERSIONS",
+    "ArchV1",
     "Backend",
     "BackendConfig",
     "BackendMemory",
@@ -48,6 +64,75 @@ __all__ = [
     "Workspace",
     "parse_device",
 ]
+
+# the version of this contract; see the module's docstring for what each one changed
+CONTRACT_VERSION = 2
+# the versions a backend may declare: older ones run through a deprecated view (``ArchV1``)
+SUPPORTED_CONTRACT_VERSIONS = (1, 2)
+MIGRATION = "docs/plugins.md, section 'Contract versions'"
+
+# version 1's architecture: the keys of the mapping ``ModelSpec.arch`` was
+V1_ARCH_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                "num_kv_heads", "head_dim", "max_position_embeddings", "rope_theta", "rms_norm_eps",
+                "tie_word_embeddings", "attention_bias", "mlp_bias", "rope_scaling", "bos_token_id",
+                "eos_token_ids")
+
+
+class ArchV1(ModelArch):
+    """A ``ModelArch`` that also reads as version 1's mapping of config keys (``V1_ARCH_KEYS``):
+    what a backend declaring ``contract_version = 1`` (or none) gets as ``model.arch``. Its typed
+    fields are ``ModelArch``'s; each mapping access warns (``DeprecationWarning``)."""
+
+    @classmethod
+    def of(cls, arch: ModelArch) -> ArchV1:
+        return cls(**{f.name: getattr(arch, f.name) for f in fields(arch)})
+
+    def _v1(self, key: str) -> Any:
+        if key == "attention_bias":
+            return self.qkv_bias or self.o_bias
+        if key in V1_ARCH_KEYS:
+            return getattr(self, key)
+        raise KeyError(key)
+
+    def _warn(self) -> None:
+        if self.__dict__.get("_warned"):        # once a view: dict(arch) reads every key
+            return
+        object.__setattr__(self, "_warned", True)
+        warnings.warn("model.arch as a mapping of config keys is contract version 1 (deprecated): "
+                      f"read ModelArch's fields (model.arch.hidden_size) and declare contract_version "
+                      f"= {CONTRACT_VERSION} on the backend class; see {MIGRATION}",
+                      DeprecationWarning, stacklevel=3)
+
+    def keys(self) -> tuple[str, ...]:
+        self._warn()
+        return V1_ARCH_KEYS
+
+    def __getitem__(self, key: str) -> Any:
+        self._warn()
+        return self._v1(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self._warn()
+        return self._v1(key) if key in V1_ARCH_KEYS else default
+
+    def __iter__(self) -> Iterator[str]:
+        self._warn()
+        return iter(V1_ARCH_KEYS)
+
+    def __len__(self) -> int:
+        return len(V1_ARCH_KEYS)
+
+    def __contains__(self, key: object) -> bool:
+        self._warn()
+        return key in V1_ARCH_KEYS
+
+    def items(self) -> list[tuple[str, Any]]:
+        self._warn()
+        return [(k, self._v1(k)) for k in V1_ARCH_KEYS]
+
+    def values(self) -> list[Any]:
+        self._warn()
+        return [self._v1(k) for k in V1_ARCH_KEYS]
 
 
 @dataclass(frozen=True)
@@ -381,6 +466,10 @@ class Backend(ABC):
     """
 
     name: ClassVar[str]
+    # the contract version the class was written for (``CONTRACT_VERSION``); None: undeclared,
+    # taken as 1. Discovery refuses one this twophase does not know, and a plugin's class does
+    # not inherit a built-in's (twophase.backends.registry.declared_version)
+    contract_version: ClassVar[int | None] = None
     # the weight formats it runs (``model.quantization``); core refuses the others before load
     quantizations: ClassVar[tuple[str, ...]] = ("none",)
 

@@ -169,7 +169,7 @@ def test_conformance_kit_passes_the_builtin_backends(tmp_path):
     test_native, test_quant: CI time)."""
     _run_kit(tmp_path, [r for r in _kit_runs(with_default_model=(("torch", "{}"),)) if r[:3] not in VARIANTS])
     run = _run(sys.executable, *KIT, "--backend", "tensorrt", "-rs", cwd=tmp_path)
-    assert run.returncode == 0 and "9 skipped" in run.stdout and "TensorRT" in run.stdout
+    assert run.returncode == 0 and "1 passed, 9 skipped" in run.stdout and "TensorRT" in run.stdout
 
 
 # second settings of a backend the kit also runs plainly; each has its own tests beside its
@@ -193,7 +193,7 @@ def _run_kit(tmp_path, runs) -> None:
         run = _run(sys.executable, *KIT, "--backend", name, "--backend-options", options,
                    "--quantization", quantization, *quality, cwd=tmp_path)
         assert run.returncode == 0, f"{name} {options} {quantization}:\n{run.stdout[-3000:]}"
-        assert ("9 passed" if not quality else "8 passed, 1 skipped") in run.stdout, run.stdout[-500:]
+        assert ("10 passed" if not quality else "9 passed, 1 skipped") in run.stdout, run.stdout[-500:]
 
 
 def test_conformance_kit_passes_the_numpy_plugin(venv, tmp_path):
@@ -201,7 +201,7 @@ def test_conformance_kit_passes_the_numpy_plugin(venv, tmp_path):
         _pip(venv, "install", "--no-deps", "--no-build-isolation", str(PLUGIN))
     run = _run(venv, *KIT, "--backend", "numpy", cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-3000:]
-    assert "9 passed" in run.stdout
+    assert "10 passed" in run.stdout
 
 
 def test_conformance_kit_fails_a_backend_that_writes_kv_at_the_wrong_slots(tmp_path):

@@ -11,4 +11,5 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 @hookspec
 def twophase_backends() -> list[type]:
-    """Return the ``Backend`` subclasses this plugin provides."""
+    """Return the ``Backend`` subclasses this plugin provides, each declaring the contract
+    version it is written for (``contract_version``; see ``twophase.contract.CONTRACT_VERSION``)."""

@@ -31,6 +31,7 @@ import torch
 from twophase.backends.hookspecs import hookimpl
 from twophase.backends.traced import TRACED_FEATURES
 from twophase.contract import (
+    CONTRACT_VERSION,
     Backend,
     BackendConfig,
     BackendUnavailable,
@@ -64,6 +65,7 @@ def _iree():
 
 class IreeBackend(Backend):
     name = "iree"
+    contract_version = CONTRACT_VERSION
 
     @classmethod
     def check_available(cls, device: str = "cpu") -> None:

@@ -42,6 +42,7 @@ import torch
 from twophase.backends.hookspecs import hookimpl
 from twophase.backends.traced import TRACED_FEATURES
 from twophase.contract import (
+    CONTRACT_VERSION,
     Backend,
     BackendConfig,
     BackendMemory,
@@ -95,6 +96,7 @@ def _ort():
 
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
+    contract_version = CONTRACT_VERSION
     quantizations = ("none", "q4")      # q4: MatMulNBits over the GGUF's blocks (CPU only)
     stream = None                       # CUDA: the stream its sessions compute on
     run_options = None

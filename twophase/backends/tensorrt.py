@@ -35,6 +35,7 @@ from twophase.backends.hookspecs import hookimpl
 from twophase.backends.traced import TRACED_FEATURES
 from twophase.backends.trt_calls import last_rows, plan_calls, sub_batch
 from twophase.contract import (
+    CONTRACT_VERSION,
     Backend,
     BackendConfig,
     BackendMemory,
@@ -62,6 +63,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 class TensorRTBackend(Backend):
     name = "tensorrt"
+    contract_version = CONTRACT_VERSION
 
     @classmethod
     def check_available(cls, device: str = "cuda") -> None:

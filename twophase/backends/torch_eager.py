@@ -15,6 +15,7 @@ import torch
 
 from twophase.backends.hookspecs import hookimpl
 from twophase.contract import (
+    CONTRACT_VERSION,
     Backend,
     BackendConfig,
     BackendMemory,
@@ -46,6 +47,7 @@ OPTIONS = {"threads", "cuda_graphs", "keep_freed_memory"}
 
 class TorchBackend(Backend):
     name = "torch"
+    contract_version = CONTRACT_VERSION
 
     def __init__(self) -> None:
         self.model: Decoder | None = None

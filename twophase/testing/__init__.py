@@ -8,7 +8,8 @@ the kit's tests from the installed package, so the command works from any direct
 prefill and decode logits against the torch backend on random shapes, the K/V written into the
 pool (at the batch's slots and nowhere else), chunked prefill after cached tokens, batches of
 unequal lengths, mixed batches when the backend declares them, its capability declarations, and
-greedy tokens on the default model.
+greedy tokens on the default model, and that it declares a plugin contract version this twophase
+supports.
 
 ``--quantization q4`` checks a backend on 4-bit weights that rounds activations to int8 (as
 ``native`` and onnxruntime's ``accuracy_level`` 4 do), which can never meet 1e-4: its logits are
@@ -110,8 +111,10 @@ def backend_options(request) -> dict:
 
 
 @pytest.fixture(scope="session")
-def backend_name(request, backend_device) -> str:
-    """The backend under test; every check is skipped, with the reason, where it cannot run."""
+def backend_info(request):
+    """The registry's entry for the backend under test (``BackendInfo``), whether or not it can
+    run here: a backend refused at discovery (a contract version this twophase does not know)
+    is still listed, with ``refused`` saying why."""
     from twophase.backends.registry import Registry
 
     name = request.config.getoption("--backend", default=None)
@@ -123,7 +126,22 @@ def backend_name(request, backend_device) -> str:
         raise pytest.UsageError(f"no backend named {name!r} is installed"
                                 + (f" ({'; '.join(failed)})" if failed else "")
                                 + f"; installed: {', '.join(sorted(reg.backends))}")
-    why = reg.availability(name, backend_device)
+    return reg.backends[name]
+
+
+@pytest.fixture(scope="session")
+def backend_name(backend_info, backend_device) -> str:
+    """The backend under test; every check is skipped, with the reason, where it cannot run
+    (the contract-version check runs still, and fails for a backend refused at discovery)."""
+    from twophase.contract import BackendUnavailable
+
+    name = backend_info.name
+    try:
+        backend_info.cls.check_available(backend_device)     # a refused one's stand-in says why
+    except BackendUnavailable as exc:
+        why = str(exc)
+    else:
+        why = None
     if why:
         pytest.skip(f"{name} cannot run on {backend_device} here: {why}")
     return name

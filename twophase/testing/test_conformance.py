@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import warnings
 
 import pytest
 import torch
@@ -17,6 +18,9 @@ import torch
 from twophase import LLM, SamplingParams
 from twophase.arch import FEATURES, with_feature
 from twophase.contract import (
+    CONTRACT_VERSION,
+    MIGRATION,
+    SUPPORTED_CONTRACT_VERSIONS,
     BackendConfig,
     Capabilities,
     EngineLimits,
@@ -89,6 +93,24 @@ def _advance(llm: LLM, lengths, decodes: int):
     while any(r.num_output_tokens < decodes for r in reqs):
         eng.step()
     return reqs
+
+
+def test_it_declares_a_contract_version_this_twophase_supports(backend_info):
+    """The class says which plugin contract it was written for (``contract_version``), one this
+    twophase supports; an older one passes with a ``DeprecationWarning``. Runs on any device: a
+    backend refused at discovery (a newer version) fails here with the reason."""
+    from twophase.backends.registry import declared_version
+
+    assert backend_info.refused is None, backend_info.refused
+    declared = declared_version(backend_info.cls)
+    assert declared is not None, (
+        f"{backend_info.name} declares no plugin contract version (taken as version 1, deprecated): "
+        f"set contract_version = {CONTRACT_VERSION} on the class; see {MIGRATION}")
+    assert declared in SUPPORTED_CONTRACT_VERSIONS, (declared, SUPPORTED_CONTRACT_VERSIONS)
+    if declared < CONTRACT_VERSION:
+        warnings.warn(f"{backend_info.name} is written for plugin contract version {declared}, "
+                      f"deprecated; this twophase's is {CONTRACT_VERSION}: see {MIGRATION}",
+                      DeprecationWarning, stacklevel=1)
 
 
 def test_capabilities_are_declared(backend_name, backend_device, backend_options, quantization):

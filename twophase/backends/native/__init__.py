@@ -26,6 +26,7 @@ from twophase import large_pages
 from twophase.arch import ModelArch
 from twophase.backends.hookspecs import hookimpl
 from twophase.contract import (
+    CONTRACT_VERSION,
     Backend,
     BackendConfig,
     BackendMemory,
@@ -64,6 +65,7 @@ KV_TYPES = {KV_FORMATS[n].storage: i for i, n in enumerate(KV_READS)}
 
 class NativeBackend(Backend):
     name = "native"
+    contract_version = CONTRACT_VERSION
     quantizations = ("q4", "gguf")
 
     @classmethod

@@ -35,6 +35,9 @@ def numpy_weights(model: ModelSpec) -> dict[str, np.ndarray]:
 
 class NumpyBackend(Backend):
     name = "numpy"
+    # the plugin contract this class is written for (twophase.contract.CONTRACT_VERSION): a
+    # twophase that does not know it refuses the backend when it discovers it, saying why
+    contract_version = 2
 
     @classmethod
     def check_available(cls, device: str = "cpu") -> None:
