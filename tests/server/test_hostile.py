@@ -5,7 +5,9 @@ stays up for the next client. A real server on the tiny random model."""
 
 from __future__ import annotations
 
+import gc
 import json
+import logging
 import time
 
 import httpx
@@ -300,3 +302,22 @@ def test_speculation_streams_the_kept_tokens_of_a_step_together():
                     if line.startswith("twophase_spec_accepted_tokens_total "))
         assert kept == sum(per_chunk) - len(per_chunk)
 
+
+
+def test_a_non_streamed_client_that_leaves_is_aborted_without_a_traceback(caplog):
+    llm = _slowed(_tiny(), 0.005)
+    caplog.set_level("WARNING")
+    with serving(llm) as (url, app):
+        body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 1500, "min_tokens": 1500}
+        with pytest.raises(httpx.ReadTimeout):          # gone long before 1,500 tokens
+            httpx.post(url + "/v1/completions", json=body, timeout=0.5)
+        all_blocks_free(llm, app)                       # aborted: it would take ~8 s to finish
+        deadline = time.monotonic() + 5
+        while 'status="499"' not in httpx.get(url + "/metrics").text:
+            assert time.monotonic() < deadline, "the request was not aborted"
+            time.sleep(0.05)
+        gc.collect()                                    # an unread future complains when freed
+        _ok(url)
+    logged = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not [r for r in logged if "never retrieved" in r.getMessage() or r.exc_info], \
+        [r.getMessage() for r in logged]
