@@ -321,3 +321,26 @@ def test_a_non_streamed_client_that_leaves_is_aborted_without_a_traceback(caplog
     logged = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert not [r for r in logged if "never retrieved" in r.getMessage() or r.exc_info], \
         [r.getMessage() for r in logged]
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("body, kind", [
+    ("[]", "an array"), ('[{"model": "smollm2", "prompt": "hi"}]', "an array"),
+    ('"hi"', "a string"), ("3", "a number"), ("1.5", "a number"), ("null", "null"),
+    ("true", "a boolean"), ("", "empty"),
+])
+def test_a_body_that_is_not_a_json_object_is_a_400_that_says_so(tiny_server, route, body, kind):
+    r = _post(tiny_server[1], body, route)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "must be a JSON object" in message and kind in message, message
+    assert "None" not in message
+
+
+def test_a_body_not_sent_as_json_is_a_400_that_names_the_content_type(tiny_server):
+    body = json.dumps({"model": MODEL, "prompt": "hi"})
+    for headers in ({"content-type": "text/plain"}, {"content-type": "application/x-www-form-urlencoded"}):
+        r = httpx.post(tiny_server[1] + "/v1/completions", content=body, headers=headers, timeout=30)
+        assert r.status_code == 400, r.text
+        message = r.json()["error"]["message"]
+        assert "Content-Type: application/json" in message and headers["content-type"] in message
