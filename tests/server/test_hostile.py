@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import re
 import time
 
 import httpx
@@ -344,3 +345,39 @@ def test_a_body_not_sent_as_json_is_a_400_that_names_the_content_type(tiny_serve
         assert r.status_code == 400, r.text
         message = r.json()["error"]["message"]
         assert "Content-Type: application/json" in message and headers["content-type"] in message
+
+
+@pytest.mark.parametrize("field, value, allowed", [
+    ("temperature", 1e308, "[0, 2]"), ("temperature", 2.5, "[0, 2]"), ("temperature", -0.1, ">= 0"),
+    ("top_p", 0, "(0, 1]"), ("top_p", 1.5, "(0, 1]"),
+    ("presence_penalty", 2.5, "[-2, 2]"), ("frequency_penalty", -1e300, "[-2, 2]"),
+    ("min_p", 1.5, "[0, 1]"), ("repetition_penalty", 0, "> 0"),
+])
+def test_absurd_sampling_values_are_400s_that_name_the_field_and_the_range(tiny_server, field, value,
+                                                                          allowed):
+    llm, url, app = tiny_server
+    for route, body in (("/v1/completions", {"prompt": "hi"}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        r = _post(url, {"model": MODEL, **body, field: value}, route)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == field and field in err["message"] and allowed in err["message"], err
+    with pytest.raises(ValueError, match=f"{field} .*{re.escape(allowed)}"):   # the Python API too
+        SamplingParams(**{field: value})
+    _ok(url)
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "repetition_penalty",
+                                   "presence_penalty", "frequency_penalty"])
+def test_sampling_params_refuse_non_finite_floats(field):
+    for value in (float("inf"), float("-inf"), float("nan"), 10 ** 400):
+        with pytest.raises(ValueError, match=f"SamplingParams.{field} must be a finite number"):
+            SamplingParams(**{field: value})
+
+
+def test_the_edges_of_the_sampling_ranges_are_served(tiny_server):
+    llm, url, app = tiny_server
+    body = {"model": MODEL, "prompt": [5, 6], "max_tokens": 2, "temperature": 2, "top_p": 1,
+            "presence_penalty": -2, "frequency_penalty": 2, "min_p": 1, "repetition_penalty": 5}
+    r = _post(url, body)
+    assert r.status_code == 200, r.text
