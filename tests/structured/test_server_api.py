@@ -103,6 +103,56 @@ def test_required_and_named_tool_calls_validate(client):
     assert c.function.arguments.startswith('{"city":"')                # the schema's first key
 
 
+BOOK = {"type": "function", "function": {                 # no additionalProperties anywhere
+    "name": "book", "description": "Book a trip",
+    "parameters": {"type": "object", "required": ["trip"], "properties": {"trip": {
+        "type": "object", "properties": {"from": {"type": "string", "maxLength": 20},
+                                         "to": {"type": "string", "maxLength": 20}}}}}}}
+
+
+def _keys_within(value, schema):
+    """Every object in ``value`` holds only the keys its schema names."""
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        assert set(value) <= set(props), (value, sorted(props))
+        for k, v in value.items():
+            _keys_within(v, props[k])
+
+
+@pytest.mark.parametrize("choice, temperature", [
+    ({"type": "function", "function": {"name": "book"}}, 0), ({"type": "function", "function": {"name": "book"}}, 1.0),
+    ("required", 0), ("required", 1.0)])
+def test_tool_calls_with_open_parameters_finish_and_validate(client, choice, temperature):
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[BOOK], tool_choice=choice,
+                                       parallel_tool_calls=False, max_tokens=200,
+                                       temperature=temperature, seed=1)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls", ch.message.tool_calls
+    (c,) = ch.message.tool_calls
+    args = json.loads(c.function.arguments)
+    jsonschema.validate(args, BOOK["function"]["parameters"])
+    _keys_within(args, BOOK["function"]["parameters"])
+    stream = client.chat.completions.create(model=MODEL, messages=ASK, tools=[BOOK], tool_choice=choice,
+                                            parallel_tool_calls=False, max_tokens=200,
+                                            temperature=temperature, seed=1, stream=True)
+    text, reasons = "", []
+    for chunk in stream:
+        for d in chunk.choices:
+            reasons.append(d.finish_reason)
+            text += "".join(t.function.arguments or "" for t in d.delta.tool_calls or [] if t.function)
+    assert reasons[-1] == "tool_calls" and json.loads(text) == args
+
+
+def test_a_call_cut_by_max_tokens_is_length_never_a_finished_call(client):
+    for stream in (False, True):
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[BOOK], max_tokens=6,
+                                           tool_choice={"type": "function", "function": {"name": "book"}},
+                                           stream=stream)
+        reasons = [c.finish_reason for chunk in r for c in chunk.choices] if stream \
+            else [r.choices[0].finish_reason]
+        assert reasons[-1] == "length" and "tool_calls" not in reasons
+
+
 def test_streamed_tool_calls_reassemble_to_the_whole_reply(client):
     kwargs = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
                   max_tokens=120, temperature=0)
