@@ -6,6 +6,8 @@ reassemble to the whole reply, and bad input is a 400 naming the part."""
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 from typing import Literal
 
 import httpx
@@ -215,3 +217,33 @@ def test_bad_structured_input_is_a_400_naming_the_part(default_server, body, par
     err = r.json()["error"]
     assert param in (err["param"] or "") or param in err["message"], err
     all_blocks_free(llm, app)
+
+
+def _doc_example() -> str:
+    """The OpenAI-client example of docs/structured.md's server section."""
+    text = (Path(__file__).parents[2] / "docs" / "structured.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    (code,) = [b for b in blocks if "OpenAI(" in b]
+    return code
+
+
+def test_the_docs_server_example_runs_against_the_server_serve_makes(default_llm, capsys):
+    """``twophase serve examples/quickstart.toml`` serves ``server.model_name`` or the model's id
+    (``serve.local_app``); the doc's example, pointed at such a server, runs as written."""
+    from helpers.server import serving_app
+
+    from twophase.config import load_config
+    from twophase.server.app import create_app
+
+    cfg = load_config(Path(__file__).parents[2] / "examples" / "quickstart.toml")
+    assert cfg.model.name == "smollm2-135m-instruct" and cfg.server.model_name is None
+    served = default_llm.model.model_id                 # the name serve gives it
+    code = _doc_example()
+    assert f'model="{served}"' in code, "the doc's example names a model the server does not serve"
+    base_url = re.search(r'base_url="([^"]+)"', code)[1]
+    with serving_app(create_app(default_llm, served, default_max_tokens=100)) as (url, app):
+        assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == [served]
+        exec(compile(code.replace(base_url, url + "/v1"), "docs/structured.md", "exec"), {})
+        all_blocks_free(default_llm, app)
+    printed = capsys.readouterr().out
+    assert "name=" in printed and "age=" in printed, printed
