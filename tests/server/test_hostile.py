@@ -381,3 +381,24 @@ def test_the_edges_of_the_sampling_ranges_are_served(tiny_server):
             "presence_penalty": -2, "frequency_penalty": 2, "min_p": 1, "repetition_penalty": 5}
     r = _post(url, body)
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("body, param, says", [
+    ({"max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens must be at least 1"),
+    ({"max_tokens": 0}, "max_tokens", "max_tokens must be at least 1"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format.json_schema.schema", "needs a schema"),
+])
+def test_a_chat_400_names_the_field_the_client_sent(tiny_server, body, param, says):
+    r = _post(tiny_server[1], {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **body},
+              "/v1/chat/completions")
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and says in err["message"], err
+
+
+def test_top_k_minus_one_is_off_as_in_vllm(tiny_server):
+    llm, url, app = tiny_server
+    r = _post(url, {"model": MODEL, "prompt": [5, 6], "max_tokens": 2, "top_k": -1})
+    assert r.status_code == 200, r.text
+    assert _post(url, {"model": MODEL, "prompt": [5, 6], "top_k": -2}).json()["error"]["param"] == "top_k"
