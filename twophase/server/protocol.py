@@ -140,7 +140,8 @@ class _Common(BaseModel):
             "max_tokens": self.max_tokens or default_max_tokens, "temperature": self.temperature,
             "top_p": self.top_p, "seed": self.seed, "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty, "logprobs": logprobs,
-            "top_k": 0 if self.top_k == -1 else self.top_k, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
+            "top_k": 0 if self.top_k == -1 else self.top_k, "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
             "min_tokens": self.min_tokens, "structured": self.structured(),
             "stop": [self.stop] if isinstance(self.stop, str) else self.stop}.items() if v is not None}
         try:

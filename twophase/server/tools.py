@@ -4,10 +4,10 @@ request, and the reply's ``tool_calls`` made from the model's text.
 ``required`` and a named function are constrained (structured outputs): the model writes a
 JSON array of ``{"name", "arguments"}`` calls, or the named function's arguments, held to the
 tool's ``parameters`` with open objects closed (``closed``), so a finished call's arguments
-validate; a reply cut by ``max_tokens`` ends with "length" and its last call as far as it got. ``auto`` is left to the model:
-where its chat template defines a tool-call format (Hermes/Qwen's ``<tool_call>`` tags,
-Mistral's ``[TOOL_CALLS]``, Llama 3's bare JSON) the calls are read back from the text;
-otherwise the reply is plain content.
+validate; a reply cut by ``max_tokens`` ends with "length" and its last call as far as it got.
+``auto`` is left to the model: where its chat template defines a tool-call format
+(Hermes/Qwen's ``<tool_call>`` tags, Mistral's ``[TOOL_CALLS]``, Llama 3's bare JSON) the calls
+are read back from the text; otherwise the reply is plain content.
 """
 
 from __future__ import annotations
