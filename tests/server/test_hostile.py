@@ -5,7 +5,10 @@ stays up for the next client. A real server on the tiny random model."""
 
 from __future__ import annotations
 
+import gc
 import json
+import logging
+import re
 import time
 
 import httpx
@@ -300,3 +303,102 @@ def test_speculation_streams_the_kept_tokens_of_a_step_together():
                     if line.startswith("twophase_spec_accepted_tokens_total "))
         assert kept == sum(per_chunk) - len(per_chunk)
 
+
+
+def test_a_non_streamed_client_that_leaves_is_aborted_without_a_traceback(caplog):
+    llm = _slowed(_tiny(), 0.005)
+    caplog.set_level("WARNING")
+    with serving(llm) as (url, app):
+        body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 1500, "min_tokens": 1500}
+        with pytest.raises(httpx.ReadTimeout):          # gone long before 1,500 tokens
+            httpx.post(url + "/v1/completions", json=body, timeout=0.5)
+        all_blocks_free(llm, app)                       # aborted: it would take ~8 s to finish
+        deadline = time.monotonic() + 5
+        while 'status="499"' not in httpx.get(url + "/metrics").text:
+            assert time.monotonic() < deadline, "the request was not aborted"
+            time.sleep(0.05)
+        gc.collect()                                    # an unread future complains when freed
+        _ok(url)
+    logged = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not [r for r in logged if "never retrieved" in r.getMessage() or r.exc_info], \
+        [r.getMessage() for r in logged]
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("body, kind", [
+    ("[]", "an array"), ('[{"model": "smollm2", "prompt": "hi"}]', "an array"),
+    ('"hi"', "a string"), ("3", "a number"), ("1.5", "a number"), ("null", "null"),
+    ("true", "a boolean"), ("", "empty"),
+])
+def test_a_body_that_is_not_a_json_object_is_a_400_that_says_so(tiny_server, route, body, kind):
+    r = _post(tiny_server[1], body, route)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "must be a JSON object" in message and kind in message, message
+    assert "None" not in message
+
+
+def test_a_body_not_sent_as_json_is_a_400_that_names_the_content_type(tiny_server):
+    body = json.dumps({"model": MODEL, "prompt": "hi"})
+    for headers in ({"content-type": "text/plain"}, {"content-type": "application/x-www-form-urlencoded"}):
+        r = httpx.post(tiny_server[1] + "/v1/completions", content=body, headers=headers, timeout=30)
+        assert r.status_code == 400, r.text
+        message = r.json()["error"]["message"]
+        assert "Content-Type: application/json" in message and headers["content-type"] in message
+
+
+@pytest.mark.parametrize("field, value, allowed", [
+    ("temperature", 1e308, "[0, 2]"), ("temperature", 2.5, "[0, 2]"), ("temperature", -0.1, ">= 0"),
+    ("top_p", 0, "(0, 1]"), ("top_p", 1.5, "(0, 1]"),
+    ("presence_penalty", 2.5, "[-2, 2]"), ("frequency_penalty", -1e300, "[-2, 2]"),
+    ("min_p", 1.5, "[0, 1]"), ("repetition_penalty", 0, "> 0"),
+])
+def test_absurd_sampling_values_are_400s_that_name_the_field_and_the_range(tiny_server, field, value,
+                                                                          allowed):
+    llm, url, app = tiny_server
+    for route, body in (("/v1/completions", {"prompt": "hi"}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        r = _post(url, {"model": MODEL, **body, field: value}, route)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == field and field in err["message"] and allowed in err["message"], err
+    with pytest.raises(ValueError, match=f"{field} .*{re.escape(allowed)}"):   # the Python API too
+        SamplingParams(**{field: value})
+    _ok(url)
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "repetition_penalty",
+                                   "presence_penalty", "frequency_penalty"])
+def test_sampling_params_refuse_non_finite_floats(field):
+    for value in (float("inf"), float("-inf"), float("nan"), 10 ** 400):
+        with pytest.raises(ValueError, match=f"SamplingParams.{field} must be a finite number"):
+            SamplingParams(**{field: value})
+
+
+def test_the_edges_of_the_sampling_ranges_are_served(tiny_server):
+    llm, url, app = tiny_server
+    body = {"model": MODEL, "prompt": [5, 6], "max_tokens": 2, "temperature": 2, "top_p": 1,
+            "presence_penalty": -2, "frequency_penalty": 2, "min_p": 1, "repetition_penalty": 5}
+    r = _post(url, body)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("body, param, says", [
+    ({"max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens must be at least 1"),
+    ({"max_tokens": 0}, "max_tokens", "max_tokens must be at least 1"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format.json_schema.schema", "needs a schema"),
+])
+def test_a_chat_400_names_the_field_the_client_sent(tiny_server, body, param, says):
+    r = _post(tiny_server[1], {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **body},
+              "/v1/chat/completions")
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and says in err["message"], err
+
+
+def test_top_k_minus_one_is_off_as_in_vllm(tiny_server):
+    llm, url, app = tiny_server
+    r = _post(url, {"model": MODEL, "prompt": [5, 6], "max_tokens": 2, "top_k": -1})
+    assert r.status_code == 200, r.text
+    assert _post(url, {"model": MODEL, "prompt": [5, 6], "top_k": -2}).json()["error"]["param"] == "top_k"

@@ -6,6 +6,8 @@ reassemble to the whole reply, and bad input is a 400 naming the part."""
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 from typing import Literal
 
 import httpx
@@ -103,6 +105,56 @@ def test_required_and_named_tool_calls_validate(client):
     assert c.function.arguments.startswith('{"city":"')                # the schema's first key
 
 
+BOOK = {"type": "function", "function": {                 # no additionalProperties anywhere
+    "name": "book", "description": "Book a trip",
+    "parameters": {"type": "object", "required": ["trip"], "properties": {"trip": {
+        "type": "object", "properties": {"from": {"type": "string", "maxLength": 20},
+                                         "to": {"type": "string", "maxLength": 20}}}}}}}
+
+
+def _keys_within(value, schema):
+    """Every object in ``value`` holds only the keys its schema names."""
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        assert set(value) <= set(props), (value, sorted(props))
+        for k, v in value.items():
+            _keys_within(v, props[k])
+
+
+@pytest.mark.parametrize("choice, temperature", [
+    ({"type": "function", "function": {"name": "book"}}, 0), ({"type": "function", "function": {"name": "book"}}, 1.0),
+    ("required", 0), ("required", 1.0)])
+def test_tool_calls_with_open_parameters_finish_and_validate(client, choice, temperature):
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[BOOK], tool_choice=choice,
+                                       parallel_tool_calls=False, max_tokens=200,
+                                       temperature=temperature, seed=1)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls", ch.message.tool_calls
+    (c,) = ch.message.tool_calls
+    args = json.loads(c.function.arguments)
+    jsonschema.validate(args, BOOK["function"]["parameters"])
+    _keys_within(args, BOOK["function"]["parameters"])
+    stream = client.chat.completions.create(model=MODEL, messages=ASK, tools=[BOOK], tool_choice=choice,
+                                            parallel_tool_calls=False, max_tokens=200,
+                                            temperature=temperature, seed=1, stream=True)
+    text, reasons = "", []
+    for chunk in stream:
+        for d in chunk.choices:
+            reasons.append(d.finish_reason)
+            text += "".join(t.function.arguments or "" for t in d.delta.tool_calls or [] if t.function)
+    assert reasons[-1] == "tool_calls" and json.loads(text) == args
+
+
+def test_a_call_cut_by_max_tokens_is_length_never_a_finished_call(client):
+    for stream in (False, True):
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[BOOK], max_tokens=6,
+                                           tool_choice={"type": "function", "function": {"name": "book"}},
+                                           stream=stream)
+        reasons = [c.finish_reason for chunk in r for c in chunk.choices] if stream \
+            else [r.choices[0].finish_reason]
+        assert reasons[-1] == "length" and "tool_calls" not in reasons
+
+
 def test_streamed_tool_calls_reassemble_to_the_whole_reply(client):
     kwargs = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
                   max_tokens=120, temperature=0)
@@ -165,3 +217,33 @@ def test_bad_structured_input_is_a_400_naming_the_part(default_server, body, par
     err = r.json()["error"]
     assert param in (err["param"] or "") or param in err["message"], err
     all_blocks_free(llm, app)
+
+
+def _doc_example() -> str:
+    """The OpenAI-client example of docs/structured.md's server section."""
+    text = (Path(__file__).parents[2] / "docs" / "structured.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    (code,) = [b for b in blocks if "OpenAI(" in b]
+    return code
+
+
+def test_the_docs_server_example_runs_against_the_server_serve_makes(default_llm, capsys):
+    """``twophase serve examples/quickstart.toml`` serves ``server.model_name`` or the model's id
+    (``serve.local_app``); the doc's example, pointed at such a server, runs as written."""
+    from helpers.server import serving_app
+
+    from twophase.config import load_config
+    from twophase.server.app import create_app
+
+    cfg = load_config(Path(__file__).parents[2] / "examples" / "quickstart.toml")
+    assert cfg.model.name == "smollm2-135m-instruct" and cfg.server.model_name is None
+    served = default_llm.model.model_id                 # the name serve gives it
+    code = _doc_example()
+    assert f'model="{served}"' in code, "the doc's example names a model the server does not serve"
+    base_url = re.search(r'base_url="([^"]+)"', code)[1]
+    with serving_app(create_app(default_llm, served, default_max_tokens=100)) as (url, app):
+        assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == [served]
+        exec(compile(code.replace(base_url, url + "/v1"), "docs/structured.md", "exec"), {})
+        all_blocks_free(default_llm, app)
+    printed = capsys.readouterr().out
+    assert "name=" in printed and "age=" in printed, printed

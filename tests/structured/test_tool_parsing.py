@@ -99,3 +99,37 @@ def test_a_template_without_tools_is_told_about_them():
     assert out[0]["role"] == "system" and "get_weather" in out[0]["content"]
     assert out[2]["content"] == '[{"name": "get_weather", "arguments": {"city": "Oslo"}}]'
     assert T.messages_for("{{ tools }}{{ m.tool_calls }}", messages, TOOLS)[1]["tool_calls"]
+
+
+def test_tool_arguments_close_objects_that_do_not_say_otherwise():
+    params = {"type": "object", "properties": {
+        "trip": {"type": "object", "properties": {"to": {"type": "string"}}},
+        "tags": {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string"}}}},
+        "extra": {"type": "object", "additionalProperties": True},
+        "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+        "either": {"anyOf": [{"type": "object", "properties": {"a": {"type": "integer"}}}, {"type": "null"}]},
+        "both": {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
+                           {"type": "object", "properties": {"b": {"type": "integer"}}}]},
+        "ref": {"$ref": "#/$defs/Point"},
+        "properties": {"type": ["object", "null"], "properties": {"x": {"type": "number"}}}},
+        "$defs": {"Point": {"type": "object", "properties": {"x": {"type": "number"}}}}}
+    before = json.dumps(params)
+    out = T.closed(params)
+    assert json.dumps(params) == before, "the tool's own schema was changed"
+    p = out["properties"]
+    assert out["additionalProperties"] is False
+    assert p["trip"]["additionalProperties"] is False
+    assert p["tags"]["items"]["additionalProperties"] is False
+    assert p["extra"]["additionalProperties"] is True                       # as the tool says
+    assert p["labels"]["additionalProperties"] == {"type": "string"}
+    assert p["either"]["anyOf"][0]["additionalProperties"] is False
+    assert p["both"] == params["properties"]["both"]                        # allOf: as given
+    assert p["ref"] == {"$ref": "#/$defs/Point"} and out["$defs"]["Point"]["additionalProperties"] is False
+    assert p["properties"]["additionalProperties"] is False                 # a property named so
+    assert T.closed(T.ANY_OBJECT) == {"type": "object", "additionalProperties": False}
+
+
+def test_a_forced_call_is_compiled_against_the_closed_parameters():
+    p = _plan(None, {"type": "function", "function": {"name": "get_weather"}})
+    assert p.structured.json == {"type": "object", "additionalProperties": False}
+    assert p.tools == TOOLS                              # what the template shows: the tool's own

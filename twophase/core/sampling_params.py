@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 
 from twophase.errors import InvalidSamplingParam
@@ -10,6 +11,11 @@ from twophase.structured.spec import StructuredOutputs
 
 @dataclass
 class SamplingParams:
+    """Checked when made (``InvalidSamplingParam``, naming the field): every float finite;
+    ``temperature`` in [0, 2], ``top_p`` in (0, 1], ``presence_penalty`` and
+    ``frequency_penalty`` in [-2, 2] (OpenAI's ranges); ``min_p`` in [0, 1] and
+    ``repetition_penalty`` > 0 (vLLM's)."""
+
     max_tokens: int = 64
     min_tokens: int = 0                  # EOS and stop tokens are suppressed before this many
     temperature: float = 0.0             # 0: greedy
@@ -37,6 +43,7 @@ class SamplingParams:
             (self.max_tokens >= 1, "max_tokens", "must be at least 1"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be in [0, max_tokens]"),
             (self.temperature >= 0, "temperature", "must be >= 0"),
+            (self.temperature <= 2, "temperature", "must be in [0, 2] (0: greedy)"),
             (self.top_k >= 0, "top_k", "must be >= 0 (0 turns it off)"),
             (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
             (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
@@ -81,14 +88,20 @@ def _int(v: object) -> bool:
 
 
 def _num(v: object) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool))
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:                # an int past any float
+        return False
 
 
 _KINDS = {
     "max_tokens": (_int, "an integer"), "min_tokens": (_int, "an integer"),
-    "temperature": (_num, "a number"), "top_k": (_int, "an integer"), "top_p": (_num, "a number"),
-    "min_p": (_num, "a number"), "repetition_penalty": (_num, "a number"),
-    "presence_penalty": (_num, "a number"), "frequency_penalty": (_num, "a number"),
+    "temperature": (_num, "a finite number"), "top_k": (_int, "an integer"),
+    "top_p": (_num, "a finite number"), "min_p": (_num, "a finite number"),
+    "repetition_penalty": (_num, "a finite number"),
+    "presence_penalty": (_num, "a finite number"), "frequency_penalty": (_num, "a finite number"),
     "seed": (lambda v: v is None or _int(v), "an integer or None"),
     "stop": (lambda v: isinstance(v, list), "a string or a list of strings"),
     "stop_token_ids": (lambda v: isinstance(v, list) and all(_int(t) and t >= 0 for t in v),

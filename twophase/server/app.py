@@ -78,6 +78,22 @@ def _most_telling(errors) -> dict:
     return next((e for e in errors if e not in mismatch), errors[0])
 
 
+_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number",
+               bool: "a boolean", type(None): "null"}
+
+
+def _body_problem(request: Request, error: dict) -> str:
+    """What is wrong with a body that is not an object's fields at all."""
+    content_type = request.headers.get("content-type", "")
+    if error.get("type") == "missing":
+        return "the request body is empty: it must be a JSON object"
+    if "json" not in content_type.lower():          # the body was not read as JSON at all
+        return (f"the request body must be a JSON object sent with Content-Type: "
+                f"application/json (got {content_type or 'no Content-Type'!r})")
+    kind = _JSON_KINDS.get(type(error.get("input")), "not an object")
+    return f"the request body must be a JSON object, got {kind}"
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     """Every error as OpenAI's error object."""
 
@@ -92,6 +108,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         param = next((str(x) for x in first.get("loc", ()) if x != "body"), None)
         if first.get("type") == "json_invalid":
             return _error(P.ApiError(400, "the request body is not valid JSON"))
+        if param is None:                    # the body itself: empty, not JSON, or not an object
+            return _error(P.ApiError(400, _body_problem(request, first)))
         if first.get("type") == "extra_forbidden":
             return _error(P.ApiError(400, f"unsupported parameter: {param}", param,
                                      code="unsupported_parameter"))

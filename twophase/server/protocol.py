@@ -94,7 +94,7 @@ class _Common(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     # beyond OpenAI's API, as vLLM accepts them
-    top_k: int | None = None
+    top_k: int | None = None                 # 0 or -1 (vLLM's spelling): off
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int | None = None
@@ -120,22 +120,28 @@ class _Common(BaseModel):
             if rf.json_schema is None:
                 raise ApiError(400, "response_format of type json_schema needs json_schema",
                                "response_format.json_schema")
+            if rf.json_schema.schema_ is None:
+                raise ApiError(400, "response_format.json_schema needs a schema",
+                               "response_format.json_schema.schema")
             return StructuredOutputs(json=rf.json_schema.schema_, strict=bool(rf.json_schema.strict),
                                      origin="response_format.json_schema.schema")
         except InvalidSamplingParam as exc:
             raise ApiError(400, exc.message, exc.name) from None
 
-    def sampling(self, logprobs: int | None, default_max_tokens: int) -> SamplingParams:
+    def sampling(self, logprobs: int | None, default_max_tokens: int,
+                 max_tokens_field: str = "max_tokens") -> SamplingParams:
         if self.n != 1:
             raise ApiError(400, f"n = {self.n} is not supported: one choice per request", "n",
                            code="unsupported_parameter")
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise ApiError(400, f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+            raise ApiError(400, f"{max_tokens_field} must be at least 1, got {self.max_tokens}",
+                           max_tokens_field)
         kwargs = {k: v for k, v in {
             "max_tokens": self.max_tokens or default_max_tokens, "temperature": self.temperature,
             "top_p": self.top_p, "seed": self.seed, "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty, "logprobs": logprobs,
-            "top_k": self.top_k, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
+            "top_k": 0 if self.top_k == -1 else self.top_k, "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
             "min_tokens": self.min_tokens, "structured": self.structured(),
             "stop": [self.stop] if isinstance(self.stop, str) else self.stop}.items() if v is not None}
         try:
@@ -262,11 +268,13 @@ class ChatCompletionRequest(_Common):
     parallel_tool_calls: bool = True
 
     def params(self, default_max_tokens: int) -> SamplingParams:
+        field = "max_tokens"
         if self.max_completion_tokens is not None:
-            self.max_tokens = self.max_completion_tokens
+            self.max_tokens, field = self.max_completion_tokens, "max_completion_tokens"
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs = true", "top_logprobs")
-        return self.sampling((self.top_logprobs or 0) if self.logprobs else None, default_max_tokens)
+        return self.sampling((self.top_logprobs or 0) if self.logprobs else None, default_max_tokens,
+                             field)
 
 
 def check_model(name: str, served: str) -> None:

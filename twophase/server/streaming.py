@@ -127,20 +127,32 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
             if await request.is_disconnected():
                 raise P.ApiError(499, "client disconnected")
     finally:
-        task.cancel()
+        if not task.done():
+            task.cancel()
+            # nobody awaits it now: whatever it ends with (cancelled, or an error that raced
+            # the cancel) is read here, so asyncio never logs it as "never retrieved"
+            task.add_done_callback(_retrieve)
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 async def _collect(request: Request, handles: list[Handle]) -> list[RequestOutput]:
     """Every output of a non-streamed request; aborts them if the client goes away."""
-    tasks = [asyncio.ensure_future(_until_finished(h)) for h in handles]
     try:
-        return await _unless_disconnected(request, asyncio.gather(*tasks))
+        return await _unless_disconnected(request, _all_finished(handles))
     except EngineError as exc:
         raise P.ApiError(500, str(exc), type_="server_error", code="engine_error") from None
     finally:
-        for t in tasks:
-            t.cancel()
         _abort(handles)
+
+
+async def _all_finished(handles: list[Handle]) -> list[RequestOutput]:
+    """Each handle's output, in order. One task (not a ``gather`` of several): cancelled when
+    the client goes away, it ends cancelled and leaves no child's error unread."""
+    return [await _until_finished(h) for h in handles]
 
 
 async def _merged(handles: list[Handle]) -> AsyncIterator[tuple[int, Any]]:

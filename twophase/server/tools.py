@@ -2,11 +2,12 @@
 request, and the reply's ``tool_calls`` made from the model's text.
 
 ``required`` and a named function are constrained (structured outputs): the model writes a
-JSON array of ``{"name", "arguments"}`` calls, or the named function's arguments, so the
-arguments always validate against the tool's ``parameters``. ``auto`` is left to the model:
-where its chat template defines a tool-call format (Hermes/Qwen's ``<tool_call>`` tags,
-Mistral's ``[TOOL_CALLS]``, Llama 3's bare JSON) the calls are read back from the text;
-otherwise the reply is plain content.
+JSON array of ``{"name", "arguments"}`` calls, or the named function's arguments, held to the
+tool's ``parameters`` with open objects closed (``closed``), so a finished call's arguments
+validate; a reply cut by ``max_tokens`` ends with "length" and its last call as far as it got.
+``auto`` is left to the model: where its chat template defines a tool-call format
+(Hermes/Qwen's ``<tool_call>`` tags, Mistral's ``[TOOL_CALLS]``, Llama 3's bare JSON) the calls
+are read back from the text; otherwise the reply is plain content.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def plan(body: P.ChatCompletionRequest, template: str | None) -> ToolPlan:
         if kind != "object":                 # arguments are a JSON object, as OpenAI's are
             raise P.ApiError(400, f"a tool's parameters must describe a JSON object; got type {kind!r}",
                              f"tools.{i}.function.parameters")
+    params = {name: closed(schema) for name, schema in params.items()}
     strict = any(t.function.strict for t in tools)
     if isinstance(choice, P.NamedToolChoice):
         name = choice.function.name
@@ -79,6 +81,43 @@ def plan(body: P.ChatCompletionRequest, template: str | None) -> ToolPlan:
             array["maxItems"] = 1
         return ToolPlan("required", rendered, _spec(array, strict), None, names)
     return ToolPlan("auto", rendered, None, None, names, template_format(template))
+
+
+_ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else", "additionalProperties",
+        "unevaluatedItems", "unevaluatedProperties")
+_NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_LISTS = ("prefixItems", "anyOf", "oneOf")
+_OPENS = ("additionalProperties", "unevaluatedProperties", "patternProperties", "allOf", "$ref")
+
+
+def closed(schema: Any) -> Any:
+    """A tool's ``parameters`` with every object that does not say which other keys it takes
+    closed (``additionalProperties: false``), as OpenAI's strict function calling requires:
+    a model held to an open object can add keys until ``max_tokens`` and never finish its call.
+    An object that sets ``additionalProperties`` (``true`` or a schema), ``patternProperties``
+    or ``unevaluatedProperties`` keeps what it says; one built with ``allOf`` or ``$ref`` is
+    left as it is (closing it would refuse the keys its parts add), and so are ``allOf``'s
+    parts. The schema the template shows the model is the tool's own."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _ONE:
+            out[key] = closed(value)
+        elif key in _NAMED and isinstance(value, dict):
+            out[key] = {name: closed(s) for name, s in value.items()}
+        elif key in _LISTS and isinstance(value, list):
+            out[key] = [closed(s) for s in value]
+        else:                                    # allOf, enum, const, default, ... as given
+            out[key] = value
+    kind = out.get("type")
+    is_object = kind == "object" or (isinstance(kind, list) and "object" in kind) or \
+        (kind is None and "properties" in out)
+    if is_object and not any(k in out for k in _OPENS):
+        out["additionalProperties"] = False
+    return out
 
 
 def _spec(schema: dict, strict: bool) -> StructuredOutputs:
