@@ -60,7 +60,7 @@ def test_without_the_serve_extra_it_names_the_extra(tmp_path):
             f"raise SystemExit(main(['serve', {str(cfg)!r}]))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 1
-    assert "pip install 'twophase[serve]'" in run.stderr and "Traceback" not in run.stderr
+    assert "pip install -e '.[serve]'" in run.stderr and "Traceback" not in run.stderr
 
 
 def test_sigterm_ends_open_streams_within_the_deadline(tmp_path):

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from twophase.config import Config
-from twophase.errors import TwophaseError
+from twophase.errors import TwophaseError, install_hint
 
 log = logging.getLogger("twophase")
 SHUTDOWN_MESSAGE = "the server is shutting down"
@@ -34,8 +34,7 @@ def check_installed() -> None:
         except ImportError:
             missing.append(module)
     if missing:
-        raise TwophaseError(f"twophase serve needs {', '.join(missing)}: install the serve extra, "
-                            f"pip install 'twophase[serve]'")
+        raise TwophaseError(f"twophase serve needs {', '.join(missing)}: {install_hint('serve')}")
 
 
 def bind(host: str, port: int) -> socket.socket:
