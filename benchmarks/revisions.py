@@ -58,6 +58,13 @@ def tree(rev: str, tmp: Path) -> Path:
     return path
 
 
+def remove_trees(paths) -> None:
+    """The checkouts ``tree`` made (never the working tree itself)."""
+    for path in paths:
+        if path != ROOT:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)], capture_output=True)
+
+
 def one_round(path: Path, backend: str, quantization: str, threads: int | None = None) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": str(path)}
     # run in the checkout: ``python -c`` puts the working directory first on sys.path, so run
@@ -92,10 +99,7 @@ def main() -> None:
                     got[name].append(one_round(path, args.backend, args.quantization, args.threads))
                     print(f"round {r + 1}: {name}: {got[name][-1]}", file=sys.stderr)
         finally:
-            for path in sides.values():
-                if path != ROOT:
-                    subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)],
-                                   capture_output=True)
+            remove_trees(sides.values())
     cases = list(next(iter(got.values()))[0])
     print(f"{'tok/s (median)':<16}" + "".join(f"{k:>16}" for k in sides) + f"{'ratio':>8}")
     for case in cases:

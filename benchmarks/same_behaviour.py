@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from revisions import remove_trees, tree  # checkouts of a revision, as revisions.py makes them
 
 LOGITS = """
 import hashlib, json, sys
@@ -85,15 +85,6 @@ PLAN_BACKENDS = ["torch", "onnxruntime", "native"]
 PLAN_KV = ["auto", "float16", "int8"]
 
 
-def tree(rev: str, tmp: Path) -> Path:
-    if rev == ".":
-        return ROOT
-    path = tmp / rev.replace("/", "_").replace("~", "-")
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-f", str(path), rev],
-                   check=True, capture_output=True)
-    return path
-
-
 def python(path: Path, code: str, *args: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(path)}
     out = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, cwd=path)
@@ -140,10 +131,7 @@ def main() -> None:
                   + ", ".join(f"{k}: {statistics.median(v):.2f} {sorted(round(x, 2) for x in v)}"
                               for k, v in times.items()))
         finally:
-            for path in sides.values():
-                if path != ROOT:
-                    subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)],
-                                   capture_output=True)
+            remove_trees(sides.values())
     sys.exit(1 if differ else 0)
 
 
