@@ -28,6 +28,7 @@ from twophase.arch import ModelArch
 from twophase.backends.registry import Registry
 from twophase.cache import layout
 from twophase.cache.layout import PoolLayout, PoolSettings, lay_out_pool, model_len, pool_groups
+from twophase.cache.spec import FullAttentionSpec
 from twophase.config import BackendSection, Config
 from twophase.contract import BackendMemory, Capabilities, EngineLimits, KVGroups, MemoryQuery
 from twophase.errors import ConfigError
@@ -144,10 +145,6 @@ def kv_dtype_bytes(config: Config, device_kind: str, arch: ModelArch) -> float:
 def model_dtype(config: Config, device_kind: str) -> str:
     d = config.model.dtype
     return d if d != "auto" else ("bfloat16" if device_kind == "cuda" else "float32")
-
-
-def kv_bytes_per_token(arch: ModelArch, itemsize: float) -> int:
-    return round(arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * itemsize)
 
 
 def pool_settings(config: Config, device_kind: str, format: str | None = None) -> PoolSettings:
@@ -364,9 +361,12 @@ def draft_model(config: Config, kind: str, registry: Registry) -> tuple[list[Ite
     context = model.arch.max_position_embeddings
     items = [dataclasses.replace(i, name=f"draft model: {i.name}", role="draft")
              for i in weight_items(cfg, model, kind, registry, min(cfg.model.max_model_len or context, context))]
+    a = model.arch                            # the draft's K/V a token, every layer
+    per_token = a.num_layers * FullAttentionSpec(a.num_kv_heads, a.head_dim,
+                                                 pool_settings(cfg, kind).format).bytes_per_token()
     if cfg.cache.num_blocks != "auto":
-        per = kv_bytes_per_token(model.arch, kv_dtype_bytes(cfg, kind, model.arch)) * cfg.cache.block_size
+        per = per_token * cfg.cache.block_size
         items.append(Item("kv cache", "draft model's KV pool", int(cfg.cache.num_blocks) * per,
                           f"{cfg.cache.num_blocks} blocks", role="draft"))
         return items, 0
-    return items, kv_bytes_per_token(model.arch, kv_dtype_bytes(cfg, kind, model.arch)) * config.cache.block_size
+    return items, per_token * config.cache.block_size
