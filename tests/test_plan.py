@@ -370,3 +370,21 @@ def test_a_tensorrt_pool_stops_at_what_its_engine_can_index():
     assert any("max_pool_elements" in n for n in p.notes)
     free = plan(load_config({"model": {"name": "llama3-8b", "weights": "random"}}), profile("h200"))
     assert free.num_blocks > 20 * p.num_blocks
+
+
+def test_cli_plans_qwen3_next_state_beside_the_attention_layers_kv(tmp_path):
+    """Qwen3-Next 80B-A3B (transformers' Qwen3NextConfig shape, 4-bit to fit an H200): K/V for
+    its 12 attention layers only (2 KV heads of 256, bf16), a state of 36 Gated DeltaNet layers
+    a sequence counted by hand, and what the same memory holds were every layer attending."""
+    r = _plan_cli("--model", "qwen3-next-80b-a3b", "--device", "h200", "--context", "262144",
+                  "--quantization", "q4", "--json", "p.json", "--plot", "", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    d = json.loads((tmp_path / "p.json").read_text())
+    assert d["kv_bytes_per_token"] == 12 * 2 * 2 * 256 * 2
+    conv = (2 * 16 * 128 + 32 * 128) * 3 * 4             # the convolution's last 3 inputs, float32
+    delta = 32 * 128 * 128 * 4                           # a 128 x 128 matrix a value head
+    assert d["state_bytes_per_sequence"] == 36 * (conv + delta) and d["state_layers"] == 36
+    state = next(i for i in d["items"] if i["name"] == "state slots")
+    assert state["bytes"] == d["state_slots"] * d["state_bytes_per_sequence"]
+    assert d["max_concurrency"] >= 4 * d["full_attention_concurrency"] > 0
+    assert "in the 12 attention layers" in r.stdout and "36 state layers" in r.stdout

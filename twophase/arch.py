@@ -9,7 +9,7 @@ refuses the model by the feature's name rather than computing another model with
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 # feature key -> the name a refusal uses ("native: QK-norm is not implemented")
 FEATURES: dict[str, str] = {
@@ -28,6 +28,8 @@ FEATURES: dict[str, str] = {
     "rope_per_layer": "a RoPE base per layer type",
     "sliding_window": "sliding-window attention",
     "moe": "mixture-of-experts MLPs",
+    "gated_deltanet": "Gated DeltaNet layers (a recurrent state a sequence)",
+    "attn_output_gate": "a gated attention output",
 }
 
 
@@ -59,9 +61,41 @@ class MLPSpec:
 
 
 @dataclass(frozen=True)
+class DeltaNetSpec:
+    """A Gated DeltaNet layer (Qwen3-Next, Qwen3.5): a causal depthwise convolution over q, k
+    and v, L2-normalised q and k, and a gated delta rule that keeps one ``[k_head_dim,
+    v_head_dim]`` matrix a value head in place of K/V. Its cache is a state a sequence: the
+    last ``conv_kernel - 1`` inputs of the convolution and the matrices."""
+
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int = 4
+    # Qwen3-Next's fused projection groups q, k, v and z by key head; Qwen3.5's keeps them apart
+    interleaved: bool = False
+
+    kind: ClassVar[str] = "gated_deltanet"
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: q, k and v side by side."""
+        return 2 * self.num_k_heads * self.k_head_dim + self.num_v_heads * self.v_head_dim
+
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """One sequence's state tensors: the convolution's tail, the delta rule's matrices."""
+        return (self.conv_dim, self.conv_kernel - 1), (self.num_v_heads, self.k_head_dim, self.v_head_dim)
+
+
+@dataclass(frozen=True)
 class LayerSpec:
     attention: AttentionSpec
     mlp: MLPSpec
+    mixer: DeltaNetSpec | None = None    # None: the layer attends; else its state layer
+
+    @property
+    def attends(self) -> bool:
+        return self.mixer is None
 
 
 @dataclass(frozen=True)
@@ -91,6 +125,7 @@ class ModelArch:
     final_softcap: float | None = None    # logits -> cap * tanh(logits / cap)
     query_scale: float | None = None      # None: head_dim ** -0.5
     rotary_dim: int | None = None         # None: all of head_dim rotates
+    attn_output_gate: bool = False        # Qwen3-Next: q_proj also gives a gate, out * sigmoid(gate)
     # Llama-3 RoPE scaling: {"factor", "low_freq_factor", "high_freq_factor",
     # "original_max_position_embeddings"}; None for plain RoPE.
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
@@ -100,6 +135,15 @@ class ModelArch:
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers that keep K/V (the others keep a state)."""
+        return tuple(i for i, s in enumerate(self.layers) if s.attends)
+
+    @property
+    def state_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, s in enumerate(self.layers) if not s.attends)
 
     @property
     def intermediate_size(self) -> int:
@@ -128,6 +172,8 @@ class ModelArch:
             "rope_per_layer": len({s.attention.rope_theta for s in self.layers}) > 1,
             "sliding_window": any(s.attention.window for s in self.layers),
             "moe": any(s.mlp.num_experts for s in self.layers),
+            "gated_deltanet": any(s.mixer is not None for s in self.layers),
+            "attn_output_gate": self.attn_output_gate,
         }
         return frozenset(on | {k for k, v in checks.items() if v})
 
@@ -142,7 +188,8 @@ class ModelArch:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelArch:
         d = dict(d)
-        d["layers"] = tuple(LayerSpec(AttentionSpec(**s["attention"]), MLPSpec(**s["mlp"]))
+        d["layers"] = tuple(LayerSpec(AttentionSpec(**s["attention"]), MLPSpec(**s["mlp"]),
+                                      DeltaNetSpec(**s["mixer"]) if s.get("mixer") else None)
                             for s in d["layers"])
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
         return cls(**d)
@@ -171,6 +218,7 @@ def with_feature(arch: ModelArch, key: str) -> ModelArch:
         "gelu_tanh": {"activation": "gelu_tanh"}, "embed_scale": {"embed_scale": 2.0},
         "attn_softcap": {"attn_softcap": 50.0}, "final_softcap": {"final_softcap": 30.0},
         "query_scale": {"query_scale": 0.5 * hd ** -0.5}, "partial_rotary": {"rotary_dim": hd // 2},
+        "attn_output_gate": {"attn_output_gate": True},
     }
     if key in simple:
         return replace(arch, **simple[key])
@@ -182,6 +230,8 @@ def with_feature(arch: ModelArch, key: str) -> ModelArch:
             layers[i] = replace(s, attention=replace(s.attention, window=16))
         elif key == "moe":
             layers[i] = replace(s, mlp=MLPSpec(f, num_experts=4, top_k=2))
+        elif key == "gated_deltanet" and i % 4 != 3:        # Qwen3-Next's three in four
+            layers[i] = replace(s, mixer=DeltaNetSpec(2, 4, hd, hd))
     if key not in FEATURES:
         raise KeyError(key)
     return replace(arch, layers=tuple(layers))

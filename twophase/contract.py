@@ -370,11 +370,12 @@ class KVGroups:
 
     @classmethod
     def of(cls, arch: ModelArch) -> KVGroups:
-        """Groups for ``arch``: plain where every layer has the same window; else each window's
+        """Groups for ``arch``'s attention layers (a state layer keeps no K/V; layer ``i`` here
+        is the ``i``-th that attends): plain where every layer has the same window; else each window's
         layers cut, in order, into groups as large as the rarest window's count (vLLM's
         grouping: Gemma 3 27B's 10 full and 52 sliding layers make 1 + 6 groups of 10 slots,
         the last sliding group 2 layers short). Full-attention groups come first."""
-        windows = [s.attention.window for s in arch.layers]
+        windows = [arch.layers[i].attention.window for i in arch.attention_layers]
         kinds = sorted(set(windows), key=lambda w: (w is not None, w or 0))
         if len(kinds) == 1:
             return cls.plain(len(windows), windows[0])
@@ -398,6 +399,9 @@ class KVCache:
     pool: torch.Tensor
     block_size: int
     groups: KVGroups | None = None       # None: plain, one slot a layer
+    # each state layer's tensors (``DeltaNetSpec.state_shapes``), a row a state slot:
+    # ``[slots, *shape]``; a batch's ``state_slots`` say which row each sequence holds
+    states: tuple[tuple[torch.Tensor, ...], ...] = ()
 
     @property
     def num_blocks(self) -> int:
@@ -419,6 +423,9 @@ class PrefillBatch:
     query_lens: list[int]          # [B] chunk lengths
     start_positions: list[int]     # [B] tokens already cached before the chunk
     logits: Literal["last", "all"] = "last"   # one row per sequence, or one per token
+    # [B] each sequence's state slot (``KVCache.states``; a chunk at position 0 starts from
+    # zeros); None for a model whose every layer attends
+    state_slots: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -445,6 +452,7 @@ class DecodeBatch:
     slot_mapping: torch.Tensor     # [B] ([G, B]: KVGroups)
     block_tables: torch.Tensor     # [B, max_blocks] ([G, B, nb]: KVGroups)
     context_lens: torch.Tensor     # [B] tokens in the cache after this call
+    state_slots: torch.Tensor | None = None   # [B] as ``PrefillBatch.state_slots``
 
     @property
     def num_seqs(self) -> int:
@@ -454,7 +462,8 @@ class DecodeBatch:
         """The same work as a batch of one-token chunks (for backends with one code path)."""
         lens = self.context_lens.tolist()
         return PrefillBatch(self.token_ids, self.positions, self.slot_mapping, self.block_tables,
-                            self.context_lens, [1] * len(lens), [n - 1 for n in lens])
+                            self.context_lens, [1] * len(lens), [n - 1 for n in lens],
+                            state_slots=self.state_slots)
 
 
 class Backend(ABC):

@@ -37,8 +37,17 @@ def hf_config(family: str):
         "qwen3_moe": lambda: t.Qwen3MoeConfig(**BASE, num_experts=6, num_experts_per_tok=2,
                                               moe_intermediate_size=32, norm_topk_prob=True,
                                               mlp_only_layers=[1]),
+        "qwen3_next": lambda: t.Qwen3NextConfig(**{**BASE, "num_hidden_layers": 4}, **DELTANET, num_experts=4,
+                                                num_experts_per_tok=2, moe_intermediate_size=32,
+                                                shared_expert_intermediate_size=48, mlp_only_layers=[1]),
+        "qwen3_5": lambda: t.Qwen3_5TextConfig(**{**BASE, "num_hidden_layers": 4}, **DELTANET),
     }[family]()
 
+
+# Gated DeltaNet layers: 2 key heads of 16, 4 value heads of 16 (two a key head), 4 taps
+DELTANET = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                linear_value_head_dim=16, linear_conv_kernel_dim=4)
+STATE_FAMILIES = ("qwen3_5", "qwen3_next")     # their cache is (mostly) a state a sequence
 
 FAMILIES = ("gemma2", "gemma3", "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe")
 

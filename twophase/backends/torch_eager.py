@@ -30,7 +30,7 @@ from twophase.contract import (
 )
 from twophase.device import require_device, threads_option
 from twophase.kv_formats import KV_FORMATS
-from twophase.models.decoder import AttnMeta, Decoder
+from twophase.models.decoder import AttnMeta, Decoder, StateMeta
 from twophase.models.state_dict import build_model
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 TORCH_FEATURES = frozenset({
     "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "norm_offset", "post_norms", "gelu_tanh", "embed_scale",
     "attn_softcap", "final_softcap", "query_scale", "partial_rotary", "rope_per_layer", "sliding_window", "moe",
+    "gated_deltanet", "attn_output_gate",
 })
 OPTIONS = {"threads", "cuda_graphs", "keep_freed_memory"}
 
@@ -92,7 +93,7 @@ class TorchBackend(Backend):
         self.use_graphs = self.device.type == "cuda" and bool(cfg.options.get("cuda_graphs", True))
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        return KVCacheSpec(self.arch.num_layers, self.arch.num_kv_heads, self.arch.head_dim,
+        return KVCacheSpec(len(self.arch.attention_layers), self.arch.num_kv_heads, self.arch.head_dim,
                            self.dtype, self.device, scratch_blocks=1 if self.use_graphs else 0)
 
     def bind_kv_cache(self, kv: KVCache) -> None:
@@ -101,6 +102,9 @@ class TorchBackend(Backend):
         if self.groups is not None and self.use_graphs:
             log.info("torch: decode runs without CUDA graphs over a pool in %d groups",
                      self.groups.num_groups)
+            self.use_graphs = False
+        if kv.states and self.use_graphs:
+            log.info("torch: decode runs without CUDA graphs for a model with state layers")
             self.use_graphs = False
         if self.use_graphs:
             from twophase.backends.cuda_graphs import DecodeGraphs
@@ -112,8 +116,9 @@ class TorchBackend(Backend):
     def prefill(self, batch: PrefillBatch) -> torch.Tensor:
         meta = self._meta(batch)
         dev = self.device
+        spans = list(zip(batch.query_start[:-1], batch.query_lens, batch.start_positions))
         hidden = self.model(batch.token_ids.to(dev), batch.positions.to(dev), self.kv.pool, meta,
-                            self.groups)
+                            self.groups, self.kv.states, state_meta(batch.state_slots, spans))
         if batch.logits == "last":
             last = torch.tensor(batch.query_start[1:], device=dev) - 1
             hidden = hidden[last]
@@ -124,17 +129,19 @@ class TorchBackend(Backend):
         if self.graphs is not None:
             return self.graphs.run(batch)
         dev = self.device
+        states = state_meta(batch.state_slots, [(i, 1, p) for i, p in enumerate(batch.positions.tolist())])
         return self._forward_decode(batch.token_ids.to(dev), batch.positions.to(dev),
                                     batch.slot_mapping.to(dev), batch.block_tables.to(dev),
-                                    batch.context_lens.to(dev))
+                                    batch.context_lens.to(dev), states)
 
-    def _forward_decode(self, tokens, positions, slots, tables, lens) -> torch.Tensor:
+    def _forward_decode(self, tokens, positions, slots, tables, lens, states: StateMeta | None = None) -> torch.Tensor:
         """One token per sequence, all tensors on the device: the body a CUDA graph captures."""
         idx = torch.arange(tokens.shape[0], device=tokens.device)
         meta: AttnMeta | list[AttnMeta] = AttnMeta(slots, idx, tables, lens, [])
         if self.groups is not None:
             meta = [AttnMeta(s, idx, t, lens, []) for s, t in zip(slots, tables)]
-        return self.model.logits(self.model(tokens, positions, self.kv.pool, meta, self.groups))
+        return self.model.logits(self.model(tokens, positions, self.kv.pool, meta, self.groups,
+                                            self.kv.states, states))
 
     def _meta(self, batch: PrefillBatch) -> AttnMeta | list[AttnMeta]:
         if self.groups is None:
@@ -160,6 +167,11 @@ class TorchBackend(Backend):
                 table = block_tables[i, :-(-ctx[i] // bs)].to(dev)
                 chunks.append((starts[i], n, batch.start_positions[i], table))
         return AttnMeta(slot_mapping.to(dev), decode_idx, decode_tables, decode_lens, chunks)
+
+
+def state_meta(slots: torch.Tensor | None, spans: list[tuple[int, int, int]]) -> StateMeta | None:
+    """Each sequence's state slot and tokens (None where the model keeps no state)."""
+    return None if slots is None else StateMeta(slots.tolist(), spans)
 
 
 def keep_freed_memory() -> None:

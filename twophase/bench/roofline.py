@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from twophase.arch import ModelArch
+from twophase.cache.layout import state_spec
 from twophase.models.param_counts import active_layer_params
 
 
@@ -66,8 +67,20 @@ class CostModel:
 
     @property
     def kv_bytes_per_token(self) -> float:
-        """What a token's K/V holds in every layer (the pool's view; a read may take less)."""
-        return self.arch.num_layers * self.layer_kv_bytes
+        """What a token's K/V holds in every attention layer (the pool's view; a read may take less)."""
+        return len(self.arch.attention_layers) * self.layer_kv_bytes
+
+    @cached_property
+    def state_bytes(self) -> int:
+        """One sequence's state in every state layer: a step reads it and writes it back once."""
+        spec = state_spec(self.arch)
+        return spec.bytes_per_sequence() if spec else 0
+
+    def _state_flops(self, tokens: float) -> float:
+        """The delta rule over ``tokens`` in every state layer: decay, ``S^T k``, the rank-one
+        update and ``S^T q``, about 7 operations an element of each value head's matrix."""
+        m = [s.mixer for s in self.arch.layers if s.mixer is not None]
+        return sum(7 * x.num_v_heads * x.k_head_dim * x.v_head_dim for x in m) * tokens
 
     @property
     def layer_kv_bytes(self) -> float:
@@ -77,7 +90,7 @@ class CostModel:
     @cached_property
     def _windows(self) -> tuple[tuple[int, int], ...]:
         """``(window or 0, layers with it)``: full layers and each sliding window."""
-        return tuple(Counter(s.attention.window or 0 for s in self.arch.layers).items())
+        return tuple(Counter(s.attention.window or 0 for s in self.arch.layers if s.attends).items())
 
     def keys_read(self, n: float, depth: float) -> float:
         """K/V rows a chunk of ``n`` tokens after ``depth`` cached ones reads, summed over the
@@ -98,16 +111,18 @@ class CostModel:
         """``seqs`` chunks of ``n`` tokens, each after ``depth`` cached ones (logits: last token)."""
         L = self.arch.num_layers
         flops = seqs * (2 * n * L * self.layer_params + 2 * self.head_params
-                        + self._attention_flops(self.keys_seen(n, depth)))
-        moved = self.weight_bytes_per_step + seqs * self.keys_read(n, depth) * self.layer_kv_bytes
+                        + self._attention_flops(self.keys_seen(n, depth)) + self._state_flops(n))
+        moved = self.weight_bytes_per_step + seqs * (self.keys_read(n, depth) * self.layer_kv_bytes
+                                                     + 2 * self.state_bytes)
         return Cost(flops, moved)
 
     def decode(self, batch: int, context: int) -> Cost:
         """One token for each of ``batch`` sequences with ``context`` tokens cached."""
         L = self.arch.num_layers
         flops = batch * (2 * (L * self.layer_params + self.head_params)
-                         + self._attention_flops(self.keys_seen(1, context)))
-        moved = self.weight_bytes_per_step + batch * self.keys_read(1, context) * self.layer_kv_bytes
+                         + self._attention_flops(self.keys_seen(1, context)) + self._state_flops(1))
+        moved = self.weight_bytes_per_step + batch * (self.keys_read(1, context) * self.layer_kv_bytes
+                                                      + 2 * self.state_bytes)
         return Cost(flops, moved)
 
     def verify(self, batch: int, context: int, tokens: float) -> Cost:
@@ -115,8 +130,9 @@ class CostModel:
         average) after ``context`` cached ones, for one read of the weights."""
         L = self.arch.num_layers
         flops = batch * (tokens * 2 * (L * self.layer_params + self.head_params)
-                         + self._attention_flops(self.keys_seen(tokens, context)))
-        moved = self.weight_bytes_per_step + batch * self.keys_read(tokens, context) * self.layer_kv_bytes
+                         + self._attention_flops(self.keys_seen(tokens, context)) + self._state_flops(tokens))
+        moved = self.weight_bytes_per_step + batch * (self.keys_read(tokens, context) * self.layer_kv_bytes
+                                                      + 2 * self.state_bytes)
         return Cost(flops, moved)
 
     def speculative_intensity(self, context: int, summary: dict) -> dict[str, float]:

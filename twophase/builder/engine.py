@@ -3,6 +3,7 @@ and KV connector, from the config's scheduler and speculative settings."""
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -22,6 +23,8 @@ from twophase.core.scheduler import Scheduler
 from twophase.core.spec_control import SpecController
 from twophase.errors import ConfigError
 
+log = logging.getLogger(__name__)
+
 AUTO_MAX_DRAFTS = 6          # the most drafts num_tokens = "auto" gives a decode
 
 
@@ -35,8 +38,20 @@ def make_engine(config: Config, layout: PoolLayout, kv_cache: KVCache, backends:
     if sc.policy == "decode-first" and layout.chunked_prefill and budget <= max_seqs:
         raise ConfigError("scheduler.max_num_batched_tokens",
                           f"{budget} must exceed scheduler.max_num_seqs ({max_seqs})")
-    kv = KVManager(layout.num_blocks, cc.block_size, cc.prefix_caching, layout.specs)
     sp = config.speculative
+    prefix_caching = cc.prefix_caching
+    if layout.state is not None:
+        if config.cluster.disaggregated:
+            raise ConfigError("cluster.disaggregated", "this model's state layers keep a state a sequence that "
+                              "does not travel between workers yet; serve it on one engine (replicas)")
+        if sp.method != "none":
+            raise ConfigError("speculative.method", f"{sp.method!r}: this model's state layers cannot roll back "
+                              "rejected drafts yet; speculative decoding needs a model whose every layer attends")
+        if prefix_caching:
+            log.info("prefix caching off: a hit would need the state layers' state at the end of the prefix, "
+                     "and no snapshots are kept yet")
+            prefix_caching = False
+    kv = KVManager(layout.num_blocks, cc.block_size, prefix_caching, layout.specs, layout.state_slots)
     proposer: Proposer | None = None
     if sp.method == "ngram":
         proposer = NgramProposer(sp.prompt_lookup_min, sp.prompt_lookup_max)

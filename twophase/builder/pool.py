@@ -88,7 +88,12 @@ def allocate(layout: PoolLayout, dtype: torch.dtype, device: torch.device, share
     pool = zeros(shape, dtype, device if shared else torch.device("meta"))
     if prefault_pages:
         prefault(pool)
-    return KVCache(pool, layout.block_size, layout.groups)
+    states: tuple[tuple[torch.Tensor, ...], ...] = ()
+    if layout.state is not None:
+        st = layout.state
+        states = tuple(tuple(torch.zeros((layout.state_slots, *shape), dtype=getattr(torch, st.dtype), device=device)
+                             for shape in st.shapes) for _ in range(st.num_layers))
+    return KVCache(pool, layout.block_size, layout.groups, states)
 
 
 def prefault(t: torch.Tensor) -> None:

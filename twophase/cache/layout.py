@@ -12,7 +12,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from twophase.arch import ModelArch
-from twophase.cache.spec import CacheSpec, attention_spec, concurrency, context_tokens, sequence_blocks, step_blocks
+from twophase.cache.spec import (
+    CacheSpec,
+    StateSpec,
+    attention_spec,
+    concurrency,
+    context_tokens,
+    sequence_blocks,
+    step_blocks,
+)
 from twophase.contract import Capabilities, KVGroups
 
 GiB = 1 << 30
@@ -60,6 +68,13 @@ class PoolLayout:
     max_num_seqs: int                 # sequences one step may carry
     chunked_prefill: bool             # may a prompt be computed in chunks?
     at_backend_limit: bool = False    # did an index limit of a backend cap the pool?
+    state: StateSpec | None = None    # the state layers' cache (None: every layer attends)
+    state_slots: int = 0              # states held at once: one a running sequence
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of every state slot, beside the blocks."""
+        return self.state_slots * self.state.bytes_per_sequence() if self.state else 0
 
     @property
     def windows(self) -> tuple[int | None, ...]:
@@ -95,14 +110,16 @@ class PoolLayout:
         return min(self.model_len, self.pool_tokens)
 
     def concurrency(self, context: int) -> int:
-        """Sequences of ``context`` tokens the pool holds at once."""
-        return concurrency(self.specs, self.num_blocks, context, self.chunk, self.block_size)
+        """Sequences of ``context`` tokens the pool holds at once (at most a state slot each)."""
+        n = concurrency(self.specs, self.num_blocks, context, self.chunk, self.block_size)
+        return min(n, self.state_slots) if self.state else n
 
     def sequence_bytes(self, context: int) -> int:
         """The cache one sequence of ``context`` tokens holds once it is in (a sliding layer's
-        window's, a full layer's every token)."""
+        window's, a full layer's every token, a state layer's state)."""
         return (sequence_blocks(self.specs, context, 1, self.block_size) * self.block_size
-                * self.groups.num_slots * self.slot_bytes_per_token)
+                * self.groups.num_slots * self.slot_bytes_per_token
+                + (self.state.bytes_per_sequence() if self.state else 0))
 
 
 def model_len(arch: ModelArch, settings: PoolSettings) -> int:
@@ -124,6 +141,17 @@ def fixed_pool_tokens(arch: ModelArch, settings: PoolSettings, length: int) -> i
                           settings.block_size)
 
 
+def state_spec(arch: ModelArch) -> StateSpec | None:
+    """The state layers' cache, in float32 (the recurrence accumulates in it); None without any."""
+    mixers = [arch.layers[i].mixer for i in arch.state_layers]
+    if not mixers:
+        return None
+    shapes = {m.state_shapes() for m in mixers if m is not None}
+    if len(shapes) > 1:
+        raise ValueError("state layers of different shapes in one model")
+    return StateSpec(len(mixers), shapes.pop())
+
+
 def token_budget(settings: PoolSettings, length: int, chunked: bool) -> int:
     """Tokens one step may compute: the config's, else a default for the device with chunked
     prefill, else a whole request of ``length``."""
@@ -141,7 +169,7 @@ def pool_groups(arch: ModelArch, backends: Sequence[Capabilities], may_group: bo
     groups = KVGroups.of(arch)
     if groups.num_groups > 1 and may_group and all(c.kv_groups for c in backends):
         return groups
-    return KVGroups.plain(arch.num_layers) if groups.num_groups > 1 else groups
+    return KVGroups.plain(len(arch.attention_layers)) if groups.num_groups > 1 else groups
 
 
 def index_limit(backends: Sequence[Capabilities], groups: KVGroups, kv: KVHeads, block_size: int,
@@ -173,6 +201,8 @@ def lay_out_pool(arch: ModelArch, settings: PoolSettings, prefill: Capabilities,
     page = groups.num_slots * specs[0].page_bytes(bs)
     limit = index_limit(backends, groups, kv, bs, scratch_blocks)
     capped = False
+    state = state_spec(arch)
+    state_bytes = settings.max_num_seqs * state.bytes_per_sequence() if state else 0
     if settings.num_blocks is not None:
         num_blocks = settings.num_blocks
     else:
@@ -183,12 +213,12 @@ def lay_out_pool(arch: ModelArch, settings: PoolSettings, prefill: Capabilities,
         else:
             budget = min(CPU_POOL_CAP, bytes_free // 4)
         wanted = settings.max_num_seqs * sequence_blocks(specs, length, 1, bs) + step_blocks(specs, chunk, bs)
-        num_blocks = min(max(0, budget // (page + extra_bytes_per_block)), wanted)
+        num_blocks = min(max(0, (budget - state_bytes) // (page + extra_bytes_per_block)), wanted)
         if limit is not None and num_blocks >= limit:
             num_blocks, capped = limit, True
         num_blocks = max(minimum_blocks, num_blocks)
     layout = PoolLayout(groups, specs, bs, num_blocks, scratch_blocks, length, chunk, chunk, settings.max_num_seqs,
-                        settings.chunked_prefill, capped)
+                        settings.chunked_prefill, capped, state, settings.max_num_seqs if state else 0)
     return with_step_limits(layout, settings, prefill, others[:1])
 
 

@@ -9,6 +9,7 @@ here, answering the same questions, not a branch in the planner or the engine.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -105,6 +106,33 @@ class SlidingWindowSpec(FullAttentionSpec):
 
     def step_blocks(self, chunk: int, block_size: int) -> int:
         return cdiv(chunk, block_size)
+
+
+@dataclass(frozen=True)
+class StateSpec(CacheSpec):
+    """The state layers' cache (a Gated DeltaNet's convolution tail and delta-rule matrices):
+    a fixed number of bytes a sequence whatever its length, in one slot a running sequence
+    holds beside its block tables. It takes no blocks."""
+
+    num_layers: int
+    shapes: tuple[tuple[int, ...], ...]    # one sequence's tensors in one layer
+    dtype: str = "float32"
+
+    kind: ClassVar[str] = "state"
+    freed: ClassVar[str] = "at the end of the request (its slot)"
+    prefix_hit: ClassVar[str] = "the state at the end of the prefix"
+    rollback: ClassVar[str] = "the state before the rejected drafts"
+    travels: ClassVar[str] = "its slot's tensors"
+
+    def bytes_per_token(self) -> int:
+        return 0
+
+    def bytes_per_sequence(self) -> int:
+        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return self.num_layers * itemsize * sum(math.prod(s) for s in self.shapes)
+
+    def live_blocks(self, tokens: int, chunk: int, block_size: int) -> int:
+        return 0
 
 
 def attention_spec(window: int | None, num_kv_heads: int, head_dim: int, format: str) -> FullAttentionSpec:

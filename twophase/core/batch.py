@@ -93,6 +93,13 @@ def block_tables(kv: KVManager, reqs: Sequence[Seq]) -> torch.Tensor:
     return out[0] if kv.num_groups == 1 else out
 
 
+def state_slots(kv: KVManager, reqs: Sequence[Seq]) -> torch.Tensor | None:
+    """``[len(reqs)]`` each sequence's state slot; None where the model keeps no state."""
+    if not kv.state_slots:
+        return None
+    return torch.tensor([kv.state_slot(r) for r in reqs], dtype=torch.long)
+
+
 def prefill_batch(items: Sequence[Chunk], kv: KVManager,
                   drafts: Mapping[str, list[int]] | None = None) -> PrefillBatch:
     """Chunks ``(sequence, start, n)``: each sequence's tokens ``start .. start + n - 1``, where
@@ -112,7 +119,8 @@ def prefill_batch(items: Sequence[Chunk], kv: KVManager,
         block_tables=block_tables(kv, [r for r, _, _ in items]),
         context_lens=torch.tensor([s + n for _, s, n in items], dtype=torch.long),
         query_lens=[n for _, _, n in items],
-        start_positions=[s for _, s, _ in items])
+        start_positions=[s for _, s, _ in items],
+        state_slots=state_slots(kv, [r for r, _, _ in items]))
 
 
 def decode_batch(reqs: Sequence[Seq], kv: KVManager) -> DecodeBatch:
@@ -123,4 +131,5 @@ def decode_batch(reqs: Sequence[Seq], kv: KVManager) -> DecodeBatch:
         positions=torch.tensor(pos, dtype=torch.long),
         slot_mapping=_group_slots(kv, [(r, p, 1) for r, p in zip(reqs, pos)]),
         block_tables=block_tables(kv, reqs),
-        context_lens=torch.tensor([p + 1 for p in pos], dtype=torch.long))
+        context_lens=torch.tensor([p + 1 for p in pos], dtype=torch.long),
+        state_slots=state_slots(kv, reqs))

@@ -32,8 +32,11 @@ FULL = FullAttentionSpec(1, 1, "float32")      # one group of full attention (it
 
 class KVManager:
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True,
-                 specs: Sequence[CacheSpec] = (FULL,)):
+                 specs: Sequence[CacheSpec] = (FULL,), state_slots: int = 0):
         self.pool = BlockPool(num_blocks)
+        self.state_slots = state_slots                # 0: no state layers
+        self._free_slots = list(range(state_slots))[::-1]
+        self._slot_of: dict[str, int] = {}            # each running sequence's state slot
         self.block_size = block_size
         self.prefix_caching = prefix_caching
         self.specs = tuple(specs)                     # each group's cache: how its blocks are freed
@@ -160,6 +163,10 @@ class KVManager:
         reusable = sum(1 for b in set(live) if self.pool.ref_cnt[b] == 0)   # hits in free queue
         if need * self.num_groups > self.pool.num_free - reusable:
             return False
+        if self.state_slots and rid not in self._slot_of:
+            if not self._free_slots:
+                return False
+            self._slot_of[rid] = self._free_slots.pop()
         self.pool.touch(live)
         tables = self.block_tables(req)
         if computed:
@@ -223,8 +230,14 @@ class KVManager:
         if hashes is not None:
             del hashes[full:]
 
+    def state_slot(self, req: Seq) -> int:
+        """The state slot ``req`` holds (a model with state layers; one from its first blocks)."""
+        return self._slot_of[req.request_id]
+
     def free(self, req: Seq) -> None:
         rid = req.request_id
+        if rid in self._slot_of:
+            self._free_slots.append(self._slot_of.pop(rid))
         tables = self.tables.pop(rid, None) or []
         self._hashes.pop(rid, None)
         self._published.pop(rid, None)

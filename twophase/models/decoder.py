@@ -17,12 +17,13 @@ from twophase.arch import LayerSpec, ModelArch
 from twophase.contract import KVGroups
 from twophase.models.graph_attention import GraphMeta
 from twophase.models.layers.attention import Attention, AttnMeta
+from twophase.models.layers.deltanet import GatedDeltaNet, StateMeta
 from twophase.models.layers.mlp import GatedMLP
 from twophase.models.layers.moe import MoE
 from twophase.models.layers.norm import RMSNorm
 from twophase.models.layers.rotary import cos_sin, inv_freq
 
-__all__ = ["AttnMeta", "Block", "Decoder", "rope_inv_freq"]
+__all__ = ["AttnMeta", "Block", "Decoder", "StateMeta", "rope_inv_freq"]
 
 
 def rope_thetas(arch: ModelArch) -> list[float]:
@@ -41,7 +42,11 @@ class Block(nn.Module):
         super().__init__()
         h, eps, off = arch.hidden_size, arch.rms_norm_eps, arch.norm_offset
         self.attn_norm = RMSNorm(h, eps, off)
-        self.attn = Attention(arch, spec.attention)
+        self.attends = spec.mixer is None
+        if spec.mixer is None:
+            self.attn = Attention(arch, spec.attention)
+        else:                                  # a state layer in the attention's place
+            self.mixer = GatedDeltaNet(h, spec.mixer, eps)
         self.mlp_norm = RMSNorm(h, eps, off)
         self.mlp: nn.Module = (MoE(h, spec.mlp, arch.activation) if spec.mlp.num_experts else
                                GatedMLP(h, spec.mlp.intermediate_size, arch.mlp_bias, arch.activation))
@@ -50,8 +55,11 @@ class Block(nn.Module):
             self.post_attn_norm = RMSNorm(h, eps, off)
             self.post_mlp_norm = RMSNorm(h, eps, off)
 
-    def forward(self, x, cos, sin, kv_layer, meta):
-        a = self.attn(self.attn_norm(x), cos, sin, kv_layer, meta)
+    def forward(self, x, cos, sin, cache, meta):
+        """``cache``/``meta``: the layer's K/V pool and ``AttnMeta``, or in a state layer its
+        state tensors and ``StateMeta``."""
+        h = self.attn_norm(x)
+        a = self.attn(h, cos, sin, cache, meta) if self.attends else self.mixer(h, cache, meta)
         x = x + (self.post_attn_norm(a) if self.post_norms else a)
         m = self.mlp(self.mlp_norm(x))
         return x + (self.post_mlp_norm(m) if self.post_norms else m)
@@ -67,29 +75,37 @@ class Decoder(nn.Module):
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
+        # each layer's index among those of its kind: its K/V slot, or its state
+        self.cache_index = [(arch.attention_layers if s.attends else arch.state_layers).index(i)
+                            for i, s in enumerate(arch.layers)]
         thetas = rope_thetas(arch)
         self.rope_index = [thetas.index(s.attention.rope_theta) for s in arch.layers]
         self.register_buffer("inv_freq", rope_inv_freq(arch), persistent=False)
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, kv_pool: torch.Tensor,
-                meta: AttnMeta | GraphMeta | list[AttnMeta], groups: KVGroups | None = None) -> torch.Tensor:
+                meta: AttnMeta | GraphMeta | list[AttnMeta], groups: KVGroups | None = None,
+                states: tuple[tuple[torch.Tensor, ...], ...] = (), state_meta: StateMeta | None = None) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm; writes K/V into ``kv_pool``. In a
-        pool of ``groups``, ``meta`` is one ``AttnMeta`` a group and layer ``i`` reads slot
-        ``groups.slot[i]`` with its group's."""
+        pool of ``groups``, ``meta`` is one ``AttnMeta`` a group and the ``j``-th attention
+        layer reads slot ``groups.slot[j]`` with its group's. The ``j``-th state layer reads
+        and updates ``states[j]`` at the slots ``state_meta`` names."""
         x = self.embed(token_ids)
         if self.arch.embed_scale != 1.0:
             x = x * torch.tensor(self.arch.embed_scale, dtype=x.dtype)
         rope = [cos_sin(positions, self.inv_freq[j]) for j in range(self.inv_freq.shape[0])]
         for i, layer in enumerate(self.layers):
             cos, sin = rope[self.rope_index[i]]
-            if isinstance(meta, GraphMeta):     # graphs index the whole pool (see pool_gather)
-                meta.layer = i
+            j = self.cache_index[i]
+            if not layer.attends:
+                x = layer(x, cos, sin, states[j], state_meta)
+            elif isinstance(meta, GraphMeta):     # graphs index the whole pool (see pool_gather)
+                meta.layer = j
                 x = layer(x, cos, sin, kv_pool, meta)
             elif isinstance(meta, list):
                 assert groups is not None
-                x = layer(x, cos, sin, kv_pool[groups.slot[i]], meta[groups.group[i]])
+                x = layer(x, cos, sin, kv_pool[groups.slot[j]], meta[groups.group[j]])
             else:
-                x = layer(x, cos, sin, kv_pool[i], meta)
+                x = layer(x, cos, sin, kv_pool[j], meta)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,12 @@ def group(name: str) -> str:
         return "head"
     if name.endswith("norm.weight"):
         return "norms"
-    return "attention" if ".attn." in name else "mlp"
+    return "attention" if ".attn." in name or ".mixer." in name else "mlp"    # a state layer mixes tokens too
+
+
+def stacked(name: str) -> bool:
+    """A tensor of every expert's matrix (``[E, out, in]``)."""
+    return ".experts_" in name
 
 
 def num_params(arch: ModelArch) -> int:
@@ -47,12 +52,13 @@ def group_params(arch: ModelArch) -> dict[str, int]:
 
 def matrices(arch: ModelArch) -> dict[str, list[tuple[int, int]]]:
     """The layers' weight matrices as (out, in), per group (``attention``, ``mlp``): what a
-    block layout quantises. A stacked experts' tensor counts as one matrix an expert."""
+    block layout quantises. A stacked experts' tensor counts as one matrix an expert; a state
+    layer's depthwise convolution is no matrix."""
     out: dict[str, list[tuple[int, int]]] = {"attention": [], "mlp": []}
     for name, s in shapes(arch).items():
         g = group(name)
-        if g in out and not name.endswith(".bias") and len(s) >= 2:
-            out[g] += [(s[-2], s[-1])] * (s[0] if len(s) == 3 else 1)
+        if g in out and not name.endswith(".bias") and (len(s) == 2 or stacked(name)):
+            out[g] += [(s[-2], s[-1])] * (s[0] if stacked(name) else 1)
     return out
 
 
@@ -73,7 +79,7 @@ def active_layer_params(arch: ModelArch) -> float:
         if not name.startswith("layers.") or group(name) == "norms" or name.endswith(".bias"):
             continue
         n = _numel(s)
-        if len(s) == 3:               # stacked experts: top_k of them for each token
+        if stacked(name):             # top_k of the experts for each token
             spec = arch.layers[int(name.split(".")[1])].mlp
             n = n * spec.top_k / spec.num_experts
         total += n

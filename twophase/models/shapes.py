@@ -75,6 +75,15 @@ SHAPES.update({
                      max_position_embeddings=8192, sliding_window=4096, query_pre_attn_scalar=256,
                      attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
                      hidden_activation="gelu_pytorch_tanh", eos_token_id=1),
+    # transformers' Qwen3NextConfig defaults with the published model's context and RoPE base:
+    # 36 Gated DeltaNet layers (a state a sequence) and 12 of gated attention, 512 experts, top 10
+    "qwen3-next-80b-a3b": _hf("qwen3_next", vocab_size=151936, hidden_size=2048, intermediate_size=5632,
+                              num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                              linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                              linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=512,
+                              num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                              norm_topk_prob=True, max_position_embeddings=262144, rope_theta=1e7,
+                              eos_token_id=151645),
     # the built-in Gemma 3 270M, planned before its file is fetched
     "gemma3-270m": _hf("gemma3_text", vocab_size=262144, hidden_size=640, intermediate_size=2048,
                        num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from twophase.arch import ModelArch
+from twophase.arch import LayerSpec, ModelArch
 from twophase.contract import ModelSpec
 from twophase.errors import ModelError
 from twophase.models.decoder import Decoder, rope_inv_freq
@@ -20,15 +20,33 @@ from twophase.models.families import family
 from twophase.models.families.family import TOP_NAMES
 
 
-def part_rows(ours: str, arch: ModelArch, parts: int, width: int) -> list[int] | None:
-    """How a fused matrix's rows split into the checkpoint's parts (None: one part); ``width``
-    is the layer's MLP width."""
+def part_rows(ours: str, arch: ModelArch, parts: int, spec: LayerSpec) -> list[int] | None:
+    """How a fused matrix's rows split into the checkpoint's parts (None: one part)."""
     if parts == 1:
         return None
     if ours == "attn.qkv":
         kv = arch.num_kv_heads * arch.head_dim
-        return [arch.num_heads * arch.head_dim, kv, kv]
-    return [width] * parts
+        return [arch.num_heads * arch.head_dim * (2 if arch.attn_output_gate else 1), kv, kv]
+    if ours == "mixer.in_proj" and spec.mixer is not None:
+        m = spec.mixer
+        qk, vd, hv = m.num_k_heads * m.k_head_dim, m.num_v_heads * m.v_head_dim, m.num_v_heads
+        return [2 * qk + 2 * vd, 2 * hv] if parts == 2 else [2 * qk + vd, vd, hv, hv]
+    if ours.startswith("mlp.shared."):
+        return [spec.mlp.shared_intermediate_size] * parts
+    return [spec.mlp.intermediate_size] * parts
+
+
+def kinds(ours: str) -> tuple[str, ...]:
+    """The suffixes a parameter of ours has in both namings: ``weight`` and ``bias``, or none
+    for one stored bare (a Gated DeltaNet's ``A_log`` and ``dt_bias``)."""
+    return ("",) if ours.rsplit(".", 1)[-1] in BARE else ("weight", "bias")
+
+
+BARE = {"A_log", "dt_bias"}
+
+
+def dotted(*parts: str) -> str:
+    return ".".join(p for p in parts if p)
 
 
 def from_hf_state_dict(hf: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, torch.Tensor]:
@@ -39,15 +57,15 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], arch: ModelArch) -> dict[str
             out[f"{ours}.weight"] = hf[f"{name}.weight"]
     for i, spec in enumerate(arch.layers):
         for ours, (parts, _) in family(arch.family).layer_names.items():
-            for kind in ("weight", "bias"):
+            for kind in kinds(ours):
                 if "{e}" not in parts[0]:
-                    t = _fused(hf, [f"model.layers.{i}.{p}.{kind}" for p in parts])
+                    t = _fused(hf, [dotted(f"model.layers.{i}.{p}", kind) for p in parts])
                 else:                         # one tensor an expert: stacked, [E, out, in]
-                    each = [_fused(hf, [f"model.layers.{i}.{p.format(e=e)}.{kind}" for p in parts])
+                    each = [_fused(hf, [dotted(f"model.layers.{i}.{p.format(e=e)}", kind) for p in parts])
                             for e in range(spec.mlp.num_experts)]
                     t = torch.stack(each) if each and all(x is not None for x in each) else None
                 if t is not None:
-                    out[f"layers.{i}.{ours}.{kind}"] = t
+                    out[dotted(f"layers.{i}.{ours}", kind)] = t
     return out
 
 
@@ -64,15 +82,15 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, 
            if not (ours == "lm_head" and arch.tie_word_embeddings)}
     for i, spec in enumerate(arch.layers):
         for ours, (parts, _) in family(arch.family).layer_names.items():
-            for kind in ("weight", "bias"):
-                t = sd.get(f"layers.{i}.{ours}.{kind}")
+            for kind in kinds(ours):
+                t = sd.get(dotted(f"layers.{i}.{ours}", kind))
                 if t is None:
                     continue
-                rows = part_rows(ours, arch, len(parts), spec.mlp.intermediate_size)
+                rows = part_rows(ours, arch, len(parts), spec)
                 stacked = "{e}" in parts[0]
                 for e, te in enumerate(t if stacked else [t]):
                     for name, piece in zip(parts, torch.split(te, rows) if rows else [te]):
-                        out[f"model.layers.{i}.{name.format(e=e) if stacked else name}.{kind}"] = piece
+                        out[dotted(f"model.layers.{i}.{name.format(e=e) if stacked else name}", kind)] = piece
     return out
 
 
@@ -83,9 +101,9 @@ def hf_names(arch: ModelArch, ours: Callable[[str], bool]) -> set[str]:
     for i, spec in enumerate(arch.layers):
         experts = range(max(1, spec.mlp.num_experts))
         for o, (parts, _) in family(arch.family).layer_names.items():
-            for kind in ("weight", "bias"):
-                if ours(f"layers.{i}.{o}.{kind}"):
-                    out.update(f"model.layers.{i}.{p.format(e=e)}.{kind}" for p in parts for e in experts)
+            for kind in kinds(o):
+                if ours(dotted(f"layers.{i}.{o}", kind)):
+                    out.update(dotted(f"model.layers.{i}.{p.format(e=e)}", kind) for p in parts for e in experts)
     return out
 
 
@@ -180,9 +198,10 @@ def build_model(arch: ModelArch, dtype: torch.dtype, device: torch.device,
         model = model.to(dtype).to_empty(device=device)      # allocate once, in the final dtype
         gen = torch.Generator(device=device).manual_seed(seed)
         with torch.no_grad():
+            offsets = {f"{n}.weight": getattr(m, "offset", arch.norm_offset) for n, m in model.named_modules()}
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
-                    p.fill_(1.0 - arch.norm_offset)     # an effective scale of 1
+                    p.fill_(1.0 - offsets[name])     # an effective scale of 1
                 elif name.endswith("bias"):
                     p.zero_()
                 else:

@@ -103,6 +103,13 @@ class Plan:
         """Sequences of ``context`` tokens the pool holds at once."""
         return self.pool.concurrency(context)
 
+    def full_attention_concurrency(self, context: int) -> int:
+        """Sequences of ``context`` tokens the same memory (blocks and state slots) would hold
+        if every layer kept K/V as the attention layers do: what the state layers buy."""
+        per_layer = self.pool.slot_bytes_per_token
+        each = -(-context // self.block_size) * self.block_size * per_layer * self.model.arch.num_layers
+        return (self.num_blocks * self.pool.page_bytes + self.pool.state_bytes) // each
+
     def sequence_kv_bytes(self, context: int) -> int:
         """The K/V one sequence of ``context`` tokens holds once it is in (a sliding layer's
         window's, a full layer's every token)."""
@@ -130,6 +137,10 @@ class Plan:
                "max_model_len": self.max_model_len, "context": self.context,
                "max_concurrency": conc, "sequence_kv_bytes": self.sequence_kv_bytes(self.context),
                "kv_groups": len(self.windows), "fits": self.fits, "notes": self.notes}
+        if self.pool.state is not None:
+            out |= {"state_bytes_per_sequence": self.pool.state.bytes_per_sequence(),
+                    "state_layers": self.pool.state.num_layers, "state_slots": self.pool.state_slots,
+                    "full_attention_concurrency": self.full_attention_concurrency(self.context)}
         if self.users is not None:
             out |= {"users": self.users, "users_fit": self.users <= conc,
                     "users_waiting": max(0, self.users - conc)}
@@ -306,8 +317,11 @@ def plan(config: Config, device: DeviceProfile, context: int | None = None, user
         notes.append(f"the pool stops at {blocks} blocks: the most a backend of this config "
                      f"can index (Capabilities.max_pool_elements)")
     if kind == "cpu":
-        reserve = max(0, device.total_bytes - used - blocks * per_block)
+        reserve = max(0, device.total_bytes - used - blocks * per_block - pool.state_bytes)
     items.append(Item("kv cache", "KV pool", blocks * pool.page_bytes, f"{blocks} blocks × {cc.block_size} tokens"))
+    if pool.state is not None:
+        items.append(Item("kv cache", "state slots", pool.state_bytes,
+                          f"{pool.state_slots} × {pool.state.bytes_per_sequence() / MiB:.2f} MiB"))
     if draft_block:
         items.append(Item("kv cache", "draft model's KV pool", blocks * draft_block,
                           f"{blocks} blocks, as the target's", role="draft"))

@@ -42,6 +42,15 @@ def summary(p: Plan) -> list[str]:
              f"K/V of one sequence of {p.context:,} tokens: {human(p.sequence_kv_bytes(p.context))}"
              + _layers(p),
              f"max concurrency at {p.context:,} tokens: {p.concurrency(p.context):,}"]
+    st = p.pool.state
+    if st is not None:
+        attending = len(p.pool.groups.group)
+        lines[0] = lines[0].replace("in every layer", f"in the {attending} attention layers")
+        lines += [f"state: {human(st.bytes_per_sequence())} a sequence in {st.num_layers} state layers, "
+                  f"whatever its length; {p.pool.state_slots} slots (scheduler.max_num_seqs) = "
+                  f"{human(p.pool.state_bytes)}",
+                  f"a full-attention model of the same width ({p.model.arch.num_layers} layers of K/V) "
+                  f"would hold {p.full_attention_concurrency(p.context):,} at {p.context:,} tokens in the same memory"]
     if p.users is not None:
         conc = p.concurrency(p.context)
         lines.append(f"{p.users} users at {p.context:,} tokens: " + (

@@ -79,6 +79,7 @@ class StepCostModel:
         self._matmul = 2 * arch.num_layers * roof.layer_params
         self._head = 2 * roof.head_params
         self._attention = roof._attention_flops(1.0)
+        self._state, self.state_bytes = roof._state_flops(1.0), roof.state_bytes
 
     def kv_read(self, chunks: Sequence[tuple[int, int]]) -> float:
         """Bytes of cached K/V the chunks' attention reads."""
@@ -89,8 +90,10 @@ class StepCostModel:
         return self._attention * sum(self.roof.keys_seen(n, d) for n, d in chunks)
 
     def chunk_flops(self, n: int, depth: int) -> float:
-        """``CostModel.prefill(n, depth).flops``, from the terms read once."""
-        return n * self._matmul + self._head + self._attention * self.roof.keys_seen(n, depth)
+        """``CostModel.prefill(n, depth).flops``, from the terms read once (a state layer's
+        delta rule included)."""
+        return (n * self._matmul + self._head + self._attention * self.roof.keys_seen(n, depth)
+                + self._state * n)
 
     def step(self, chunks: Sequence[tuple[int, int]]) -> StepCost:
         """The cost of one backend call over ``chunks``: ``(tokens, cached tokens before them)``
@@ -101,7 +104,7 @@ class StepCostModel:
         for n, depth in chunks:
             phase = "decode" if n == 1 and depth > 0 else "prefill"
             flops[phase] += self.chunk_flops(n, depth)
-            kv[phase] += self.roof.keys_read(n, depth) * self.layer_kv_bytes
+            kv[phase] += self.roof.keys_read(n, depth) * self.layer_kv_bytes + 2 * self.state_bytes   # read, written
             tokens[phase] += n
         total = tokens["prefill"] + tokens["decode"]
         w = self.weight_bytes

@@ -46,7 +46,10 @@ class Attention(nn.Module):
         super().__init__()
         self.h, self.kvh, self.hd = arch.num_heads, arch.num_kv_heads, arch.head_dim
         # q, k and v in one matmul: one weight read and one kernel call for all three
-        self.qkv = nn.Linear(arch.hidden_size, (self.h + 2 * self.kvh) * self.hd, bias=arch.qkv_bias)
+        # (with an output gate, q_proj gives each head's query and then its gate)
+        self.gated = arch.attn_output_gate
+        q_rows = self.h * self.hd * (2 if self.gated else 1)
+        self.qkv = nn.Linear(arch.hidden_size, q_rows + 2 * self.kvh * self.hd, bias=arch.qkv_bias)
         self.o = nn.Linear(self.h * self.hd, arch.hidden_size, bias=arch.o_bias)
         if arch.qk_norm:
             self.q_norm = RMSNorm(self.hd, arch.rms_norm_eps, arch.norm_offset)
@@ -59,8 +62,11 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, kv_layer: torch.Tensor, meta: AttnMeta | GraphMeta) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv(x)
-        nq, nkv = self.h * self.hd, self.kvh * self.hd
-        q = qkv[:, :nq].view(T, self.h, self.hd)
+        nq, nkv = self.h * self.hd * (2 if self.gated else 1), self.kvh * self.hd
+        q = qkv[:, :nq].view(T, self.h, -1)
+        gate = None
+        if self.gated:
+            q, gate = q[..., :self.hd], q[..., self.hd:].reshape(T, self.h * self.hd)
         k = qkv[:, nq:nq + nkv].view(T, self.kvh, self.hd)
         v = qkv[:, nq + nkv:].view(T, self.kvh, self.hd)
         if self.qk_norm:
@@ -69,7 +75,7 @@ class Attention(nn.Module):
         if isinstance(meta, GraphMeta):        # traced for export: K/V are outputs, not writes
             meta.new_kv.append((k, v))
             scores = Scores(self.scale, self.softcap, self.window)
-            return self.o(graph_attention(q, k, v, kv_layer, meta, scores).reshape(T, -1))
+            return self._out(graph_attention(q, k, v, kv_layer, meta, scores).reshape(T, -1), gate)
         write_kv(kv_layer, k, v, meta.slot_mapping)
 
         out = torch.empty_like(q)
@@ -86,7 +92,10 @@ class Attention(nn.Module):
                 ks, vs = gather_kv(kv_layer, table.unsqueeze(0), start + n, q.dtype)
                 ks, vs = ks[0].transpose(0, 1), vs[0].transpose(0, 1)
             out[first:first + n] = self._prefill(qs, ks, vs, start)
-        return self.o(out.view(T, self.h * self.hd))
+        return self._out(out.view(T, self.h * self.hd), gate)
+
+    def _out(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        return self.o(o if gate is None else o * torch.sigmoid(gate))
 
     def _scores(self, s: torch.Tensor) -> torch.Tensor:
         """Scaled scores, soft-capped where the family caps them."""
