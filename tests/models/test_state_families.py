@@ -102,3 +102,21 @@ def test_a_backend_without_state_layers_refuses_them_by_name(hf, backend):
     folder, _ = hf
     with pytest.raises(TwophaseError, match="Gated DeltaNet"):
         _llm(folder, backend={"name": backend})
+
+
+def test_a_checkpoint_whose_state_dims_disagree_with_its_config_is_named(hf, tmp_path):
+    """config.json says 8 value heads a layer where the weights hold 4: an error naming a state
+    layer's tensor and both shapes, before anything is computed."""
+    import json
+    import shutil
+
+    from twophase.errors import TwophaseError
+
+    folder, _ = hf
+    bad = tmp_path / "bad"
+    shutil.copytree(folder, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["linear_num_value_heads"] = 8
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(TwophaseError, match=r"disagree with its config.json: .*mixer"):
+        _llm(bad)

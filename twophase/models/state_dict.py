@@ -191,6 +191,12 @@ def build_model(arch: ModelArch, dtype: torch.dtype, device: torch.device,
         if missing:
             raise ModelError(f"weights in {folder} lack {', '.join(sorted(missing)[:5])}"
                              f"{' and more' if len(missing) > 5 else ''}: not a complete {arch.family} checkpoint")
+        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        wrong = [f"{k} is {tuple(v.shape)}, the config makes it {shapes[k]}" for k, v in sd.items()
+                 if k in shapes and tuple(v.shape) != shapes[k]]
+        if wrong:
+            raise ModelError(f"weights in {folder} disagree with its config.json: {'; '.join(wrong[:3])}"
+                             f"{' and more' if len(wrong) > 3 else ''}")
         model.load_state_dict(sd, strict=False, assign=True)
         if arch.tie_word_embeddings:
             model.lm_head.weight = model.embed.weight
