@@ -21,8 +21,9 @@ for (``Backend.contract_version``), and discovery refuses a version this twophas
 - version 2: ``ModelSpec.arch`` is the typed ``ModelArch`` (fields, one ``LayerSpec`` a layer);
   ``Capabilities.features`` and ``Backend.supports`` name the architecture features computed.
 
-A version-1 backend still runs: its ``load`` gets ``model.arch`` as ``ArchV1``, the typed
-``ModelArch`` that also reads as the old mapping, with a ``DeprecationWarning``. One that declares
+A version-1 backend still runs, with a ``FutureWarning`` at discovery: its ``load`` gets
+``model.arch`` as ``ArchV1``, the typed ``ModelArch`` that also reads as the old mapping, with a
+``DeprecationWarning`` (for the plugin's author) the first time it is read that way. One that declares
 no version is taken as version 1. See docs/plugins.md, "Contract versions".
 """
 

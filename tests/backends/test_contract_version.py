@@ -1,9 +1,9 @@
 """The plugin contract's version: a plugin written for version 1 (``dict(model.arch)``) still
-runs, through a deprecated view, and warns; one that declares no version is taken as version 1;
-one written for a version this twophase does not know is refused when it is discovered, naming
-both versions, and ``twophase backends`` shows that as the reason it cannot run; the conformance
-kit checks the declaration; the example plugin and the built-in backends declare the current
-version."""
+runs, through a deprecated view, and warns in a way Python shows by default; one that declares no
+version is taken as version 1; one written for a version this twophase does not know is refused
+when it is discovered, naming both versions, and ``twophase backends`` shows that as the reason it
+cannot run; the conformance kit checks the declaration; the example plugin and the built-in
+backends declare the current version."""
 
 from __future__ import annotations
 
@@ -114,7 +114,7 @@ def _tokens(registry: Registry, backend: str) -> tuple[LLM, list[list[int]]]:
 @pytest.mark.parametrize("declaration", ["contract_version = 1", "pass  # declares none"])
 def test_a_version_1_plugin_using_dict_arch_still_runs_and_warns(installed, declaration):
     installed("old-plugin", V1_BACKEND.format(declaration=declaration))
-    with pytest.warns(DeprecationWarning, match="contract version 1.*Contract versions") as seen:
+    with pytest.warns(FutureWarning, match="contract version 1.*Contract versions") as seen:
         reg = Registry()
     assert "old" in reg.backends and reg.backends["old"].refused is None, reg.failures
     assert any("old-plugin" in str(w.message) for w in seen)
@@ -159,6 +159,20 @@ def test_twophase_backends_shows_the_refusal_as_why_the_plugin_cannot_run(tmp_pa
         assert cell.strip().startswith(f"no: newer is written for plugin contract version "
                                        f"{CONTRACT_VERSION + 1}, newer than this twophase's ({CONTRACT_VERSION})")
     assert "torch" in out.stdout, "the other backends still load"
+
+
+def test_a_version_1_plugin_warns_its_user_outside_pytest(tmp_path):
+    """Python hides a DeprecationWarning outside __main__; the user of an old plugin sees this
+    one with no -W flag: the plugin, both versions, where the migration is described."""
+    site = _fake_dist(tmp_path / "site", "old-plugin", "old_plugin",
+                      V1_BACKEND.format(declaration="contract_version = 1"))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    out = subprocess.run([sys.executable, "-m", "twophase", "backends"], capture_output=True, text=True,
+                         timeout=300, env={**env, "PYTHONPATH": f"{site}{os.pathsep}{ROOT}"})
+    assert out.returncode == 0, out.stderr
+    assert "FutureWarning: backend 'old' from old-plugin is written for twophase's plugin contract " \
+           f"version 1, deprecated; this twophase's is {CONTRACT_VERSION}: see docs/plugins.md, " \
+           "section 'Contract versions'" in out.stderr, out.stderr
 
 
 def test_the_v1_view_reads_as_the_first_releases_mapping():

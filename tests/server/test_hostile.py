@@ -397,6 +397,20 @@ def test_a_chat_400_names_the_field_the_client_sent(tiny_server, body, param, sa
     assert err["param"] == param and says in err["message"], err
 
 
+@pytest.mark.parametrize("field", ["max_completion_tokens", "max_tokens"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_chat_too_long_for_the_context_names_the_field_the_client_sent(tiny_server, field, stream):
+    llm, url, app = tiny_server
+    r = _post(url, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], field: 10 ** 6,
+                    "stream": stream}, "/v1/chat/completions")
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "prompt_rejected" and f"{field} (1000000)" in err["message"], err
+    assert field == "max_tokens" or "max_tokens" not in err["message"], err
+    _ok(url)
+    all_blocks_free(llm, app)
+
+
 def test_top_k_minus_one_is_off_as_in_vllm(tiny_server):
     llm, url, app = tiny_server
     r = _post(url, {"model": MODEL, "prompt": [5, 6], "max_tokens": 2, "top_k": -1})

@@ -27,9 +27,11 @@ def test_search_ranks_settings_by_goodput(tmp_path, capsys):
     assert main(["simulate", "llama3-8b", "--device", "h100-80gb", "--requests", "24", "--rate", "200",
                  "--prompt-len", "500", "--output-len", "20", "--slo", "ttft=0.3",
                  "--search", "scheduler.max_num_batched_tokens=512,8192",
-                 "--search", "scheduler.max_num_seqs=4,32", "--json", str(out)]) == 0
+                 "--search", "scheduler.max_num_seqs=4,32", "--json", str(out),
+                 "--plot", str(tmp_path / "best.png")]) == 0
     rows = json.loads(out.read_text())["search"]
     assert len(rows) == 4
+    assert (tmp_path / "best.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"   # the best-ranked one's
     goodput = [r["goodput_rps"] for r in rows]
     assert goodput == sorted(goodput, reverse=True) and goodput[0] > goodput[-1]
     assert rows[0]["settings"]["scheduler.max_num_seqs"] == 32

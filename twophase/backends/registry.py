@@ -13,7 +13,8 @@ plugin's class does not inherit a built-in's declaration: see ``declared_version
 this twophase does not know (newer, or not a version at all) is refused here: it stays listed
 under its name, and ``check_available`` says why it cannot run, naming both versions. A
 version-1 class, or one that declares none, runs through a subclass whose ``load`` gets
-``model.arch`` as the deprecated ``ArchV1`` view.
+``model.arch`` as the deprecated ``ArchV1`` view, with a ``FutureWarning`` (Python shows it by
+default, so a user who never runs pytest sees it too).
 """
 
 from __future__ import annotations
@@ -122,11 +123,11 @@ class Registry:
             return
         declared = declared_version(cls)
         version = declared if isinstance(declared, int) else 1
-        if version < CONTRACT_VERSION:
+        if version < CONTRACT_VERSION:     # FutureWarning: shown by default, to whoever runs the plugin
             warnings.warn(f"backend {name!r} from {source} is written for twophase's plugin contract "
                           f"version {declared or '1 (it declares none)'}, deprecated; "
                           f"this twophase's is {CONTRACT_VERSION}: see {MIGRATION}",
-                          DeprecationWarning, stacklevel=2)
+                          FutureWarning, stacklevel=2)
         if version == 1:
             cls = _v1(cls)
         self.backends[name] = BackendInfo(name, source, cls)

@@ -107,4 +107,5 @@ async def chat(body: P.ChatCompletionRequest, request: Request):
     except Exception as exc:            # a template may refuse a conversation (roles' order)
         raise P.ApiError(400, f"the model's chat template refused these messages: {exc}",
                          "messages") from None
-    return await respond(request, server.loop, [prompt], params, body.stream, ChatFormat(server, body, tools))
+    return await respond(request, server.loop, [prompt], params, body.stream, ChatFormat(server, body, tools),
+                         body.max_tokens_field())

@@ -128,6 +128,10 @@ class _Common(BaseModel):
         except InvalidSamplingParam as exc:
             raise ApiError(400, exc.message, exc.name) from None
 
+    def max_tokens_field(self) -> str:
+        """The name the client gave its length limit (the engine's messages say ``max_tokens``)."""
+        return "max_tokens"
+
     def sampling(self, logprobs: int | None, default_max_tokens: int,
                  max_tokens_field: str = "max_tokens") -> SamplingParams:
         if self.n != 1:
@@ -267,14 +271,17 @@ class ChatCompletionRequest(_Common):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
 
+    def max_tokens_field(self) -> str:
+        # OpenAI's newer name for max_tokens; where both are sent, it wins
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
     def params(self, default_max_tokens: int) -> SamplingParams:
-        field = "max_tokens"
         if self.max_completion_tokens is not None:
-            self.max_tokens, field = self.max_completion_tokens, "max_completion_tokens"
+            self.max_tokens = self.max_completion_tokens
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs = true", "top_logprobs")
         return self.sampling((self.top_logprobs or 0) if self.logprobs else None, default_max_tokens,
-                             field)
+                             self.max_tokens_field())
 
 
 def check_model(name: str, served: str) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, Protocol
 
@@ -49,8 +50,9 @@ class Formatter(Protocol):
 
 
 async def respond(request: Request, loop: EngineLoop, prompts: list[str | list[int]],
-                  params: SamplingParams, stream: bool, fmt: Formatter):
-    handles = await _start(request, loop, prompts, params)
+                  params: SamplingParams, stream: bool, fmt: Formatter, max_tokens_field: str = "max_tokens"):
+    """``max_tokens_field``: the name the client gave its length limit, which a refusal names."""
+    handles = await _start(request, loop, prompts, params, max_tokens_field)
     if not stream:
         outputs = await _collect(request, handles)
         return JSONResponse(fmt.whole(outputs))
@@ -60,14 +62,21 @@ async def respond(request: Request, loop: EngineLoop, prompts: list[str | list[i
                              background=BackgroundTask(_abort, handles))
 
 
+def _rejected(exc: RequestRejected, max_tokens_field: str) -> P.ApiError:
+    """A prompt that can never be served, its message naming the length limit as the client
+    sent it (the engine's messages say ``max_tokens``)."""
+    return P.ApiError(400, re.sub(r"\bmax_tokens\b", max_tokens_field, str(exc)), "prompt",
+                      code="prompt_rejected")
+
+
 async def _start(request: Request, loop: EngineLoop, prompts: list[str | list[int]],
-                 params: SamplingParams) -> list[Handle]:
+                 params: SamplingParams, max_tokens_field: str) -> list[Handle]:
     """Check, submit and wait for each request's first item, so refusals become a status, not
     a stream."""
     try:
         ids = [await loop.prepare(p, params) for p in prompts]
     except RequestRejected as exc:
-        raise P.ApiError(400, str(exc), "prompt", code="prompt_rejected") from None
+        raise _rejected(exc, max_tokens_field) from None
     try:                                    # one grammar state a prompt (None: unconstrained)
         constraints = [await loop.constrain(params) for _ in prompts]
     except RequestRejected as exc:
@@ -89,7 +98,7 @@ async def _start(request: Request, loop: EngineLoop, prompts: list[str | list[in
                          headers={"Retry-After": "1"}) from None
     except RequestRejected as exc:
         _abort(handles)
-        raise P.ApiError(400, str(exc), "prompt", code="prompt_rejected") from None
+        raise _rejected(exc, max_tokens_field) from None
     except EngineError as exc:
         _abort(handles)
         raise P.ApiError(500, str(exc), type_="server_error", code="engine_error") from None

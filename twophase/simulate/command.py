@@ -100,6 +100,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps({"device": args.device, "search": rows}, indent=2, default=str))
             console.print(f"wrote {args.json}")
+        best = rows[0] if rows and "error" not in rows[0] else None
+        if args.plot and best is not None:      # the best-ranked settings, simulated again (seeded)
+            path = report.plot(simulate(search.overrides(best["settings"])), Path(args.plot))
+            console.print(f"wrote {path} (#1: {', '.join(f'{k}={v}' for k, v in best['settings'].items())})")
         return 0
     for_device(cfg, device)                   # refuses what the simulator does not model, early
     result = simulate({})

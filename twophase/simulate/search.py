@@ -61,17 +61,22 @@ def combinations(grid: dict[str, list[Any]]) -> list[dict[str, Any]]:
     return [dict(zip(keys, values)) for values in itertools.product(*(grid[k] for k in keys))]
 
 
+def overrides(combo: dict[str, Any]) -> dict[str, Any]:
+    """``{"scheduler.max_num_seqs": 16}`` -> the nested config override it stands for."""
+    out: dict[str, Any] = {}
+    for k, v in combo.items():
+        out = merge(out, nested(k, v))
+    return out
+
+
 def search(grid: dict[str, list[Any]], simulate: Callable[[dict[str, Any]], dict[str, Any]]) -> list[dict[str, Any]]:
     """Each combination's ``simulate(overrides)`` result (a nested config override), best
     goodput per device first (then output throughput). A combination the config refuses is
     listed with its error."""
     rows: list[dict[str, Any]] = []
     for combo in combinations(grid):
-        overrides: dict[str, Any] = {}
-        for k, v in combo.items():
-            overrides = merge(overrides, nested(k, v))
         try:
-            result = simulate(overrides)
+            result = simulate(overrides(combo))
         except ConfigError as exc:
             rows.append({"settings": combo, "error": str(exc)})
             continue
