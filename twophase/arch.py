@@ -8,7 +8,7 @@ refuses the model by the feature's name rather than computing another model with
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, ClassVar, Literal
 
 # feature key -> the name a refusal uses ("native: QK-norm is not implemented")
@@ -61,7 +61,24 @@ class MLPSpec:
 
 
 @dataclass(frozen=True)
-class DeltaNetSpec:
+class StateLayerSpec:
+    """A layer that keeps a fixed-size state a sequence in place of K/V (its token mixer). Each
+    kind is a subclass here, named by ``kind`` (its key in ``FEATURES``), with a module of that
+    kind in ``models/layers/`` (``models/layers/state.py: STATE_LAYERS``)."""
+
+    kind: ClassVar[str]
+
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """One sequence's state tensors in one layer."""
+        raise NotImplementedError
+
+    def step_flops(self) -> float:
+        """FLOPs one token's state update and read take (the roofline's count)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class DeltaNetSpec(StateLayerSpec):
     """A Gated DeltaNet layer (Qwen3-Next, Qwen3.5): a causal depthwise convolution over q, k
     and v, L2-normalised q and k, and a gated delta rule that keeps one ``[k_head_dim,
     v_head_dim]`` matrix a value head in place of K/V. Its cache is a state a sequence: the
@@ -86,12 +103,20 @@ class DeltaNetSpec:
         """One sequence's state tensors: the convolution's tail, the delta rule's matrices."""
         return (self.conv_dim, self.conv_kernel - 1), (self.num_v_heads, self.k_head_dim, self.v_head_dim)
 
+    def step_flops(self) -> float:
+        """Decay, ``S^T k``, the rank-one update and ``S^T q``: about 7 operations an element of
+        each value head's matrix (the convolution's few are left out)."""
+        return 7.0 * self.num_v_heads * self.k_head_dim * self.v_head_dim
+
+
+STATE_LAYER_SPECS: tuple[type[StateLayerSpec], ...] = (DeltaNetSpec,)
+
 
 @dataclass(frozen=True)
 class LayerSpec:
     attention: AttentionSpec
     mlp: MLPSpec
-    mixer: DeltaNetSpec | None = None    # None: the layer attends; else its state layer
+    mixer: StateLayerSpec | None = None    # None: the layer attends; else its state layer
 
     @property
     def attends(self) -> bool:
@@ -172,10 +197,10 @@ class ModelArch:
             "rope_per_layer": len({s.attention.rope_theta for s in self.layers}) > 1,
             "sliding_window": any(s.attention.window for s in self.layers),
             "moe": any(s.mlp.num_experts for s in self.layers),
-            "gated_deltanet": any(s.mixer is not None for s in self.layers),
             "attn_output_gate": self.attn_output_gate,
         }
-        return frozenset(on | {k for k, v in checks.items() if v})
+        kinds = {s.mixer.kind for s in self.layers if s.mixer is not None}
+        return frozenset(on | kinds | {k for k, v in checks.items() if v})
 
     def with_layers(self, num_layers: int) -> ModelArch:
         """The same model cut (or repeated, by its layer pattern) to ``num_layers`` layers."""
@@ -189,10 +214,18 @@ class ModelArch:
     def from_dict(cls, d: dict[str, Any]) -> ModelArch:
         d = dict(d)
         d["layers"] = tuple(LayerSpec(AttentionSpec(**s["attention"]), MLPSpec(**s["mlp"]),
-                                      DeltaNetSpec(**s["mixer"]) if s.get("mixer") else None)
+                                      state_layer_spec(s["mixer"]) if s.get("mixer") else None)
                             for s in d["layers"])
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
         return cls(**d)
+
+
+def state_layer_spec(d: dict[str, Any]) -> StateLayerSpec:
+    """A state layer's spec from ``to_dict``'s fields (each kind has its own)."""
+    for cls in STATE_LAYER_SPECS:
+        if {f.name for f in fields(cls)} == set(d):
+            return cls(**d)
+    raise ValueError(f"no kind of state layer has the fields {sorted(d)}")
 
 
 def describe(features: frozenset[str] | set[str]) -> str:

@@ -77,10 +77,8 @@ class CostModel:
         return spec.bytes_per_sequence() if spec else 0
 
     def _state_flops(self, tokens: float) -> float:
-        """The delta rule over ``tokens`` in every state layer: decay, ``S^T k``, the rank-one
-        update and ``S^T q``, about 7 operations an element of each value head's matrix."""
-        m = [s.mixer for s in self.arch.layers if s.mixer is not None]
-        return sum(7 * x.num_v_heads * x.k_head_dim * x.v_head_dim for x in m) * tokens
+        """The state layers' updates and reads over ``tokens`` (``StateLayerSpec.step_flops``)."""
+        return sum(s.mixer.step_flops() for s in self.arch.layers if s.mixer is not None) * tokens
 
     @property
     def layer_kv_bytes(self) -> float:

@@ -17,13 +17,17 @@ from twophase.arch import LayerSpec, ModelArch
 from twophase.contract import KVGroups
 from twophase.models.graph_attention import GraphMeta
 from twophase.models.layers.attention import Attention, AttnMeta
-from twophase.models.layers.deltanet import GatedDeltaNet, StateMeta
+from twophase.models.layers.deltanet import GatedDeltaNet
 from twophase.models.layers.mlp import GatedMLP
 from twophase.models.layers.moe import MoE
 from twophase.models.layers.norm import RMSNorm
 from twophase.models.layers.rotary import cos_sin, inv_freq
+from twophase.models.layers.state import StateMeta
 
 __all__ = ["AttnMeta", "Block", "Decoder", "StateMeta", "rope_inv_freq"]
+
+# each kind of state layer (``StateLayerSpec.kind``) and its module
+STATE_LAYERS: dict[str, type[nn.Module]] = {"gated_deltanet": GatedDeltaNet}
 
 
 def rope_thetas(arch: ModelArch) -> list[float]:
@@ -46,7 +50,7 @@ class Block(nn.Module):
         if spec.mixer is None:
             self.attn = Attention(arch, spec.attention)
         else:                                  # a state layer in the attention's place
-            self.mixer = GatedDeltaNet(h, spec.mixer, eps)
+            self.mixer = STATE_LAYERS[spec.mixer.kind](arch, spec.mixer)
         self.mlp_norm = RMSNorm(h, eps, off)
         self.mlp: nn.Module = (MoE(h, spec.mlp, arch.activation) if spec.mlp.num_experts else
                                GatedMLP(h, spec.mlp.intermediate_size, arch.mlp_bias, arch.activation))

@@ -14,23 +14,14 @@ to chunk and from one engine chunk to the next). Both are the same function of t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from twophase.arch import DeltaNetSpec
+from twophase.arch import DeltaNetSpec, ModelArch
+from twophase.models.layers.state import StateMeta
 
 CHUNK = 64                  # tokens the chunked form solves at once
-
-
-@dataclass
-class StateMeta:
-    """Which state slot each sequence of a step holds and which of its tokens it computes."""
-
-    slots: list[int]                       # [B] each sequence's slot
-    spans: list[tuple[int, int, int]]      # [B] (first token index, tokens, tokens before them)
 
 
 class GatedRMSNorm(nn.Module):
@@ -51,8 +42,9 @@ class GatedRMSNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, hidden: int, spec: DeltaNetSpec, eps: float):
+    def __init__(self, arch: ModelArch, spec: DeltaNetSpec):
         super().__init__()
+        hidden, eps = arch.hidden_size, arch.rms_norm_eps
         self.spec = spec
         s = spec
         self.qk = s.num_k_heads * s.k_head_dim
