@@ -85,7 +85,8 @@ def test_missing_config_file(tmp_path):
      ["model", "backend", "scheduler", "cache", "sampling", "workload", "bench", "server", "speculative",
       "cluster"]),
     (TINY_TOML + "[cache]\nblock_sise = 16\n", "cache.block_sise",
-     ["block_size", "num_blocks", "memory_gb", "memory_utilization", "prefix_caching", "dtype", "prefault"]),
+     ["block_size", "num_blocks", "memory_gb", "memory_utilization", "prefix_caching", "dtype", "prefault",
+      "state_snapshot_every", "state_snapshots"]),
 ], ids=["model.nam", "scheduler.foo", "top-level-modle", "cache.block_sise"])
 def test_unknown_key_lists_allowed_keys(tmp_path, text, key, allowed):
     err = config_error(write(tmp_path, text))

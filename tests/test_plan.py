@@ -386,5 +386,5 @@ def test_cli_plans_qwen3_next_state_beside_the_attention_layers_kv(tmp_path):
     assert d["state_bytes_per_sequence"] == 36 * (conv + delta) and d["state_layers"] == 36
     state = next(i for i in d["items"] if i["name"] == "state slots")
     assert state["bytes"] == d["state_slots"] * d["state_bytes_per_sequence"]
-    assert d["max_concurrency"] >= 4 * d["full_attention_concurrency"] > 0
+    assert d["max_concurrency"] >= 3 * d["full_attention_concurrency"] > 0
     assert "in the 12 attention layers" in r.stdout and "36 state layers" in r.stdout

@@ -74,6 +74,11 @@ class CacheConfig:
     # (twophase/kv_formats.py)
     dtype: Literal["auto", "float32", "bfloat16", "float16", "int8", "fp8"] = "auto"
     prefault: bool = False                 # CPU: back every page of the pool at start (servers)
+    # models with state layers: a prefix hit restores the state saved where a computed prefix
+    # reached a multiple of state_snapshot_every tokens (a multiple of block_size); so many
+    # snapshots are kept, the least recently used given up first ("auto": 2 x max_num_seqs)
+    state_snapshot_every: int = 512
+    state_snapshots: int | Literal["auto"] = "auto"
 
 
 @dataclass
@@ -318,6 +323,12 @@ def _check_limits(cfg: Config) -> None:
         raise ConfigError("scheduler.max_num_batched_tokens",
                           f"must exceed scheduler.max_num_seqs ({s.max_num_seqs}) under "
                           f"decode-first, so running decodes always leave budget for prefill")
+    if c.state_snapshot_every < 1 or c.state_snapshot_every % c.block_size:
+        raise ConfigError("cache.state_snapshot_every", f"must be a positive multiple of cache.block_size "
+                          f"({c.block_size}), so a snapshot ends a whole block; got {c.state_snapshot_every}")
+    if c.state_snapshots != "auto" and (not isinstance(c.state_snapshots, int) or c.state_snapshots < 0):
+        raise ConfigError("cache.state_snapshots",
+                          f"must be \"auto\" or a whole number >= 0, got {c.state_snapshots!r}")
     if c.memory_gb is not None and c.memory_gb <= 0:
         raise ConfigError("cache.memory_gb", f"must be a positive number of GiB, got {c.memory_gb}")
     if not 0 < c.memory_utilization <= 1:

@@ -427,6 +427,9 @@ class PrefillBatch:
     # [B] each sequence's state slot (``KVCache.states``; a chunk at position 0 starts from
     # zeros); None for a model whose every layer attends
     state_slots: torch.Tensor | None = None
+    # (from, to) state rows to copy, in order, before computing: a prefix hit's saved state
+    # into its sequence's slot, or a slot's state saved for later hits
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -454,6 +457,7 @@ class DecodeBatch:
     block_tables: torch.Tensor     # [B, max_blocks] ([G, B, nb]: KVGroups)
     context_lens: torch.Tensor     # [B] tokens in the cache after this call
     state_slots: torch.Tensor | None = None   # [B] as ``PrefillBatch.state_slots``
+    state_copies: list[tuple[int, int]] = field(default_factory=list)   # as ``PrefillBatch``'s
 
     @property
     def num_seqs(self) -> int:
@@ -464,7 +468,7 @@ class DecodeBatch:
         lens = self.context_lens.tolist()
         return PrefillBatch(self.token_ids, self.positions, self.slot_mapping, self.block_tables,
                             self.context_lens, [1] * len(lens), [n - 1 for n in lens],
-                            state_slots=self.state_slots)
+                            state_slots=self.state_slots, state_copies=self.state_copies)
 
 
 class Backend(ABC):

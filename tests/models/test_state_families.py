@@ -81,7 +81,30 @@ def test_batched_with_preemption_and_chunks_gives_each_request_its_alone_tokens(
     for i, (t, a) in enumerate(zip(together, alone)):
         assert_greedy_match(t.token_ids, a.token_ids, logprob_gaps(a), f"prompt {i}")
     assert llm.engine.kv.num_free_blocks == llm.num_blocks
-    assert len(llm.engine.kv._free_slots) == llm.engine.kv.state_slots
+    assert len(llm.engine.kv._free_slots) == llm.engine.kv.running_slots
+
+
+def test_a_prefix_hit_restores_the_state_saved_at_a_boundary_and_gives_the_cold_tokens(hf):
+    """Snapshots every 32 tokens, 3 of them kept: requests sharing a 100-token prefix hit the
+    96 tokens that end on a boundary (K/V blocks and the state saved there) and get exactly the
+    tokens they get cold; later prompts evict the oldest snapshots, and a hit never uses one
+    that was overwritten."""
+    folder, _ = hf
+    rng = random.Random(1)
+    shared = [rng.randrange(3, 300) for _ in range(100)]
+    prompts = [shared + [rng.randrange(3, 300) for _ in range(rng.randint(1, 40))] for _ in range(4)]
+    others = [[rng.randrange(3, 300) for _ in range(70)] for _ in range(3)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2)
+    cold = _llm(folder, cache={"num_blocks": 64, "prefix_caching": False})
+    want = [cold.generate([p], params)[0] for p in prompts + others + prompts[:1]]
+    llm = _llm(folder, cache={"num_blocks": 128, "block_size": 16, "state_snapshot_every": 32,
+                              "state_snapshots": 3})
+    got = [llm.generate([p], params)[0] for p in prompts + others + prompts[:1]]
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_greedy_match(g.token_ids, w.token_ids, logprob_gaps(w), f"prompt {i}")
+    hits = [o.metrics["num_cached_tokens"] for o in got]
+    assert hits[0] == 0 and hits[1:4] == [96, 96, 96], hits
+    assert hits[-1] < 96, hits            # the shared prefix's snapshots were evicted by others
 
 
 def test_what_state_layers_do_not_do_yet_is_said(hf, caplog):
@@ -89,7 +112,7 @@ def test_what_state_layers_do_not_do_yet_is_said(hf, caplog):
     with pytest.raises(ConfigError, match="roll back"):
         _llm(folder, speculative={"method": "ngram", "num_tokens": 3})
     caplog.set_level("INFO")
-    llm = _llm(folder)
+    llm = _llm(folder, cache={"num_blocks": 64, "state_snapshots": 0})
     assert not llm.engine.kv.prefix_caching and "prefix caching off" in caplog.text
     assert llm.loaded.layout.state is not None and llm.loaded.layout.state.bytes_per_sequence() > 0
     assert len(llm.kv_cache.states) == 3                 # three state layers, one attends

@@ -41,6 +41,7 @@ class PoolSettings:
     chunked_prefill: bool
     max_model_len: int | None         # ``model.max_model_len``; None: the model's context
     device_kind: str                  # "cpu" or "cuda"
+    state_snapshots: int = 0          # state rows kept for prefix hits (state layers, prefix caching)
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,8 @@ class PoolLayout:
     chunked_prefill: bool             # may a prompt be computed in chunks?
     at_backend_limit: bool = False    # did an index limit of a backend cap the pool?
     state: StateSpec | None = None    # the state layers' cache (None: every layer attends)
-    state_slots: int = 0              # states held at once: one a running sequence
+    state_slots: int = 0              # state rows: one a running sequence, then the snapshots
+    state_snapshots: int = 0          # of them, rows that keep a prefix's state for later hits
 
     @property
     def state_bytes(self) -> int:
@@ -112,7 +114,7 @@ class PoolLayout:
     def concurrency(self, context: int) -> int:
         """Sequences of ``context`` tokens the pool holds at once (at most a state slot each)."""
         n = concurrency(self.specs, self.num_blocks, context, self.chunk, self.block_size)
-        return min(n, self.state_slots) if self.state else n
+        return min(n, self.state_slots - self.state_snapshots) if self.state else n
 
     def sequence_bytes(self, context: int) -> int:
         """The cache one sequence of ``context`` tokens holds once it is in (a sliding layer's
@@ -202,7 +204,8 @@ def lay_out_pool(arch: ModelArch, settings: PoolSettings, prefill: Capabilities,
     limit = index_limit(backends, groups, kv, bs, scratch_blocks)
     capped = False
     state = state_spec(arch)
-    state_bytes = settings.max_num_seqs * state.bytes_per_sequence() if state else 0
+    rows = settings.max_num_seqs + settings.state_snapshots if state else 0
+    state_bytes = rows * state.bytes_per_sequence() if state else 0
     if settings.num_blocks is not None:
         num_blocks = settings.num_blocks
     else:
@@ -218,7 +221,7 @@ def lay_out_pool(arch: ModelArch, settings: PoolSettings, prefill: Capabilities,
             num_blocks, capped = limit, True
         num_blocks = max(minimum_blocks, num_blocks)
     layout = PoolLayout(groups, specs, bs, num_blocks, scratch_blocks, length, chunk, chunk, settings.max_num_seqs,
-                        settings.chunked_prefill, capped, state, settings.max_num_seqs if state else 0)
+                        settings.chunked_prefill, capped, state, rows, settings.state_snapshots if state else 0)
     return with_step_limits(layout, settings, prefill, others[:1])
 
 

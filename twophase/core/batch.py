@@ -44,8 +44,13 @@ def build(out: SchedulerOutput, kv: KVManager, one_call: bool) -> StepBatches[Re
     chunks; otherwise the chunks go in a ``PrefillBatch`` and the decodes in a ``DecodeBatch``.
     A step that verifies drafts sends its decodes as chunks (each its token and its drafts) in
     one ``verify`` call."""
-    if not out.drafts:
-        return build_phases(out.decodes, out.prefills, kv, one_call)
+    steps = build_phases(out.decodes, out.prefills, kv, one_call) if not out.drafts else _build_verify(out, kv)
+    if steps.calls:            # the state copies the KV manager asked for, before anything reads them
+        steps.calls[0][1].state_copies = kv.take_copies()
+    return steps
+
+
+def _build_verify(out: SchedulerOutput, kv: KVManager) -> StepBatches[Request]:
     chunks = [(r, r.num_computed_tokens, n) for r, n in out.prefills]
     items = [(r, r.num_computed_tokens, out.tokens_of(r)) for r in out.decodes]
     verify = prefill_batch(items, kv, {k: p.token_ids for k, p in out.drafts.items()})

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from twophase.cache.spec import CacheSpec, FullAttentionSpec, cdiv, sequence_blocks
@@ -32,11 +33,19 @@ FULL = FullAttentionSpec(1, 1, "float32")      # one group of full attention (it
 
 class KVManager:
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True,
-                 specs: Sequence[CacheSpec] = (FULL,), state_slots: int = 0):
+                 specs: Sequence[CacheSpec] = (FULL,), state_slots: int = 0, snapshots: int = 0,
+                 snapshot_every: int = 0):
         self.pool = BlockPool(num_blocks)
+        # state layers: rows 0 .. state_slots - snapshots - 1 are running sequences' slots, the
+        # rest keep states saved at snapshot_every-token boundaries for prefix hits
         self.state_slots = state_slots                # 0: no state layers
-        self._free_slots = list(range(state_slots))[::-1]
+        self.running_slots = running = state_slots - snapshots
+        self._free_slots = list(range(running))[::-1]
         self._slot_of: dict[str, int] = {}            # each running sequence's state slot
+        self.snapshot_every = snapshot_every if snapshots and prefix_caching else 0
+        self._snapshot_rows = list(range(running, state_slots))[::-1]
+        self._snapshots: OrderedDict[bytes, int] = OrderedDict()   # last block's chain hash -> row
+        self._copies: list[tuple[int, int]] = []     # (from, to) state rows, for the next step
         self.block_size = block_size
         self.prefix_caching = prefix_caching
         self.specs = tuple(specs)                     # each group's cache: how its blocks are freed
@@ -121,12 +130,51 @@ class KVManager:
             return all(b is not None for g, w in enumerate(self.windows) if w is not None
                        for b in found[g][self._dead(g, k * self.block_size, k):k])
 
-        while k and not usable(k):
+        while k and not (usable(k) and self._restorable(chain, k)):
             k -= 1
         if k == 0:
             return []
         return [[0 if b is None or i < self._dead(g, k * self.block_size, k) else b
                  for i, b in enumerate(found[g][:k])] for g in range(self.num_groups)]
+
+    def _restorable(self, chain: list[bytes], k: int) -> bool:
+        """A hit of ``k`` blocks restores its state layers' state: none, or one saved there."""
+        if not self.state_slots:
+            return True
+        return bool(self.snapshot_every) and k * self.block_size % self.snapshot_every == 0 \
+            and chain[k - 1] in self._snapshots
+
+    def cut_chunk(self, start: int, n: int) -> int:
+        """A prefill chunk of ``n`` tokens from ``start``, ended at the next snapshot boundary
+        it would cross, so the state there can be saved."""
+        if not self.snapshot_every:
+            return n
+        boundary = (start // self.snapshot_every + 1) * self.snapshot_every
+        return boundary - start if start + n > boundary else n
+
+    def _snapshot(self, req: Seq) -> None:
+        """Save ``req``'s state where its computed tokens end on a snapshot boundary (in a free
+        row, else the least recently used one's)."""
+        n = req.num_computed_tokens
+        if not self.snapshot_every or n == 0 or n % self.snapshot_every or req.request_id not in self._slot_of:
+            return
+        key = self._chain(req, n // self.block_size)[-1]
+        if key in self._snapshots:
+            self._snapshots.move_to_end(key)
+            return
+        if self._snapshot_rows:
+            row = self._snapshot_rows.pop()
+        elif self._snapshots:
+            row = self._snapshots.popitem(last=False)[1]
+        else:
+            return
+        self._snapshots[key] = row
+        self._copies.append((self._slot_of[req.request_id], row))
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The state rows to copy before the next step computes, in order (and forget them)."""
+        out, self._copies = self._copies, []
+        return out
 
     def hit_tokens(self, computed: Hit) -> int:
         return len(computed[0]) * self.block_size if computed else 0
@@ -167,6 +215,10 @@ class KVManager:
             if not self._free_slots:
                 return False
             self._slot_of[rid] = self._free_slots.pop()
+            if computed:               # the prefix's saved state into the sequence's slot
+                row = self._snapshots[self._chain(req, k)[-1]]
+                self._snapshots.move_to_end(self._chain(req, k)[-1])
+                self._copies.append((row, self._slot_of[rid]))
         self.pool.touch(live)
         tables = self.block_tables(req)
         if computed:
@@ -176,9 +228,11 @@ class KVManager:
         return True
 
     def cache_computed(self, req: Seq) -> None:
-        """Publish ``req``'s blocks that are full and computed, so later requests can hit them."""
+        """Publish ``req``'s blocks that are full and computed, so later requests can hit them
+        (and its state, where its computed tokens end on a snapshot boundary)."""
         if not self.prefix_caching:
             return
+        self._snapshot(req)
         rid = req.request_id
         tables = self.tables[rid]
         n = min(req.num_computed_tokens // self.block_size, len(tables[0]))

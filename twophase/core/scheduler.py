@@ -208,6 +208,7 @@ class Scheduler:
             n = min(req.num_pending_tokens, self._left)
             if n < req.num_pending_tokens and not self.chunked_prefill:
                 continue
+            n = self.kv.cut_chunk(req.num_computed_tokens, n)
             if self._allocate_or_preempt(req, n, out):
                 out.prefills.append((req, n))
                 self._left -= n
@@ -230,6 +231,7 @@ class Scheduler:
             n = min(pending, self._left)
             if n < pending and not self.chunked_prefill:
                 return
+            n = self.kv.cut_chunk(cached, n)
             if not self.admission.may_start(self.kv.blocks_needed(req, n, computed),
                                             self.running + self.loading):
                 return

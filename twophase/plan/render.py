@@ -47,8 +47,9 @@ def summary(p: Plan) -> list[str]:
         attending = len(p.pool.groups.group)
         lines[0] = lines[0].replace("in every layer", f"in the {attending} attention layers")
         lines += [f"state: {human(st.bytes_per_sequence())} a sequence in {st.num_layers} state layers, "
-                  f"whatever its length; {p.pool.state_slots} slots (scheduler.max_num_seqs) = "
-                  f"{human(p.pool.state_bytes)}",
+                  f"whatever its length; {p.pool.state_slots - p.pool.state_snapshots} running slots "
+                  f"(scheduler.max_num_seqs) and {p.pool.state_snapshots} prefix snapshots "
+                  f"(cache.state_snapshots) = {human(p.pool.state_bytes)}",
                   f"a full-attention model of the same width ({p.model.arch.num_layers} layers of K/V) "
                   f"would hold {p.full_attention_concurrency(p.context):,} at {p.context:,} tokens in the same memory"]
     if p.users is not None:
