@@ -13,7 +13,6 @@ from helpers.hf_models import STATE_FAMILIES, tiny_hf_model
 
 from twophase import LLM, SamplingParams
 from twophase.core.batch import prefill_batch
-from twophase.errors import ConfigError
 from twophase.testing import assert_greedy_match, logprob_gaps
 
 transformers = pytest.importorskip("transformers")
@@ -107,10 +106,38 @@ def test_a_prefix_hit_restores_the_state_saved_at_a_boundary_and_gives_the_cold_
     assert hits[-1] < 96, hits            # the shared prefix's snapshots were evicted by others
 
 
-def test_what_state_layers_do_not_do_yet_is_said(hf, caplog):
+def test_drafts_give_the_tokens_of_decoding_without_them(hf):
+    """n-gram drafts: each prompt is ``p + (p's own continuation) + p``, so the lookup drafts
+    that continuation again, which the model partly repeats. Kept drafts advance the state; a
+    rejected one sends the sequence back to its state before the verify step, and its kept
+    tokens are computed again. The tokens equal those without drafts; some drafts were kept,
+    some not."""
     folder, _ = hf
-    with pytest.raises(ConfigError, match="roll back"):
-        _llm(folder, speculative={"method": "ngram", "num_tokens": 3})
+    rng = random.Random(2)
+    plain_llm = _llm(folder)
+    params = SamplingParams(max_tokens=16, ignore_eos=True, logprobs=2)
+    prompts = []
+    for _ in range(4):
+        p = [rng.randrange(3, 300) for _ in range(12)]
+        prompts.append(p + plain_llm.generate([p], params)[0].token_ids + p)
+    plain = plain_llm.generate(prompts, params)
+    llm = _llm(folder, speculative={"method": "ngram", "num_tokens": 3})
+    drafted = llm.generate(prompts, params)
+    spec = llm.report(drafted)["speculative"]
+    assert 0 < spec["accepted_tokens"] < spec["draft_tokens"], spec
+    for i, (d, p) in enumerate(zip(drafted, plain)):
+        assert_greedy_match(d.token_ids, p.token_ids, logprob_gaps(p), f"prompt {i}")
+    assert len(llm.engine.kv._free_slots) == llm.engine.kv.running_slots
+
+
+def test_what_state_layers_do_not_do_yet_is_said(hf, caplog):
+    from twophase.errors import ConfigError
+
+    folder, _ = hf
+    with pytest.raises(ConfigError, match="draft .* has state layers"):
+        _llm(folder, speculative={"method": "draft", "num_tokens": 2, "draft": {"path": str(folder)}})
+    with pytest.raises(ConfigError, match="does not travel"):
+        _llm(folder, cluster={"prefill_workers": 1, "decode_workers": 1})
     caplog.set_level("INFO")
     llm = _llm(folder, cache={"num_blocks": 64, "state_snapshots": 0})
     assert not llm.engine.kv.prefix_caching and "prefix caching off" in caplog.text

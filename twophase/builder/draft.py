@@ -47,7 +47,11 @@ def rekeyed(exc: ConfigError) -> ConfigError:
 
 
 def check_vocabulary(target: ResolvedModel, draft: ResolvedModel) -> None:
-    """Refuse a draft whose token ids mean other text than the target's, naming both."""
+    """Refuse a draft whose token ids mean other text than the target's, naming both (and a
+    draft with state layers: its own pool keeps no state slots)."""
+    if draft.arch.state_layers:
+        raise ConfigError("speculative.draft", f"the draft {draft.model_id} has state layers; a draft model's "
+                          f"every layer must attend (the target may keep a state)")
     why = None
     if draft.arch.vocab_size != target.arch.vocab_size:
         why = f"{draft.arch.vocab_size} token ids against {target.arch.vocab_size}"

@@ -44,15 +44,12 @@ def make_engine(config: Config, layout: PoolLayout, kv_cache: KVCache, backends:
         if config.cluster.disaggregated:
             raise ConfigError("cluster.disaggregated", "this model's state layers keep a state a sequence that "
                               "does not travel between workers yet; serve it on one engine (replicas)")
-        if sp.method != "none":
-            raise ConfigError("speculative.method", f"{sp.method!r}: this model's state layers cannot roll back "
-                              "rejected drafts yet; speculative decoding needs a model whose every layer attends")
         if prefix_caching and not layout.state_snapshots:
             log.info("prefix caching off: a hit restores the state layers' state saved at the prefix's end, "
                      "and cache.state_snapshots is 0")
             prefix_caching = False
     kv = KVManager(layout.num_blocks, cc.block_size, prefix_caching, layout.specs, layout.state_slots,
-                   layout.state_snapshots, cc.state_snapshot_every)
+                   layout.state_snapshots, cc.state_snapshot_every, verify_rows=layout.state_verify_rows)
     proposer: Proposer | None = None
     if sp.method == "ngram":
         proposer = NgramProposer(sp.prompt_lookup_min, sp.prompt_lookup_max)

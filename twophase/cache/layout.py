@@ -42,6 +42,7 @@ class PoolSettings:
     max_model_len: int | None         # ``model.max_model_len``; None: the model's context
     device_kind: str                  # "cpu" or "cuda"
     state_snapshots: int = 0          # state rows kept for prefix hits (state layers, prefix caching)
+    speculative: bool = False         # drafts are verified: a state row a sequence kept before each verify
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ class PoolLayout:
     state: StateSpec | None = None    # the state layers' cache (None: every layer attends)
     state_slots: int = 0              # state rows: one a running sequence, then the snapshots
     state_snapshots: int = 0          # of them, rows that keep a prefix's state for later hits
+    state_verify_rows: bool = False   # and as many rows as slots, for the state before a verify
 
     @property
     def state_bytes(self) -> int:
@@ -114,7 +116,12 @@ class PoolLayout:
     def concurrency(self, context: int) -> int:
         """Sequences of ``context`` tokens the pool holds at once (at most a state slot each)."""
         n = concurrency(self.specs, self.num_blocks, context, self.chunk, self.block_size)
-        return min(n, self.state_slots - self.state_snapshots) if self.state else n
+        return min(n, self.running_slots) if self.state else n
+
+    @property
+    def running_slots(self) -> int:
+        """State rows that running sequences hold (one each)."""
+        return (self.state_slots - self.state_snapshots) // (2 if self.state_verify_rows else 1)
 
     def sequence_bytes(self, context: int) -> int:
         """The cache one sequence of ``context`` tokens holds once it is in (a sliding layer's
@@ -204,7 +211,7 @@ def lay_out_pool(arch: ModelArch, settings: PoolSettings, prefill: Capabilities,
     limit = index_limit(backends, groups, kv, bs, scratch_blocks)
     capped = False
     state = state_spec(arch)
-    rows = settings.max_num_seqs + settings.state_snapshots if state else 0
+    rows = settings.max_num_seqs * (2 if settings.speculative else 1) + settings.state_snapshots if state else 0
     state_bytes = rows * state.bytes_per_sequence() if state else 0
     if settings.num_blocks is not None:
         num_blocks = settings.num_blocks
@@ -221,7 +228,8 @@ def lay_out_pool(arch: ModelArch, settings: PoolSettings, prefill: Capabilities,
             num_blocks, capped = limit, True
         num_blocks = max(minimum_blocks, num_blocks)
     layout = PoolLayout(groups, specs, bs, num_blocks, scratch_blocks, length, chunk, chunk, settings.max_num_seqs,
-                        settings.chunked_prefill, capped, state, rows, settings.state_snapshots if state else 0)
+                        settings.chunked_prefill, capped, state, rows, settings.state_snapshots if state else 0,
+                        settings.speculative and state is not None)
     return with_step_limits(layout, settings, prefill, others[:1])
 
 

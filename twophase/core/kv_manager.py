@@ -34,16 +34,18 @@ FULL = FullAttentionSpec(1, 1, "float32")      # one group of full attention (it
 class KVManager:
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True,
                  specs: Sequence[CacheSpec] = (FULL,), state_slots: int = 0, snapshots: int = 0,
-                 snapshot_every: int = 0):
+                 snapshot_every: int = 0, verify_rows: bool = False):
         self.pool = BlockPool(num_blocks)
-        # state layers: rows 0 .. state_slots - snapshots - 1 are running sequences' slots, the
-        # rest keep states saved at snapshot_every-token boundaries for prefix hits
+        # state layers' rows: the running sequences' slots; with ``verify_rows`` as many again,
+        # slot s's state before a verify step kept at row running + s; then the snapshots,
+        # states saved at snapshot_every-token boundaries for prefix hits
         self.state_slots = state_slots                # 0: no state layers
-        self.running_slots = running = state_slots - snapshots
+        self.running_slots = running = (state_slots - snapshots) // (2 if verify_rows else 1)
+        self.verify_rows = verify_rows
         self._free_slots = list(range(running))[::-1]
         self._slot_of: dict[str, int] = {}            # each running sequence's state slot
         self.snapshot_every = snapshot_every if snapshots and prefix_caching else 0
-        self._snapshot_rows = list(range(running, state_slots))[::-1]
+        self._snapshot_rows = list(range(state_slots - snapshots, state_slots))[::-1]
         self._snapshots: OrderedDict[bytes, int] = OrderedDict()   # last block's chain hash -> row
         self._copies: list[tuple[int, int]] = []     # (from, to) state rows, for the next step
         self.block_size = block_size
@@ -170,6 +172,20 @@ class KVManager:
             return
         self._snapshots[key] = row
         self._copies.append((self._slot_of[req.request_id], row))
+
+    def keep_state(self, req: Seq) -> None:
+        """Before ``req``'s drafts are verified: keep its state, which a rejected draft would
+        leave ahead of its kept tokens (``restore_state``)."""
+        if self.state_slots:
+            slot = self._slot_of[req.request_id]
+            self._copies.append((slot, self.running_slots + slot))
+
+    def restore_state(self, req: Seq) -> None:
+        """``req``'s state as ``keep_state`` kept it, before the verify step's tokens: the
+        scheduler then computes its kept tokens again (a recompute of a few tokens, exact for
+        any kind of state layer)."""
+        slot = self._slot_of[req.request_id]
+        self._copies.append((self.running_slots + slot, slot))
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The state rows to copy before the next step computes, in order (and forget them)."""

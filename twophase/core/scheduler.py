@@ -131,6 +131,11 @@ class Scheduler:
                 # one the target did not keep are rolled back (their slots overwritten later)
                 kept = len(got.token_ids) - 1
                 n = 1 + kept
+                if kept < len(proposal.token_ids) and self.kv.state_slots:
+                    # a state cannot drop the rejected drafts: back to the state before the
+                    # step, and the kept tokens computed again as a chunk in the next step
+                    self.kv.restore_state(req)
+                    n = 0
             req.num_computed_tokens += n
             if proposal is not None:
                 self.kv.truncate(req, req.num_computed_tokens)
@@ -188,6 +193,7 @@ class Scheduler:
             if n and self.kv.allocate(req, 1 + n):       # blocks for the drafts, if free
                 out.drafts[req.request_id] = Proposal(
                     proposal.token_ids[:n], None if proposal.probs is None else proposal.probs[:n])
+                self.kv.keep_state(req)
                 self._left -= n
         out.propose_s = time.perf_counter() - t0
 

@@ -165,12 +165,12 @@ def pool_settings(config: Config, device_kind: str, format: str | None = None) -
     if format is None:
         format = cc.dtype if cc.dtype != "auto" else model_dtype(config, device_kind)
     snapshots = 0
-    if cc.prefix_caching and config.speculative.method == "none" and not config.cluster.disaggregated:
+    if cc.prefix_caching and not config.cluster.disaggregated:
         snapshots = 2 * sc.max_num_seqs if cc.state_snapshots == "auto" else int(cc.state_snapshots)
     return PoolSettings(cc.block_size, None if cc.num_blocks == "auto" else int(cc.num_blocks),
                         None if cc.memory_gb is None else int(cc.memory_gb * GiB), format, sc.max_num_seqs,
                         sc.max_num_batched_tokens, sc.chunked_prefill, config.model.max_model_len, device_kind,
-                        snapshots)
+                        snapshots, config.speculative.method != "none")
 
 
 def token_budget(config: Config, device_kind: str, max_model_len: int) -> int:
@@ -325,8 +325,9 @@ def plan(config: Config, device: DeviceProfile, context: int | None = None, user
     items.append(Item("kv cache", "KV pool", blocks * pool.page_bytes, f"{blocks} blocks × {cc.block_size} tokens"))
     if pool.state is not None:
         items.append(Item("kv cache", "state slots", pool.state_bytes,
-                          f"({pool.state_slots - pool.state_snapshots} running + {pool.state_snapshots} "
-                          f"snapshots) × {pool.state.bytes_per_sequence() / MiB:.2f} MiB"))
+                          f"({pool.running_slots} running"
+                          + (f" + {pool.running_slots} before a verify" if pool.state_verify_rows else "")
+                          + f" + {pool.state_snapshots} snapshots) × {pool.state.bytes_per_sequence() / MiB:.2f} MiB"))
     if draft_block:
         items.append(Item("kv cache", "draft model's KV pool", blocks * draft_block,
                           f"{blocks} blocks, as the target's", role="draft"))

@@ -47,7 +47,7 @@ def summary(p: Plan) -> list[str]:
         attending = len(p.pool.groups.group)
         lines[0] = lines[0].replace("in every layer", f"in the {attending} attention layers")
         lines += [f"state: {human(st.bytes_per_sequence())} a sequence in {st.num_layers} state layers, "
-                  f"whatever its length; {p.pool.state_slots - p.pool.state_snapshots} running slots "
+                  f"whatever its length; {p.pool.running_slots} running slots "
                   f"(scheduler.max_num_seqs) and {p.pool.state_snapshots} prefix snapshots "
                   f"(cache.state_snapshots) = {human(p.pool.state_bytes)}",
                   f"a full-attention model of the same width ({p.model.arch.num_layers} layers of K/V) "
