@@ -30,6 +30,7 @@ FEATURES: dict[str, str] = {
     "moe": "mixture-of-experts MLPs",
     "gated_deltanet": "Gated DeltaNet layers (a recurrent state a sequence)",
     "attn_output_gate": "a gated attention output",
+    "short_conv": "gated short-convolution layers (a convolution state a sequence)",
 }
 
 
@@ -109,7 +110,27 @@ class DeltaNetSpec(StateLayerSpec):
         return 7.0 * self.num_v_heads * self.k_head_dim * self.v_head_dim
 
 
-STATE_LAYER_SPECS: tuple[type[StateLayerSpec], ...] = (DeltaNetSpec,)
+@dataclass(frozen=True)
+class ShortConvSpec(StateLayerSpec):
+    """A gated short convolution (LFM2): ``in_proj`` gives B, C and x, a causal depthwise
+    convolution of ``conv_kernel`` taps runs over ``B * x``, C gates its output, ``out_proj``.
+    Its cache is a state a sequence: the convolution's last ``conv_kernel - 1`` inputs."""
+
+    channels: int
+    conv_kernel: int = 3
+    bias: bool = False               # on in_proj, the convolution and out_proj alike
+
+    kind: ClassVar[str] = "short_conv"
+
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        return ((self.channels, self.conv_kernel - 1),)
+
+    def step_flops(self) -> float:
+        """The convolution's taps and the two gates (the projections are the layer's weights)."""
+        return 2.0 * self.channels * (self.conv_kernel + 1)
+
+
+STATE_LAYER_SPECS: tuple[type[StateLayerSpec], ...] = (DeltaNetSpec, ShortConvSpec)
 
 
 @dataclass(frozen=True)
@@ -265,6 +286,8 @@ def with_feature(arch: ModelArch, key: str) -> ModelArch:
             layers[i] = replace(s, mlp=MLPSpec(f, num_experts=4, top_k=2))
         elif key == "gated_deltanet" and i % 4 != 3:        # Qwen3-Next's three in four
             layers[i] = replace(s, mixer=DeltaNetSpec(2, 4, hd, hd))
+        elif key == "short_conv" and i % 2 == 0:            # LFM2 mixes them with attention
+            layers[i] = replace(s, mixer=ShortConvSpec(arch.hidden_size))
     if key not in FEATURES:
         raise KeyError(key)
     return replace(arch, layers=tuple(layers))

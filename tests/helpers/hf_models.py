@@ -41,13 +41,19 @@ def hf_config(family: str):
                                                 num_experts_per_tok=2, moe_intermediate_size=32,
                                                 shared_expert_intermediate_size=48, mlp_only_layers=[1]),
         "qwen3_5": lambda: t.Qwen3_5TextConfig(**{**BASE, "num_hidden_layers": 4}, **DELTANET),
+        "lfm2": lambda: t.Lfm2Config(**{**BASE, "num_hidden_layers": 4, **LFM2}),
     }[family]()
 
 
 # Gated DeltaNet layers: 2 key heads of 16, 4 value heads of 16 (two a key head), 4 taps
 DELTANET = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                 linear_value_head_dim=16, linear_conv_kernel_dim=4)
-STATE_FAMILIES = ("qwen3_5", "qwen3_next")     # their cache is (mostly) a state a sequence
+# LFM2: gated short convolutions of 3 taps (with biases) in three layers of four; an MLP width
+# derived as HF does (2/3 of 144, times 1.5, rounded up to 32: 160); tied embeddings
+LFM2 = dict(layer_types=["conv", "full_attention", "conv", "conv"], conv_L_cache=3, conv_bias=True,
+            intermediate_size=144, block_ffn_dim_multiplier=1.5, block_multiple_of=32, norm_eps=1e-6,
+            tie_word_embeddings=True)
+STATE_FAMILIES = ("lfm2", "qwen3_5", "qwen3_next")     # their cache is (mostly) a state a sequence
 
 FAMILIES = ("gemma2", "gemma3", "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe")
 

@@ -1,7 +1,8 @@
 """Models whose cache is mostly a state (Qwen3-Next, Qwen3.5: Gated DeltaNet three layers in
-four) against HF transformers on the same random weights: logits at every position of a whole
-prompt and of the same prompt in chunks (the state carried from chunk to chunk), greedy tokens
-as HF's ``generate``, batching with preemption, and what the engine refuses for them yet."""
+four; LFM2: gated short convolutions, here three layers in four) against HF transformers on the
+same random weights: logits at every position of a whole prompt and of the same prompt in chunks
+(the state carried from chunk to chunk), greedy tokens as HF's ``generate``, batching with
+preemption, and what the engine refuses for them yet."""
 
 from __future__ import annotations
 
@@ -18,10 +19,17 @@ from twophase.testing import assert_greedy_match, logprob_gaps
 transformers = pytest.importorskip("transformers")
 
 
+# how a backend without the family's state layers names them
+REFUSED_AS = {"qwen3_5": "Gated DeltaNet", "qwen3_next": "Gated DeltaNet", "lfm2": "short-convolution"}
+# a config.json value its tiny checkpoint's state layers disagree with
+WRONG_DIMS = {"qwen3_5": ("linear_num_value_heads", 8), "qwen3_next": ("linear_num_value_heads", 8),
+              "lfm2": ("conv_L_cache", 4)}
+
+
 @pytest.fixture(scope="module", params=STATE_FAMILIES)
 def hf(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
-    return folder, tiny_hf_model(request.param, folder)
+    return folder, tiny_hf_model(request.param, folder), request.param
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -35,7 +43,7 @@ def _llm(folder, **sections) -> LLM:
 def test_logits_match_transformers_whole_and_in_chunks(hf):
     """150 tokens: more than two of the chunked form's 64-token chunks, and engine chunks that
     start and end inside them; each chunk reads the state the one before it left."""
-    folder, ref = hf
+    folder, ref, _ = hf
     llm = _llm(folder)
     ids = torch.randint(3, 300, (1, 150), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -54,7 +62,7 @@ def test_logits_match_transformers_whole_and_in_chunks(hf):
 
 
 def test_greedy_equals_transformers_generate(hf):
-    folder, ref = hf
+    folder, ref, _ = hf
     prompt = list(range(5, 25))
     out = _llm(folder).generate([prompt], SamplingParams(max_tokens=20, ignore_eos=True, logprobs=2))[0]
     with torch.no_grad():
@@ -66,7 +74,7 @@ def test_greedy_equals_transformers_generate(hf):
 def test_batched_with_preemption_and_chunks_gives_each_request_its_alone_tokens(hf):
     """Requests share steps (decodes beside prefill chunks), are preempted and recomputed from
     position 0 in another slot: each gets the tokens it gets alone, and every slot comes back."""
-    folder, _ = hf
+    folder, _, _ = hf
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(1, 50))] for _ in range(10)]
     params = SamplingParams(max_tokens=16, ignore_eos=True, logprobs=2)
@@ -88,7 +96,7 @@ def test_a_prefix_hit_restores_the_state_saved_at_a_boundary_and_gives_the_cold_
     96 tokens that end on a boundary (K/V blocks and the state saved there) and get exactly the
     tokens they get cold; later prompts evict the oldest snapshots, and a hit never uses one
     that was overwritten."""
-    folder, _ = hf
+    folder, _, _ = hf
     rng = random.Random(1)
     shared = [rng.randrange(3, 300) for _ in range(100)]
     prompts = [shared + [rng.randrange(3, 300) for _ in range(rng.randint(1, 40))] for _ in range(4)]
@@ -112,7 +120,7 @@ def test_drafts_give_the_tokens_of_decoding_without_them(hf):
     rejected one sends the sequence back to its state before the verify step, and its kept
     tokens are computed again. The tokens equal those without drafts; some drafts were kept,
     some not."""
-    folder, _ = hf
+    folder, _, _ = hf
     rng = random.Random(2)
     plain_llm = _llm(folder)
     params = SamplingParams(max_tokens=16, ignore_eos=True, logprobs=2)
@@ -133,7 +141,7 @@ def test_drafts_give_the_tokens_of_decoding_without_them(hf):
 def test_what_state_layers_do_not_do_yet_is_said(hf, caplog):
     from twophase.errors import ConfigError
 
-    folder, _ = hf
+    folder, _, _ = hf
     with pytest.raises(ConfigError, match="draft .* has state layers"):
         _llm(folder, speculative={"method": "draft", "num_tokens": 2, "draft": {"path": str(folder)}})
     with pytest.raises(ConfigError, match="does not travel"):
@@ -149,24 +157,47 @@ def test_what_state_layers_do_not_do_yet_is_said(hf, caplog):
 def test_a_backend_without_state_layers_refuses_them_by_name(hf, backend):
     from twophase.errors import TwophaseError
 
-    folder, _ = hf
-    with pytest.raises(TwophaseError, match="Gated DeltaNet"):
+    folder, _, name = hf
+    with pytest.raises(TwophaseError, match=REFUSED_AS[name]):
         _llm(folder, backend={"name": backend})
 
 
 def test_a_checkpoint_whose_state_dims_disagree_with_its_config_is_named(hf, tmp_path):
-    """config.json says 8 value heads a layer where the weights hold 4: an error naming a state
-    layer's tensor and both shapes, before anything is computed."""
+    """config.json says 8 value heads a layer where the weights hold 4 (or 4 convolution taps
+    where they hold 3): an error naming a state layer's tensor and both shapes, before anything
+    is computed."""
     import json
     import shutil
 
     from twophase.errors import TwophaseError
 
-    folder, _ = hf
+    folder, _, name = hf
     bad = tmp_path / "bad"
     shutil.copytree(folder, bad)
     cfg = json.loads((bad / "config.json").read_text())
-    cfg["linear_num_value_heads"] = 8
+    key, value = WRONG_DIMS[name]
+    cfg[key] = value
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(TwophaseError, match=r"disagree with its config.json: .*mixer"):
         _llm(bad)
+
+
+def test_lfm2_as_its_published_config_states_it_reads_as_transformers_reads_it():
+    """LFM2-1.2B's config.json: ``full_attn_idxs`` in place of ``layer_types``, ``block_ff_dim``
+    in place of ``intermediate_size``, ``tie_embedding``; the MLP as wide as HF's ``Lfm2MLP``."""
+    from transformers.models.lfm2.modeling_lfm2 import Lfm2MLP
+
+    from twophase.models.families import arch_from_config
+
+    cfg = {"vocab_size": 65536, "hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "block_ff_dim": 12288, "block_auto_adjust_ff_dim": True,
+           "block_ffn_dim_multiplier": 1.0, "block_multiple_of": 256, "full_attn_idxs": [2, 5, 8, 10, 12, 14],
+           "conv_L_cache": 3, "conv_bias": False, "norm_eps": 1e-5, "tie_embedding": True, "rope_theta": 1e6}
+    arch = arch_from_config({**cfg, "model_type": "lfm2"}, "config.json")
+    ref = transformers.Lfm2Config(**cfg)
+    with torch.device("meta"):
+        width = Lfm2MLP(ref).w1.out_features
+    assert arch.intermediate_size == width == 8192
+    assert [s.attends for s in arch.layers] == [t != "conv" for t in ref.layer_types]
+    assert arch.tie_word_embeddings == ref.tie_word_embeddings is True
+    assert arch.rope_theta == 1e6 and "short_conv" in arch.features() and "qk_norm" in arch.features()

@@ -22,12 +22,13 @@ from twophase.models.layers.mlp import GatedMLP
 from twophase.models.layers.moe import MoE
 from twophase.models.layers.norm import RMSNorm
 from twophase.models.layers.rotary import cos_sin, inv_freq
+from twophase.models.layers.short_conv import ShortConv
 from twophase.models.layers.state import StateMeta
 
 __all__ = ["AttnMeta", "Block", "Decoder", "StateMeta", "rope_inv_freq"]
 
 # each kind of state layer (``StateLayerSpec.kind``) and its module
-STATE_LAYERS: dict[str, type[nn.Module]] = {"gated_deltanet": GatedDeltaNet}
+STATE_LAYERS: dict[str, type[nn.Module]] = {"gated_deltanet": GatedDeltaNet, "short_conv": ShortConv}
 
 
 def rope_thetas(arch: ModelArch) -> list[float]:

@@ -12,12 +12,11 @@ from pathlib import Path
 
 import torch
 
-from twophase.arch import LayerSpec, ModelArch
+from twophase.arch import DeltaNetSpec, LayerSpec, ModelArch
 from twophase.contract import ModelSpec
 from twophase.errors import ModelError
 from twophase.models.decoder import Decoder, rope_inv_freq
 from twophase.models.families import family
-from twophase.models.families.family import TOP_NAMES
 
 
 def part_rows(ours: str, arch: ModelArch, parts: int, spec: LayerSpec) -> list[int] | None:
@@ -27,7 +26,7 @@ def part_rows(ours: str, arch: ModelArch, parts: int, spec: LayerSpec) -> list[i
     if ours == "attn.qkv":
         kv = arch.num_kv_heads * arch.head_dim
         return [arch.num_heads * arch.head_dim * (2 if arch.attn_output_gate else 1), kv, kv]
-    if ours == "mixer.in_proj" and spec.mixer is not None:
+    if ours == "mixer.in_proj" and isinstance(spec.mixer, DeltaNetSpec):
         m = spec.mixer
         qk, vd, hv = m.num_k_heads * m.k_head_dim, m.num_v_heads * m.v_head_dim, m.num_v_heads
         return [2 * qk + 2 * vd, 2 * hv] if parts == 2 else [2 * qk + vd, vd, hv, hv]
@@ -52,7 +51,7 @@ def dotted(*parts: str) -> str:
 def from_hf_state_dict(hf: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, torch.Tensor]:
     """HF names → ours, by the family's table; parts of a fused matrix concatenated."""
     out: dict[str, torch.Tensor] = {}
-    for ours, (name, _) in TOP_NAMES.items():
+    for ours, name in family(arch.family).hf_top_names.items():
         if f"{name}.weight" in hf and not (ours == "lm_head" and arch.tie_word_embeddings):
             out[f"{ours}.weight"] = hf[f"{name}.weight"]
     for i, spec in enumerate(arch.layers):
@@ -78,7 +77,7 @@ def _fused(hf: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor | None
 
 def to_hf_state_dict(sd: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, torch.Tensor]:
     """Ours → HF names: the inverse of ``from_hf_state_dict`` (fused matrices split)."""
-    out = {f"{name}.weight": sd[f"{ours}.weight"] for ours, (name, _) in TOP_NAMES.items()
+    out = {f"{name}.weight": sd[f"{ours}.weight"] for ours, name in family(arch.family).hf_top_names.items()
            if not (ours == "lm_head" and arch.tie_word_embeddings)}
     for i, spec in enumerate(arch.layers):
         for ours, (parts, _) in family(arch.family).layer_names.items():
@@ -97,7 +96,7 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, 
 def hf_names(arch: ModelArch, ours: Callable[[str], bool]) -> set[str]:
     """The HF names of the tensors whose own names (``layers.0.attn_norm.weight``) pass
     ``ours``, by the family's table: all the parts of a fused one, each expert's."""
-    out = {f"{name}.weight" for o, (name, _) in TOP_NAMES.items() if ours(f"{o}.weight")}
+    out = {f"{name}.weight" for o, name in family(arch.family).hf_top_names.items() if ours(f"{o}.weight")}
     for i, spec in enumerate(arch.layers):
         experts = range(max(1, spec.mlp.num_experts))
         for o, (parts, _) in family(arch.family).layer_names.items():

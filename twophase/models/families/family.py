@@ -9,7 +9,7 @@ the GGUF converter and the q4 loader all read it, so a name is spelled once.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from twophase.arch import AttentionSpec, LayerSpec, MLPSpec, ModelArch, uniform_layers
@@ -50,6 +50,10 @@ class Family:
     # a GGUF architecture shared with a dense family (Mixtral's files say ``llama``): this family
     # is the one for a file of that architecture that states ``{arch}.expert_count``
     gguf_experts: bool = False
+    # the embedding, final norm and head under this family's HF names, where they differ from
+    # Llama's (LFM2's final norm is ``model.embedding_norm``)
+    hf_top_names: dict[str, str] = field(default_factory=lambda: {o: hf for o, (hf, _) in TOP_NAMES.items()},
+                                         hash=False)
 
 
 def stated(get: Callable[..., Any], key: str) -> Any:
@@ -83,8 +87,8 @@ def common_fields(c: dict[str, Any], tie_default: bool = False) -> dict[str, Any
     }
 
 
-def rope_theta(c: dict[str, Any]) -> float:
-    return float(c.get("rope_theta", (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)))
+def rope_theta(c: dict[str, Any], default: float = 10000.0) -> float:
+    return float(c.get("rope_theta", (c.get("rope_parameters") or {}).get("rope_theta", default)))
 
 
 def window_of(c: dict[str, Any]) -> int | None:

@@ -1,0 +1,56 @@
+"""A gated short convolution (LFM2) over core's state slots.
+
+``in_proj`` gives three gates a channel, B, C and x; a causal depthwise convolution of
+``conv_kernel`` taps runs over ``B * x``; C gates its output and ``out_proj`` maps it back. A
+sequence's cache is the convolution's last ``conv_kernel - 1`` inputs: a fixed size whatever its
+length, in the state slot it holds (``KVCache.states``, the batch's ``state_slots``).
+
+Decodes (one token each) run together as one window a sequence; a prefill chunk convolves its
+tokens after the tail the chunk before it left (zeros at position 0).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from twophase.arch import ModelArch, ShortConvSpec
+from twophase.models.layers.state import StateMeta
+
+
+class ShortConv(nn.Module):
+    def __init__(self, arch: ModelArch, spec: ShortConvSpec):
+        super().__init__()
+        c = spec.channels
+        self.spec = spec
+        self.in_proj = nn.Linear(arch.hidden_size, 3 * c, bias=spec.bias)
+        self.conv = nn.Conv1d(c, c, spec.conv_kernel, groups=c, bias=spec.bias)   # weights [c, 1, K]
+        self.out_proj = nn.Linear(c, arch.hidden_size, bias=spec.bias)
+
+    def forward(self, x: torch.Tensor, state: tuple[torch.Tensor, ...], meta: StateMeta) -> torch.Tensor:
+        b, c, v = self.in_proj(x).chunk(3, dim=-1)
+        bx = (b * v).float()                                                       # [T, C]
+        (conv_state,) = state
+        w = self.conv.weight.float()
+        bias = self.conv.bias.float() if self.conv.bias is not None else None
+        out = torch.empty_like(bx)
+        decodes = [i for i, (_, n, _) in enumerate(meta.spans) if n == 1]
+        if decodes:                                    # one window a sequence, all at once
+            rows = torch.tensor([meta.spans[i][0] for i in decodes], device=x.device)
+            slots = torch.tensor([meta.slots[i] for i in decodes], device=x.device)
+            fresh = torch.tensor([meta.spans[i][2] == 0 for i in decodes], device=x.device)
+            tail = conv_state[slots].float().masked_fill(fresh[:, None, None], 0.0)    # [B, C, K-1]
+            window = torch.cat([tail, bx[rows].unsqueeze(-1)], dim=-1)                # [B, C, K]
+            conv_state[slots] = window[..., 1:].to(conv_state.dtype)
+            y = (window * w[:, 0]).sum(-1)
+            out[rows] = y if bias is None else y + bias
+        for i, (first, n, start) in enumerate(meta.spans):
+            if n == 1:
+                continue
+            slot = meta.slots[i]
+            tail = conv_state[slot].float() if start else torch.zeros_like(conv_state[slot], dtype=torch.float)
+            seq = torch.cat([tail, bx[first:first + n].T], dim=-1)                  # [C, K-1+n]
+            conv_state[slot] = seq[:, n:].to(conv_state.dtype)                      # the last K-1
+            out[first:first + n] = F.conv1d(seq.unsqueeze(0), w, bias, groups=self.spec.channels)[0].T
+        return self.out_proj(c * out.to(x.dtype))
