@@ -138,14 +138,54 @@ def test_drafts_give_the_tokens_of_decoding_without_them(hf):
     assert len(llm.engine.kv._free_slots) == llm.engine.kv.running_slots
 
 
+def test_disaggregated_prefill_and_decode_move_the_state_with_the_blocks(hf):
+    """A prefill engine runs each prompt and its first token; a decode engine pulls every block
+    of the prompt and its state at the prompt's end (as bytes, as the Ray workers send them) and
+    goes on: one engine's tokens, and every block and slot back on both sides."""
+    from twophase.core.kv_transfer import (
+        KVTransferParams,
+        LocalTransport,
+        continues_on_peer,
+        first_token_params,
+        joined,
+    )
+
+    folder, _, _ = hf
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (5, 16, 37, 60)]
+    params = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=2)
+    alone = _llm(folder).generate(prompts, params)
+    p, d = _llm(folder), _llm(folder)
+    d.engine.connector.transport = LocalTransport({p.engine.connector.engine_id: p.engine.connector})
+
+    def run(engine, jobs):
+        ids = [engine.add_request(q, sp, kv_transfer=t, first_token_ids=first).request_id for q, sp, t, first in jobs]
+        done = {}
+        while engine.has_unfinished():
+            for delta in engine.step():
+                if delta.output is not None:
+                    done[delta.request_id] = delta.output
+        return [done[i] for i in ids]
+
+    firsts = run(p.engine, [(q, first_token_params(params), KVTransferParams(do_remote_decode=True), ())
+                            for q in prompts])
+    assert all(continues_on_peer(f) for f in firsts)
+    rest = run(d.engine, [(q, params, KVTransferParams.from_dict(f.kv_transfer_params), f.token_ids)
+                          for q, f in zip(prompts, firsts)])
+    pulled = sorted(t for t, _, _ in d.engine.connector.transfers)     # every prompt pulled whole
+    assert pulled == sorted(len(q) for q in prompts), pulled
+    for i, (f, r, a) in enumerate(zip(firsts, rest, alone)):
+        assert_greedy_match(joined(f, r, params).token_ids, a.token_ids, logprob_gaps(a), f"prompt {i}")
+    assert p.engine.kv.num_used_blocks == d.engine.kv.num_used_blocks == 0
+    assert len(d.engine.kv._free_slots) == d.engine.kv.running_slots
+
+
 def test_what_state_layers_do_not_do_yet_is_said(hf, caplog):
     from twophase.errors import ConfigError
 
     folder, _, _ = hf
     with pytest.raises(ConfigError, match="draft .* has state layers"):
         _llm(folder, speculative={"method": "draft", "num_tokens": 2, "draft": {"path": str(folder)}})
-    with pytest.raises(ConfigError, match="does not travel"):
-        _llm(folder, cluster={"prefill_workers": 1, "decode_workers": 1})
     caplog.set_level("INFO")
     llm = _llm(folder, cache={"num_blocks": 64, "state_snapshots": 0})
     assert not llm.engine.kv.prefix_caching and "prefix caching off" in caplog.text

@@ -41,9 +41,6 @@ def make_engine(config: Config, layout: PoolLayout, kv_cache: KVCache, backends:
     sp = config.speculative
     prefix_caching = cc.prefix_caching
     if layout.state is not None:
-        if config.cluster.disaggregated:
-            raise ConfigError("cluster.disaggregated", "this model's state layers keep a state a sequence that "
-                              "does not travel between workers yet; serve it on one engine (replicas)")
         if prefix_caching and not layout.state_snapshots:
             log.info("prefix caching off: a hit restores the state layers' state saved at the prefix's end, "
                      "and cache.state_snapshots is 0")
@@ -62,8 +59,9 @@ def make_engine(config: Config, layout: PoolLayout, kv_cache: KVCache, backends:
     k = AUTO_MAX_DRAFTS if auto else int(sp.num_tokens)
     cl = config.cluster
     connector = KVConnector(f"{socket.gethostname()}:{os.getpid()}:{owner}", kv, kv_cache.pool,
-                            layout_of(kv_cache.pool), lease_s=cl.kv_lease_s, load_timeout_s=cl.kv_load_timeout_s,
-                            on_failure=cl.kv_load_failure, clock=clock, sleep=sleep)
+                            layout_of(kv_cache.pool, kv_cache.states), lease_s=cl.kv_lease_s,
+                            load_timeout_s=cl.kv_load_timeout_s, on_failure=cl.kv_load_failure, clock=clock,
+                            sleep=sleep, states=kv_cache.states)
     scheduler = Scheduler(kv, max_seqs, budget, sc.policy, layout.chunked_prefill,
                           max_model_len=layout.max_model_len, eos_token_ids=tuple(arch.eos_token_ids),
                           vocab_size=arch.vocab_size, proposer=proposer, num_spec_tokens=k,

@@ -128,11 +128,11 @@ class EngineHost:
             loop.call_soon_threadsafe(handle.items.put_nowait, EngineStopped("aborted"))
 
     async def read_kv(self, lease_id: str):
-        """A leased prompt's blocks (numpy: the object store holds it without a copy)."""
+        """A leased prompt's blocks and state as bytes (numpy, which has no bfloat16: the object
+        store holds it without a copy)."""
         if self.read_delay_s:
             await asyncio.sleep(self.read_delay_s)
-        blocks = self.llm.engine.connector.read(lease_id)
-        return blocks.cpu().contiguous().view(torch.uint8).numpy()   # bf16 has no numpy dtype
+        return self.llm.engine.connector.read(lease_id).numpy()
 
     def delay_reads(self, seconds: float) -> None:
         """Fault injection: hold every ``read_kv`` this long (a slow or stalled peer)."""

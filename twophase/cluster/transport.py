@@ -32,16 +32,14 @@ class RayTransport:
         return ref, params
 
     def poll(self, ticket: Any) -> torch.Tensor | None:
-        """The blocks once here: bytes, viewed back as the layout's dtype and shape."""
-        ref, params = ticket
+        """The peer's bytes once here (the connector reads them as blocks and a state)."""
+        ref, _ = ticket
         ready, _ = ray.wait([ref], timeout=0)
         if not ready:
             return None
         with warnings.catch_warnings():      # the object store's array is read-only: only read
             warnings.simplefilter("ignore", UserWarning)
-            raw = torch.from_numpy(ray.get(ref))
-        assert params.layout is not None
-        return params.layout.blocks_from_bytes(raw, len(params.remote_block_ids))
+            return torch.from_numpy(ray.get(ref))
 
     def ack(self, params: KVTransferParams) -> None:
         self._actor(str(params.remote_engine_id)).release_kv.remote(params.remote_request_id)

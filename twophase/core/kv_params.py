@@ -25,6 +25,7 @@ class KVLayout:
     head_dim: int
     block_size: int
     dtype: str                  # the K/V format's name (twophase/kv_formats.py)
+    state_bytes: int = 0        # one sequence's state in every state layer (float32), 0: none
 
     def blocks_from_bytes(self, raw: torch.Tensor, n: int) -> torch.Tensor:
         """``n`` blocks sent as bytes (``blocks.view(torch.uint8)``: numpy has no bfloat16 or
@@ -32,6 +33,26 @@ class KVLayout:
         fmt = kv_format(self.dtype)
         shape = (self.num_layers, 2, n, self.num_kv_heads, self.block_size, fmt.row(self.head_dim))
         return raw.view(fmt.storage).view(shape)
+
+    def pack(self, blocks: torch.Tensor, state: torch.Tensor | None) -> torch.Tensor:
+        """What crosses between engines, as bytes: the blocks, then the sequence's state (a
+        model with state layers)."""
+        raw = blocks.contiguous().view(torch.uint8).flatten()
+        return raw if state is None else torch.cat([raw, state.float().contiguous().view(torch.uint8)])
+
+    def unpack(self, raw: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``pack``'s bytes as ``n`` blocks and the float32 state (None without state layers);
+        a payload of another length is a ``ValueError`` saying both."""
+        raw = raw.flatten()
+        want = len(raw) - self.state_bytes
+        fmt = kv_format(self.dtype)
+        block_bytes = (self.num_layers * 2 * n * self.num_kv_heads * self.block_size * fmt.row(self.head_dim)
+                       * torch.empty((), dtype=fmt.storage).element_size())
+        if want != block_bytes:
+            raise ValueError(f"the peer sent {len(raw)} bytes; {n} blocks and the state are "
+                             f"{block_bytes + self.state_bytes}")
+        state = raw[block_bytes:].view(torch.float32) if self.state_bytes else None
+        return self.blocks_from_bytes(raw[:block_bytes], n), state
 
 
 @dataclass(frozen=True)

@@ -57,8 +57,9 @@ log = logging.getLogger(__name__)
 
 class KVTransport(Protocol):
     """Moves a peer's leased blocks here. ``fetch`` starts a pull and returns a ticket; ``poll``
-    returns the blocks ``[layers, 2, n, kv_heads, block_size, head_dim]`` once they arrived
-    (``None`` before) and raises if the pull failed; ``ack`` tells the peer it may free them."""
+    returns what the peer's ``KVConnector.read`` gave (the blocks and, in a model with state
+    layers, the sequence's state, as bytes: ``KVLayout.pack``) once it arrived (``None`` before)
+    and raises if the pull failed; ``ack`` tells the peer it may free them."""
 
     def fetch(self, params: KVTransferParams) -> Any: ...
 
@@ -71,6 +72,7 @@ class KVTransport(Protocol):
 class _Lease:
     blocks: list[int]
     expires: float
+    state: torch.Tensor | None = None          # the sequence's state at the end of its prompt
 
 
 @dataclass
@@ -81,6 +83,7 @@ class _Pull:
     ticket: Any
     started: float
     blocks: torch.Tensor | None = None         # arrived, not yet written
+    state: torch.Tensor | None = None          # with them, a model with state layers
 
 
 @dataclass
@@ -97,8 +100,12 @@ class KVConnector:
                  load_timeout_s: float = 2.0,
                  on_failure: Literal["fail", "recompute"] = "fail",
                  clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep):
+                 sleep: Callable[[float], None] = time.sleep,
+                 states: tuple[tuple[torch.Tensor, ...], ...] = ()):
         self.engine_id, self.kv, self.pool, self.layout = engine_id, kv, pool, layout
+        # state layers' tensors (``KVCache.states``): a state cannot be cut at a block, so a
+        # prompt moves whole, every block of it and its state at its end
+        self.states = states
         self.transport = transport
         self.lease_s, self.load_timeout_s, self.on_failure = lease_s, load_timeout_s, on_failure
         self.clock, self.sleep = clock, sleep
@@ -116,25 +123,33 @@ class KVConnector:
         t = req.kv_transfer
         if t is None or not t.do_remote_decode or req.finish_reason != "length":
             return None
-        full = min(req.num_prompt_tokens - 1, req.num_computed_tokens) // self.kv.block_size
-        blocks = self.kv.block_table(req)[:full]
+        bs = self.kv.block_size
+        tokens = min(req.num_prompt_tokens - 1, req.num_computed_tokens) // bs * bs
+        state = None
+        if self.states:
+            if req.num_computed_tokens != req.num_prompt_tokens:
+                return None
+            tokens, slot = req.num_prompt_tokens, self.kv.state_slot(req)
+            state = torch.cat([t[slot].flatten().float() for layer in self.states for t in layer]).cpu()
+        blocks = self.kv.block_table(req)[:-(-tokens // bs)]
         self.release(req.request_id)             # a reused request id: its old lease goes
         self.kv.pool.touch(blocks)
         with self._lock:
-            self._leases[req.request_id] = _Lease(blocks, self.clock() + self.lease_s)
-        state = req.generator.get_state().numpy().tobytes() if req.generator is not None else None
+            self._leases[req.request_id] = _Lease(blocks, self.clock() + self.lease_s, state)
+        gen = req.generator.get_state().numpy().tobytes() if req.generator is not None else None
         return KVTransferParams(do_remote_prefill=True, remote_engine_id=self.engine_id,
                                 remote_request_id=req.request_id, remote_block_ids=tuple(blocks),
-                                num_tokens=full * self.kv.block_size, layout=self.layout,
-                                lease_s=self.lease_s, generator_state=state)
+                                num_tokens=tokens, layout=self.layout,
+                                lease_s=self.lease_s, generator_state=gen)
 
     def read(self, lease_id: str) -> torch.Tensor:
-        """A copy of a lease's blocks (any thread): ``KeyError`` if it is gone."""
+        """A copy of a lease's blocks and state as bytes (``KVLayout.pack``; any thread):
+        ``KeyError`` if it is gone."""
         with self._lock:
             lease = self._leases.get(lease_id)
             if lease is None:
                 raise KeyError(f"KV lease {lease_id!r} of {self.engine_id} expired or was released")
-            return self.pool[:, :, lease.blocks]           # indexing by a list copies
+            return self.layout.pack(self.pool[:, :, lease.blocks].cpu(), lease.state)
 
     def release(self, lease_id: str) -> bool:
         """The peer has the blocks (or gave up): return them to the pool. False if unknown."""
@@ -179,6 +194,9 @@ class KVConnector:
         if t is None or not t.do_remote_prefill or self.transport is None:
             return 0
         bs = self.kv.block_size
+        if self.states:              # the whole prompt and its state, or nothing
+            whole = t.num_tokens == req.num_tokens - 1 and len(t.remote_block_ids) == -(-t.num_tokens // bs)
+            return t.num_tokens if whole else 0
         n = min(t.num_tokens, len(t.remote_block_ids) * bs, (req.num_tokens - 1) // bs * bs)
         return n
 
@@ -186,7 +204,7 @@ class KVConnector:
         """Ask the peer for ``req``'s first ``n_tokens`` (blocks already allocated here)."""
         assert self.transport is not None and req.kv_transfer is not None
         t = req.kv_transfer
-        nb = n_tokens // self.kv.block_size
+        nb = -(-n_tokens // self.kv.block_size)
         want = KVTransferParams(**{**t.__dict__, "remote_block_ids": t.remote_block_ids[:nb],
                                    "num_tokens": n_tokens})
         try:
@@ -209,13 +227,14 @@ class KVConnector:
             try:
                 if isinstance(p.ticket, Exception):
                     raise p.ticket
-                blocks = self.transport.poll(p.ticket)     # type: ignore[union-attr]
-                if blocks is None and now - p.started > self.load_timeout_s:
+                raw = self.transport.poll(p.ticket)     # type: ignore[union-attr]
+                if raw is None and now - p.started > self.load_timeout_s:
                     why = f"the KV blocks did not arrive within {self.load_timeout_s:g} s"
-                elif blocks is not None:
+                elif raw is not None:
+                    blocks, state = self.layout.unpack(raw, len(p.block_ids))
                     why = self._check(blocks, len(p.block_ids))
                     if why is None:
-                        p.blocks = blocks
+                        p.blocks, p.state = blocks, state
             except Exception as exc:
                 why = f"pulling the KV blocks from {p.params.remote_engine_id} failed: {exc}"
             if why is None and p.blocks is None:
@@ -264,14 +283,23 @@ class KVConnector:
         for p in self._arrived:
             assert p.blocks is not None
             self.pool[:, :, p.block_ids] = p.blocks.to(self.pool.device, self.pool.dtype)
+            if p.state is not None:
+                slot, at = self.kv.state_slot(p.req), 0
+                for layer in self.states:
+                    for t in layer:
+                        n = t[slot].numel()
+                        t[slot] = p.state[at:at + n].view(t.shape[1:]).to(t.device, t.dtype)
+                        at += n
         self._arrived = []
 
 
-def layout_of(pool: torch.Tensor) -> KVLayout:
-    """The layout of a pool ``[layers, 2, num_blocks, kv_heads, block_size, head_dim]``."""
+def layout_of(pool: torch.Tensor, states: tuple[tuple[torch.Tensor, ...], ...] = ()) -> KVLayout:
+    """The layout of a pool ``[layers, 2, num_blocks, kv_heads, block_size, head_dim]`` and of
+    the state layers' tensors beside it (a row a slot)."""
     layers, _, _, heads, block_size, row = pool.shape
     fmt = kv_format_of(pool.dtype)
-    return KVLayout(layers, heads, fmt.head_dim(row), block_size, fmt.name)
+    state = sum(t[0].numel() * 4 for layer in states for t in layer)
+    return KVLayout(layers, heads, fmt.head_dim(row), block_size, fmt.name, state)
 
 
 class LocalTransport:
