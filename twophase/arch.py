@@ -30,6 +30,9 @@ FEATURES: dict[str, str] = {
     "moe": "mixture-of-experts MLPs",
     "gated_deltanet": "Gated DeltaNet layers (a recurrent state a sequence)",
     "attn_output_gate": "a gated attention output",
+    "no_rope": "attention without RoPE",
+    "residual_scale": "a scaled residual branch",
+    "logit_divisor": "divided logits",
 }
 
 
@@ -54,6 +57,7 @@ class MLPSpec:
     top_k: int = 0                   # experts each token is routed to
     norm_topk_prob: bool = True      # renormalise the top-k router weights to sum to 1
     shared_intermediate_size: int = 0   # an always-on shared expert's width (0: none)
+    shared_gated: bool = True        # the shared expert's output times sigmoid(a gate); Granite's is not
 
     @property
     def kind(self) -> Literal["dense", "moe"]:
@@ -151,6 +155,9 @@ class ModelArch:
     query_scale: float | None = None      # None: head_dim ** -0.5
     rotary_dim: int | None = None         # None: all of head_dim rotates
     attn_output_gate: bool = False        # Qwen3-Next: q_proj also gives a gate, out * sigmoid(gate)
+    no_rope: bool = False                 # Granite 4 (hybrid): attention without rotary embeddings
+    residual_scale: float = 1.0           # Granite: x + scale * block(x), attention's and MLP's
+    logit_divisor: float = 1.0            # Granite: logits / divisor
     # Llama-3 RoPE scaling: {"factor", "low_freq_factor", "high_freq_factor",
     # "original_max_position_embeddings"}; None for plain RoPE.
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
@@ -198,6 +205,9 @@ class ModelArch:
             "sliding_window": any(s.attention.window for s in self.layers),
             "moe": any(s.mlp.num_experts for s in self.layers),
             "attn_output_gate": self.attn_output_gate,
+            "no_rope": self.no_rope,
+            "residual_scale": self.residual_scale != 1.0,
+            "logit_divisor": self.logit_divisor != 1.0,
         }
         kinds = {s.mixer.kind for s in self.layers if s.mixer is not None}
         return frozenset(on | kinds | {k for k, v in checks.items() if v})
@@ -251,7 +261,8 @@ def with_feature(arch: ModelArch, key: str) -> ModelArch:
         "gelu_tanh": {"activation": "gelu_tanh"}, "embed_scale": {"embed_scale": 2.0},
         "attn_softcap": {"attn_softcap": 50.0}, "final_softcap": {"final_softcap": 30.0},
         "query_scale": {"query_scale": 0.5 * hd ** -0.5}, "partial_rotary": {"rotary_dim": hd // 2},
-        "attn_output_gate": {"attn_output_gate": True},
+        "attn_output_gate": {"attn_output_gate": True}, "no_rope": {"no_rope": True},
+        "residual_scale": {"residual_scale": 0.5}, "logit_divisor": {"logit_divisor": 4.0},
     }
     if key in simple:
         return replace(arch, **simple[key])

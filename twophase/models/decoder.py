@@ -55,6 +55,7 @@ class Block(nn.Module):
         self.mlp: nn.Module = (MoE(h, spec.mlp, arch.activation) if spec.mlp.num_experts else
                                GatedMLP(h, spec.mlp.intermediate_size, arch.mlp_bias, arch.activation))
         self.post_norms = arch.post_norms
+        self.residual_scale = arch.residual_scale
         if arch.post_norms:
             self.post_attn_norm = RMSNorm(h, eps, off)
             self.post_mlp_norm = RMSNorm(h, eps, off)
@@ -64,9 +65,13 @@ class Block(nn.Module):
         state tensors and ``StateMeta``."""
         h = self.attn_norm(x)
         a = self.attn(h, cos, sin, cache, meta) if self.attends else self.mixer(h, cache, meta)
-        x = x + (self.post_attn_norm(a) if self.post_norms else a)
+        x = x + self.scaled(self.post_attn_norm(a) if self.post_norms else a)
         m = self.mlp(self.mlp_norm(x))
-        return x + (self.post_mlp_norm(m) if self.post_norms else m)
+        return x + self.scaled(self.post_mlp_norm(m) if self.post_norms else m)
+
+    def scaled(self, branch: torch.Tensor) -> torch.Tensor:
+        """A residual branch as it is added (Granite scales both)."""
+        return branch if self.residual_scale == 1.0 else branch * self.residual_scale
 
 
 class Decoder(nn.Module):
@@ -114,5 +119,7 @@ class Decoder(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         out = self.lm_head(hidden).float()
+        if self.arch.logit_divisor != 1.0:
+            out = out / self.arch.logit_divisor
         cap = self.arch.final_softcap
         return out if cap is None else cap * torch.tanh(out / cap)
