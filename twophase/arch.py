@@ -30,6 +30,7 @@ FEATURES: dict[str, str] = {
     "moe": "mixture-of-experts MLPs",
     "gated_deltanet": "Gated DeltaNet layers (a recurrent state a sequence)",
     "attn_output_gate": "a gated attention output",
+    "mamba2": "Mamba-2 layers (a recurrent state a sequence)",
     "no_rope": "attention without RoPE",
     "residual_scale": "a scaled residual branch",
     "logit_divisor": "divided logits",
@@ -113,7 +114,45 @@ class DeltaNetSpec(StateLayerSpec):
         return 7.0 * self.num_v_heads * self.k_head_dim * self.v_head_dim
 
 
-STATE_LAYER_SPECS: tuple[type[StateLayerSpec], ...] = (DeltaNetSpec,)
+@dataclass(frozen=True)
+class Mamba2Spec(StateLayerSpec):
+    """A Mamba-2 (SSD) layer (Granite 4): a causal depthwise convolution over x, B and C, then a
+    selective scan whose ``num_heads`` heads each keep a ``[head_dim, state_size]`` matrix,
+    decayed by ``exp(dt A)`` a token; B and C come in ``n_groups`` groups shared by the heads,
+    the output is gated by ``silu(z)`` and RMS-normed in ``n_groups`` groups. Its cache is a state
+    a sequence: the last ``conv_kernel - 1`` inputs of the convolution and the matrices."""
+
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int = 1
+    conv_kernel: int = 4
+    chunk_size: int = 256            # tokens the chunked scan takes at once
+    conv_bias: bool = True
+    proj_bias: bool = False          # in_proj and out_proj
+
+    kind: ClassVar[str] = "mamba2"
+
+    @property
+    def inner(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: x, B and C side by side."""
+        return self.inner + 2 * self.n_groups * self.state_size
+
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """One sequence's state tensors: the convolution's tail, each head's matrix."""
+        return (self.conv_dim, self.conv_kernel - 1), (self.num_heads, self.head_dim, self.state_size)
+
+    def step_flops(self) -> float:
+        """Decay, the ``dt x B^T`` update and ``S C``: about 5 operations an element of each
+        head's matrix (the convolution's few are left out)."""
+        return 5.0 * self.num_heads * self.head_dim * self.state_size
+
+
+STATE_LAYER_SPECS: tuple[type[StateLayerSpec], ...] = (DeltaNetSpec, Mamba2Spec)
 
 
 @dataclass(frozen=True)
@@ -276,6 +315,8 @@ def with_feature(arch: ModelArch, key: str) -> ModelArch:
             layers[i] = replace(s, mlp=MLPSpec(f, num_experts=4, top_k=2))
         elif key == "gated_deltanet" and i % 4 != 3:        # Qwen3-Next's three in four
             layers[i] = replace(s, mixer=DeltaNetSpec(2, 4, hd, hd))
+        elif key == "mamba2" and i % 4 != 3:
+            layers[i] = replace(s, mixer=Mamba2Spec(4, hd, 16))
     if key not in FEATURES:
         raise KeyError(key)
     return replace(arch, layers=tuple(layers))

@@ -41,13 +41,22 @@ def hf_config(family: str):
                                                 num_experts_per_tok=2, moe_intermediate_size=32,
                                                 shared_expert_intermediate_size=48, mlp_only_layers=[1]),
         "qwen3_5": lambda: t.Qwen3_5TextConfig(**{**BASE, "num_hidden_layers": 4}, **DELTANET),
+        "granitemoehybrid": lambda: t.GraniteMoeHybridConfig(
+            **{**BASE, "num_hidden_layers": 4, "intermediate_size": 32}, **MAMBA2,
+            layer_types=["mamba", "mamba", "attention", "mamba"], num_local_experts=4, num_experts_per_tok=2,
+            shared_intermediate_size=48, embedding_multiplier=3.0, residual_multiplier=0.5,
+            attention_multiplier=0.1, logits_scaling=2.0),
     }[family]()
 
 
 # Gated DeltaNet layers: 2 key heads of 16, 4 value heads of 16 (two a key head), 4 taps
 DELTANET = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                 linear_value_head_dim=16, linear_conv_kernel_dim=4)
-STATE_FAMILIES = ("qwen3_5", "qwen3_next")     # their cache is (mostly) a state a sequence
+# Mamba-2 layers: 4 heads of 32 (hidden 64, expanded twice), B and C in 2 groups of 16, 4 taps;
+# a chunked scan of 16 tokens, so 150 tokens cross several; no RoPE in the attention layer
+MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=2, mamba_d_conv=4,
+              mamba_expand=2, mamba_chunk_size=16)
+STATE_FAMILIES = ("granitemoehybrid", "qwen3_5", "qwen3_next")     # their cache is (mostly) a state a sequence
 
 FAMILIES = ("gemma2", "gemma3", "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe")
 

@@ -1,7 +1,8 @@
 """Models whose cache is mostly a state (Qwen3-Next, Qwen3.5: Gated DeltaNet three layers in
-four) against HF transformers on the same random weights: logits at every position of a whole
-prompt and of the same prompt in chunks (the state carried from chunk to chunk), greedy tokens
-as HF's ``generate``, batching with preemption, and what the engine refuses for them yet."""
+four; Granite 4: Mamba-2 layers) against HF transformers on the same random weights: logits at
+every position of a whole prompt and of the same prompt in chunks (the state carried from chunk
+to chunk), greedy tokens as HF's ``generate``, batching with preemption, and what the engine
+refuses for them yet."""
 
 from __future__ import annotations
 
@@ -18,11 +19,17 @@ from twophase.testing import assert_greedy_match, logprob_gaps
 
 transformers = pytest.importorskip("transformers")
 
+# each family's state layers as a refusal names them, and a config key that sizes their weights
+# (with a value the checkpoint's weights do not have)
+STATE_KIND = {"qwen3_5": "Gated DeltaNet", "qwen3_next": "Gated DeltaNet", "granitemoehybrid": "Mamba-2"}
+STATE_DIM = {"qwen3_5": ("linear_num_value_heads", 8), "qwen3_next": ("linear_num_value_heads", 8),
+             "granitemoehybrid": ("mamba_d_state", 32)}
+
 
 @pytest.fixture(scope="module", params=STATE_FAMILIES)
 def hf(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
-    return folder, tiny_hf_model(request.param, folder)
+    return folder, tiny_hf_model(request.param, folder), request.param
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -34,9 +41,10 @@ def _llm(folder, **sections) -> LLM:
 
 
 def test_logits_match_transformers_whole_and_in_chunks(hf):
-    """150 tokens: more than two of the chunked form's 64-token chunks, and engine chunks that
-    start and end inside them; each chunk reads the state the one before it left."""
-    folder, ref = hf
+    """150 tokens: more than two of the chunked form's chunks (DeltaNet's 64 tokens, the tiny
+    Granite's 16), and engine chunks that start and end inside them; each chunk reads the state
+    the one before it left."""
+    folder, ref, _ = hf
     llm = _llm(folder)
     ids = torch.randint(3, 300, (1, 150), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -55,7 +63,7 @@ def test_logits_match_transformers_whole_and_in_chunks(hf):
 
 
 def test_greedy_equals_transformers_generate(hf):
-    folder, ref = hf
+    folder, ref, _ = hf
     prompt = list(range(5, 25))
     out = _llm(folder).generate([prompt], SamplingParams(max_tokens=20, ignore_eos=True, logprobs=2))[0]
     with torch.no_grad():
@@ -67,7 +75,7 @@ def test_greedy_equals_transformers_generate(hf):
 def test_batched_with_preemption_and_chunks_gives_each_request_its_alone_tokens(hf):
     """Requests share steps (decodes beside prefill chunks), are preempted and recomputed from
     position 0 in another slot: each gets the tokens it gets alone, and every slot comes back."""
-    folder, _ = hf
+    folder, _, _ = hf
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(1, 50))] for _ in range(10)]
     params = SamplingParams(max_tokens=16, ignore_eos=True, logprobs=2)
@@ -85,7 +93,7 @@ def test_batched_with_preemption_and_chunks_gives_each_request_its_alone_tokens(
 
 
 def test_what_state_layers_do_not_do_yet_is_said(hf, caplog):
-    folder, _ = hf
+    folder, _, _ = hf
     with pytest.raises(ConfigError, match="roll back"):
         _llm(folder, speculative={"method": "ngram", "num_tokens": 3})
     caplog.set_level("INFO")
@@ -99,24 +107,26 @@ def test_what_state_layers_do_not_do_yet_is_said(hf, caplog):
 def test_a_backend_without_state_layers_refuses_them_by_name(hf, backend):
     from twophase.errors import TwophaseError
 
-    folder, _ = hf
-    with pytest.raises(TwophaseError, match="Gated DeltaNet"):
+    folder, _, name = hf
+    with pytest.raises(TwophaseError, match=STATE_KIND[name]):
         _llm(folder, backend={"name": backend})
 
 
 def test_a_checkpoint_whose_state_dims_disagree_with_its_config_is_named(hf, tmp_path):
-    """config.json says 8 value heads a layer where the weights hold 4: an error naming a state
-    layer's tensor and both shapes, before anything is computed."""
+    """config.json sizes the state layers otherwise than the weights are (8 value heads where they
+    hold 4, a state of 32 where they hold 16): an error naming a state layer's tensor and both
+    shapes, before anything is computed."""
     import json
     import shutil
 
     from twophase.errors import TwophaseError
 
-    folder, _ = hf
+    folder, _, name = hf
     bad = tmp_path / "bad"
     shutil.copytree(folder, bad)
     cfg = json.loads((bad / "config.json").read_text())
-    cfg["linear_num_value_heads"] = 8
+    key, value = STATE_DIM[name]
+    cfg[key] = value
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(TwophaseError, match=r"disagree with its config.json: .*mixer"):
         _llm(bad)

@@ -18,6 +18,7 @@ from twophase.contract import KVGroups
 from twophase.models.graph_attention import GraphMeta
 from twophase.models.layers.attention import Attention, AttnMeta
 from twophase.models.layers.deltanet import GatedDeltaNet
+from twophase.models.layers.mamba2 import Mamba2
 from twophase.models.layers.mlp import GatedMLP
 from twophase.models.layers.moe import MoE
 from twophase.models.layers.norm import RMSNorm
@@ -27,7 +28,7 @@ from twophase.models.layers.state import StateMeta
 __all__ = ["AttnMeta", "Block", "Decoder", "StateMeta", "rope_inv_freq"]
 
 # each kind of state layer (``StateLayerSpec.kind``) and its module
-STATE_LAYERS: dict[str, type[nn.Module]] = {"gated_deltanet": GatedDeltaNet}
+STATE_LAYERS: dict[str, type[nn.Module]] = {"gated_deltanet": GatedDeltaNet, "mamba2": Mamba2}
 
 
 def rope_thetas(arch: ModelArch) -> list[float]:
