@@ -43,7 +43,7 @@ def _llm(folder, **sections) -> LLM:
 def test_logits_match_transformers_whole_and_in_chunks(hf):
     """150 tokens: more than two of the chunked form's chunks (DeltaNet's 64 tokens, the tiny
     Granite's 16), and engine chunks that start and end inside them; each chunk reads the state
-    the one before it left."""
+    the one before it left, and one at position 0 none."""
     folder, ref, _ = hf
     llm = _llm(folder)
     ids = torch.randint(3, 300, (1, 150), generator=torch.Generator().manual_seed(1))
@@ -55,7 +55,9 @@ def test_logits_match_transformers_whole_and_in_chunks(hf):
     whole = prefill_batch([(req, 0, 150)], eng.kv)
     whole.logits = "all"
     assert _rel(llm.prefill_backend.prefill(whole), want) < 1e-4
-    for start, n in ((0, 40), (40, 1), (41, 69), (110, 40)):      # a one-token chunk: the recurrence
+    # a one-token chunk: the recurrence; at position 0 over the state the whole prompt left, a
+    # fresh start (a slot is reused without being cleared)
+    for start, n in ((0, 1), (0, 40), (40, 1), (41, 69), (110, 40)):
         b = prefill_batch([(req, start, n)], eng.kv)
         b.logits = "all"
         assert _rel(llm.prefill_backend.prefill(b), want[start:start + n]) < 1e-4, (start, n)
