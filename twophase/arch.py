@@ -31,6 +31,10 @@ FEATURES: dict[str, str] = {
     "gated_deltanet": "Gated DeltaNet layers (a recurrent state a sequence)",
     "attn_output_gate": "a gated attention output",
     "short_conv": "gated short-convolution layers (a convolution state a sequence)",
+    "mamba2": "Mamba-2 layers (a recurrent state a sequence)",
+    "no_rope": "attention without RoPE",
+    "residual_scale": "a scaled residual branch",
+    "logit_divisor": "divided logits",
 }
 
 
@@ -55,6 +59,7 @@ class MLPSpec:
     top_k: int = 0                   # experts each token is routed to
     norm_topk_prob: bool = True      # renormalise the top-k router weights to sum to 1
     shared_intermediate_size: int = 0   # an always-on shared expert's width (0: none)
+    shared_gated: bool = True        # the shared expert's output times sigmoid(a gate); Granite's is not
 
     @property
     def kind(self) -> Literal["dense", "moe"]:
@@ -130,7 +135,46 @@ class ShortConvSpec(StateLayerSpec):
         return 2.0 * self.channels * (self.conv_kernel + 1)
 
 
-STATE_LAYER_SPECS: tuple[type[StateLayerSpec], ...] = (DeltaNetSpec, ShortConvSpec)
+
+@dataclass(frozen=True)
+class Mamba2Spec(StateLayerSpec):
+    """A Mamba-2 (SSD) layer (Granite 4): a causal depthwise convolution over x, B and C, then a
+    selective scan whose ``num_heads`` heads each keep a ``[head_dim, state_size]`` matrix,
+    decayed by ``exp(dt A)`` a token; B and C come in ``n_groups`` groups shared by the heads,
+    the output is gated by ``silu(z)`` and RMS-normed in ``n_groups`` groups. Its cache is a state
+    a sequence: the last ``conv_kernel - 1`` inputs of the convolution and the matrices."""
+
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int = 1
+    conv_kernel: int = 4
+    chunk_size: int = 256            # tokens the chunked scan takes at once
+    conv_bias: bool = True
+    proj_bias: bool = False          # in_proj and out_proj
+
+    kind: ClassVar[str] = "mamba2"
+
+    @property
+    def inner(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: x, B and C side by side."""
+        return self.inner + 2 * self.n_groups * self.state_size
+
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """One sequence's state tensors: the convolution's tail, each head's matrix."""
+        return (self.conv_dim, self.conv_kernel - 1), (self.num_heads, self.head_dim, self.state_size)
+
+    def step_flops(self) -> float:
+        """Decay, the ``dt x B^T`` update and ``S C``: about 5 operations an element of each
+        head's matrix (the convolution's few are left out)."""
+        return 5.0 * self.num_heads * self.head_dim * self.state_size
+
+
+STATE_LAYER_SPECS: tuple[type[StateLayerSpec], ...] = (DeltaNetSpec, ShortConvSpec, Mamba2Spec)
 
 
 @dataclass(frozen=True)
@@ -172,6 +216,9 @@ class ModelArch:
     query_scale: float | None = None      # None: head_dim ** -0.5
     rotary_dim: int | None = None         # None: all of head_dim rotates
     attn_output_gate: bool = False        # Qwen3-Next: q_proj also gives a gate, out * sigmoid(gate)
+    no_rope: bool = False                 # Granite 4 (hybrid): attention without rotary embeddings
+    residual_scale: float = 1.0           # Granite: x + scale * block(x), attention's and MLP's
+    logit_divisor: float = 1.0            # Granite: logits / divisor
     # Llama-3 RoPE scaling: {"factor", "low_freq_factor", "high_freq_factor",
     # "original_max_position_embeddings"}; None for plain RoPE.
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
@@ -219,6 +266,9 @@ class ModelArch:
             "sliding_window": any(s.attention.window for s in self.layers),
             "moe": any(s.mlp.num_experts for s in self.layers),
             "attn_output_gate": self.attn_output_gate,
+            "no_rope": self.no_rope,
+            "residual_scale": self.residual_scale != 1.0,
+            "logit_divisor": self.logit_divisor != 1.0,
         }
         kinds = {s.mixer.kind for s in self.layers if s.mixer is not None}
         return frozenset(on | kinds | {k for k, v in checks.items() if v})
@@ -272,7 +322,8 @@ def with_feature(arch: ModelArch, key: str) -> ModelArch:
         "gelu_tanh": {"activation": "gelu_tanh"}, "embed_scale": {"embed_scale": 2.0},
         "attn_softcap": {"attn_softcap": 50.0}, "final_softcap": {"final_softcap": 30.0},
         "query_scale": {"query_scale": 0.5 * hd ** -0.5}, "partial_rotary": {"rotary_dim": hd // 2},
-        "attn_output_gate": {"attn_output_gate": True},
+        "attn_output_gate": {"attn_output_gate": True}, "no_rope": {"no_rope": True},
+        "residual_scale": {"residual_scale": 0.5}, "logit_divisor": {"logit_divisor": 4.0},
     }
     if key in simple:
         return replace(arch, **simple[key])
@@ -288,6 +339,8 @@ def with_feature(arch: ModelArch, key: str) -> ModelArch:
             layers[i] = replace(s, mixer=DeltaNetSpec(2, 4, hd, hd))
         elif key == "short_conv" and i % 2 == 0:            # LFM2 mixes them with attention
             layers[i] = replace(s, mixer=ShortConvSpec(arch.hidden_size))
+        elif key == "mamba2" and i % 4 != 3:
+            layers[i] = replace(s, mixer=Mamba2Spec(4, hd, 16))
     if key not in FEATURES:
         raise KeyError(key)
     return replace(arch, layers=tuple(layers))

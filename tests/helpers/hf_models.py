@@ -42,6 +42,11 @@ def hf_config(family: str):
                                                 shared_expert_intermediate_size=48, mlp_only_layers=[1]),
         "qwen3_5": lambda: t.Qwen3_5TextConfig(**{**BASE, "num_hidden_layers": 4}, **DELTANET),
         "lfm2": lambda: t.Lfm2Config(**{**BASE, "num_hidden_layers": 4, **LFM2}),
+        "granitemoehybrid": lambda: t.GraniteMoeHybridConfig(
+            **{**BASE, "num_hidden_layers": 4, "intermediate_size": 32}, **MAMBA2,
+            layer_types=["mamba", "mamba", "attention", "mamba"], num_local_experts=4, num_experts_per_tok=2,
+            shared_intermediate_size=48, embedding_multiplier=3.0, residual_multiplier=0.5,
+            attention_multiplier=0.1, logits_scaling=2.0),
     }[family]()
 
 
@@ -53,7 +58,11 @@ DELTANET = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_hea
 LFM2 = dict(layer_types=["conv", "full_attention", "conv", "conv"], conv_L_cache=3, conv_bias=True,
             intermediate_size=144, block_ffn_dim_multiplier=1.5, block_multiple_of=32, norm_eps=1e-6,
             tie_word_embeddings=True)
-STATE_FAMILIES = ("lfm2", "qwen3_5", "qwen3_next")     # their cache is (mostly) a state a sequence
+# Mamba-2 layers: 4 heads of 32 (hidden 64, expanded twice), B and C in 2 groups of 16, 4 taps;
+# a chunked scan of 16 tokens, so 150 tokens cross several; no RoPE in the attention layer
+MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=2, mamba_d_conv=4,
+              mamba_expand=2, mamba_chunk_size=16)
+STATE_FAMILIES = ("granitemoehybrid", "lfm2", "qwen3_5", "qwen3_next")     # their cache is (mostly) a state a sequence
 
 FAMILIES = ("gemma2", "gemma3", "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe")
 

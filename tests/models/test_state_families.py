@@ -1,8 +1,9 @@
 """Models whose cache is mostly a state (Qwen3-Next, Qwen3.5: Gated DeltaNet three layers in
-four; LFM2: gated short convolutions, here three layers in four) against HF transformers on the
-same random weights: logits at every position of a whole prompt and of the same prompt in chunks
-(the state carried from chunk to chunk), greedy tokens as HF's ``generate``, batching with
-preemption, and what the engine refuses for them yet."""
+four; LFM2: gated short convolutions, here three layers in four; Granite 4: Mamba-2 layers)
+against HF transformers on the same random weights: logits at every position of a whole prompt
+and of the same prompt in chunks (the state carried from chunk to chunk), greedy tokens as HF's
+``generate``, batching with preemption, prefix hits, drafts, disaggregation, and what the engine
+refuses for them yet."""
 
 from __future__ import annotations
 
@@ -18,12 +19,14 @@ from twophase.testing import assert_greedy_match, logprob_gaps
 
 transformers = pytest.importorskip("transformers")
 
-
+# each family's state layers as a refusal names them, and a config key that sizes their weights
+# (with a value the checkpoint's weights do not have)
 # how a backend without the family's state layers names them
-REFUSED_AS = {"qwen3_5": "Gated DeltaNet", "qwen3_next": "Gated DeltaNet", "lfm2": "short-convolution"}
+REFUSED_AS = {"qwen3_5": "Gated DeltaNet", "qwen3_next": "Gated DeltaNet", "lfm2": "short-convolution",
+              "granitemoehybrid": "Mamba-2"}
 # a config.json value its tiny checkpoint's state layers disagree with
 WRONG_DIMS = {"qwen3_5": ("linear_num_value_heads", 8), "qwen3_next": ("linear_num_value_heads", 8),
-              "lfm2": ("conv_L_cache", 4)}
+              "lfm2": ("conv_L_cache", 4), "granitemoehybrid": ("mamba_d_state", 32)}
 
 
 @pytest.fixture(scope="module", params=STATE_FAMILIES)
@@ -41,8 +44,9 @@ def _llm(folder, **sections) -> LLM:
 
 
 def test_logits_match_transformers_whole_and_in_chunks(hf):
-    """150 tokens: more than two of the chunked form's 64-token chunks, and engine chunks that
-    start and end inside them; each chunk reads the state the one before it left."""
+    """150 tokens: more than two of the chunked form's chunks (DeltaNet's 64 tokens, the tiny
+    Granite's 16), and engine chunks that start and end inside them; each chunk reads the state
+    the one before it left, and one at position 0 none."""
     folder, ref, _ = hf
     llm = _llm(folder)
     ids = torch.randint(3, 300, (1, 150), generator=torch.Generator().manual_seed(1))
@@ -54,7 +58,9 @@ def test_logits_match_transformers_whole_and_in_chunks(hf):
     whole = prefill_batch([(req, 0, 150)], eng.kv)
     whole.logits = "all"
     assert _rel(llm.prefill_backend.prefill(whole), want) < 1e-4
-    for start, n in ((0, 40), (40, 1), (41, 69), (110, 40)):      # a one-token chunk: the recurrence
+    # a one-token chunk: the recurrence; at position 0 over the state the whole prompt left, a
+    # fresh start (a slot is reused without being cleared)
+    for start, n in ((0, 1), (0, 40), (40, 1), (41, 69), (110, 40)):
         b = prefill_batch([(req, start, n)], eng.kv)
         b.logits = "all"
         assert _rel(llm.prefill_backend.prefill(b), want[start:start + n]) < 1e-4, (start, n)
@@ -203,9 +209,9 @@ def test_a_backend_without_state_layers_refuses_them_by_name(hf, backend):
 
 
 def test_a_checkpoint_whose_state_dims_disagree_with_its_config_is_named(hf, tmp_path):
-    """config.json says 8 value heads a layer where the weights hold 4 (or 4 convolution taps
-    where they hold 3): an error naming a state layer's tensor and both shapes, before anything
-    is computed."""
+    """config.json sizes the state layers otherwise than the weights are (8 value heads where they
+    hold 4, a state of 32 where they hold 16): an error naming a state layer's tensor and both
+    shapes, before anything is computed."""
     import json
     import shutil
 

@@ -18,6 +18,7 @@ from twophase.contract import KVGroups
 from twophase.models.graph_attention import GraphMeta
 from twophase.models.layers.attention import Attention, AttnMeta
 from twophase.models.layers.deltanet import GatedDeltaNet
+from twophase.models.layers.mamba2 import Mamba2
 from twophase.models.layers.mlp import GatedMLP
 from twophase.models.layers.moe import MoE
 from twophase.models.layers.norm import RMSNorm
@@ -28,7 +29,8 @@ from twophase.models.layers.state import StateMeta
 __all__ = ["AttnMeta", "Block", "Decoder", "StateMeta", "rope_inv_freq"]
 
 # each kind of state layer (``StateLayerSpec.kind``) and its module
-STATE_LAYERS: dict[str, type[nn.Module]] = {"gated_deltanet": GatedDeltaNet, "short_conv": ShortConv}
+STATE_LAYERS: dict[str, type[nn.Module]] = {"gated_deltanet": GatedDeltaNet, "short_conv": ShortConv,
+                                            "mamba2": Mamba2}
 
 
 def rope_thetas(arch: ModelArch) -> list[float]:
@@ -56,6 +58,7 @@ class Block(nn.Module):
         self.mlp: nn.Module = (MoE(h, spec.mlp, arch.activation) if spec.mlp.num_experts else
                                GatedMLP(h, spec.mlp.intermediate_size, arch.mlp_bias, arch.activation))
         self.post_norms = arch.post_norms
+        self.residual_scale = arch.residual_scale
         if arch.post_norms:
             self.post_attn_norm = RMSNorm(h, eps, off)
             self.post_mlp_norm = RMSNorm(h, eps, off)
@@ -65,9 +68,13 @@ class Block(nn.Module):
         state tensors and ``StateMeta``."""
         h = self.attn_norm(x)
         a = self.attn(h, cos, sin, cache, meta) if self.attends else self.mixer(h, cache, meta)
-        x = x + (self.post_attn_norm(a) if self.post_norms else a)
+        x = x + self.scaled(self.post_attn_norm(a) if self.post_norms else a)
         m = self.mlp(self.mlp_norm(x))
-        return x + (self.post_mlp_norm(m) if self.post_norms else m)
+        return x + self.scaled(self.post_mlp_norm(m) if self.post_norms else m)
+
+    def scaled(self, branch: torch.Tensor) -> torch.Tensor:
+        """A residual branch as it is added (Granite scales both)."""
+        return branch if self.residual_scale == 1.0 else branch * self.residual_scale
 
 
 class Decoder(nn.Module):
@@ -115,5 +122,7 @@ class Decoder(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         out = self.lm_head(hidden).float()
+        if self.arch.logit_divisor != 1.0:
+            out = out / self.arch.logit_divisor
         cap = self.arch.final_softcap
         return out if cap is None else cap * torch.tanh(out / cap)

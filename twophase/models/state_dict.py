@@ -37,11 +37,11 @@ def part_rows(ours: str, arch: ModelArch, parts: int, spec: LayerSpec) -> list[i
 
 def kinds(ours: str) -> tuple[str, ...]:
     """The suffixes a parameter of ours has in both namings: ``weight`` and ``bias``, or none
-    for one stored bare (a Gated DeltaNet's ``A_log`` and ``dt_bias``)."""
+    for one stored bare (a Gated DeltaNet's ``A_log`` and ``dt_bias``, a Mamba-2 layer's ``D`` too)."""
     return ("",) if ours.rsplit(".", 1)[-1] in BARE else ("weight", "bias")
 
 
-BARE = {"A_log", "dt_bias"}
+BARE = {"A_log", "dt_bias", "D"}
 
 
 def dotted(*parts: str) -> str:

@@ -58,6 +58,7 @@ class Attention(nn.Module):
         self.scale = arch.scale
         self.softcap = arch.attn_softcap
         self.window = spec.window
+        self.rope = not arch.no_rope
 
     def forward(self, x, cos, sin, kv_layer: torch.Tensor, meta: AttnMeta | GraphMeta) -> torch.Tensor:
         T = x.shape[0]
@@ -71,7 +72,8 @@ class Attention(nn.Module):
         v = qkv[:, nq + nkv:].view(T, self.kvh, self.hd)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.rope:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if isinstance(meta, GraphMeta):        # traced for export: K/V are outputs, not writes
             meta.new_kv.append((k, v))
             scores = Scores(self.scale, self.softcap, self.window)

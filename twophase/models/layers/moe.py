@@ -1,5 +1,6 @@
 """A mixture-of-experts MLP: a router picks ``top_k`` experts a token (softmax over all
-experts, then the top k, renormalised or not), an optional shared expert runs for every token.
+experts, then the top k, renormalised or not), an optional shared expert runs for every token
+(its output gated by ``sigmoid`` of a gate of its own, or added as it is).
 
 Experts' weights are stacked (``[E, 2f, h]`` and ``[E, h, f]``), so a GGUF's ``*_exps`` tensors
 map onto them as stored. Eagerly each expert reads its weights once for all the tokens routed to
@@ -32,9 +33,11 @@ class MoE(nn.Module):
         self.experts_gate_up = Experts(E, 2 * f, hidden)
         self.experts_down = Experts(E, hidden, f)
         self.shared: GatedMLP | None = None
+        self.shared_gated = spec.shared_gated
         if spec.shared_intermediate_size:
             self.shared = GatedMLP(hidden, spec.shared_intermediate_size, act=act)
-            self.shared_gate = nn.Linear(hidden, 1, bias=False)
+            if spec.shared_gated:
+                self.shared_gate = nn.Linear(hidden, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(self.router(x).float(), dim=-1)
@@ -48,5 +51,6 @@ class MoE(nn.Module):
             h = activation(self.act, gate_up[:, :self.f]) * gate_up[:, self.f:]
             out.index_add_(0, rows, (h @ self.experts_down.weight[e].T) * weights[rows, slot, None].to(x.dtype))
         if self.shared is not None:
-            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+            shared = self.shared(x)
+            out = out + (torch.sigmoid(self.shared_gate(x)) * shared if self.shared_gated else shared)
         return out
