@@ -3,7 +3,8 @@ its metadata keys (``gguf.GGUFWriter``'s own ``add_*``), its tensor names (the `
 ``TensorNameMap``, which is llama.cpp's table), Q/K rows permuted for the Llama converter family
 (Llama, Mistral, Mixtral: weights and biases), ``1 + w`` for Gemma's norms, experts stacked
 ``[experts, out, in]``, and a byte-level BPE vocabulary that transformers' GGUF tokenizer
-conversion accepts. Written from the converter's description, independent of our reader."""
+conversion accepts; the state layers' tensors as its Qwen3-Next, Qwen3.5 and LFM2 classes change
+them. Written from the converter's description, independent of our reader."""
 
 from __future__ import annotations
 
@@ -23,7 +24,11 @@ ARCHS = {
     "gemma2": (gguf.MODEL_ARCH.GEMMA2, False, 1.0),
     "gemma3_text": (gguf.MODEL_ARCH.GEMMA3, False, 1.0),
     "phi3": (gguf.MODEL_ARCH.PHI3, False, 0.0),
+    "qwen3_next": (gguf.MODEL_ARCH.QWEN3NEXT, False, 1.0),      # all norms but the DeltaNet's own
+    "qwen3_5_text": (gguf.MODEL_ARCH.QWEN35, False, 1.0),
+    "lfm2": (gguf.MODEL_ARCH.LFM2, False, 0.0),
 }
+DELTANET = ("qwen3_next", "qwen3_5_text")
 SPECIALS = ["<pad>", "<s>", "</s>"]          # ids 0, 1, 2: pad, bos, eos in the tiny configs
 
 
@@ -40,6 +45,17 @@ def _rope_theta(config, layer_type: str = "full_attention") -> float:
     return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
 
 
+def _lfm2_ff(c) -> int:
+    """LFM2Model's feed_forward_length: the MLP width as HF derives it."""
+    f = c.intermediate_size
+    if c.block_auto_adjust_ff_dim:
+        f = int(2 * f / 3)
+        if c.block_ffn_dim_multiplier is not None:
+            f = int(c.block_ffn_dim_multiplier * f)
+        f = c.block_multiple_of * ((f + c.block_multiple_of - 1) // c.block_multiple_of)
+    return f
+
+
 def _metadata(w: gguf.GGUFWriter, model_type: str, c) -> None:
     """What each converter class's ``set_gguf_parameters`` writes."""
     n_layers, heads = c.num_hidden_layers, c.num_attention_heads
@@ -47,10 +63,16 @@ def _metadata(w: gguf.GGUFWriter, model_type: str, c) -> None:
     w.add_block_count(n_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
+    w.add_feed_forward_length(_lfm2_ff(c) if model_type == "lfm2" else c.intermediate_size)
     w.add_head_count(heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    if model_type == "lfm2":                  # LFM2Model: a count a layer, 0 for a convolution layer
+        w.add_head_count_kv([0 if t == "conv" else c.num_key_value_heads for t in c.layer_types])
+        w.add_layer_norm_rms_eps(c.norm_eps)
+        w.add_vocab_size(c.vocab_size)
+        w.add_shortconv_l_cache(c.conv_L_cache)
+    else:
+        w.add_head_count_kv(c.num_key_value_heads)
+        w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     head_dim = getattr(c, "head_dim", None)
     if model_type == "phi3":                  # Phi3Model: no key_length, the rotary width instead
@@ -78,10 +100,28 @@ def _metadata(w: gguf.GGUFWriter, model_type: str, c) -> None:
     if model_type == "mixtral":               # the base class's num_local_experts / num_experts_per_tok
         w.add_expert_count(c.num_local_experts)
         w.add_expert_used_count(c.num_experts_per_tok)
-    if model_type == "qwen3_moe":             # Qwen2MoeModel
+    if model_type in ("qwen3_moe", "qwen3_next"):   # Qwen2MoeModel
         w.add_expert_count(c.num_experts)
         w.add_expert_used_count(c.num_experts_per_tok)
         w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    if model_type in DELTANET:
+        _deltanet_metadata(w, model_type, c, head_dim or c.hidden_size // heads)
+
+
+def _deltanet_metadata(w: gguf.GGUFWriter, model_type: str, c, head_dim: int) -> None:
+    """Qwen3NextModel's keys, which Qwen3.5's converter extends with MRoPE sections."""
+    if model_type == "qwen3_next":
+        w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    w.add_ssm_conv_kernel(c.linear_conv_kernel_dim)
+    w.add_ssm_state_size(c.linear_key_head_dim)
+    w.add_ssm_group_count(c.linear_num_key_heads)
+    w.add_ssm_time_step_rank(c.linear_num_value_heads)
+    w.add_ssm_inner_size(c.linear_value_head_dim * c.linear_num_value_heads)
+    w.add_full_attention_interval(getattr(c, "full_attention_interval", 4))
+    factor = (c.rope_parameters or {}).get("partial_rotary_factor", 0.25)
+    w.add_rope_dimension_count(int(head_dim * factor))
+    if model_type == "qwen3_5_text":          # interleaved MRoPE sections, the default where unstated
+        w.add_rope_dimension_sections((c.rope_parameters or {}).get("mrope_section", [11, 11, 10, 0]))
 
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
@@ -110,10 +150,51 @@ def _tokenizer(w: gguf.GGUFWriter, c) -> None:
     w.add_chat_template(CHAT_TEMPLATE)
 
 
+def _tiled(t: np.ndarray, axis: int, nk: int, head: int) -> np.ndarray:
+    """Qwen3.5's converter: V heads from HF's order, grouped by key head, to tiled order
+    (``[v0 of each key head, v1 of each, ...]``) along ``axis``."""
+    t = np.moveaxis(t, axis, 0)
+    n = t.shape[0]
+    t = t.reshape(nk, n // (nk * head), head, *t.shape[1:]).swapaxes(0, 1).reshape(n, *t.shape[1:])
+    return np.moveaxis(t, 0, axis)
+
+
+def _deltanet(name: str, t: np.ndarray, c) -> dict[str, np.ndarray]:
+    """Qwen3NextModel's changes to a DeltaNet layer's tensors (A_log stored as -exp(A_log),
+    dt_bias renamed dt_proj.bias, the convolution squeezed, in_proj_qkvz split into all q, k, v
+    rows and all z rows), then, for Qwen3.5 with more value heads than key heads, the value
+    heads tiled."""
+    nk, nv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+                      c.linear_value_head_dim)
+    if name.endswith(".A_log"):
+        t = -np.exp(t)
+    elif name.endswith(".dt_bias"):
+        name = name.removesuffix(".dt_bias") + ".dt_proj.bias"
+    elif "conv1d" in name:
+        t = t.squeeze()
+    if name.endswith("in_proj_qkvz.weight"):
+        per_head = t.reshape(nk, -1, t.shape[-1])
+        q, k, v, z = np.split(per_head, np.cumsum([dk, dk, nv // nk * dv])[:3], axis=1)
+        base = name.removesuffix("in_proj_qkvz.weight")
+        return {base + "in_proj_qkv.weight": np.concatenate([x.reshape(-1, t.shape[-1]) for x in (q, k, v)]),
+                base + "in_proj_z.weight": z.reshape(-1, t.shape[-1])}
+    if c.model_type == "qwen3_5_text" and nk != nv:
+        if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+            t = np.concatenate([t[:2 * nk * dk], _tiled(t[2 * nk * dk:], 0, nk, dv)])
+        elif name.endswith("in_proj_z.weight"):
+            t = _tiled(t, 0, nk, dv)
+        elif name.endswith(("in_proj_b.weight", "in_proj_a.weight", ".A_log", "dt_proj.bias")):
+            t = _tiled(t, 0, nk, 1)
+        elif name.endswith("out_proj.weight"):
+            t = _tiled(t, 1, nk, dv)
+    return {name: t}
+
+
 def _tensors(folder: Path, c) -> dict[str, np.ndarray]:
     """The checkpoint's tensors as the converter reads them (the safetensors files), HF names
     (experts stacked under the name without the expert index) -> F32 arrays, with its changes:
-    q/k permuted, norms shifted, lm_head dropped for Gemma 2."""
+    q/k permuted, norms shifted, lm_head dropped for Gemma 2, the state layers' tensors
+    changed as above, LFM2's convolution squeezed."""
     from safetensors.numpy import load_file
 
     model_type = c.model_type
@@ -130,8 +211,13 @@ def _tensors(folder: Path, c) -> dict[str, np.ndarray]:
             t = permute(t, c.num_attention_heads, c.num_attention_heads)
         elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
             t = permute(t, c.num_attention_heads, c.num_key_value_heads)
-        if shift and name.endswith("norm.weight"):
+        if shift and name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
             t = t + shift
+        if model_type == "lfm2" and "conv.conv" in name:
+            t = t.squeeze(1)
+        if model_type in DELTANET and ".linear_attn." in name:
+            out.update(_deltanet(name, t, c))
+            continue
         parts = name.split(".")
         if "experts" in parts and parts[parts.index("experts") + 1].isdigit():
             i = parts.index("experts")
@@ -170,19 +256,21 @@ def write_gguf(folder: Path, path: Path, types: dict[str, str] | None = None) ->
     _metadata(w, model_type, c)
     _tokenizer(w, c)
     for name, t in _tensors(Path(folder), c).items():
-        base, suffix = name.rsplit(".", 1)
+        # a parameter stored bare (A_log) keeps no suffix
+        base, suffix = name.rsplit(".", 1) if name.endswith((".weight", ".bias")) else (name, "")
         new = names.get_name(base)
         if new is None:
             raise ValueError(f"llama.cpp's table maps no {name!r} for {arch.name}")
         if new not in [gguf.TENSOR_NAMES[k].format(bid=base.split(".")[2] if ".layers." in base else 0)
                        for k in gguf.MODEL_TENSORS[arch]]:
             raise ValueError(f"{new!r} is not a tensor of llama.cpp's {arch.name}")
-        kind = (types or {}).get(f"{new}.{suffix}", "F32")
+        new = f"{new}.{suffix}" if suffix else new
+        kind = (types or {}).get(new, "F32")
         if kind in ("F32", "F16"):
-            w.add_tensor(f"{new}.{suffix}", np.ascontiguousarray(t, dtype=np.float32 if kind == "F32" else np.float16))
+            w.add_tensor(new, np.ascontiguousarray(t, dtype=np.float32 if kind == "F32" else np.float16))
         else:
             data, qtype = encoded(t, kind)
-            w.add_tensor(f"{new}.{suffix}", data, raw_dtype=qtype)
+            w.add_tensor(new, data, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -12,6 +12,7 @@ carry it (stated per family below)."""
 
 from __future__ import annotations
 
+import re
 from unittest import mock
 
 import pytest
@@ -36,6 +37,9 @@ CHANGES = {
     "gemma3": {"query_pre_attn_scalar": 16, "num_hidden_layers": 6,
                "layer_types": ["sliding_attention"] * 5 + ["full_attention"]},
     "qwen3_moe": {"mlp_only_layers": []},
+    "qwen3_next": {"mlp_only_layers": []},
+    # llama.cpp's converter squeezes the convolution weight alone, and its LFM2 has no biases
+    "lfm2": {"conv_bias": False},
 }
 # what transformers' GGUF reader does not take from the file (given to it as config overrides,
 # so its load checks the tensors' layout): Llama's biases, Gemma 2's soft-caps and the Gemma
@@ -48,10 +52,12 @@ TRANSFORMERS_OVERRIDES = {
     "phi3": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
     "qwen3_moe": {"moe_intermediate_size": 32},
 }
-FAMILIES = ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3_moe", "mixtral"]
+# Granite 4's files (llama.cpp's ``granitehybrid``) do not load yet
+FAMILIES = ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3_moe", "mixtral",
+            *(f for f in hf_models.STATE_FAMILIES if f != "granitemoehybrid")]
 # the architectures transformers' GGUF reader takes (Mixtral's files say llama, which it reads
 # as a dense Llama)
-TRANSFORMERS_READS = {"llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3_moe"}
+TRANSFORMERS_READS = {"llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3_moe", "lfm2", "qwen3_5"}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -161,6 +167,10 @@ def test_native_runs_the_file_as_stored_as_the_original_model(gguf_model):
     except BackendUnavailable as e:
         pytest.skip(str(e))
     cfg = {**NATIVE, "model": {"path": str(path), "quantization": "gguf"}}
+    if family in hf_models.STATE_FAMILIES:     # the C step runs no state layers: refused by name
+        with pytest.raises(BackendUnavailable, match="native: .* is not implemented"):
+            LLM.from_config(cfg)
+        return
     if family in ("mixtral", "qwen3_moe"):
         with pytest.raises(BackendUnavailable, match="native: mixture-of-experts MLPs on 'q4' weights"):
             LLM.from_config({**cfg, "model": {"path": str(path), "quantization": "q4"}})
@@ -184,6 +194,8 @@ def test_the_avx2_build_computes_every_family_as_this_cpus_build(gguf_model, mon
 
     native_or_skip()
     family, _, path = gguf_model
+    if family in hf_models.STATE_FAMILIES:
+        pytest.skip(f"the native backend runs no {family} model")
     cfg = {**NATIVE, "model": {"path": str(path), "quantization": "gguf"}}
     logits = {}
     for name in ("native", "avx2"):
@@ -222,3 +234,24 @@ def test_native_experts_on_stored_blocks_give_each_row_what_it_gets_alone(tmp_pa
     alone = torch.cat([_prefill_logits(llm, req, i, 1) for i in range(len(prompt))])
     assert torch.equal(whole, alone)
     llm.close()
+
+
+@pytest.mark.parametrize("family, dropped, named", [
+    ("qwen3_next", "model.layers.0.linear_attn.A_log", "blk.0.ssm_a"),
+    ("qwen3_5", "model.layers.0.linear_attn.in_proj_a.weight", "blk.0.ssm_alpha.weight"),
+    ("lfm2", "model.layers.0.conv.conv.weight", "blk.0.shortconv.conv.weight"),
+])
+def test_a_file_lacking_a_state_tensor_is_refused_naming_it(tmp_path, family, dropped, named):
+    """A state layer's tensor missing from the file: a ModelError naming it by its GGUF name,
+    before any converted folder is written."""
+    from helpers import gguf_writer
+
+    from twophase.errors import ModelError
+
+    _tiny(family, tmp_path / "hf")
+    every = gguf_writer._tensors
+    with mock.patch.object(gguf_writer, "_tensors",
+                           lambda folder, c: {k: v for k, v in every(folder, c).items() if k != dropped}):
+        path = write_gguf(tmp_path / "hf", tmp_path / f"tiny-{family}.gguf")
+    with pytest.raises(ModelError, match=rf"lacks the tensor {re.escape(named)}, which its {family} model"):
+        LLM.from_config({"model": {"path": str(path)}, "cache": {"num_blocks": 64, "block_size": 8}})

@@ -15,28 +15,33 @@ import numpy as np
 
 from twophase.errors import ModelError
 from twophase.models.families import by_gguf_architecture
-from twophase.models.families.family import TOP_NAMES, Family
+from twophase.models.families.family import Family
 from twophase.models.gguf_file import GGUFFile
 
 log = logging.getLogger(__name__)
 
 def hf_name(gguf_name: str, fam: Family) -> str:
     """A GGUF tensor's HF name, by the family's weight-name table; a stacked expert tensor
-    (``blk.N.ffn_gate_exps``) names its experts' HF tensors with ``{e}`` for the expert."""
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
+    (``blk.N.ffn_gate_exps``) names its experts' HF tensors with ``{e}`` for the expert. A
+    parameter stored bare (``A_log``, ``dt_bias``) has no ``.weight``/``.bias`` in HF's name."""
+    from twophase.models.state_dict import BARE
+
+    m = re.fullmatch(r"blk\.(\d+)\.([\w.]+?)(?:\.(weight|bias))?", gguf_name)
     if m:
         for hf_parts, gguf_parts in fam.layer_names.values():
-            if m[2] in gguf_parts:
-                return f"model.layers.{m[1]}.{hf_parts[gguf_parts.index(m[2])]}.{m[3]}"
+            for hf, parts in zip(hf_parts, gguf_parts):
+                if m[2] in parts.split("+"):
+                    kind = "" if hf.rsplit(".", 1)[-1] in BARE else m[3]
+                    return ".".join(p for p in (f"model.layers.{m[1]}.{hf}", kind) if p)
         if m[2].endswith("_exps"):
             raise ModelError(f"GGUF tensor {gguf_name!r}: stacked experts in a {fam.name} file, a family "
                              f"without them (the MoE files that load: qwen3moe, and llama stating "
                              f"llama.expert_count, Mixtral's)")
         raise ModelError(f"GGUF tensor {gguf_name!r} has no place in a {fam.name} model")
     base, kind = gguf_name.rsplit(".", 1)
-    for hf, gguf_base in TOP_NAMES.values():
+    for ours, gguf_base in fam.gguf_top_names.items():
         if base == gguf_base:
-            return f"{hf}.{kind}"
+            return f"{fam.hf_top_names[ours]}.{kind}"
     raise ModelError(f"GGUF tensor {gguf_name!r} has no place in a {fam.name} model")
 
 
@@ -76,6 +81,9 @@ def hf_config(header: GGUFFile) -> dict:
     for name, what in _ROPE_FACTORS.items():
         if name in names:
             raise ModelError(f"{header.path}: the file holds {name}, {what}: not implemented")
+    if f(p + "nextn_predict_layers"):
+        raise ModelError(f"{header.path}: the file holds {f(p + 'nextn_predict_layers')} next-token-prediction "
+                         f"layer(s) after its blocks ({p}nextn_predict_layers): not implemented")
     tokens = f("tokenizer.ggml.tokens") or []      # a LongArray: its length
     try:
         own = fam.gguf_config(f, p, names) if fam.gguf_config else {}
@@ -89,7 +97,9 @@ def hf_config(header: GGUFFile) -> dict:
         "intermediate_size": need("feed_forward_length"),
         "num_hidden_layers": need("block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(f(p + "attention.head_count_kv", heads)),
+        # a list a layer where state layers have none (LFM2's 0s): the attention layers' count
+        "num_key_value_heads": int(max(kv) if isinstance(kv := f(p + "attention.head_count_kv", heads), list)
+                                   else kv),
         "head_dim": int(f(p + "attention.key_length", f(p + "rope.dimension_count", hidden // heads))),
         "max_position_embeddings": int(f(p + "context_length", 4096)),
         "rope_theta": float(f(p + "rope.freq_base", 10000.0)),
@@ -103,27 +113,73 @@ def hf_config(header: GGUFFile) -> dict:
     }
 
 
+def dequantised(header: GGUFFile, name: str) -> np.ndarray:
+    """The GGUF tensor ``name`` in float32, shaped as numpy orders it; a tensor the file lacks
+    is a ModelError naming it."""
+    import gguf
+
+    t = header.tensors.get(name)
+    if t is None:
+        raise ModelError(f"{header.path}: the GGUF file lacks the tensor {name}")
+    return gguf.quants.dequantize(header.data(t.name), t.ggml_type).astype(np.float32).reshape(t.shape)
+
+
 def hf_tensors(header: GGUFFile, name: str, fam: Family, heads: int,
                kv_heads: int) -> dict[str, np.ndarray]:
     """The GGUF tensor ``name`` in float32 under its HF name, undone where llama.cpp changed it
-    (Q/K rows permuted, ``1 + w`` norms); stacked experts as one HF tensor an expert. What the
-    converted folder holds, and what a loader reading a few tensors from the file takes, alike."""
-    import gguf
-
-    t = header.tensors[name]
-    w = gguf.quants.dequantize(header.data(t.name), t.ggml_type).astype(np.float32)
-    w = w.reshape(t.shape)
-    hf = hf_name(t.name, fam)
+    (Q/K rows permuted, ``1 + w`` norms, the family's own changes); stacked experts as one HF
+    tensor an expert. What the converted folder holds, and what a loader reading a few tensors
+    from the file takes, alike."""
+    w = dequantised(header, name)
+    hf = hf_name(name, fam)
+    plain_norms = fam.layer_names.get("mixer.norm", ((), ()))[0]     # a state layer's own: no offset
     # llama.cpp permutes q and k, weights and biases, for the Llama family's interleaved RoPE
     if fam.gguf_rope_permuted and hf.endswith(("q_proj.weight", "q_proj.bias")):
         w = unpermute_rope(w, heads)
     elif fam.gguf_rope_permuted and hf.endswith(("k_proj.weight", "k_proj.bias")):
         w = unpermute_rope(w, kv_heads)
-    elif fam.gguf_norm_offset and hf.endswith("norm.weight"):
+    elif fam.gguf_norm_offset and hf.endswith("norm.weight") and not hf.endswith(
+            tuple(f".{p}.weight" for p in plain_norms)):
         w = w - fam.gguf_norm_offset
-    if "{e}" in hf:                           # [experts, out, in]: one HF tensor an expert
-        return {hf.format(e=e): np.ascontiguousarray(we) for e, we in enumerate(w)}
-    return {hf: np.ascontiguousarray(w)}
+    found = (fam.gguf_tensors(name, hf, w, lambda n: dequantised(header, n), header.get)
+             if fam.gguf_tensors else {hf: w})
+    out = {}
+    for k, v in found.items():
+        if "{e}" in k:                        # [experts, out, in]: one HF tensor an expert
+            out.update({k.format(e=e): np.ascontiguousarray(ve) for e, ve in enumerate(v)})
+        else:
+            out[k] = np.ascontiguousarray(v)
+    return out
+
+
+def check_complete(header: GGUFFile, fam: Family, config: dict) -> None:
+    """Every tensor the model needs is in the file: one it lacks (a state layer's ``ssm_a``, say)
+    is a ModelError naming it as the file would, before anything is written."""
+    import torch
+
+    from twophase.models.decoder import Decoder
+    from twophase.models.families import arch_from_config
+    from twophase.models.state_dict import no_init
+
+    arch = arch_from_config(config, str(header.path))
+    with torch.device("meta"), no_init():
+        needed = set(Decoder(arch).state_dict())
+    held = set(header.tensors)
+    lacking = []
+    for key in sorted(needed):
+        m = re.fullmatch(r"layers\.(\d+)\.(.+?)(?:\.(weight|bias))?", key)
+        if m and m[2] in fam.layer_names:
+            kinds = (f".{m[3]}",) if m[3] else ("", ".weight", ".bias")
+            bases = [f"blk.{m[1]}.{g}" for part in fam.layer_names[m[2]][1] for g in part.split("+")]
+        elif key.rsplit(".", 1)[0] in fam.gguf_top_names and not (key == "lm_head.weight" and arch.tie_word_embeddings):
+            kinds, bases = (".weight",), [fam.gguf_top_names[key.rsplit(".", 1)[0]]]
+        else:
+            continue
+        lacking += [b + kinds[0] for b in bases if not any(b + k in held for k in kinds)]
+    if lacking:
+        raise ModelError(f"{header.path}: the GGUF file lacks the tensor{'s' if len(lacking) > 1 else ''} "
+                         f"{', '.join(lacking[:5])}{' and more' if len(lacking) > 5 else ''}, which its "
+                         f"{fam.name} model needs")
 
 
 CONVERSION = 2          # of the folder convert writes (2: the file's add_bos_token kept)
@@ -137,6 +193,7 @@ def convert(gguf_path: Path, out_dir: Path) -> None:
     header = GGUFFile(gguf_path)
     config = hf_config(header)
     fam = gguf_family(header)
+    check_complete(header, fam, config)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, np.ndarray] = {}
@@ -157,9 +214,16 @@ def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
     """transformers' own GGUF tokenizer conversion, run once, saved as ``tokenizer.json``: the
     same tokenizer that transformers builds when it loads the GGUF itself."""
     log.info("converting the GGUF tokenizer (once)")
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except ValueError as exc:
+        if "is not supported" not in str(exc):
+            raise
+        # an architecture transformers does not read (qwen3next): its tokenizer from the
+        # file's tokenizer keys alone, as transformers converts them for every architecture
+        tok = PreTrainedTokenizerFast.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tok.save_pretrained(str(out_dir))
     # whether a prompt starts with BOS is the file's to say (Gemma's must: without it the model
     # writes nonsense); the saved config does not carry it

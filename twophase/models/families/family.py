@@ -2,7 +2,8 @@
 ``model_type``s and GGUF architectures it loads, and its one table of weight names.
 
 The table maps each of our parameters (``attn.qkv``, ``mlp.gate_up``, ...) to its HF and GGUF
-names, several of them where we fuse a matrix the checkpoint stores in parts; the HF loader,
+names, several of them where we fuse a matrix the checkpoint stores in parts (a GGUF name
+``a+b``: one HF tensor that llama.cpp's converter stores as two, ``a`` and ``b``); the HF loader,
 the GGUF converter and the q4 loader all read it, so a name is spelled once.
 """
 
@@ -17,6 +18,7 @@ from twophase.models.layers.rotary import check_scaling
 
 # ours -> (HF names, GGUF names), per layer under "model.layers.{i}." / "blk.{i}."
 LayerNames = dict[str, tuple[tuple[str, ...], tuple[str, ...]]]
+GGUFTensors = Callable[[str, str, Any, Callable[[str], Any], Callable[..., Any]], dict[str, Any]]
 
 TOP_NAMES = {"embed": ("model.embed_tokens", "token_embd"), "norm": ("model.norm", "output_norm"),
              "lm_head": ("lm_head", "output")}
@@ -54,6 +56,13 @@ class Family:
     # Llama's (LFM2's final norm is ``model.embedding_norm``)
     hf_top_names: dict[str, str] = field(default_factory=lambda: {o: hf for o, (hf, _) in TOP_NAMES.items()},
                                          hash=False)
+    # the same in its GGUF files (LFM2's final norm is ``token_embd_norm``)
+    gguf_top_names: dict[str, str] = field(default_factory=lambda: {o: g for o, (_, g) in TOP_NAMES.items()},
+                                           hash=False)
+    # what llama.cpp's converter does to this family's tensors beyond renaming them, undone:
+    # (GGUF name, HF name, the tensor as stored, read(GGUF name), get(header key)) -> HF tensors
+    # (none for a tensor read along with another one)
+    gguf_tensors: GGUFTensors | None = None
 
 
 def stated(get: Callable[..., Any], key: str) -> Any:

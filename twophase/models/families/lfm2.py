@@ -5,23 +5,26 @@ tied by default, and the MLP width derived from ``intermediate_size`` as HF deri
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from twophase.arch import AttentionSpec, LayerSpec, MLPSpec, ModelArch, ShortConvSpec
-from twophase.models.families.family import TOP_NAMES, Family, LayerNames, common_fields, rope_theta
+from twophase.models.families.family import TOP_NAMES, Family, LayerNames, common_fields, rope_theta, stated
 
 LFM2_LAYER: LayerNames = {
-    "attn_norm": (("operator_norm",), ()),
-    "mlp_norm": (("ffn_norm",), ()),
-    "attn.qkv": (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ()),
-    "attn.o": (("self_attn.out_proj",), ()),
-    "attn.q_norm": (("self_attn.q_layernorm",), ()),
-    "attn.k_norm": (("self_attn.k_layernorm",), ()),
-    "mixer.in_proj": (("conv.in_proj",), ()),
-    "mixer.conv": (("conv.conv",), ()),
-    "mixer.out_proj": (("conv.out_proj",), ()),
-    "mlp.gate_up": (("feed_forward.w1", "feed_forward.w3"), ()),
-    "mlp.down": (("feed_forward.w2",), ()),
+    "attn_norm": (("operator_norm",), ("attn_norm",)),
+    "mlp_norm": (("ffn_norm",), ("ffn_norm",)),
+    "attn.qkv": (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("attn_q", "attn_k", "attn_v")),
+    "attn.o": (("self_attn.out_proj",), ("attn_output",)),
+    "attn.q_norm": (("self_attn.q_layernorm",), ("attn_q_norm",)),
+    "attn.k_norm": (("self_attn.k_layernorm",), ("attn_k_norm",)),
+    "mixer.in_proj": (("conv.in_proj",), ("shortconv.in_proj",)),
+    "mixer.conv": (("conv.conv",), ("shortconv.conv",)),
+    "mixer.out_proj": (("conv.out_proj",), ("shortconv.out_proj",)),
+    "mlp.gate_up": (("feed_forward.w1", "feed_forward.w3"), ("ffn_gate", "ffn_up")),
+    "mlp.down": (("feed_forward.w2",), ("ffn_down",)),
 }
 
 
@@ -52,6 +55,25 @@ def lfm2_from_hf(c: dict[str, Any]) -> ModelArch:
     return ModelArch("lfm2", layers=layers, qk_norm=True, **fields)
 
 
-# llama.cpp's ``lfm2`` GGUF files do not load yet: no GGUF names here
-FAMILY = Family("lfm2", ("lfm2",), (), lfm2_from_hf, LFM2_LAYER, hf_architecture="Lfm2ForCausalLM",
-                hf_top_names={**{o: hf for o, (hf, _) in TOP_NAMES.items()}, "norm": "model.embedding_norm"})
+def lfm2_gguf(get: Callable[..., Any], p: str, tensors: frozenset[str]) -> dict[str, Any]:
+    """llama.cpp states the key-value heads a layer, 0 for a convolution layer; the MLP width as
+    derived (so not derived again); the convolution's taps, and its biases by their tensors."""
+    kv = stated(get, p + "attention.head_count_kv")
+    kv = kv if isinstance(kv, list) else [kv] * int(stated(get, p + "block_count"))
+    return {"layer_types": ["conv" if k == 0 else "full_attention" for k in kv],
+            "block_auto_adjust_ff_dim": False,
+            "conv_L_cache": int(stated(get, p + "shortconv.l_cache")),
+            "conv_bias": any(t.endswith(".shortconv.in_proj.bias") for t in tensors),
+            "norm_eps": float(get(p + "attention.layer_norm_rms_epsilon", 1e-5))}
+
+
+def lfm2_tensors(name: str, hf: str, w: np.ndarray, read: Callable[[str], np.ndarray],
+                 get: Callable[..., Any]) -> dict[str, np.ndarray]:
+    """llama.cpp stores the convolution ``[channels, 1, taps]`` squeezed."""
+    return {hf: w[:, None, :] if hf.endswith("conv.conv.weight") else w}
+
+
+FAMILY = Family("lfm2", ("lfm2",), ("lfm2",), lfm2_from_hf, LFM2_LAYER, hf_architecture="Lfm2ForCausalLM",
+                hf_top_names={**{o: hf for o, (hf, _) in TOP_NAMES.items()}, "norm": "model.embedding_norm"},
+                gguf_top_names={**{o: g for o, (_, g) in TOP_NAMES.items()}, "norm": "token_embd_norm"},
+                gguf_config=lfm2_gguf, gguf_tensors=lfm2_tensors)
