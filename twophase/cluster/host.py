@@ -132,7 +132,7 @@ class EngineHost:
         store holds it without a copy)."""
         if self.read_delay_s:
             await asyncio.sleep(self.read_delay_s)
-        return self.llm.engine.connector.read(lease_id).numpy()
+        return self.llm.engine.connector.read(lease_id).cpu().numpy()
 
     def delay_reads(self, seconds: float) -> None:
         """Fault injection: hold every ``read_kv`` this long (a slow or stalled peer)."""

@@ -130,7 +130,7 @@ class KVConnector:
             if req.num_computed_tokens != req.num_prompt_tokens:
                 return None
             tokens, slot = req.num_prompt_tokens, self.kv.state_slot(req)
-            state = torch.cat([t[slot].flatten().float() for layer in self.states for t in layer]).cpu()
+            state = torch.cat([t[slot].flatten().float() for layer in self.states for t in layer])
         blocks = self.kv.block_table(req)[:-(-tokens // bs)]
         self.release(req.request_id)             # a reused request id: its old lease goes
         self.kv.pool.touch(blocks)
@@ -149,7 +149,7 @@ class KVConnector:
             lease = self._leases.get(lease_id)
             if lease is None:
                 raise KeyError(f"KV lease {lease_id!r} of {self.engine_id} expired or was released")
-            return self.layout.pack(self.pool[:, :, lease.blocks].cpu(), lease.state)
+            return self.layout.pack(self.pool[:, :, lease.blocks], lease.state)
 
     def release(self, lease_id: str) -> bool:
         """The peer has the blocks (or gave up): return them to the pool. False if unknown."""

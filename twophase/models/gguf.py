@@ -15,7 +15,7 @@ import numpy as np
 
 from twophase.errors import ModelError
 from twophase.models.families import by_gguf_architecture
-from twophase.models.families.family import Family
+from twophase.models.families.family import BARE, Family
 from twophase.models.gguf_file import GGUFFile
 
 log = logging.getLogger(__name__)
@@ -24,8 +24,6 @@ def hf_name(gguf_name: str, fam: Family) -> str:
     """A GGUF tensor's HF name, by the family's weight-name table; a stacked expert tensor
     (``blk.N.ffn_gate_exps``) names its experts' HF tensors with ``{e}`` for the expert. A
     parameter stored bare (``A_log``, ``dt_bias``) has no ``.weight``/``.bias`` in HF's name."""
-    from twophase.models.state_dict import BARE
-
     m = re.fullmatch(r"blk\.(\d+)\.([\w.]+?)(?:\.(weight|bias))?", gguf_name)
     if m:
         for hf_parts, gguf_parts in fam.layer_names.values():
@@ -155,15 +153,11 @@ def hf_tensors(header: GGUFFile, name: str, fam: Family, heads: int,
 def check_complete(header: GGUFFile, fam: Family, config: dict) -> None:
     """Every tensor the model needs is in the file: one it lacks (a state layer's ``ssm_a``, say)
     is a ModelError naming it as the file would, before anything is written."""
-    import torch
-
-    from twophase.models.decoder import Decoder
     from twophase.models.families import arch_from_config
-    from twophase.models.state_dict import no_init
+    from twophase.models.param_counts import shapes
 
     arch = arch_from_config(config, str(header.path))
-    with torch.device("meta"), no_init():
-        needed = set(Decoder(arch).state_dict())
+    needed = set(shapes(arch))           # the model's parameters, built on the meta device
     held = set(header.tensors)
     lacking = []
     for key in sorted(needed):

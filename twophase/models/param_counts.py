@@ -16,7 +16,7 @@ GROUPS = ("embedding", "attention", "mlp", "norms", "head")
 def shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
     """Every parameter's shape by name (a tied head appears once, as the embedding)."""
     from twophase.models.decoder import Decoder
-    from twophase.models.state_dict import no_init
+    from twophase.models.meta import no_init
 
     with torch.device("meta"), no_init():
         model = Decoder(arch)

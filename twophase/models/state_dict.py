@@ -6,8 +6,7 @@ nothing is allocated twice and a 16 GB random model never touches host memory on
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -17,6 +16,8 @@ from twophase.contract import ModelSpec
 from twophase.errors import ModelError
 from twophase.models.decoder import Decoder, rope_inv_freq
 from twophase.models.families import family
+from twophase.models.families.family import BARE
+from twophase.models.meta import no_init
 
 
 def part_rows(ours: str, arch: ModelArch, parts: int, spec: LayerSpec) -> list[int] | None:
@@ -41,7 +42,6 @@ def kinds(ours: str) -> tuple[str, ...]:
     return ("",) if ours.rsplit(".", 1)[-1] in BARE else ("weight", "bias")
 
 
-BARE = {"A_log", "dt_bias", "D"}
 
 
 def dotted(*parts: str) -> str:
@@ -152,20 +152,6 @@ def hf_weights(arch: ModelArch, folder: Path | None, seed: int) -> dict[str, tor
     return {k: v.contiguous() for k, v in to_hf_state_dict(model.state_dict(), arch).items()}
 
 
-@contextmanager
-def no_init() -> Iterator[None]:
-    """Modules built without their default initialisation: on the meta device it computes
-    nothing, yet its first call imports ``torch._dynamo`` (3-11 s of a load on a Zen 3 core);
-    every parameter is assigned or drawn below anyway."""
-    names = ("normal_", "uniform_", "kaiming_uniform_", "zeros_", "ones_", "trunc_normal_")
-    saved = {n: getattr(torch.nn.init, n) for n in names}
-    try:
-        for n in names:
-            setattr(torch.nn.init, n, lambda t, *a, **k: t)
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(torch.nn.init, n, f)
 
 
 def build_model(arch: ModelArch, dtype: torch.dtype, device: torch.device,

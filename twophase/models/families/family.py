@@ -23,6 +23,9 @@ GGUFTensors = Callable[[str, str, Any, Callable[[str], Any], Callable[..., Any]]
 TOP_NAMES = {"embed": ("model.embed_tokens", "token_embd"), "norm": ("model.norm", "output_norm"),
              "lm_head": ("lm_head", "output")}
 
+# our parameters stored without a ``.weight``/``.bias`` suffix, in both namings (state layers' own)
+BARE = {"A_log", "dt_bias", "D"}
+
 LLAMA_LAYER: LayerNames = {
     "attn_norm": (("input_layernorm",), ("attn_norm",)),
     "mlp_norm": (("post_attention_layernorm",), ("ffn_norm",)),
