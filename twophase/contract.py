@@ -269,6 +269,9 @@ class Capabilities:
     # where it computes fewer features on some weight formats: quantization -> those it does
     # compute on them (see ``Backend.supports_weights``)
     features_on: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    # where it computes fewer features in one phase: "prefill" (whose batches may carry decodes
+    # too) or "decode" -> those it computes in that phase (see ``Backend.supports_phase``)
+    features_in: Mapping[str, frozenset[str]] = field(default_factory=dict)
     # the K/V formats (``twophase.kv_formats``) it reads and writes besides its model's dtype
     kv_formats: tuple[str, ...] = ()
 
@@ -523,6 +526,20 @@ class Backend(ABC):
         what = describe(missing)
         verb = "are" if what.endswith("s") else "is"
         return f"{self.name}: {what} on {quantization!r} weights {verb} not implemented"
+
+    def supports_phase(self, arch: ModelArch, quantization: str, phase: str) -> str | None:
+        """``supports_weights``, and the features it computes in the other phase only
+        (``Capabilities.features_in``): what the engine asks of the backend of each phase
+        (``"prefill"`` or ``"decode"``) before load."""
+        why = self.supports_weights(arch, quantization)
+        only = self.capabilities().features_in.get(phase)
+        missing = arch.features() - only if not why and only is not None else frozenset()
+        if why or not missing:
+            return why
+        what = describe(missing)
+        verb = "are" if what.endswith("s") else "is"
+        return (f"{self.name}: {what} in {phase} {verb} not implemented (give {phase} another "
+                f"backend: [backend.{phase}] name = ...)")
 
     @abstractmethod
     def load(self, model: ModelSpec, cfg: BackendConfig) -> None:

@@ -43,11 +43,13 @@ def _backend(name: str):
 
 def _answers() -> dict[str, list]:
     """Each built-in backend's answer to the model with the made-up feature: ``supports``,
-    ``supports_weights`` on each of its weight formats, and its claim."""
+    ``supports_weights`` on each of its weight formats and ``supports_phase`` in each phase, and
+    its claim."""
     out = {}
     for name in BUILTIN:
         b = _backend(name)
-        out[name] = [b.supports(_arch()), [b.supports_weights(_arch(), q) for q in b.quantizations],
+        out[name] = [b.supports(_arch()), [b.supports_weights(_arch(), q) for q in b.quantizations]
+                     + [b.supports_phase(_arch(), "none", p) for p in ("prefill", "decode")],
                      sorted(b.capabilities().features)]
     return out
 
@@ -94,3 +96,5 @@ def test_each_claim_is_a_set_of_known_features():
         assert caps.features <= set(FEATURES), (name, caps.features - set(FEATURES))
         for quantization, on in caps.features_on.items():
             assert on <= caps.features, (name, quantization)
+        for phase, on in caps.features_in.items():
+            assert phase in ("prefill", "decode") and on <= caps.features, (name, phase)

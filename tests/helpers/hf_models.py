@@ -47,6 +47,12 @@ def hf_config(family: str):
             layer_types=["mamba", "mamba", "attention", "mamba"], num_local_experts=4, num_experts_per_tok=2,
             shared_intermediate_size=48, embedding_multiplier=3.0, residual_multiplier=0.5,
             attention_multiplier=0.1, logits_scaling=2.0),
+        # Granite 4 without experts (its dense models): Mamba-2 layers a graph backend computes
+        "granitemoehybrid_dense": lambda: t.GraniteMoeHybridConfig(
+            **{**BASE, "num_hidden_layers": 4, "intermediate_size": 32}, **MAMBA2,
+            layer_types=["mamba", "mamba", "attention", "mamba"], num_local_experts=0,
+            shared_intermediate_size=48, embedding_multiplier=3.0, residual_multiplier=0.5,
+            attention_multiplier=0.1, logits_scaling=2.0),
     }[family]()
 
 

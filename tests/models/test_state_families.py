@@ -201,11 +201,55 @@ def test_what_state_layers_do_not_do_yet_is_said(hf, caplog):
 
 @pytest.mark.parametrize("backend", ["onnxruntime", "native"])
 def test_a_backend_without_state_layers_refuses_them_by_name(hf, backend):
+    """native computes none; onnxruntime decodes them only (and no experts)."""
     from twophase.errors import TwophaseError
 
     folder, _, name = hf
-    with pytest.raises(TwophaseError, match=REFUSED_AS[name]):
+    want = REFUSED_AS[name]
+    if backend == "onnxruntime":
+        want = "mixture-of-experts" if name in ("qwen3_next", "granitemoehybrid") else f"{want}.* in prefill"
+    with pytest.raises(TwophaseError, match=want):
         _llm(folder, backend={"name": backend})
+
+
+# the state families whose decodes onnxruntime computes (Qwen3-Next's experts, and the tiny
+# Granite 4's, are not traced; a Granite 4 without experts is)
+ONNX_DECODES = ("granitemoehybrid_dense", "lfm2", "qwen3_5")
+
+
+@pytest.mark.parametrize("family", ONNX_DECODES)
+def test_prefill_on_torch_and_decode_on_onnxruntime_give_torch_s_tokens(family, tmp_path):
+    """One pool, torch prefilling and onnxruntime decoding: its step graph takes the decodes'
+    states gathered at their slots and returns the new ones, written back there. States are
+    saved every 16 tokens, so the first request's is saved during its decodes (the copy rides
+    on an onnxruntime step) and the second, its first 16 tokens and 2 more, starts from that
+    snapshot; then a batch of decodes of unequal lengths. Every request gets torch's tokens; a chunk
+    handed to onnxruntime is refused by name."""
+    pytest.importorskip("onnxruntime")
+    from twophase.errors import BackendUnavailable
+
+    folder = tmp_path / "model"
+    tiny_hf_model(family, folder)
+    rng = random.Random(4)
+    params = SamplingParams(max_tokens=20, ignore_eos=True, logprobs=2)
+    cache = {"num_blocks": 64, "block_size": 16, "state_snapshot_every": 16}
+    onnx = _llm(folder, cache=cache, backend={"prefill": {"name": "torch"}, "decode": {"name": "onnxruntime"}})
+    ref = _llm(folder, cache=cache)
+    first = [rng.randrange(3, 300) for _ in range(10)]
+    prompts = [first + ref.generate([first], params)[0].token_ids[:6] + [5, 6]]     # 16 tokens, then 2
+    prompts += [[rng.randrange(3, 300) for _ in range(n)] for n in (1, 7, 25, 40)]
+    want = [ref.generate([first], params)[0]] + ref.generate(prompts, params)
+    got = [onnx.generate([first], params)[0]] + onnx.generate(prompts, params)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_greedy_match(g.token_ids, w.token_ids, logprob_gaps(w), f"prompt {i}")
+    assert got[1].metrics["num_cached_tokens"] == 16, got[1].metrics
+    assert onnx.decode_backend.name == "onnxruntime" and onnx.report(got)["steps_by_mix"]["decode"]["steps"]
+    eng = onnx.engine
+    req = eng.add_request(first, SamplingParams(max_tokens=1))
+    assert eng.kv.allocate(req, len(first))
+    named = REFUSED_AS[family.removesuffix("_dense")]
+    with pytest.raises(BackendUnavailable, match=f"{named}.* in prefill"):
+        onnx.decode_backend.prefill(prefill_batch([(req, 0, len(first))], eng.kv))
 
 
 def test_a_checkpoint_whose_state_dims_disagree_with_its_config_is_named(hf, tmp_path):

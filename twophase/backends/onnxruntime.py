@@ -24,6 +24,12 @@ padded to the longest) run a third, its variant with ``Q`` tokens a sequence, wh
 graph's ~4,900 nodes cost a verify pass about two decode steps. Each holds its own copy of the
 weights; option ``decode_graph = false`` keeps every step on the step graph.
 
+A model with state layers (Gated DeltaNet, short convolutions, Mamba-2) runs its decodes here:
+the step graph takes the decodes' states gathered at their slots and returns the new ones,
+written back at the slots (``graph.inputs.state_inputs``/``write_states``). Its prefill is
+refused by name (``Capabilities.features_in``): route it to torch (``[backend.prefill] name =
+"torch"``, ``[backend.decode] name = "onnxruntime"``).
+
 The CUDA path is written from ONNX Runtime's documentation and has not run on this project's
 machines (none has ``onnxruntime-gpu`` and a GPU together).
 """
@@ -40,7 +46,8 @@ import numpy as np
 import torch
 
 from twophase.backends.hookspecs import hookimpl
-from twophase.backends.traced import TRACED_FEATURES
+from twophase.backends.torch_eager import copy_states
+from twophase.backends.traced import ONNX_FEATURES, STATE_DECODE, TRACED_FEATURES
 from twophase.contract import (
     CONTRACT_VERSION,
     Backend,
@@ -58,7 +65,14 @@ from twophase.contract import (
 )
 from twophase.device import require_device, threads_option
 from twophase.errors import ConfigError, install_hint
-from twophase.graph.inputs import decode_graph_inputs, step_inputs, verify_graph_inputs, write_new_kv
+from twophase.graph.inputs import (
+    decode_graph_inputs,
+    state_inputs,
+    step_inputs,
+    verify_graph_inputs,
+    write_new_kv,
+    write_states,
+)
 
 log = logging.getLogger(__name__)
 OPTIONS = {"threads", "inter_op_threads", "graph_optimization_level", "spinning", "export_dir",
@@ -125,9 +139,11 @@ class OnnxRuntimeBackend(Backend):
         cuda = getattr(self, "device", None) is not None and self.device.type == "cuda"
         old_gather = cuda and _release(_ort().__version__) < GATHER_FIXED
         dtypes = cuda_dtypes(_ort().__version__) if cuda else (torch.float32, torch.float16)
-        return Capabilities(features=TRACED_FEATURES, devices=("cpu", "cuda"), dtypes=dtypes,
+        # state layers in decode only, and on float weights (q4 rewrites the Llama block's projections)
+        return Capabilities(features=ONNX_FEATURES, devices=("cpu", "cuda"), dtypes=dtypes,
                             own_threads=True, max_pool_elements=GATHER_LIMIT if old_gather else None,
-                            kv_groups=True)
+                            kv_groups=True, features_on={"q4": TRACED_FEATURES},
+                            features_in={"prefill": ONNX_FEATURES - STATE_DECODE})
 
     def load(self, model: ModelSpec, cfg: BackendConfig) -> None:
         self.check_available(cfg.device)
@@ -142,6 +158,7 @@ class OnnxRuntimeBackend(Backend):
         self.device = torch.device(cfg.device)
         self.arch = model.arch
         self.dtype = model.dtype
+        self.quantization = model.quantization
         # CUDA: the stream the sessions compute on (see the module's docstring)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.run_options = run_options(_ort(), cuda=self.stream is not None)
@@ -218,7 +235,7 @@ class OnnxRuntimeBackend(Backend):
         return sess
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        return KVCacheSpec(self.arch.num_layers, self.arch.num_kv_heads, self.arch.head_dim,
+        return KVCacheSpec(len(self.arch.attention_layers), self.arch.num_kv_heads, self.arch.head_dim,
                            self.dtype, self.device)
 
     def bind_kv_cache(self, kv: KVCache) -> None:
@@ -231,11 +248,28 @@ class OnnxRuntimeBackend(Backend):
 
     # -- the two operations -----------------------------------------------------------------
     def prefill(self, batch: PrefillBatch) -> torch.Tensor:
+        if self.kv.states:
+            return self._state_decodes(batch)
         if self.verify_session is not None and self._short_chunks(batch):
             return self._verify(batch)
         inputs = step_inputs(batch, self.kv)
         logits, new_k, new_v = self._run(inputs)
         write_new_kv(self.kv.pool, new_k, new_v, batch.slot_mapping, self.kv.groups)
+        return logits
+
+    def _state_decodes(self, batch: PrefillBatch) -> torch.Tensor:
+        """A step of a model with state layers: one-token sequences only (the graph computes
+        their state layers' one step), the states gathered at their slots and written back."""
+        if max(batch.query_lens) > 1:
+            raise BackendUnavailable(self.supports_phase(self.arch, self.quantization, "prefill") or "")
+        copy_states(self.kv, batch.state_copies)
+        assert batch.state_slots is not None
+        slots = batch.state_slots.to(self.device)
+        states = state_inputs(self.kv, slots)
+        new = {f"new_{n}": torch.empty_like(t) for n, t in states.items()}
+        logits, new_k, new_v = self._run(step_inputs(batch, self.kv) | states, more_outputs=new)
+        write_new_kv(self.kv.pool, new_k, new_v, batch.slot_mapping, self.kv.groups)
+        write_states(self.kv, new, slots)
         return logits
 
     @staticmethod
@@ -260,7 +294,10 @@ class OnnxRuntimeBackend(Backend):
         write_new_kv(self.kv.pool, new_k, new_v, batch.slot_mapping, self.kv.groups)
         return logits
 
-    def _run(self, inputs: dict[str, torch.Tensor], session=None):
+    def _run(self, inputs: dict[str, torch.Tensor], session=None,
+             more_outputs: dict[str, torch.Tensor] | None = None):
+        """Logits, new K and new V of one run; ``more_outputs``: tensors bound to the graph's
+        other outputs (a state model's new states)."""
         session = session or self.session
         dev = self.device
         kind, index = ("cuda", dev.index or 0) if dev.type == "cuda" else ("cpu", 0)
@@ -273,9 +310,11 @@ class OnnxRuntimeBackend(Backend):
         T = inputs["input_ids"].shape[0]
         N = inputs["logits_index"].shape[0] if "logits_index" in inputs else T
         a = self.arch
+        L = len(a.attention_layers)
         outs = {"logits": torch.empty(N, a.vocab_size, dtype=torch.float32, device=dev),
-                "new_k": torch.empty(a.num_layers, T, a.num_kv_heads, a.head_dim, dtype=self.dtype, device=dev),
-                "new_v": torch.empty(a.num_layers, T, a.num_kv_heads, a.head_dim, dtype=self.dtype, device=dev)}
+                "new_k": torch.empty(L, T, a.num_kv_heads, a.head_dim, dtype=self.dtype, device=dev),
+                "new_v": torch.empty(L, T, a.num_kv_heads, a.head_dim, dtype=self.dtype, device=dev),
+                **(more_outputs or {})}
         for name, t in outs.items():
             keep.append(t)
             io.bind_output(name, kind, index, element_type(t.dtype), list(t.shape), t.data_ptr())

@@ -8,3 +8,10 @@ TRACED_FEATURES = frozenset({
     "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "norm_offset", "post_norms", "gelu_tanh", "embed_scale",
     "attn_softcap", "final_softcap", "query_scale", "partial_rotary", "rope_per_layer", "sliding_window",
 })
+
+# the kinds of state layer whose one step the step graph traces (``models/layers/state.py``):
+# decodes only, their prefill runs on another backend
+STATE_DECODE = frozenset({"gated_deltanet", "short_conv", "mamba2"})
+# what the onnxruntime backend computes: the traced features, the state layers in decode, and
+# what the families that have them add (the decoder's own code, traced as the rest)
+ONNX_FEATURES = TRACED_FEATURES | STATE_DECODE | {"attn_output_gate", "no_rope", "residual_scale", "logit_divisor"}

@@ -35,22 +35,24 @@ def check_devices(config: Config, registry: Registry) -> str:
 
 
 def check_features(config: Config, registry: Registry, arch: ModelArch) -> None:
-    """Each phase's backend computes this architecture, or the run stops here with what it
-    lacks, by name ("native: QK-norm is not implemented")."""
+    """Each phase's backend computes this architecture in that phase, or the run stops here with
+    what it lacks, by name ("native: QK-norm is not implemented")."""
     q = config.model.quantization
-    for name in dict.fromkeys(s.name for s in config.phases()):
-        why = registry.get(name)().supports_weights(arch, q)
+    for phase, sec in zip(("prefill", "decode"), config.phases()):
+        why = registry.get(sec.name)().supports_phase(arch, q, phase)
         if why:
             raise BackendUnavailable(f"{why}; backends that compute every feature of this "
-                                     f"{arch.family} model: {', '.join(computing(registry, arch, q))}")
+                                     f"{arch.family} model in {phase}: "
+                                     f"{', '.join(computing(registry, arch, q, phase))}")
 
 
-def computing(registry: Registry, arch: ModelArch, quantization: str) -> list[str]:
-    """The installed backends that compute every feature of ``arch`` on these weights."""
+def computing(registry: Registry, arch: ModelArch, quantization: str, phase: str = "prefill") -> list[str]:
+    """The installed backends that compute every feature of ``arch`` on these weights in
+    ``phase``."""
     out = []
     for name, info in sorted(registry.backends.items()):
         try:
-            if info.cls is not None and info.cls().supports_weights(arch, quantization) is None:
+            if info.cls is not None and info.cls().supports_phase(arch, quantization, phase) is None:
                 out.append(name)
         except Exception:          # a plugin whose capabilities need a load: not listed
             continue

@@ -131,7 +131,9 @@ def _why_not(cls, config: Config, device: str, arch: ModelArch) -> str | None:
         return None
     if not caps.shares_kv_pool:
         return "keeps its own KV pool"
-    refused = cls().supports_weights(arch, config.model.quantization)
+    # each candidate is timed alone, on both phases
+    refused = next(filter(None, (cls().supports_phase(arch, config.model.quantization, phase)
+                                 for phase in ("prefill", "decode"))), None)
     if refused:
         return refused.removeprefix(f"{cls.name}: ")
     from twophase.models.loader import resolve_dtype

@@ -8,7 +8,9 @@ width and failed at run time.
 
 Its inputs and outputs are ``twophase.graph.signature.STEP``: tokens, positions, the pool, the
 seven ``GraphMeta`` tensors and the rows whose logits are wanted; ``logits [N, vocab]`` float32
-and the step's ``new_k``/``new_v [L, T, KVH, hd]`` for the backend to write into the pool.
+and the step's ``new_k``/``new_v [L, T, KVH, hd]`` for the backend to write into the pool. A
+model with state layers adds the decodes' states and returns their new ones
+(``signature.with_states``): its graph computes decodes only, the one-step recurrence.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from twophase.exporters import decode_graph
 from twophase.exporters.cache import build_cached, cache_folder, weights_digest
 from twophase.exporters.shared_weights import share_weights
 from twophase.graph.inputs import layer_blocks
-from twophase.graph.signature import STEP
+from twophase.graph.signature import STEP, GraphSignature, with_states
 from twophase.models.decoder import Decoder
 from twophase.models.graph_attention import GraphMeta
 from twophase.models.q4_weights import (
@@ -45,35 +47,48 @@ OUTPUTS = list(STEP.outputs)
 log = logging.getLogger(__name__)
 
 
+def signature(arch) -> GraphSignature:
+    """The step graph's inputs and outputs for ``arch``: ``STEP``, and a model with state
+    layers' states (``with_states``)."""
+    return with_states(STEP, [s.mixer.state_shapes() for s in arch.layers if s.mixer is not None])
+
+
 class PagedStep(nn.Module):
     """The function every graph backend runs: one step over packed tokens (its arguments are
-    ``STEP``'s inputs, in order: checked below)."""
+    ``STEP``'s inputs, in order: checked below, then a model with state layers' states, each
+    layer's tensors in turn)."""
 
     def __init__(self, model: Decoder):
         super().__init__()
         self.model = model
+        # each state layer's count of tensors
+        self.state_counts = [len(s.mixer.state_shapes()) for s in model.arch.layers if s.mixer is not None]
 
     def forward(self, input_ids, positions, kv_pool, dec_index, dec_blocks, dec_cached,
-                chunk_index, chunk_blocks, chunk_cached, chunk_lens, logits_index):
+                chunk_index, chunk_blocks, chunk_cached, chunk_lens, logits_index, *states):
         meta = GraphMeta(dec_index, dec_blocks, dec_cached, chunk_index, chunk_blocks,
                          chunk_cached, chunk_lens)
-        return self.run(input_ids, positions, kv_pool, meta, logits_index)
+        return self.run(input_ids, positions, kv_pool, meta, logits_index, states)
 
-    def run(self, input_ids, positions, kv_pool, meta: GraphMeta, logits_index):
-        hidden = self.model(input_ids, positions, kv_pool, meta)
+    def run(self, input_ids, positions, kv_pool, meta: GraphMeta, logits_index, states=()):
+        per_layer, at = [], 0
+        for n in self.state_counts:
+            per_layer.append(tuple(states[at:at + n]))
+            at += n
+        hidden = self.model(input_ids, positions, kv_pool, meta, states=tuple(per_layer))
         logits = self.model.logits(hidden.index_select(0, logits_index))
         new_k = torch.stack([k for k, _ in meta.new_kv])
         new_v = torch.stack([v for _, v in meta.new_kv])
-        return logits, new_k, new_v
+        return (logits, new_k, new_v, *(t for layer in meta.new_states for t in layer))
 
 
-assert list(inspect.signature(PagedStep.forward).parameters)[1:] == INPUTS, "forward != STEP"
+assert list(inspect.signature(PagedStep.forward).parameters)[1:-1] == INPUTS, "forward != STEP"
 
 
 def run_eager(step: PagedStep, pool: torch.Tensor, inputs: dict[str, torch.Tensor]):
     """The graph's function run by torch itself (the reference an export must match)."""
     with torch.inference_mode():
-        return step(*(pool if n == "kv_pool" else inputs[n] for n in INPUTS))
+        return step(*(pool if n == "kv_pool" else inputs[n] for n in signature(step.model.arch).names))
 
 
 # -- export, cached by manifest ---------------------------------------------------------------
@@ -92,7 +107,8 @@ def manifest_for(model: ModelSpec) -> dict[str, Any]:
     return {"format": FORMAT, "model_id": model.model_id, "arch": model.arch.to_dict(),
             "dtype": str(model.dtype).removeprefix("torch."), "opset": OPSET,
             "exporter": f"torch {torch.__version__}", "onnx": onnx.__version__,
-            "weights_sha256": weights_digest(model), "inputs": INPUTS, "outputs": OUTPUTS,
+            "weights_sha256": weights_digest(model), "inputs": signature(model.arch).names,
+            "outputs": list(signature(model.arch).outputs),
             "quantization": model.quantization,
             "accuracy_level": model.accuracy_level if model.quantization != "none" else None,
             "quant_format": Q4_FORMAT if model.quantization == "q4" else None,
@@ -124,11 +140,12 @@ def _export_to(model: ModelSpec, folder: Path) -> None:
     graphs for all-decode steps and short chunks (``twophase.exporters.decode_graph``)."""
     step = PagedStep(cpu_model(model)).eval()
     args, dynamic = _example(step.model.arch, model.dtype)
+    sig = signature(step.model.arch)
     log.info("tracing the step graph (model.onnx)")
     with quiet_exporter_logs(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(step, args, str(folder / "model.onnx"), dynamo=True,
-                          input_names=INPUTS, output_names=OUTPUTS, dynamic_shapes=dynamic,
+                          input_names=sig.names, output_names=list(sig.outputs), dynamic_shapes=dynamic,
                           opset_version=OPSET, external_data=True, verbose=False,
                           optimize=False)   # ORT optimises at load; onnxscript's pass took minutes
     if model.dtype == torch.float32 and decode_graph.supported(step.model.arch):
@@ -184,10 +201,11 @@ def example_groups(num_layers: int) -> KVGroups:
 
 
 def _example(arch, dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], dict[str, dict[int, Any]]]:
-    """A small mixed batch (2 decodes, 2 chunks after cached tokens) and every dim dynamic."""
+    """A small mixed batch (2 decodes, 2 chunks after cached tokens) and every dim dynamic;
+    for a model with state layers, the decodes' states (``*states``)."""
     from torch.export import Dim
 
-    L, kvh, hd = arch.num_layers, arch.num_kv_heads, arch.head_dim
+    L, kvh, hd = len(arch.attention_layers), arch.num_kv_heads, arch.head_dim
     bs, nb = 4, 16
     pool = torch.zeros(2, 2, nb, kvh, bs, hd, dtype=dtype)
     groups = example_groups(L)
@@ -205,4 +223,9 @@ def _example(arch, dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], dict[s
         "chunk_lens": torch.tensor([3, 3]),
         "logits_index": torch.tensor([0, 1, 4, 7]),
     }
-    return tuple(ex[n] for n in INPUTS), STEP.dynamic_axes(Dim)
+    dynamic = STEP.dynamic_axes(Dim)
+    shapes = [shape for s in arch.layers if s.mixer is not None for shape in s.mixer.state_shapes()]
+    states = tuple(torch.zeros(2, *shape) for shape in shapes)           # float32, as KVCache.states
+    if states:
+        dynamic["states"] = tuple({0: dynamic["dec_index"][0]} for _ in states)
+    return (*(ex[n] for n in INPUTS), *states), dynamic

@@ -154,3 +154,17 @@ def write_rows(pool: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor, row
     hd = pool.shape[-1]
     src = torch.stack([new_k, new_v], dim=1).reshape(-1, hd)              # [L, 2, T, KVH, hd]
     pool.view(-1, hd).index_copy_(0, rows.reshape(-1), src.to(pool.dtype))
+
+
+def state_inputs(kv: KVCache, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A graph's state inputs (``signature.with_states``): each state layer's tensors at the
+    decodes' ``slots [D]``, ``state_J_I [D, *shape]``."""
+    return {f"state_{j}_{i}": t.index_select(0, slots) for j, layer in enumerate(kv.states)
+            for i, t in enumerate(layer)}
+
+
+def write_states(kv: KVCache, new: dict[str, torch.Tensor], slots: torch.Tensor) -> None:
+    """Write a graph's new states ``new_state_J_I [D, *shape]`` back at the decodes' ``slots``."""
+    for j, layer in enumerate(kv.states):
+        for i, t in enumerate(layer):
+            t.index_copy_(0, slots, new[f"new_state_{j}_{i}"].to(t.dtype))

@@ -10,7 +10,7 @@ ranges over a TensorRT profile.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +70,19 @@ STEP = GraphSignature((
     ("chunk_lens", ("C",)),
     ("logits_index", ("N",)),         # rows of the packed tokens whose logits are wanted
 ))
+
+
+
+def with_states(sig: GraphSignature, shapes: Sequence[Sequence[tuple[int, ...]]]) -> GraphSignature:
+    """``sig`` for a model with state layers (``shapes``: each state layer's tensors' shapes,
+    ``StateLayerSpec.state_shapes``): the decodes' states gathered at their slots, ``state_J_I
+    [D, *shape]`` (the ``I``-th tensor of the ``J``-th state layer), as inputs after ``sig``'s,
+    and their new values ``new_state_J_I`` as outputs after its. No state layers: ``sig``."""
+    names = [f"{j}_{i}" for j, layer in enumerate(shapes) for i in range(len(layer))]
+    dims: list[tuple[Dim, ...]] = [("D", *shape) for layer in shapes for shape in layer]
+    return GraphSignature(sig.inputs + tuple((f"state_{n}", d) for n, d in zip(names, dims)),
+                          sig.outputs + tuple(f"new_state_{n}" for n in names))
+
 
 # IREE's two entry points (``exporters/mlir.py``): the step graph split by phase.
 PREFILL = STEP.only(["input_ids", "positions", "kv_pool", "chunk_index", "chunk_blocks",

@@ -100,7 +100,8 @@ class Decoder(nn.Module):
         """Hidden states ``[T, hidden]`` after the final norm; writes K/V into ``kv_pool``. In a
         pool of ``groups``, ``meta`` is one ``AttnMeta`` a group and the ``j``-th attention
         layer reads slot ``groups.slot[j]`` with its group's. The ``j``-th state layer reads
-        and updates ``states[j]`` at the slots ``state_meta`` names."""
+        and updates ``states[j]`` at the slots ``state_meta`` names (a ``GraphMeta``: reads the
+        decodes' states ``states[j]`` and appends their new ones to ``meta.new_states``)."""
         x = self.embed(token_ids)
         if self.arch.embed_scale != 1.0:
             x = x * torch.tensor(self.arch.embed_scale, dtype=x.dtype)
@@ -108,8 +109,8 @@ class Decoder(nn.Module):
         for i, layer in enumerate(self.layers):
             cos, sin = rope[self.rope_index[i]]
             j = self.cache_index[i]
-            if not layer.attends:
-                x = layer(x, cos, sin, states[j], state_meta)
+            if not layer.attends:      # in a graph, the decodes' states gathered (see layers/state.py)
+                x = layer(x, cos, sin, states[j], meta if isinstance(meta, GraphMeta) else state_meta)
             elif isinstance(meta, GraphMeta):     # graphs index the whole pool (see pool_gather)
                 meta.layer = j
                 x = layer(x, cos, sin, kv_pool, meta)

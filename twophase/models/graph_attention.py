@@ -33,6 +33,8 @@ class GraphMeta:
     chunk_cached: torch.Tensor | None  # [C] tokens cached before the chunk
     chunk_lens: torch.Tensor | None    # [C] real tokens in the chunk
     new_kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # each state layer's new state tensors ``[D, *shape]`` (a graph computes the decodes' one step)
+    new_states: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
     layer: int = 0               # the layer being traced (set by the model's layer loop)
     # masks every layer shares, built once per step (traced once, not once a layer)
     memo: dict[str, torch.Tensor] = field(default_factory=dict)

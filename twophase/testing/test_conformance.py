@@ -131,7 +131,8 @@ def test_it_refuses_by_name_each_feature_it_does_not_claim(backend_name, backend
     model and, for every feature not claimed, refuses a model using it with the feature's name
     (a backend computing a Qwen3 as a Llama without a word is the failure this prevents); a
     feature claimed on some weight formats only (``features_on``) is refused on the others by
-    ``supports_weights``, naming the feature and the format."""
+    ``supports_weights``, naming the feature and the format, and one claimed in one phase only
+    (``features_in``) by ``supports_phase`` in the other, naming the feature and the phase."""
     llm = _reference()
     b = llm.registry.get(backend_name)()
     claimed = b.capabilities().features
@@ -146,6 +147,12 @@ def test_it_refuses_by_name_each_feature_it_does_not_claim(backend_name, backend
         for key in sorted(claimed - only):
             why = b.supports_weights(with_feature(llm.model.arch, key), q)
             assert why and FEATURES[key] in why and repr(q) in why, f"{key} on {q}: {why!r}"
+    # features computed in one phase only (``features_in``): refused in the other by name and phase
+    for phase, only in b.capabilities().features_in.items():
+        assert phase in ("prefill", "decode") and only <= claimed, (phase, sorted(only - claimed))
+        for key in sorted(claimed - only):
+            why = b.supports_phase(with_feature(llm.model.arch, key), "none", phase)
+            assert why and FEATURES[key] in why and f"in {phase}" in why, f"{key} in {phase}: {why!r}"
 
 
 @pytest.mark.parametrize("logits", ["last", "all"])

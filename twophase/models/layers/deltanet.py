@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from twophase.arch import DeltaNetSpec, ModelArch
+from twophase.models.graph_attention import GraphMeta
 from twophase.models.layers.state import StateMeta
 
 CHUNK = 64                  # tokens the chunked form solves at once
@@ -72,11 +73,17 @@ class GatedDeltaNet(nn.Module):
         qkv = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
         return qkv, z.reshape(T, hv, dv), b.reshape(T, hv), a.reshape(T, hv)
 
-    def forward(self, x: torch.Tensor, state: tuple[torch.Tensor, ...], meta: StateMeta) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: tuple[torch.Tensor, ...], meta: StateMeta | GraphMeta) -> torch.Tensor:
         s = self.spec
         qkv, z, b, a = self.split(self.in_proj(x))
         beta = torch.sigmoid(b.float())
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        if isinstance(meta, GraphMeta):                # traced: the decodes' states in and out
+            rows = meta.dec_index
+            o, new = self.step(qkv[rows], g[rows], beta[rows], state, meta.dec_cached == 0)
+            meta.new_states.append(new)
+            out = o.new_zeros(x.shape[0], s.num_v_heads, s.v_head_dim).index_copy(0, rows, o)
+            return self.out_proj(self.norm(out.to(x.dtype), z).reshape(x.shape[0], self.vd))
         conv_state, rec_state = state
         out = torch.empty(x.shape[0], s.num_v_heads, s.v_head_dim, dtype=torch.float32, device=x.device)
         decodes = [i for i, (_, n, _) in enumerate(meta.spans) if n == 1]
@@ -84,13 +91,8 @@ class GatedDeltaNet(nn.Module):
             rows = torch.tensor([meta.spans[i][0] for i in decodes], device=x.device)
             slots = torch.tensor([meta.slots[i] for i in decodes], device=x.device)
             fresh = torch.tensor([meta.spans[i][2] == 0 for i in decodes], device=x.device)
-            tail = conv_state[slots].masked_fill(fresh[:, None, None], 0.0)          # [B, C, K-1]
-            window = torch.cat([tail, qkv[rows].float().unsqueeze(-1)], dim=-1)     # [B, C, K]
-            conv_state[slots] = window[..., 1:].to(conv_state.dtype)
-            mixed = F.silu((window * self.conv.weight.float()[:, 0]).sum(-1))             # [B, C]
-            q, k, v = self.heads(mixed)
-            S = rec_state[slots].float().masked_fill(fresh[:, None, None, None], 0.0)
-            o, S = step(q, k, v, g[rows], beta[rows], S)
+            o, (tail, S) = self.step(qkv[rows], g[rows], beta[rows], (conv_state[slots], rec_state[slots]), fresh)
+            conv_state[slots] = tail.to(conv_state.dtype)
             rec_state[slots] = S.to(rec_state.dtype)
             out[rows] = o
         for i, (first, n, start) in enumerate(meta.spans):
@@ -108,6 +110,20 @@ class GatedDeltaNet(nn.Module):
             out[first:first + n] = o
         o = self.norm(out.to(x.dtype), z)
         return self.out_proj(o.reshape(x.shape[0], self.vd))
+
+    def step(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: tuple[torch.Tensor, ...],
+             fresh: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """One token of each of ``B`` sequences (``qkv [B, conv_dim]``, g and beta ``[B, Hv]``)
+        from their states (``[B, *shape]`` each; a ``fresh [B]`` one starts from zeros) → o
+        ``[B, Hv, dv]`` and the new states (float32)."""
+        conv_state, rec_state = state
+        tail = conv_state.float().masked_fill(fresh[:, None, None], 0.0)              # [B, C, K-1]
+        window = torch.cat([tail, qkv.float().unsqueeze(-1)], dim=-1)                # [B, C, K]
+        mixed = F.silu((window * self.conv.weight.float()[:, 0]).sum(-1))             # [B, C]
+        q, k, v = self.heads(mixed)
+        S = rec_state.float().masked_fill(fresh[:, None, None, None], 0.0)
+        o, S = step(q, k, v, g, beta, S)
+        return o, (window[..., 1:], S)
 
     def heads(self, mixed: torch.Tensor):
         """The convolution's output ``[T, C]`` as q, k ``[T, Hv, dk]`` (L2-normalised, q scaled

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from twophase.arch import Mamba2Spec, ModelArch
+from twophase.models.graph_attention import GraphMeta
 from twophase.models.layers.state import StateMeta
 
 
@@ -52,10 +53,16 @@ class Mamba2(nn.Module):
         self.norm = GroupedGatedRMSNorm(s.inner, s.n_groups, arch.rms_norm_eps)
         self.out_proj = nn.Linear(s.inner, arch.hidden_size, bias=s.proj_bias)
 
-    def forward(self, x: torch.Tensor, state: tuple[torch.Tensor, ...], meta: StateMeta) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: tuple[torch.Tensor, ...], meta: StateMeta | GraphMeta) -> torch.Tensor:
         s, T = self.spec, x.shape[0]
         z, xbc, dt = self.in_proj(x).split([s.inner, s.conv_dim, s.num_heads], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float())                  # [T, H]
+        if isinstance(meta, GraphMeta):                # traced: the decodes' states in and out
+            rows = meta.dec_index
+            y, new = self.step(xbc[rows], dt[rows], state, meta.dec_cached == 0)
+            meta.new_states.append(new)
+            out = y.new_zeros(T, s.num_heads, s.head_dim).index_copy(0, rows, y)
+            return self.out_proj(self.norm(out.view(T, s.inner).to(x.dtype), z))
         A = -self.A_log.float().exp()                                        # [H]
         w = self.conv.weight.float()                                         # [C, 1, K]
         bias = None if self.conv.bias is None else self.conv.bias.float()
@@ -66,16 +73,9 @@ class Mamba2(nn.Module):
             rows = torch.tensor([meta.spans[i][0] for i in decodes], device=x.device)
             slots = torch.tensor([meta.slots[i] for i in decodes], device=x.device)
             fresh = torch.tensor([meta.spans[i][2] == 0 for i in decodes], device=x.device)
-            tail = conv_state[slots].float().masked_fill(fresh[:, None, None], 0.0)   # [B, C, K-1]
-            window = torch.cat([tail, xbc[rows].float().unsqueeze(-1)], dim=-1)       # [B, C, K]
-            conv_state[slots] = window[..., 1:].to(conv_state.dtype)
-            mixed = (window * w[:, 0]).sum(-1)
-            xs, B, C = self.heads(F.silu(mixed if bias is None else mixed + bias))
-            S = ssm_state[slots].float().masked_fill(fresh[:, None, None, None], 0.0)
-            d = dt[rows]                                                    # [B, H]
-            S = S * (d * A).exp()[..., None, None] + (d[..., None] * xs)[..., None] * B[:, :, None, :]
+            out[rows], (tail, S) = self.step(xbc[rows], dt[rows], (conv_state[slots], ssm_state[slots]), fresh)
+            conv_state[slots] = tail.to(conv_state.dtype)
             ssm_state[slots] = S.to(ssm_state.dtype)
-            out[rows] = (S * C[:, :, None, :]).sum(-1) + self.D.float()[:, None] * xs
         for i, (first, n, start) in enumerate(meta.spans):
             if n == 1:
                 continue
@@ -90,6 +90,21 @@ class Mamba2(nn.Module):
             out[first:first + n] = y + self.D.float()[:, None] * xs
         y = self.norm(out.view(T, s.inner).to(x.dtype), z)
         return self.out_proj(y)
+
+    def step(self, xbc: torch.Tensor, dt: torch.Tensor, state: tuple[torch.Tensor, ...],
+             fresh: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """One token of each of ``B`` sequences (``xbc [B, conv_dim]``, ``dt [B, H]``) from
+        their states (``[B, *shape]`` each; a ``fresh [B]`` one starts from zeros) → y ``[B, H,
+        head_dim]`` (with ``D x``) and the new states (float32)."""
+        conv_state, ssm_state = state
+        A = -self.A_log.float().exp()                                        # [H]
+        tail = conv_state.float().masked_fill(fresh[:, None, None], 0.0)    # [B, C, K-1]
+        window = torch.cat([tail, xbc.float().unsqueeze(-1)], dim=-1)       # [B, C, K]
+        mixed = (window * self.conv.weight.float()[:, 0]).sum(-1)
+        xs, B, C = self.heads(F.silu(mixed if self.conv.bias is None else mixed + self.conv.bias.float()))
+        S = ssm_state.float().masked_fill(fresh[:, None, None, None], 0.0)
+        S = S * (dt * A).exp()[..., None, None] + (dt[..., None] * xs)[..., None] * B[:, :, None, :]
+        return (S * C[:, :, None, :]).sum(-1) + self.D.float()[:, None] * xs, (window[..., 1:], S)
 
     def heads(self, mixed: torch.Tensor):
         """The convolution's output ``[T, C]`` as x ``[T, H, head_dim]`` and B, C ``[T, H,

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from twophase.arch import ModelArch, ShortConvSpec
+from twophase.models.graph_attention import GraphMeta
 from twophase.models.layers.state import StateMeta
 
 
@@ -28,9 +29,14 @@ class ShortConv(nn.Module):
         self.conv = nn.Conv1d(c, c, spec.conv_kernel, groups=c, bias=spec.bias)   # weights [c, 1, K]
         self.out_proj = nn.Linear(c, arch.hidden_size, bias=spec.bias)
 
-    def forward(self, x: torch.Tensor, state: tuple[torch.Tensor, ...], meta: StateMeta) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: tuple[torch.Tensor, ...], meta: StateMeta | GraphMeta) -> torch.Tensor:
         b, c, v = self.in_proj(x).chunk(3, dim=-1)
         bx = (b * v).float()                                                       # [T, C]
+        if isinstance(meta, GraphMeta):                # traced: the decodes' states in and out
+            rows = meta.dec_index
+            y, new = self.step(bx[rows], state, meta.dec_cached == 0)
+            meta.new_states.append(new)
+            return self.out_proj(c * torch.zeros_like(bx).index_copy(0, rows, y).to(x.dtype))
         (conv_state,) = state
         w = self.conv.weight.float()
         bias = self.conv.bias.float() if self.conv.bias is not None else None
@@ -40,11 +46,8 @@ class ShortConv(nn.Module):
             rows = torch.tensor([meta.spans[i][0] for i in decodes], device=x.device)
             slots = torch.tensor([meta.slots[i] for i in decodes], device=x.device)
             fresh = torch.tensor([meta.spans[i][2] == 0 for i in decodes], device=x.device)
-            tail = conv_state[slots].float().masked_fill(fresh[:, None, None], 0.0)    # [B, C, K-1]
-            window = torch.cat([tail, bx[rows].unsqueeze(-1)], dim=-1)                # [B, C, K]
-            conv_state[slots] = window[..., 1:].to(conv_state.dtype)
-            y = (window * w[:, 0]).sum(-1)
-            out[rows] = y if bias is None else y + bias
+            out[rows], (tail,) = self.step(bx[rows], (conv_state[slots],), fresh)
+            conv_state[slots] = tail.to(conv_state.dtype)
         for i, (first, n, start) in enumerate(meta.spans):
             if n == 1:
                 continue
@@ -54,3 +57,13 @@ class ShortConv(nn.Module):
             conv_state[slot] = seq[:, n:].to(conv_state.dtype)                      # the last K-1
             out[first:first + n] = F.conv1d(seq.unsqueeze(0), w, bias, groups=self.spec.channels)[0].T
         return self.out_proj(c * out.to(x.dtype))
+
+    def step(self, bx: torch.Tensor, state: tuple[torch.Tensor, ...],
+             fresh: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor]]:
+        """One token of each of ``B`` sequences (``bx [B, C]``) after their tails (``[B, C,
+        K-1]``; a ``fresh [B]`` one's are zeros) → the convolution's output ``[B, C]`` and the
+        new tails (float32)."""
+        tail = state[0].float().masked_fill(fresh[:, None, None], 0.0)                # [B, C, K-1]
+        window = torch.cat([tail, bx.unsqueeze(-1)], dim=-1)                          # [B, C, K]
+        y = (window * self.conv.weight.float()[:, 0]).sum(-1)
+        return (y if self.conv.bias is None else y + self.conv.bias.float()), (window[..., 1:],)
