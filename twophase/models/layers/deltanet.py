@@ -20,7 +20,7 @@ from torch import nn
 
 from twophase.arch import DeltaNetSpec, ModelArch
 from twophase.models.graph_attention import GraphMeta
-from twophase.models.layers.state import StateMeta
+from twophase.models.layers.state import StateMeta, conv_chunk, start_from
 
 CHUNK = 64                  # tokens the chunked form solves at once
 
@@ -86,26 +86,17 @@ class GatedDeltaNet(nn.Module):
             return self.out_proj(self.norm(out.to(x.dtype), z).reshape(x.shape[0], self.vd))
         conv_state, rec_state = state
         out = torch.empty(x.shape[0], s.num_v_heads, s.v_head_dim, dtype=torch.float32, device=x.device)
-        decodes = [i for i, (_, n, _) in enumerate(meta.spans) if n == 1]
-        if decodes:                                    # one step for all of them at once
-            rows = torch.tensor([meta.spans[i][0] for i in decodes], device=x.device)
-            slots = torch.tensor([meta.slots[i] for i in decodes], device=x.device)
-            fresh = torch.tensor([meta.spans[i][2] == 0 for i in decodes], device=x.device)
+        decodes = meta.decodes(x.device)
+        if decodes is not None:                        # one step for all of them at once
+            rows, slots, fresh = decodes
             o, (tail, S) = self.step(qkv[rows], g[rows], beta[rows], (conv_state[slots], rec_state[slots]), fresh)
             conv_state[slots] = tail.to(conv_state.dtype)
             rec_state[slots] = S.to(rec_state.dtype)
             out[rows] = o
-        for i, (first, n, start) in enumerate(meta.spans):
-            if n == 1:
-                continue
-            slot = meta.slots[i]
-            tail = conv_state[slot].float() if start else torch.zeros_like(conv_state[slot], dtype=torch.float)
-            seq = torch.cat([tail, qkv[first:first + n].float().T], dim=-1)          # [C, K-1+n]
-            conv_state[slot] = seq[:, -(s.conv_kernel - 1):].to(conv_state.dtype)
-            mixed = F.silu(F.conv1d(seq.unsqueeze(0), self.conv.weight.float(), groups=s.conv_dim)[0].T)   # [n, C]
+        for first, n, start, slot in meta.chunks():
+            mixed = F.silu(conv_chunk(qkv[first:first + n], conv_state, slot, start, self.conv.weight, None))
             q, k, v = self.heads(mixed)
-            S = rec_state[slot].float() if start else torch.zeros_like(rec_state[slot], dtype=torch.float)
-            o, S = chunked(q, k, v, g[first:first + n], beta[first:first + n], S)
+            o, S = chunked(q, k, v, g[first:first + n], beta[first:first + n], start_from(rec_state[slot], start))
             rec_state[slot] = S.to(rec_state.dtype)
             out[first:first + n] = o
         o = self.norm(out.to(x.dtype), z)

@@ -21,7 +21,7 @@ from torch import nn
 
 from twophase.arch import Mamba2Spec, ModelArch
 from twophase.models.graph_attention import GraphMeta
-from twophase.models.layers.state import StateMeta
+from twophase.models.layers.state import StateMeta, conv_chunk, start_from
 
 
 class GroupedGatedRMSNorm(nn.Module):
@@ -64,28 +64,18 @@ class Mamba2(nn.Module):
             out = y.new_zeros(T, s.num_heads, s.head_dim).index_copy(0, rows, y)
             return self.out_proj(self.norm(out.view(T, s.inner).to(x.dtype), z))
         A = -self.A_log.float().exp()                                        # [H]
-        w = self.conv.weight.float()                                         # [C, 1, K]
-        bias = None if self.conv.bias is None else self.conv.bias.float()
         conv_state, ssm_state = state
         out = torch.empty(T, s.num_heads, s.head_dim, dtype=torch.float32, device=x.device)
-        decodes = [i for i, (_, n, _) in enumerate(meta.spans) if n == 1]
-        if decodes:                                    # one step for all of them at once
-            rows = torch.tensor([meta.spans[i][0] for i in decodes], device=x.device)
-            slots = torch.tensor([meta.slots[i] for i in decodes], device=x.device)
-            fresh = torch.tensor([meta.spans[i][2] == 0 for i in decodes], device=x.device)
+        decodes = meta.decodes(x.device)
+        if decodes is not None:                        # one step for all of them at once
+            rows, slots, fresh = decodes
             out[rows], (tail, S) = self.step(xbc[rows], dt[rows], (conv_state[slots], ssm_state[slots]), fresh)
             conv_state[slots] = tail.to(conv_state.dtype)
             ssm_state[slots] = S.to(ssm_state.dtype)
-        for i, (first, n, start) in enumerate(meta.spans):
-            if n == 1:
-                continue
-            slot = meta.slots[i]
-            tail = conv_state[slot].float() if start else torch.zeros_like(conv_state[slot], dtype=torch.float)
-            seq = torch.cat([tail, xbc[first:first + n].float().T], dim=-1)          # [C, K-1+n]
-            conv_state[slot] = seq[:, -(s.conv_kernel - 1):].to(conv_state.dtype)
-            xs, B, C = self.heads(F.silu(F.conv1d(seq.unsqueeze(0), w, bias, groups=s.conv_dim)[0].T))
-            S = ssm_state[slot].float() if start else torch.zeros_like(ssm_state[slot], dtype=torch.float)
-            y, S = chunked(xs, dt[first:first + n], A, B, C, S, s.chunk_size)
+        for first, n, start, slot in meta.chunks():
+            mixed = conv_chunk(xbc[first:first + n], conv_state, slot, start, self.conv.weight, self.conv.bias)
+            xs, B, C = self.heads(F.silu(mixed))
+            y, S = chunked(xs, dt[first:first + n], A, B, C, start_from(ssm_state[slot], start), s.chunk_size)
             ssm_state[slot] = S.to(ssm_state.dtype)
             out[first:first + n] = y + self.D.float()[:, None] * xs
         y = self.norm(out.view(T, s.inner).to(x.dtype), z)

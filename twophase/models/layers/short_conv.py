@@ -12,12 +12,11 @@ tokens after the tail the chunk before it left (zeros at position 0).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from twophase.arch import ModelArch, ShortConvSpec
 from twophase.models.graph_attention import GraphMeta
-from twophase.models.layers.state import StateMeta
+from twophase.models.layers.state import StateMeta, conv_chunk
 
 
 class ShortConv(nn.Module):
@@ -38,24 +37,15 @@ class ShortConv(nn.Module):
             meta.new_states.append(new)
             return self.out_proj(c * torch.zeros_like(bx).index_copy(0, rows, y).to(x.dtype))
         (conv_state,) = state
-        w = self.conv.weight.float()
-        bias = self.conv.bias.float() if self.conv.bias is not None else None
         out = torch.empty_like(bx)
-        decodes = [i for i, (_, n, _) in enumerate(meta.spans) if n == 1]
-        if decodes:                                    # one window a sequence, all at once
-            rows = torch.tensor([meta.spans[i][0] for i in decodes], device=x.device)
-            slots = torch.tensor([meta.slots[i] for i in decodes], device=x.device)
-            fresh = torch.tensor([meta.spans[i][2] == 0 for i in decodes], device=x.device)
+        decodes = meta.decodes(x.device)
+        if decodes is not None:                        # one window a sequence, all at once
+            rows, slots, fresh = decodes
             out[rows], (tail,) = self.step(bx[rows], (conv_state[slots],), fresh)
             conv_state[slots] = tail.to(conv_state.dtype)
-        for i, (first, n, start) in enumerate(meta.spans):
-            if n == 1:
-                continue
-            slot = meta.slots[i]
-            tail = conv_state[slot].float() if start else torch.zeros_like(conv_state[slot], dtype=torch.float)
-            seq = torch.cat([tail, bx[first:first + n].T], dim=-1)                  # [C, K-1+n]
-            conv_state[slot] = seq[:, n:].to(conv_state.dtype)                      # the last K-1
-            out[first:first + n] = F.conv1d(seq.unsqueeze(0), w, bias, groups=self.spec.channels)[0].T
+        for first, n, start, slot in meta.chunks():
+            out[first:first + n] = conv_chunk(bx[first:first + n], conv_state, slot, start, self.conv.weight,
+                                              self.conv.bias)
         return self.out_proj(c * out.to(x.dtype))
 
     def step(self, bx: torch.Tensor, state: tuple[torch.Tensor, ...],

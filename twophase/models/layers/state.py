@@ -14,7 +14,11 @@ new states to ``GraphMeta.new_states`` for the backend to write back at the slot
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -23,3 +27,36 @@ class StateMeta:
 
     slots: list[int]                       # [B] each sequence's slot
     spans: list[tuple[int, int, int]]      # [B] (first token index, tokens, tokens before them)
+
+    def decodes(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The one-token sequences, for one batched ``step``: their token rows, their slots and
+        which start from zeros (at position 0); None where there are none."""
+        idx = [i for i, (_, n, _) in enumerate(self.spans) if n == 1]
+        if not idx:
+            return None
+        return (torch.tensor([self.spans[i][0] for i in idx], device=device),
+                torch.tensor([self.slots[i] for i in idx], device=device),
+                torch.tensor([self.spans[i][2] == 0 for i in idx], device=device))
+
+    def chunks(self) -> Iterator[tuple[int, int, int, int]]:
+        """``(first token index, tokens, tokens before them, slot)`` of each longer chunk."""
+        for (first, n, start), slot in zip(self.spans, self.slots):
+            if n > 1:
+                yield first, n, start, slot
+
+
+def start_from(row: torch.Tensor, start: int) -> torch.Tensor:
+    """A slot's state as a chunk at ``start`` begins from it: the row in float32, or zeros at
+    position 0 (the row then holds an earlier sequence's state)."""
+    return row.float() if start else torch.zeros_like(row, dtype=torch.float)
+
+
+def conv_chunk(x: torch.Tensor, tails: torch.Tensor, slot: int, start: int, weight: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """A causal depthwise convolution over one sequence's chunk ``x [n, C]`` after the inputs
+    its slot keeps (``tails [slots, C, K - 1]``), which it replaces with the chunk's last ones;
+    ``weight [C, 1, K]``. Returns ``[n, C]`` (float32, no activation)."""
+    seq = torch.cat([start_from(tails[slot], start), x.float().T], dim=-1)          # [C, K-1+n]
+    tails[slot] = seq[:, x.shape[0]:].to(tails.dtype)
+    return F.conv1d(seq.unsqueeze(0), weight.float(), None if bias is None else bias.float(),
+                    groups=seq.shape[0])[0].T
