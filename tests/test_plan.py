@@ -388,3 +388,20 @@ def test_cli_plans_qwen3_next_state_beside_the_attention_layers_kv(tmp_path):
     assert state["bytes"] == d["state_slots"] * d["state_bytes_per_sequence"]
     assert d["max_concurrency"] >= 3 * d["full_attention_concurrency"] > 0
     assert "in the 12 attention layers" in r.stdout and "36 state layers" in r.stdout
+
+
+def test_cli_plans_qwen3_5_27b_state_beside_the_attention_layers_kv(tmp_path):
+    """Qwen3.5-27B (its published multimodal config.json, read as its text model; 4-bit to fit
+    an H100 beside its states): K/V for its 16 attention layers only (4 KV heads of 256, bf16), a
+    state of 48 Gated DeltaNet layers (48 value heads) a sequence counted by hand."""
+    r = _plan_cli("--model", "qwen3.5-27b", "--device", "h100-80gb", "--context", "32768",
+                  "--quantization", "q4", "--json", "p.json", "--plot", "", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    d = json.loads((tmp_path / "p.json").read_text())
+    assert d["kv_bytes_per_token"] == 16 * 2 * 4 * 256 * 2
+    conv = (2 * 16 * 128 + 48 * 128) * 3 * 4             # the convolution's last 3 inputs, float32
+    delta = 48 * 128 * 128 * 4                           # a 128 x 128 matrix a value head
+    assert d["state_bytes_per_sequence"] == 48 * (conv + delta) and d["state_layers"] == 48
+    state = next(i for i in d["items"] if i["name"] == "state slots")
+    assert state["bytes"] == d["state_slots"] * d["state_bytes_per_sequence"] and d["max_concurrency"] > 0
+    assert "in the 16 attention layers" in r.stdout and "48 state layers" in r.stdout

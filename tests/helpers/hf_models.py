@@ -84,3 +84,23 @@ def tiny_hf_model(family: str, folder: Path):
             p.mul_(4.0) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(folder)
     return model
+
+
+def tiny_qwen3_5_multimodal(folder: Path, tie: bool = False):
+    """Qwen3.5 in its published form, ``Qwen3_5ForConditionalGeneration`` (model_type ``qwen3_5``):
+    the tiny ``qwen3_5`` text model under ``text_config`` and a one-block vision tower; the head
+    tied or not by the top-level key (the text config's own says the opposite), as transformers
+    ties it. Saved to ``folder`` as ``tiny_hf_model`` saves."""
+    import transformers as t
+
+    torch.manual_seed(0)
+    text = {**hf_config("qwen3_5").to_dict(), "tie_word_embeddings": not tie}
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                  patch_size=4, num_position_embeddings=16)
+    model = t.Qwen3_5ForConditionalGeneration(
+        t.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=tie)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4.0) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(folder)
+    return model

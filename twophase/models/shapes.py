@@ -84,6 +84,23 @@ SHAPES.update({
                               num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
                               norm_topk_prob=True, max_position_embeddings=262144, rope_theta=1e7,
                               eos_token_id=151645),
+    # Qwen3.5-27B's published config.json (the multimodal form: the text model's keys under
+    # text_config): 48 Gated DeltaNet layers (16 key heads, 48 value heads of 128) and 16 of gated
+    # attention. transformers' Qwen3_5TextConfig defaults name this checkpoint in their docstring
+    # but are a smaller shape (hidden 4096, 32 layers): these numbers are the published file's
+    "qwen3.5-27b": _hf("qwen3_5", tie_word_embeddings=False, text_config=dict(
+        vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+        num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
+        linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, full_attention_interval=4, max_position_embeddings=262144,
+        rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+        eos_token_id=248044)),
+    # LFM2-1.2B's published config.json: 10 short-convolution layers (3 taps) and 6 of attention
+    # (full_attn_idxs); block_ff_dim 12288 auto-adjusted to 2/3 of it (8192, a multiple of 256)
+    "lfm2-1.2b": _hf("lfm2", vocab_size=65536, hidden_size=2048, num_hidden_layers=16,
+                     num_attention_heads=32, num_key_value_heads=8, block_ff_dim=12288,
+                     block_auto_adjust_ff_dim=True, block_multiple_of=256, full_attn_idxs=[2, 5, 8, 10, 12, 14],
+                     conv_L_cache=3, tie_embedding=True, rope_theta=1e6, max_position_embeddings=128000),
     # the built-in Gemma 3 270M, planned before its file is fetched
     "gemma3-270m": _hf("gemma3_text", vocab_size=262144, hidden_size=640, intermediate_size=2048,
                        num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256,

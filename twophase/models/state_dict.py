@@ -6,7 +6,8 @@ nothing is allocated twice and a 16 GB random model never touches host memory on
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -16,8 +17,10 @@ from twophase.contract import ModelSpec
 from twophase.errors import ModelError
 from twophase.models.decoder import Decoder, rope_inv_freq
 from twophase.models.families import family
-from twophase.models.families.family import BARE
+from twophase.models.families.family import BARE, LANGUAGE_MODEL
 from twophase.models.meta import no_init
+
+log = logging.getLogger(__name__)
 
 
 def part_rows(ours: str, arch: ModelArch, parts: int, spec: LayerSpec) -> list[int] | None:
@@ -42,8 +45,6 @@ def kinds(ours: str) -> tuple[str, ...]:
     return ("",) if ours.rsplit(".", 1)[-1] in BARE else ("weight", "bias")
 
 
-
-
 def dotted(*parts: str) -> str:
     return ".".join(p for p in parts if p)
 
@@ -66,6 +67,22 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], arch: ModelArch) -> dict[str
                 if t is not None:
                     out[dotted(f"layers.{i}.{ours}", kind)] = t
     return out
+
+
+def text_model_names(names: Iterable[str], arch: ModelArch, folder: Path) -> dict[str, str]:
+    """A checkpoint's tensor names → the HF names ``from_hf_state_dict`` reads. A family's
+    multimodal checkpoint holds its text model under ``LANGUAGE_MODEL`` (and ``lm_head``): those
+    are renamed as the text model's own (``model.language_model.norm`` → ``model.norm``), the rest
+    (the images part) left out, which the log says; any other checkpoint's names as they are."""
+    names = list(names)
+    if not family(arch.family).hf_multimodal_type or not any(n.startswith(LANGUAGE_MODEL) for n in names):
+        return {n: n for n in names}
+    kept = {n: "model." + n.removeprefix(LANGUAGE_MODEL) for n in names if n.startswith(LANGUAGE_MODEL)}
+    kept.update({n: n for n in names if n.startswith("lm_head.")})
+    left = sorted({".".join(n.split(".")[:2]) for n in names if n not in kept})
+    log.info("%s holds a multimodal %s model: its text model is loaded, its images part is not "
+             "(%d tensors under %s)", folder, arch.family, len(names) - len(kept), ", ".join(left) or "-")
+    return kept
 
 
 def _fused(hf: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor | None:
@@ -136,9 +153,15 @@ def float_weights(spec: ModelSpec, ours: Callable[[str], bool],
         from safetensors import safe_open
 
         assert source.path is not None
-        for f in sorted(source.path.glob("*.safetensors")):
+        files = sorted(source.path.glob("*.safetensors"))
+        stored: list[str] = []
+        for f in files:
             with safe_open(str(f), framework="pt") as st:
-                hf.update({k: st.get_tensor(k) for k in st.keys() if k in names})
+                stored += st.keys()
+        renamed = text_model_names(stored, arch, source.path)
+        for f in files:
+            with safe_open(str(f), framework="pt") as st:
+                hf.update({renamed[k]: st.get_tensor(k) for k in st.keys() if renamed.get(k) in names})
     # rounded to the model's dtype, as the model built from them holds them
     return {k: v.to(spec.dtype).float() for k, v in from_hf_state_dict(hf, arch).items()
             if k in held and ours(k)}
@@ -164,6 +187,7 @@ def build_model(arch: ModelArch, dtype: torch.dtype, device: torch.device,
         hf: dict[str, torch.Tensor] = {}
         for f in sorted(folder.glob("*.safetensors")):
             hf.update(load_file(str(f)))
+        hf = {n: hf[k] for k, n in text_model_names(hf, arch, folder).items()}
         # copies of what is still a view of the file's mapping (it would keep the whole mapping
         # resident, the unfused sources of q/k/v and gate/up with it: ~16% over the weights'
         # bytes); the fused tensors are fresh already, and a second copy of them costs page

@@ -19,13 +19,13 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
 
 
 def _known() -> str:
-    return ", ".join(sorted({t for f in FAMILIES.values() for t in f.hf_model_types}))
+    return ", ".join(sorted({t for f in FAMILIES.values() for t in (*f.hf_model_types, f.hf_multimodal_type) if t}))
 
 
 def by_model_type(model_type: str | None, where: str) -> Family:
     """The family of an HF ``config.json``'s ``model_type`` (a missing one reads as Llama)."""
     for f in FAMILIES.values():
-        if (model_type or "llama") in f.hf_model_types:
+        if (model_type or "llama") in f.hf_model_types or (model_type and model_type == f.hf_multimodal_type):
             return f
     raise ModelError(f"{where}: model_type {model_type!r} is not supported; the families that "
                      f"load: {_known()}")
@@ -57,6 +57,9 @@ def read_config(path: Path) -> ModelArch:
 def arch_from_config(config: dict, where: str) -> ModelArch:
     fam = by_model_type(config.get("model_type"), where)
     try:
+        if config.get("model_type") == fam.hf_multimodal_type:
+            # the text model's keys; the head tied as the multimodal model ties it (its own key)
+            config = {**config["text_config"], "tie_word_embeddings": config.get("tie_word_embeddings", False)}
         return fam.arch_from_hf(config)
     except KeyError as exc:
         raise ModelError(f"{where}: a {fam.name} config needs {exc.args[0]!r}") from None

@@ -23,6 +23,10 @@ GGUFTensors = Callable[[str, str, Any, Callable[[str], Any], Callable[..., Any]]
 TOP_NAMES = {"embed": ("model.embed_tokens", "token_embd"), "norm": ("model.norm", "output_norm"),
              "lm_head": ("lm_head", "output")}
 
+# where transformers' ``*ForConditionalGeneration`` models hold their text model's weights
+# (``model.language_model.layers.{i}.``, ``model.language_model.embed_tokens``; ``lm_head`` as it is)
+LANGUAGE_MODEL = "model.language_model."
+
 # our parameters stored without a ``.weight``/``.bias`` suffix, in both namings (state layers' own)
 BARE = {"A_log", "dt_bias", "D"}
 
@@ -66,6 +70,10 @@ class Family:
     # (GGUF name, HF name, the tensor as stored, read(GGUF name), get(header key)) -> HF tensors
     # (none for a tensor read along with another one)
     gguf_tensors: GGUFTensors | None = None
+    # the HF ``model_type`` of the family's multimodal form (Qwen3.5's published checkpoints):
+    # its config.json holds the text model's keys under ``text_config``, its weights hold the text
+    # model's under ``LANGUAGE_MODEL``; it loads as its text model, the images part left out
+    hf_multimodal_type: str | None = None
 
 
 def stated(get: Callable[..., Any], key: str) -> Any:

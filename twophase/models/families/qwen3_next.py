@@ -178,4 +178,4 @@ QWEN3_NEXT = Family("qwen3_next", ("qwen3_next",), ("qwen3next",), qwen3_next_fr
                     gguf_tensors=qwen3_next_tensors)
 QWEN3_5 = Family("qwen3_5", ("qwen3_5_text",), ("qwen35",), qwen3_5_from_hf, QWEN3_5_LAYER,
                  hf_architecture="Qwen3_5ForCausalLM", gguf_config=qwen3_5_gguf, gguf_norm_offset=1.0,
-                 gguf_tensors=qwen3_5_tensors)
+                 gguf_tensors=qwen3_5_tensors, hf_multimodal_type="qwen3_5")
