@@ -193,8 +193,9 @@ def test_what_state_layers_do_not_do_yet_is_said(hf, caplog):
     with pytest.raises(ConfigError, match="draft .* has state layers"):
         _llm(folder, speculative={"method": "draft", "num_tokens": 2, "draft": {"path": str(folder)}})
     caplog.set_level("INFO")
-    llm = _llm(folder, cache={"num_blocks": 64, "state_snapshots": 0})
+    llm = _llm(folder, cache={"num_blocks": 64, "state_snapshots": 0, "dtype": "float16"})
     assert not llm.engine.kv.prefix_caching and "prefix caching off" in caplog.text
+    assert "float16 holds the attention layers' K/V" in caplog.text and "in float32" in caplog.text
     assert llm.loaded.layout.state is not None and llm.loaded.layout.state.bytes_per_sequence() > 0
     assert len(llm.kv_cache.states) == 3                 # three state layers, one attends
 

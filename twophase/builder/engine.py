@@ -41,6 +41,10 @@ def make_engine(config: Config, layout: PoolLayout, kv_cache: KVCache, backends:
     sp = config.speculative
     prefix_caching = cc.prefix_caching
     if layout.state is not None:
+        fmt = getattr(layout.specs[0], "format", layout.state.dtype)
+        if fmt != layout.state.dtype:
+            log.info("cache.dtype %s holds the attention layers' K/V; the %d state layers keep their state in %s "
+                     "(a recurrence accumulates in it)", fmt, layout.state.num_layers, layout.state.dtype)
         if prefix_caching and not layout.state_snapshots:
             log.info("prefix caching off: a hit restores the state layers' state saved at the prefix's end, "
                      "and cache.state_snapshots is 0")
