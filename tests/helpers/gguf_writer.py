@@ -3,8 +3,8 @@ its metadata keys (``gguf.GGUFWriter``'s own ``add_*``), its tensor names (the `
 ``TensorNameMap``, which is llama.cpp's table), Q/K rows permuted for the Llama converter family
 (Llama, Mistral, Mixtral: weights and biases), ``1 + w`` for Gemma's norms, experts stacked
 ``[experts, out, in]``, and a byte-level BPE vocabulary that transformers' GGUF tokenizer
-conversion accepts; the state layers' tensors as its Qwen3-Next, Qwen3.5 and LFM2 classes change
-them. Written from the converter's description, independent of our reader."""
+conversion accepts; the state layers' tensors as its Qwen3-Next, Qwen3.5, LFM2 and Granite
+hybrid classes change them. Written from the converter's description, independent of our reader."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ ARCHS = {
     "qwen3_next": (gguf.MODEL_ARCH.QWEN3NEXT, False, 1.0),      # all norms but the DeltaNet's own
     "qwen3_5_text": (gguf.MODEL_ARCH.QWEN35, False, 1.0),
     "lfm2": (gguf.MODEL_ARCH.LFM2, False, 0.0),
+    "granitemoehybrid": (gguf.MODEL_ARCH.GRANITE_HYBRID, True, 0.0),
 }
 DELTANET = ("qwen3_next", "qwen3_5_text")
 SPECIALS = ["<pad>", "<s>", "</s>"]          # ids 0, 1, 2: pad, bos, eos in the tiny configs
@@ -74,6 +75,9 @@ def _metadata(w: gguf.GGUFWriter, model_type: str, c) -> None:
         w.add_head_count_kv(c.num_key_value_heads)
         w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    if model_type == "granitemoehybrid":
+        _granite_metadata(w, c)
+        return
     head_dim = getattr(c, "head_dim", None)
     if model_type == "phi3":                  # Phi3Model: no key_length, the rotary width instead
         factor = (c.rope_parameters or {}).get("partial_rotary_factor", 1.0)
@@ -122,6 +126,62 @@ def _deltanet_metadata(w: gguf.GGUFWriter, model_type: str, c, head_dim: int) ->
     w.add_rope_dimension_count(int(head_dim * factor))
     if model_type == "qwen3_5_text":          # interleaved MRoPE sections, the default where unstated
         w.add_rope_dimension_sections((c.rope_parameters or {}).get("mrope_section", [11, 11, 10, 0]))
+
+
+def _granite_metadata(w: gguf.GGUFWriter, c) -> None:
+    """GraniteHybridModel's keys after the base class's: Llama's vocabulary size and rotary
+    width (Granite's converter drops ``head_dim``: no key_length), the experts, the multipliers
+    as ``scale`` keys and the shared MLP's width where set, the Mamba-2 shapes as ``ssm`` keys
+    (heads as ``time_step_rank``), the key-value heads a layer (0 for a Mamba-2 layer), and RoPE
+    off (``rope.scaling.finetuned`` false, a context of 2**20) for a model with Mamba-2 layers."""
+    w.add_vocab_size(c.vocab_size)
+    w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
+    w.add_rope_freq_base(_rope_theta(c))
+    w.add_expert_count(c.num_local_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    for value, add in ((c.attention_multiplier, w.add_attention_scale), (c.embedding_multiplier, w.add_embedding_scale),
+                       (c.residual_multiplier, w.add_residual_scale), (c.logits_scaling, w.add_logit_scale),
+                       (c.shared_intermediate_size, w.add_expert_shared_feed_forward_length)):
+        if value:
+            add(value)
+    w.add_ssm_conv_kernel(c.mamba_d_conv)
+    w.add_ssm_state_size(c.mamba_d_state)
+    w.add_ssm_group_count(c.mamba_n_groups)
+    w.add_ssm_inner_size(c.mamba_expand * c.hidden_size)
+    w.add_ssm_time_step_rank(c.mamba_n_heads)
+    # Granite 4's own config.json says "attention" and "mamba", which transformers saves as
+    # "full_attention" and "linear_attention": either spelling of an attention layer
+    attention = [t in ("attention", "full_attention") for t in c.layer_types]
+    w.add_head_count_kv([c.num_key_value_heads if a else 0 for a in attention])
+    use_rope = all(attention)
+    w.add_rope_scaling_finetuned(use_rope)
+    if not use_rope:
+        w.add_context_length(2**20)
+
+
+def _granite(name: str, t: np.ndarray, c) -> dict[str, np.ndarray]:
+    """GraniteHybridModel's changes: each gate-then-up matrix (the experts' input_linear, the
+    shared MLP's) split in halves, under the experts', the shared expert's or, without experts,
+    the dense MLP's names; in a Mamba-2 layer dt_bias renamed dt_proj.bias, A_log stored as
+    -exp(A_log) and D, both as columns [heads, 1], the convolution squeezed and the gated norm
+    as [groups, channels / groups]."""
+    layer = name.rsplit(".", 2)[0].rsplit(".", 1)[0]
+    if name.endswith("input_linear.weight"):
+        half = t.shape[-2] // 2
+        mlp = ("mlp.experts" if "block_sparse_moe" in name else
+               "mlp.shared_expert" if c.num_local_experts else "mlp")
+        return {f"{layer}.{mlp}.gate_proj.weight": t[..., :half, :], f"{layer}.{mlp}.up_proj.weight": t[..., half:, :]}
+    if name.endswith("shared_mlp.output_linear.weight") and not c.num_local_experts:
+        return {f"{layer}.mlp.down_proj.weight": t}
+    if name.endswith(".dt_bias"):
+        return {name.removesuffix(".dt_bias") + ".dt_proj.bias": t}
+    if name.endswith((".A_log", ".D")):
+        return {name: (-np.exp(t) if name.endswith(".A_log") else t)[:, None]}
+    if "mamba.conv1d" in name:
+        return {name: t.squeeze()}
+    if name.endswith("mamba.norm.weight"):
+        return {name: t.reshape(c.mamba_n_groups, -1)}
+    return {name: t}
 
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
@@ -194,7 +254,7 @@ def _tensors(folder: Path, c) -> dict[str, np.ndarray]:
     """The checkpoint's tensors as the converter reads them (the safetensors files), HF names
     (experts stacked under the name without the expert index) -> F32 arrays, with its changes:
     q/k permuted, norms shifted, lm_head dropped for Gemma 2, the state layers' tensors
-    changed as above, LFM2's convolution squeezed."""
+    changed as above, LFM2's convolution squeezed, Granite's as ``_granite`` says."""
     from safetensors.numpy import load_file
 
     model_type = c.model_type
@@ -217,6 +277,9 @@ def _tensors(folder: Path, c) -> dict[str, np.ndarray]:
             t = t.squeeze(1)
         if model_type in DELTANET and ".linear_attn." in name:
             out.update(_deltanet(name, t, c))
+            continue
+        if model_type == "granitemoehybrid":
+            out.update(_granite(name, t, c))
             continue
         parts = name.split(".")
         if "experts" in parts and parts[parts.index("experts") + 1].isdigit():

@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 from helpers import hf_models
@@ -40,6 +41,9 @@ CHANGES = {
     "qwen3_next": {"mlp_only_layers": []},
     # llama.cpp's converter squeezes the convolution weight alone, and its LFM2 has no biases
     "lfm2": {"conv_bias": False},
+    # its Mamba-2 converters pad the vocabulary to a multiple of 8 with unused tokens the
+    # embedding has no rows for: a multiple of 8 keeps the file's vocabulary the model's
+    "granitemoehybrid": {"vocab_size": 304},
 }
 # what transformers' GGUF reader does not take from the file (given to it as config overrides,
 # so its load checks the tensors' layout): Llama's biases, Gemma 2's soft-caps and the Gemma
@@ -52,9 +56,10 @@ TRANSFORMERS_OVERRIDES = {
     "phi3": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
     "qwen3_moe": {"moe_intermediate_size": 32},
 }
-# Granite 4's files (llama.cpp's ``granitehybrid``) do not load yet
 FAMILIES = ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3_moe", "mixtral",
-            *(f for f in hf_models.STATE_FAMILIES if f != "granitemoehybrid")]
+            *hf_models.STATE_FAMILIES]
+# our family of a test family whose name is HF's model_type
+OUR_FAMILY = {"granitemoehybrid": "granite"}
 # the architectures transformers' GGUF reader takes (Mixtral's files say llama, which it reads
 # as a dense Llama)
 TRANSFORMERS_READS = {"llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3_moe", "lfm2", "qwen3_5"}
@@ -122,7 +127,7 @@ def gguf_model(request, tmp_path_factory):
 def test_ours_from_the_gguf_gives_the_original_models_logits_and_greedy_tokens(gguf_model):
     family, model, path = gguf_model
     llm = LLM.from_config({"model": {"path": str(path)}, "cache": {"num_blocks": 64, "block_size": 8}})
-    assert llm.model.arch.family == family
+    assert llm.model.arch.family == OUR_FAMILY.get(family, family)
     assert llm.tokenizer.chat_template == CHAT_TEMPLATE           # the file's, kept
     starts = llm.tokenizer.encode("ab")[0] == llm.model.arch.bos_token_id
     assert starts == family.startswith("gemma")                   # the file's add_bos_token
@@ -240,6 +245,7 @@ def test_native_experts_on_stored_blocks_give_each_row_what_it_gets_alone(tmp_pa
     ("qwen3_next", "model.layers.0.linear_attn.A_log", "blk.0.ssm_a"),
     ("qwen3_5", "model.layers.0.linear_attn.in_proj_a.weight", "blk.0.ssm_alpha.weight"),
     ("lfm2", "model.layers.0.conv.conv.weight", "blk.0.shortconv.conv.weight"),
+    ("granitemoehybrid", "model.layers.0.mamba.D", "blk.0.ssm_d"),
 ])
 def test_a_file_lacking_a_state_tensor_is_refused_naming_it(tmp_path, family, dropped, named):
     """A state layer's tensor missing from the file: a ModelError naming it by its GGUF name,
@@ -253,5 +259,28 @@ def test_a_file_lacking_a_state_tensor_is_refused_naming_it(tmp_path, family, dr
     with mock.patch.object(gguf_writer, "_tensors",
                            lambda folder, c: {k: v for k, v in every(folder, c).items() if k != dropped}):
         path = write_gguf(tmp_path / "hf", tmp_path / f"tiny-{family}.gguf")
-    with pytest.raises(ModelError, match=rf"lacks the tensor {re.escape(named)}, which its {family} model"):
+    ours = OUR_FAMILY.get(family, family)
+    with pytest.raises(ModelError, match=rf"lacks the tensor {re.escape(named)}, which its {ours} model"):
         LLM.from_config({"model": {"path": str(path)}, "cache": {"num_blocks": 64, "block_size": 8}})
+
+
+def test_a_granite_file_gives_back_every_tensor_of_the_original(tmp_path):
+    """Every tensor of a ``granitehybrid`` file, undone as the reader undoes it, is the original
+    checkpoint's, bit for bit but A_log (``log(-(-exp(A_log)))`` in float32): q and k rows too,
+    whose permutation the logits of a model without RoPE would not show."""
+    from safetensors.numpy import load_file
+
+    from twophase.models.gguf import gguf_family, hf_config, hf_tensors
+    from twophase.models.gguf_file import GGUFFile
+
+    _tiny("granitemoehybrid", tmp_path / "hf")
+    header = GGUFFile(write_gguf(tmp_path / "hf", tmp_path / "tiny-granitemoehybrid.gguf"))
+    config, fam = hf_config(header), gguf_family(header)
+    got = {}
+    for name in header.tensors:
+        got.update(hf_tensors(header, name, fam, config["num_attention_heads"], config["num_key_value_heads"]))
+    want = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():
+        assert got[k].shape == v.shape, k
+        assert np.allclose(got[k], v, rtol=1e-6, atol=1e-6) if k.endswith("A_log") else (got[k] == v).all(), k

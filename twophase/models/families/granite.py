@@ -6,29 +6,33 @@ residual branch, the attention scores and (dividing) the logits; RoPE or none.""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from twophase.arch import AttentionSpec, LayerSpec, Mamba2Spec, MLPSpec, ModelArch
-from twophase.models.families.family import LLAMA_LAYER, Family, LayerNames, common_fields, rope_theta
+from twophase.models.families.family import LLAMA_LAYER, Family, LayerNames, common_fields, rope_theta, stated
 
 GRANITE_LAYER: LayerNames = {
     **{k: v for k, v in LLAMA_LAYER.items() if not k.startswith("mlp.")},
-    "mixer.in_proj": (("mamba.in_proj",), ()),
-    "mixer.conv": (("mamba.conv1d",), ()),
-    "mixer.dt_bias": (("mamba.dt_bias",), ()),
-    "mixer.A_log": (("mamba.A_log",), ()),
-    "mixer.D": (("mamba.D",), ()),
-    "mixer.norm": (("mamba.norm",), ()),
-    "mixer.out_proj": (("mamba.out_proj",), ()),
+    "mixer.in_proj": (("mamba.in_proj",), ("ssm_in",)),
+    "mixer.conv": (("mamba.conv1d",), ("ssm_conv1d",)),
+    "mixer.dt_bias": (("mamba.dt_bias",), ("ssm_dt",)),
+    "mixer.A_log": (("mamba.A_log",), ("ssm_a",)),
+    "mixer.D": (("mamba.D",), ("ssm_d",)),
+    "mixer.norm": (("mamba.norm",), ("ssm_norm",)),
+    "mixer.out_proj": (("mamba.out_proj",), ("ssm_out",)),
     # experts stacked as stored ([E, 2f, h] gate then up, [E, h, f]); the shared MLP's gate and
-    # up in one matrix too, as the dense MLP of a model without experts
-    "mlp.router": (("block_sparse_moe.router.layer",), ()),
-    "mlp.experts_gate_up": (("block_sparse_moe.input_linear",), ()),
-    "mlp.experts_down": (("block_sparse_moe.output_linear",), ()),
-    "mlp.shared.gate_up": (("shared_mlp.input_linear",), ()),
-    "mlp.shared.down": (("shared_mlp.output_linear",), ()),
-    "mlp.gate_up": (("shared_mlp.input_linear",), ()),
-    "mlp.down": (("shared_mlp.output_linear",), ()),
+    # up in one matrix too, as the dense MLP of a model without experts. llama.cpp stores each
+    # of those gate-then-up matrices as its gate and its up halves
+    "mlp.router": (("block_sparse_moe.router.layer",), ("ffn_gate_inp",)),
+    "mlp.experts_gate_up": (("block_sparse_moe.input_linear",), ("ffn_gate_exps+ffn_up_exps",)),
+    "mlp.experts_down": (("block_sparse_moe.output_linear",), ("ffn_down_exps",)),
+    "mlp.shared.gate_up": (("shared_mlp.input_linear",), ("ffn_gate_shexp+ffn_up_shexp",)),
+    "mlp.shared.down": (("shared_mlp.output_linear",), ("ffn_down_shexp",)),
+    "mlp.gate_up": (("shared_mlp.input_linear",), ("ffn_gate+ffn_up",)),
+    "mlp.down": (("shared_mlp.output_linear",), ("ffn_down",)),
 }
 
 MAMBA, ATTENTION = {"mamba", "linear_attention"}, {"attention", "full_attention"}
@@ -80,6 +84,56 @@ def granite_from_hf(c: dict[str, Any]) -> ModelArch:
                      logit_divisor=float(c.get("logits_scaling", 1.0)), **fields)
 
 
-# no GGUF names: llama.cpp's ``granitehybrid`` files do not load yet
-FAMILY = Family("granite", ("granitemoehybrid",), (), granite_from_hf, GRANITE_LAYER,
-                hf_architecture="GraniteMoeHybridForCausalLM")
+def granite_gguf(get: Callable[..., Any], p: str, tensors: frozenset[str]) -> dict[str, Any]:
+    """llama.cpp's ``granitehybrid`` keys: the key-value heads a layer (0 for a Mamba-2 layer),
+    the Mamba-2 shapes as its ``ssm`` keys (heads as ``time_step_rank``, their width as
+    ``inner_size``), the biases by their tensors, the experts, RoPE as
+    ``rope.scaling.finetuned`` (on where unstated), and the multipliers as its ``scale`` keys;
+    a file without ``attention.scale`` scales the scores by 1/sqrt(head_dim), as llama.cpp does."""
+    n, hidden = int(stated(get, p + "block_count")), int(stated(get, p + "embedding_length"))
+    kv = stated(get, p + "attention.head_count_kv")
+    kv = kv if isinstance(kv, list) else [kv] * n
+    heads, inner = int(stated(get, p + "ssm.time_step_rank")), int(stated(get, p + "ssm.inner_size"))
+    head_dim = get(p + "attention.key_length") or hidden // int(stated(get, p + "attention.head_count"))
+    attention = get(p + "attention.scale")
+    return {"layer_types": ["mamba" if k == 0 else "attention" for k in kv],
+            "mamba_n_heads": heads, "mamba_d_head": inner // heads, "mamba_expand": inner // hidden,
+            "mamba_d_state": int(stated(get, p + "ssm.state_size")),
+            "mamba_n_groups": int(stated(get, p + "ssm.group_count")),
+            "mamba_d_conv": int(stated(get, p + "ssm.conv_kernel")),
+            "mamba_conv_bias": any(t.endswith(".ssm_conv1d.bias") for t in tensors),
+            "mamba_proj_bias": any(t.endswith(".ssm_in.bias") for t in tensors),
+            "num_local_experts": int(get(p + "expert_count", 0)),
+            "num_experts_per_tok": int(get(p + "expert_used_count", 0)),
+            "shared_intermediate_size": int(stated(get, p + "expert_shared_feed_forward_length")),
+            "position_embedding_type": "rope" if get(p + "rope.scaling.finetuned", True) else "nope",
+            "embedding_multiplier": float(get(p + "embedding_scale", 1.0)),
+            "residual_multiplier": float(get(p + "residual_scale", 1.0)),
+            "attention_multiplier": float(attention) if attention else head_dim ** -0.5,
+            "logits_scaling": float(get(p + "logit_scale", 1.0))}
+
+
+def granite_tensors(name: str, hf: str, w: np.ndarray, read: Callable[[str], np.ndarray],
+                    get: Callable[..., Any]) -> dict[str, np.ndarray]:
+    """llama.cpp stores each gate-then-up matrix as its two halves (read back at the gate's),
+    ``A_log`` as ``A = -exp(A_log)`` and ``D`` as columns ``[heads, 1]``, the convolution
+    ``[channels, 1, taps]`` squeezed and the gated norm ``[groups, channels / groups]``."""
+    for gate in ("ffn_gate_exps", "ffn_gate_shexp", "ffn_gate"):
+        up = gate.replace("gate", "up", 1)
+        if name.endswith(f".{up}.weight"):
+            return {}
+        if name.endswith(f".{gate}.weight"):
+            return {hf: np.concatenate([w, read(name.replace(f".{gate}.", f".{up}."))], axis=-2)}
+    if hf.endswith(".A_log"):
+        return {hf: np.log(-w).reshape(-1)}
+    if hf.endswith((".D", "mamba.norm.weight")):
+        return {hf: w.reshape(-1)}
+    if hf.endswith("conv1d.weight"):
+        return {hf: w[:, None, :]}
+    return {hf: w}
+
+
+# llama.cpp's ``granitehybrid`` files: q and k permuted for its interleaved RoPE, as Llama's
+FAMILY = Family("granite", ("granitemoehybrid",), ("granitehybrid",), granite_from_hf, GRANITE_LAYER,
+                gguf_rope_permuted=True, hf_architecture="GraniteMoeHybridForCausalLM",
+                gguf_config=granite_gguf, gguf_tensors=granite_tensors)
