@@ -24,7 +24,8 @@ the ``decode`` entry point takes the decodes' states gathered at their slots and
 ones, which torch writes back at the slots (``graph.inputs.state_inputs``/``write_states``), after
 the batch's ``state_copies``; the states stay the engine's, as a shared pool does. Its prefill is
 refused by name (``Capabilities.features_in``): route it to torch (``[backend.prefill] name =
-"torch"``, ``[backend.decode] name = "iree"``), so the pool must be ``shared``.
+"torch"``, ``[backend.decode] name = "iree"``), so the pool must be ``shared`` (the engine
+refuses an ``owned`` one beside another phase's backend).
 """
 
 from __future__ import annotations
@@ -124,9 +125,6 @@ class IreeBackend(Backend):
         if kv.pool.dtype != torch.float32:
             raise ConfigError("cache.dtype", f"the iree backend keeps K/V in float32, "
                                              f"not {kv.pool.dtype}")
-        if kv.states and self.pool_mode == "owned":
-            raise ConfigError("backend.options.pool", "a model with state layers prefills on another "
-                              "backend, which an owned pool does not share: set pool = \"shared\"")
         path = mlir.export(self.model, self.device.type, kv.block_size,
                            self.cfg.options.get("export_dir"))
         if self.device.type == "cpu":
