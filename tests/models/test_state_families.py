@@ -200,33 +200,36 @@ def test_what_state_layers_do_not_do_yet_is_said(hf, caplog):
     assert len(llm.kv_cache.states) == 3                 # three state layers, one attends
 
 
-@pytest.mark.parametrize("backend", ["onnxruntime", "native"])
+@pytest.mark.parametrize("backend", ["onnxruntime", "iree", "native"])
 def test_a_backend_without_state_layers_refuses_them_by_name(hf, backend):
-    """native computes none; onnxruntime decodes them only (and no experts)."""
+    """native computes none; onnxruntime and iree decode them only (and no experts)."""
     from twophase.errors import TwophaseError
 
     folder, _, name = hf
     want = REFUSED_AS[name]
-    if backend == "onnxruntime":
+    if backend in ("onnxruntime", "iree"):
         want = "mixture-of-experts" if name in ("qwen3_next", "granitemoehybrid") else f"{want}.* in prefill"
     with pytest.raises(TwophaseError, match=want):
         _llm(folder, backend={"name": backend})
 
 
-# the state families whose decodes onnxruntime computes (Qwen3-Next's experts, and the tiny
-# Granite 4's, are not traced; a Granite 4 without experts is)
-ONNX_DECODES = ("granitemoehybrid_dense", "lfm2", "qwen3_5")
+# the state families whose decodes the graph backends compute (Qwen3-Next's experts, and the
+# tiny Granite 4's, are not traced; a Granite 4 without experts is)
+GRAPH_DECODES = ("granitemoehybrid_dense", "lfm2", "qwen3_5")
+# each graph backend and the module it needs
+GRAPH_BACKENDS = {"onnxruntime": "onnxruntime", "iree": "iree.turbine"}
 
 
-@pytest.mark.parametrize("family", ONNX_DECODES)
-def test_prefill_on_torch_and_decode_on_onnxruntime_give_torch_s_tokens(family, tmp_path):
-    """One pool, torch prefilling and onnxruntime decoding: its step graph takes the decodes'
-    states gathered at their slots and returns the new ones, written back there. States are
-    saved every 16 tokens, so the first request's is saved during its decodes (the copy rides
-    on an onnxruntime step) and the second, its first 16 tokens and 2 more, starts from that
-    snapshot; then a batch of decodes of unequal lengths. Every request gets torch's tokens; a chunk
-    handed to onnxruntime is refused by name."""
-    pytest.importorskip("onnxruntime")
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("family", GRAPH_DECODES)
+def test_prefill_on_torch_and_decode_on_a_graph_backend_give_torch_s_tokens(family, backend, tmp_path):
+    """One pool, torch prefilling and a graph backend decoding: its step graph (IREE's
+    ``decode`` entry point) takes the decodes' states gathered at their slots and returns the
+    new ones, written back there. States are saved every 16 tokens, so the first request's is
+    saved during its decodes (the copy rides on a graph step) and the second, its first 16
+    tokens and 2 more, starts from that snapshot; then a batch of decodes of unequal lengths.
+    Every request gets torch's tokens; a chunk handed to the graph backend is refused by name."""
+    pytest.importorskip(GRAPH_BACKENDS[backend])
     from twophase.errors import BackendUnavailable
 
     folder = tmp_path / "model"
@@ -234,23 +237,23 @@ def test_prefill_on_torch_and_decode_on_onnxruntime_give_torch_s_tokens(family, 
     rng = random.Random(4)
     params = SamplingParams(max_tokens=20, ignore_eos=True, logprobs=2)
     cache = {"num_blocks": 64, "block_size": 16, "state_snapshot_every": 16}
-    onnx = _llm(folder, cache=cache, backend={"prefill": {"name": "torch"}, "decode": {"name": "onnxruntime"}})
+    graph = _llm(folder, cache=cache, backend={"prefill": {"name": "torch"}, "decode": {"name": backend}})
     ref = _llm(folder, cache=cache)
     first = [rng.randrange(3, 300) for _ in range(10)]
     prompts = [first + ref.generate([first], params)[0].token_ids[:6] + [5, 6]]     # 16 tokens, then 2
     prompts += [[rng.randrange(3, 300) for _ in range(n)] for n in (1, 7, 25, 40)]
     want = [ref.generate([first], params)[0]] + ref.generate(prompts, params)
-    got = [onnx.generate([first], params)[0]] + onnx.generate(prompts, params)
+    got = [graph.generate([first], params)[0]] + graph.generate(prompts, params)
     for i, (g, w) in enumerate(zip(got, want)):
         assert_greedy_match(g.token_ids, w.token_ids, logprob_gaps(w), f"prompt {i}")
     assert got[1].metrics["num_cached_tokens"] == 16, got[1].metrics
-    assert onnx.decode_backend.name == "onnxruntime" and onnx.report(got)["steps_by_mix"]["decode"]["steps"]
-    eng = onnx.engine
+    assert graph.decode_backend.name == backend and graph.report(got)["steps_by_mix"]["decode"]["steps"]
+    eng = graph.engine
     req = eng.add_request(first, SamplingParams(max_tokens=1))
     assert eng.kv.allocate(req, len(first))
     named = REFUSED_AS[family.removesuffix("_dense")]
     with pytest.raises(BackendUnavailable, match=f"{named}.* in prefill"):
-        onnx.decode_backend.prefill(prefill_batch([(req, 0, len(first))], eng.kv))
+        graph.decode_backend.prefill(prefill_batch([(req, 0, len(first))], eng.kv))
 
 
 def test_a_checkpoint_whose_state_dims_disagree_with_its_config_is_named(hf, tmp_path):

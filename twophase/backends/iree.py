@@ -18,6 +18,14 @@ Two ways to hold the KV pool (option ``pool``):
   Memory is not doubled: the engine gives such a backend a pool on the ``meta`` device.
 
 The module is compiled when the pool is bound, because the pool's block size is compiled in.
+
+A model with state layers (Gated DeltaNet, short convolutions, Mamba-2) runs its decodes here:
+the ``decode`` entry point takes the decodes' states gathered at their slots and returns the new
+ones, which torch writes back at the slots (``graph.inputs.state_inputs``/``write_states``), after
+the batch's ``state_copies``; the states stay the engine's, as a shared pool does. Its prefill is
+refused by name (``Capabilities.features_in``): route it to torch (``[backend.prefill] name =
+"torch"``, ``[backend.decode] name = "iree"``), so the pool must be ``shared`` (the engine
+refuses an ``owned`` one beside another phase's backend).
 """
 
 from __future__ import annotations
@@ -29,7 +37,8 @@ import numpy as np
 import torch
 
 from twophase.backends.hookspecs import hookimpl
-from twophase.backends.traced import TRACED_FEATURES
+from twophase.backends.torch_eager import copy_states
+from twophase.backends.traced import GRAPH_FEATURES, STATE_DECODE
 from twophase.contract import (
     CONTRACT_VERSION,
     Backend,
@@ -45,7 +54,7 @@ from twophase.contract import (
 )
 from twophase.device import require_device, threads_option
 from twophase.errors import ConfigError, install_hint
-from twophase.graph.inputs import kv_rows, layer_blocks, step_inputs, write_rows
+from twophase.graph.inputs import kv_rows, layer_blocks, state_inputs, step_inputs, write_rows, write_states
 
 log = logging.getLogger(__name__)
 OPTIONS = {"threads", "export_dir", "pool"}
@@ -87,8 +96,10 @@ class IreeBackend(Backend):
 
     def capabilities(self) -> Capabilities:
         owned = getattr(self, "pool_mode", "shared") == "owned"
-        return Capabilities(features=TRACED_FEATURES, devices=tuple(DRIVERS), dtypes=(torch.float32,),
-                            shares_kv_pool=not owned, own_threads=True, kv_groups=True)
+        # state layers in decode only (their prefill, the chunked form, is not traced)
+        return Capabilities(features=GRAPH_FEATURES, devices=tuple(DRIVERS), dtypes=(torch.float32,),
+                            shares_kv_pool=not owned, own_threads=True, kv_groups=True,
+                            features_in={"prefill": GRAPH_FEATURES - STATE_DECODE})
 
     def load(self, model: ModelSpec, cfg: BackendConfig) -> None:
         self.check_available(cfg.device)
@@ -105,7 +116,7 @@ class IreeBackend(Backend):
 
     def kv_cache_spec(self) -> KVCacheSpec:
         a = self.arch
-        return KVCacheSpec(a.num_layers, a.num_kv_heads, a.head_dim, torch.float32, self.device)
+        return KVCacheSpec(len(a.attention_layers), a.num_kv_heads, a.head_dim, torch.float32, self.device)
 
     def bind_kv_cache(self, kv: KVCache) -> None:
         from twophase.exporters import mlir
@@ -165,32 +176,48 @@ class IreeBackend(Backend):
 
     # -- the two operations -----------------------------------------------------------------
     def prefill(self, batch: PrefillBatch) -> torch.Tensor:
-
+        if self.kv.states:                        # the decode entry point, for one-token chunks only
+            if max(batch.query_lens) > 1:
+                raise BackendUnavailable(self.supports_phase(self.arch, self.model.quantization,
+                                                             "prefill") or "")
+            return self.decode(DecodeBatch(batch.token_ids, batch.positions, batch.slot_mapping,
+                                           batch.block_tables, batch.context_lens,
+                                           batch.state_slots, batch.state_copies))
         x = step_inputs(batch, self.kv, decodes=False)
         return self._run("prefill", batch.slot_mapping,
                          [x["input_ids"], x["positions"], self.pool_view, x["chunk_index"],
-                          x["chunk_blocks"], x["chunk_cached"], x["chunk_lens"], x["logits_index"]])
+                          x["chunk_blocks"], x["chunk_cached"], x["chunk_lens"], x["logits_index"]])[0]
 
     def decode(self, batch: DecodeBatch) -> torch.Tensor:
         cached = batch.context_lens - 1
         width = max(1, -(-int(cached.max()) // self.kv.block_size))
         blocks = layer_blocks(batch.block_tables[..., :width], tuple(self.kv.pool.shape), self.kv.groups)
-        return self._run("decode", batch.slot_mapping,
-                         [batch.token_ids, batch.positions, self.pool_view, blocks, cached])
+        args = [batch.token_ids, batch.positions, self.pool_view, blocks, cached]
+        if not self.kv.states:
+            return self._run("decode", batch.slot_mapping, args)[0]
+        copy_states(self.kv, batch.state_copies)
+        assert batch.state_slots is not None
+        slots = batch.state_slots.to(self.device)
+        states = state_inputs(self.kv, slots)
+        logits, new = self._run("decode", batch.slot_mapping, args + [t.cpu() for t in states.values()])
+        write_states(self.kv, {f"new_{n}": t.to(self.device) for n, t in zip(states, new, strict=True)},
+                     slots)
+        return logits
 
-    def _run(self, entry: str, slots: torch.Tensor, args: list[Any]) -> torch.Tensor:
-
+    def _run(self, entry: str, slots: torch.Tensor, args: list[Any]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Logits of one call, its K/V written at ``slots``, and its results after the K/V (a
+        state model's new states), on the host."""
         args = [np.ascontiguousarray(a.numpy()) if isinstance(a, torch.Tensor) else a for a in args]
         if self.device.type == "cuda" and self.pool_mode == "shared":
             torch.cuda.current_stream(self.device).synchronize()   # the pool's last writes land
-        logits, new_k, new_v = self.entry[entry](*args)
+        logits, new_k, new_v, *more = self.entry[entry](*args)
         rows = kv_rows(tuple(self.kv.pool.shape), slots, self.kv.groups)
         if self.pool_mode == "owned":
             self.entry["write_kv"](self.pool_view, new_k, new_v, np.ascontiguousarray(rows.numpy()))
         else:     # through the host: a step's K/V are small (23 KB a token, default model)
             write_rows(self.kv.pool, torch.from_numpy(new_k.to_host()).to(self.device),
                        torch.from_numpy(new_v.to_host()).to(self.device), rows.to(self.device))
-        return torch.from_numpy(logits.to_host())
+        return torch.from_numpy(logits.to_host()), [torch.from_numpy(t.to_host()) for t in more]
 
 
 @hookimpl

@@ -47,7 +47,7 @@ import torch
 
 from twophase.backends.hookspecs import hookimpl
 from twophase.backends.torch_eager import copy_states
-from twophase.backends.traced import ONNX_FEATURES, STATE_DECODE, TRACED_FEATURES
+from twophase.backends.traced import GRAPH_FEATURES, STATE_DECODE, TRACED_FEATURES
 from twophase.contract import (
     CONTRACT_VERSION,
     Backend,
@@ -140,10 +140,10 @@ class OnnxRuntimeBackend(Backend):
         old_gather = cuda and _release(_ort().__version__) < GATHER_FIXED
         dtypes = cuda_dtypes(_ort().__version__) if cuda else (torch.float32, torch.float16)
         # state layers in decode only, and on float weights (q4 rewrites the Llama block's projections)
-        return Capabilities(features=ONNX_FEATURES, devices=("cpu", "cuda"), dtypes=dtypes,
+        return Capabilities(features=GRAPH_FEATURES, devices=("cpu", "cuda"), dtypes=dtypes,
                             own_threads=True, max_pool_elements=GATHER_LIMIT if old_gather else None,
                             kv_groups=True, features_on={"q4": TRACED_FEATURES},
-                            features_in={"prefill": ONNX_FEATURES - STATE_DECODE})
+                            features_in={"prefill": GRAPH_FEATURES - STATE_DECODE})
 
     def load(self, model: ModelSpec, cfg: BackendConfig) -> None:
         self.check_available(cfg.device)

@@ -12,6 +12,6 @@ TRACED_FEATURES = frozenset({
 # the kinds of state layer whose one step the step graph traces (``models/layers/state.py``):
 # decodes only, their prefill runs on another backend
 STATE_DECODE = frozenset({"gated_deltanet", "short_conv", "mamba2"})
-# what the onnxruntime backend computes: the traced features, the state layers in decode, and
-# what the families that have them add (the decoder's own code, traced as the rest)
-ONNX_FEATURES = TRACED_FEATURES | STATE_DECODE | {"attn_output_gate", "no_rope", "residual_scale", "logit_divisor"}
+# what the onnxruntime and iree backends compute: the traced features, the state layers in
+# decode, and what the families that have them add (the decoder's own code, traced as the rest)
+GRAPH_FEATURES = TRACED_FEATURES | STATE_DECODE | {"attn_output_gate", "no_rope", "residual_scale", "logit_divisor"}

@@ -15,7 +15,10 @@ Entry points (int64 indices, the pool ``[S, 2, NB, KVH, BS, hd]``, its layers' b
   chunk_cached [C], chunk_lens [C], logits_index [N])``: chunks after cached tokens, padded to
   the longest (padding index = T); decodes in a mixed step ride along as one-token chunks.
 - ``decode(input_ids [D], positions [D], kv_pool, dec_blocks [L, D, Wd], dec_cached [D])``: one
-  token per sequence, logits for each.
+  token per sequence, logits for each. A model with state layers passes the decodes' states
+  gathered at their slots after these (``state_J_I [D, *shape]``, ``signature.with_states``) and
+  gets their new ones after the K/V; its module has no ``prefill`` (the chunked form is not
+  traced: such a model prefills on another backend).
 
 Both return ``logits [N, vocab]`` float32 and ``new_k``/``new_v [L, T, KVH, hd]``. Like the ONNX
 graph, neither updates its pool argument: where the pool is the engine's (imported through
@@ -53,7 +56,8 @@ from twophase.graph.signature import DECODE, PREFILL
 from twophase.models.graph_attention import GraphMeta
 from twophase.models.q4_weights import cpu_model
 
-FORMAT = "twophase-mlir/4"      # 3: write_kv and clear_kv entry points; 4: layers' block indices
+FORMAT = "twophase-mlir/5"      # 3: write_kv and clear_kv entry points; 4: layers' block indices;
+                                # 5: the decodes' states
 log = logging.getLogger(__name__)
 
 
@@ -69,10 +73,10 @@ class PhaseSteps(nn.Module):
         meta = GraphMeta(None, None, None, chunk_index, chunk_blocks, chunk_cached, chunk_lens)
         return self.step.run(input_ids, positions, kv_pool, meta, logits_index)
 
-    def decode(self, input_ids, positions, kv_pool, dec_blocks, dec_cached):
+    def decode(self, input_ids, positions, kv_pool, dec_blocks, dec_cached, states=()):
         index = torch.arange(input_ids.shape[0], device=input_ids.device)
         meta = GraphMeta(index, dec_blocks, dec_cached, None, None, None, None)
-        return self.step.run(input_ids, positions, kv_pool, meta, index)
+        return self.step.run(input_ids, positions, kv_pool, meta, index, states)
 
     def write_kv(self, kv_pool, new_k, new_v, rows):
         write_rows(kv_pool, new_k, new_v, rows)
@@ -82,7 +86,8 @@ class PhaseSteps(nn.Module):
 
 
 for _entry, _sig in ((PhaseSteps.prefill, PREFILL), (PhaseSteps.decode, DECODE)):
-    assert list(inspect.signature(_entry).parameters)[1:] == _sig.names, f"{_entry} != its signature"
+    assert list(inspect.signature(_entry).parameters)[1:len(_sig.names) + 1] == _sig.names, \
+        f"{_entry} != its signature"
 
 
 def iree_versions() -> dict[str, str]:
@@ -131,24 +136,26 @@ def _compile_to(model: ModelSpec, device: str, block_size: int, folder: Path) ->
     with quiet_exporter_logs(), warnings.catch_warnings(), torch.inference_mode():
         warnings.simplefilter("ignore")
         steps = PhaseSteps(cpu_model(model)).eval()
-        pre_args, pre_dyn, dec_args, dec_dyn = _examples(steps.step.model.arch, model.dtype,
-                                                         block_size)
+        arch = steps.step.model.arch
+        pre_args, pre_dyn, dec_args, dec_dyn = _examples(arch, model.dtype, block_size)
         fxb = aot.FxProgramsBuilder(steps)
         stages.set_postfix_str("tracing prefill")
 
         # turbine inspects these functions' signatures: the arguments must be spelled out
-        @fxb.export_program(name="prefill", args=pre_args, dynamic_shapes=pre_dyn, strict=False)
-        def prefill(module, input_ids, positions, kv_pool, chunk_index, chunk_blocks,
-                    chunk_cached, chunk_lens, logits_index):
-            return module.prefill(input_ids, positions, kv_pool, chunk_index, chunk_blocks,
-                                  chunk_cached, chunk_lens, logits_index)
+        if not arch.state_layers:                 # state layers: decode only
+            @fxb.export_program(name="prefill", args=pre_args, dynamic_shapes=pre_dyn, strict=False)
+            def prefill(module, input_ids, positions, kv_pool, chunk_index, chunk_blocks,
+                        chunk_cached, chunk_lens, logits_index):
+                return module.prefill(input_ids, positions, kv_pool, chunk_index, chunk_blocks,
+                                      chunk_cached, chunk_lens, logits_index)
 
         stages.update()
         stages.set_postfix_str("tracing decode")
 
+        # ``states``: a model with state layers' decodes' states (a tuple, flattened by the export)
         @fxb.export_program(name="decode", args=dec_args, dynamic_shapes=dec_dyn, strict=False)
-        def decode(module, input_ids, positions, kv_pool, dec_blocks, dec_cached):
-            return module.decode(input_ids, positions, kv_pool, dec_blocks, dec_cached)
+        def decode(module, input_ids, positions, kv_pool, dec_blocks, dec_cached, states):
+            return module.decode(input_ids, positions, kv_pool, dec_blocks, dec_cached, states)
 
         pool, new_k, new_v, rows = _pool_examples(steps.step.model.arch, model.dtype, block_size)
         t, nb, sl = Dim("T"), Dim("NB"), Dim("S")
@@ -178,7 +185,7 @@ def _compile_to(model: ModelSpec, device: str, block_size: int, folder: Path) ->
 def _examples(arch, dtype: torch.dtype, bs: int):
     from torch.export import Dim
 
-    L, kvh, hd = arch.num_layers, arch.num_kv_heads, arch.head_dim
+    L, kvh, hd = len(arch.attention_layers), arch.num_kv_heads, arch.head_dim
     pool = torch.zeros(2, 2, 16, kvh, bs, hd, dtype=dtype)
     groups = example_groups(L)
     T = 6                                         # chunks of 2 and 4 tokens after cached ones
@@ -192,13 +199,16 @@ def _examples(arch, dtype: torch.dtype, bs: int):
     dec = (torch.arange(D) % arch.vocab_size, torch.tensor([5, 9, 2]), pool,
            layer_blocks(torch.tensor([[[0, 1, 0], [2, 3, 4], [5, 0, 0]]] * 2), pool.shape, groups),
            torch.tensor([5, 9, 2]))
+    shapes = [shape for s in arch.layers if s.mixer is not None for shape in s.mixer.state_shapes()]
+    states = tuple(torch.zeros(D, *shape) for shape in shapes)          # float32, as KVCache.states
+    dec = (*dec, states)
     d, wd, sl2, nb2 = Dim("D"), Dim("Wd"), Dim("S"), Dim("NB")
-    dec_dyn = ({0: d}, {0: d}, {0: sl2, 2: nb2}, {1: d, 2: wd}, {0: d})
+    dec_dyn = ({0: d}, {0: d}, {0: sl2, 2: nb2}, {1: d, 2: wd}, {0: d}, tuple({0: d} for _ in states))
     return pre, pre_dyn, dec, dec_dyn
 
 
 def _pool_examples(arch, dtype: torch.dtype, bs: int):
-    L, kvh, hd, T = arch.num_layers, arch.num_kv_heads, arch.head_dim, 3
+    L, kvh, hd, T = len(arch.attention_layers), arch.num_kv_heads, arch.head_dim, 3
     pool = torch.zeros(2, 2, 16, kvh, bs, hd, dtype=dtype)
     rows = kv_rows(tuple(pool.shape), torch.tensor([[0, 5, 17]] * 2), example_groups(L))
     return (pool, torch.ones(L, T, kvh, hd, dtype=dtype), torch.ones(L, T, kvh, hd, dtype=dtype), rows)
