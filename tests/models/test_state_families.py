@@ -186,6 +186,24 @@ def test_disaggregated_prefill_and_decode_move_the_state_with_the_blocks(hf):
     assert len(d.engine.kv._free_slots) == d.engine.kv.running_slots
 
 
+def test_a_draft_model_gives_the_tokens_of_decoding_without_it(hf, tmp_path_factory):
+    """A draft model that attends in every layer (transformers' tiny Llama, the same 300 token
+    ids) proposes for the state model: it rarely guesses right, so nearly every verify step
+    rolls the state back, and the tokens equal those without drafts."""
+    folder, _, _ = hf
+    draft = tmp_path_factory.mktemp("draft")
+    tiny_hf_model("llama", draft)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (7, 30)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2)
+    plain = _llm(folder).generate(prompts, params)
+    llm = _llm(folder, speculative={"method": "draft", "num_tokens": 2, "draft": {"path": str(draft)}})
+    drafted = llm.generate(prompts, params)
+    assert llm.report(drafted)["speculative"]["draft_tokens"] > 0
+    for i, (d, p) in enumerate(zip(drafted, plain)):
+        assert_greedy_match(d.token_ids, p.token_ids, logprob_gaps(p), f"prompt {i}")
+
+
 def test_what_state_layers_do_not_do_yet_is_said(hf, caplog):
     from twophase.errors import ConfigError
 
@@ -295,3 +313,35 @@ def test_lfm2_as_its_published_config_states_it_reads_as_transformers_reads_it()
     assert [s.attends for s in arch.layers] == [t != "conv" for t in ref.layer_types]
     assert arch.tie_word_embeddings == ref.tie_word_embeddings is True
     assert arch.rope_theta == 1e6 and "short_conv" in arch.features() and "qk_norm" in arch.features()
+
+
+def test_structured_outputs_hold_on_a_hybrid_and_across_backends(tmp_path, default_llm):
+    """A tiny Qwen3.5 carrying the default model's tokenizer: a JSON schema's answer validates
+    (the ``jsonschema`` validator), and prefill on torch with decode on onnxruntime gives the same
+    constrained tokens."""
+    import json
+    import shutil
+
+    jsonschema = pytest.importorskip("jsonschema")
+    from helpers.hf_models import hf_config
+
+    from twophase.paths import cache_dir
+    from twophase.structured import StructuredOutputs
+
+    cfg = hf_config("qwen3_5")
+    cfg.vocab_size = default_llm.spec.arch.vocab_size
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(cache_dir() / "models" / "smollm2-135m-instruct" / name, tmp_path / name)
+    schema = {"type": "object", "properties": {"k": {"enum": ["x", "yy", "zzz"]},
+                                               "n": {"type": "integer", "maximum": 99}},
+              "required": ["k", "n"], "additionalProperties": False}
+    params = SamplingParams(max_tokens=40, structured=StructuredOutputs(json=schema))
+    prompts = ["Answer in JSON.", "a longer prompt, to be prefilled in more than one chunk " * 3]
+    torch_only = _llm(tmp_path, scheduler={"max_num_batched_tokens": 16, "max_num_seqs": 4})
+    want = torch_only.generate(prompts, params)
+    for o in want:
+        jsonschema.validate(json.loads(o.text), schema)
+    split = _llm(tmp_path, backend={"prefill": {"name": "torch"}, "decode": {"name": "onnxruntime"}})
+    assert [o.token_ids for o in split.generate(prompts, params)] == [o.token_ids for o in want]
