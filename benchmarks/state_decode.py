@@ -6,6 +6,7 @@ step decodes ``--batch`` sequences whose K/V already hold ``context`` tokens (th
 are what a decode reads; their values do not change its time).
 
     python benchmarks/state_decode.py --contexts 1024,8192,32768 --rounds 3
+    python benchmarks/state_decode.py --decode-backend onnxruntime    # the split: torch prefill
 """
 
 from __future__ import annotations
@@ -21,6 +22,37 @@ SHAPE = dict(model_type="qwen3_5_text", vocab_size=32000, hidden_size=1024, inte
              num_hidden_layers=16, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
              linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=128, linear_value_head_dim=128,
              linear_conv_kernel_dim=4, max_position_embeddings=65536, eos_token_id=2)
+
+
+def graph_step(kind: str, context: int, batch: int, steps: int, backend: str) -> float:
+    """``one`` on the engine's own decode backend (``backend``: prefill on torch, decode there,
+    over one pool), the model a named shape with random weights."""
+    import torch
+
+    from twophase import LLM
+    from twophase.contract import DecodeBatch
+    from twophase.models.families import arch_from_config
+    from twophase.models.shapes import SHAPES
+
+    n = SHAPE["num_hidden_layers"]
+    types = ["full_attention" if kind == "full" or (i + 1) % 4 == 0 else "linear_attention" for i in range(n)]
+    SHAPES[f"bench-{kind}"] = arch_from_config({**SHAPE, "layer_types": types}, kind)
+    bs = 16
+    blocks = -(-(context + 1) // bs)
+    llm = LLM.from_config({"model": {"name": f"bench-{kind}", "weights": "random"},
+                           "backend": {"prefill": {"name": "torch"}, "decode": {"name": backend}},
+                           "cache": {"num_blocks": batch * blocks, "block_size": bs, "prefix_caching": False},
+                           "scheduler": {"max_num_seqs": max(batch, 2)}})
+    tables = torch.arange(batch * blocks).view(batch, blocks)
+    pos = torch.full((batch,), context)
+    d = DecodeBatch(torch.full((batch,), 5), pos, tables[:, context // bs] * bs + context % bs, tables, pos + 1,
+                    torch.arange(batch) if llm.kv_cache.states else None)
+    times = []
+    for _ in range(steps + 2):
+        t0 = time.perf_counter()
+        llm.decode_backend.decode(d)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[2:])
 
 
 def one(kind: str, context: int, batch: int, steps: int) -> float:
@@ -67,10 +99,14 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--decode-backend", default="torch",
+                    help="decode on this backend (onnxruntime, iree) after a torch prefill, over one pool")
     ap.add_argument("--one", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(one(args.one[0], int(args.one[1]), args.batch, args.steps)))
+        kind, ctx = args.one[0], int(args.one[1])
+        print(json.dumps(one(kind, ctx, args.batch, args.steps) if args.decode_backend == "torch" else
+                         graph_step(kind, ctx, args.batch, args.steps, args.decode_backend)))
         return
     contexts = [int(c) for c in args.contexts.split(",")]
     got: dict[tuple[str, int], list[float]] = {}
@@ -78,9 +114,10 @@ def main() -> None:
         for c in contexts:
             for kind in ("hybrid", "full") if r % 2 == 0 else ("full", "hybrid"):
                 out = subprocess.run([sys.executable, __file__, "--one", kind, str(c), "--batch", str(args.batch),
-                                      "--steps", str(args.steps)], capture_output=True, text=True, check=True)
+                                      "--steps", str(args.steps), "--decode-backend", args.decode_backend],
+                                     capture_output=True, text=True, check=True)
                 got.setdefault((kind, c), []).append(json.loads(out.stdout.strip().splitlines()[-1]))
-    print(f"decode step, batch {args.batch}, medians of {args.rounds} rounds (ms)")
+    print(f"decode step on {args.decode_backend}, batch {args.batch}, medians of {args.rounds} rounds (ms)")
     print("| context | hybrid (12 DeltaNet + 4 attention) | full (16 attention) | full / hybrid |")
     print("|---|---|---|---|")
     base = {k: statistics.median(v) for k, v in got.items()}
