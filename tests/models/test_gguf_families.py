@@ -284,3 +284,35 @@ def test_a_granite_file_gives_back_every_tensor_of_the_original(tmp_path):
     for k, v in want.items():
         assert got[k].shape == v.shape, k
         assert np.allclose(got[k], v, rtol=1e-6, atol=1e-6) if k.endswith("A_log") else (got[k] == v).all(), k
+
+
+def test_a_qwen3_5_file_with_a_next_token_prediction_block_loads_its_model_alone(tmp_path, caplog):
+    """llama.cpp's newest converter writes Qwen3.5's next-token-prediction layer as one more
+    block (``blk.{n}``, its ``nextn.*`` tensors among it) and states ``nextn_predict_layers``:
+    the model is the blocks before it, with the tokens of the file without it, and the log says
+    the extra block is not loaded."""
+    from helpers import gguf_writer
+
+    _tiny("qwen3_5", tmp_path / "hf")
+    plain = write_gguf(tmp_path / "hf", tmp_path / "plain.gguf")
+    meta = gguf_writer._metadata
+
+    def with_nextn(w, model_type, c):
+        meta(w, model_type, c)
+        n, h = c.num_hidden_layers, c.hidden_size
+        w.add_block_count(n + 1)
+        w.add_uint32("qwen35.nextn_predict_layers", 1)
+        rng = np.random.default_rng(0)
+        for name, shape in ((f"blk.{n}.attn_norm.weight", (h,)), (f"blk.{n}.nextn.eh_proj.weight", (h, 2 * h)),
+                            (f"blk.{n}.nextn.enorm.weight", (h,))):
+            w.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+
+    with mock.patch.object(gguf_writer, "_metadata", with_nextn):
+        extra = write_gguf(tmp_path / "hf", tmp_path / "nextn.gguf")
+    caplog.set_level("INFO")
+    params = SamplingParams(max_tokens=NEW, ignore_eos=True)
+    cfg = {"cache": {"num_blocks": 64, "block_size": 8}}
+    want = LLM.from_config({"model": {"path": str(plain)}, **cfg}).generate([PROMPT], params)[0].token_ids
+    llm = LLM.from_config({"model": {"path": str(extra)}, **cfg})
+    assert llm.spec.arch.num_layers == 4 and "next-token-prediction block(s)" in caplog.text
+    assert llm.generate([PROMPT], params)[0].token_ids == want

@@ -43,6 +43,13 @@ def hf_name(gguf_name: str, fam: Family) -> str:
     raise ModelError(f"GGUF tensor {gguf_name!r} has no place in a {fam.name} model")
 
 
+def in_trunk(gguf_name: str, num_layers: int) -> bool:
+    """Whether a GGUF tensor belongs to the model's own blocks (not to a next-token-prediction
+    block after them, ``blk.{num_layers}`` and on)."""
+    m = re.match(r"blk\.(\d+)\.", gguf_name)
+    return m is None or int(m[1]) < num_layers
+
+
 def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's reordering of Q/K rows (interleaved RoPE pairs → HF's rotate-half)."""
     out = w.shape[0]
@@ -79,9 +86,11 @@ def hf_config(header: GGUFFile) -> dict:
     for name, what in _ROPE_FACTORS.items():
         if name in names:
             raise ModelError(f"{header.path}: the file holds {name}, {what}: not implemented")
-    if f(p + "nextn_predict_layers"):
-        raise ModelError(f"{header.path}: the file holds {f(p + 'nextn_predict_layers')} next-token-prediction "
-                         f"layer(s) after its blocks ({p}nextn_predict_layers): not implemented")
+    extra = int(f(p + "nextn_predict_layers") or 0)
+    if extra:
+        log.info("%s: its %d next-token-prediction block(s) after the model's (%snextn_predict_layers) are "
+                 "not loaded: they draft tokens, which this engine does with n-gram or a draft model",
+                 header.path, extra, p)
     tokens = f("tokenizer.ggml.tokens") or []      # a LongArray: its length
     try:
         own = fam.gguf_config(f, p, names) if fam.gguf_config else {}
@@ -93,7 +102,7 @@ def hf_config(header: GGUFFile) -> dict:
         "vocab_size": int(f(p + "vocab_size", len(tokens))),
         "hidden_size": hidden,
         "intermediate_size": need("feed_forward_length"),
-        "num_hidden_layers": need("block_count"),
+        "num_hidden_layers": need("block_count") - extra,
         "num_attention_heads": heads,
         # a list a layer where state layers have none (LFM2's 0s): the attention layers' count
         "num_key_value_heads": int(max(kv) if isinstance(kv := f(p + "attention.head_count_kv", heads), list)
@@ -193,7 +202,8 @@ def convert(gguf_path: Path, out_dir: Path) -> None:
     tensors: dict[str, np.ndarray] = {}
     heads = (config["num_attention_heads"], config["num_key_value_heads"])
     for t in tqdm(header.tensors.values(), desc=f"dequantising {gguf_path.name}", unit="tensor"):
-        tensors.update(hf_tensors(header, t.name, fam, *heads))
+        if in_trunk(t.name, config["num_hidden_layers"]):
+            tensors.update(hf_tensors(header, t.name, fam, *heads))
     save_file(tensors, str(tmp / "model.safetensors"))
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     _save_tokenizer(gguf_path, tmp)

@@ -139,14 +139,14 @@ def float_weights(spec: ModelSpec, ours: Callable[[str], bool],
     names = hf_names(arch, lambda k: k in held and ours(k))
     hf: dict[str, torch.Tensor] = {}
     if source.kind == "gguf":
-        from twophase.models.gguf import hf_name, hf_tensors
+        from twophase.models.gguf import hf_name, hf_tensors, in_trunk
         from twophase.models.gguf_file import GGUFFile
 
         assert source.path is not None
         header = GGUFFile(source.path)
         fam = family(arch.family)
         for name in header.tensors:
-            if hf_name(name, fam).format(e=0) in names:
+            if in_trunk(name, arch.num_layers) and hf_name(name, fam).format(e=0) in names:
                 hf.update({k: torch.from_numpy(v) for k, v in
                            hf_tensors(header, name, fam, arch.num_heads, arch.num_kv_heads).items()})
     else:
