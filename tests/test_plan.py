@@ -372,36 +372,26 @@ def test_a_tensorrt_pool_stops_at_what_its_engine_can_index():
     assert free.num_blocks > 20 * p.num_blocks
 
 
-def test_cli_plans_qwen3_next_state_beside_the_attention_layers_kv(tmp_path):
-    """Qwen3-Next 80B-A3B (transformers' Qwen3NextConfig shape, 4-bit to fit an H200): K/V for
-    its 12 attention layers only (2 KV heads of 256, bf16), a state of 36 Gated DeltaNet layers
-    a sequence counted by hand, and what the same memory holds were every layer attending."""
-    r = _plan_cli("--model", "qwen3-next-80b-a3b", "--device", "h200", "--context", "262144",
+@pytest.mark.parametrize("shape, device, context, attending, kv_heads, state_layers, v_heads, gain", [
+    # Qwen3-Next 80B-A3B (transformers' Qwen3NextConfig shape), 4-bit to fit an H200
+    ("qwen3-next-80b-a3b", "h200", 262144, 12, 2, 36, 32, 3),
+    # Qwen3.5-27B (its published multimodal config.json, read as its text model), 4-bit
+    ("qwen3.5-27b", "h100-80gb", 32768, 16, 4, 48, 48, 1),
+])
+def test_cli_plans_a_hybrids_state_beside_the_attention_layers_kv(tmp_path, shape, device, context, attending,
+                                                                 kv_heads, state_layers, v_heads, gain):
+    """K/V for the attention layers only (heads of 256, bf16), a state of Gated DeltaNet layers
+    (16 key heads and ``v_heads`` value heads of 128) a sequence counted by hand, and at least
+    ``gain`` times the sequences the same memory holds were every layer attending."""
+    r = _plan_cli("--model", shape, "--device", device, "--context", str(context),
                   "--quantization", "q4", "--json", "p.json", "--plot", "", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     d = json.loads((tmp_path / "p.json").read_text())
-    assert d["kv_bytes_per_token"] == 12 * 2 * 2 * 256 * 2
-    conv = (2 * 16 * 128 + 32 * 128) * 3 * 4             # the convolution's last 3 inputs, float32
-    delta = 32 * 128 * 128 * 4                           # a 128 x 128 matrix a value head
-    assert d["state_bytes_per_sequence"] == 36 * (conv + delta) and d["state_layers"] == 36
+    assert d["kv_bytes_per_token"] == attending * 2 * kv_heads * 256 * 2
+    conv = (2 * 16 * 128 + v_heads * 128) * 3 * 4        # the convolution's last 3 inputs, float32
+    delta = v_heads * 128 * 128 * 4                      # a 128 x 128 matrix a value head
+    assert d["state_bytes_per_sequence"] == state_layers * (conv + delta) and d["state_layers"] == state_layers
     state = next(i for i in d["items"] if i["name"] == "state slots")
     assert state["bytes"] == d["state_slots"] * d["state_bytes_per_sequence"]
-    assert d["max_concurrency"] >= 3 * d["full_attention_concurrency"] > 0
-    assert "in the 12 attention layers" in r.stdout and "36 state layers" in r.stdout
-
-
-def test_cli_plans_qwen3_5_27b_state_beside_the_attention_layers_kv(tmp_path):
-    """Qwen3.5-27B (its published multimodal config.json, read as its text model; 4-bit to fit
-    an H100 beside its states): K/V for its 16 attention layers only (4 KV heads of 256, bf16), a
-    state of 48 Gated DeltaNet layers (48 value heads) a sequence counted by hand."""
-    r = _plan_cli("--model", "qwen3.5-27b", "--device", "h100-80gb", "--context", "32768",
-                  "--quantization", "q4", "--json", "p.json", "--plot", "", cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
-    d = json.loads((tmp_path / "p.json").read_text())
-    assert d["kv_bytes_per_token"] == 16 * 2 * 4 * 256 * 2
-    conv = (2 * 16 * 128 + 48 * 128) * 3 * 4             # the convolution's last 3 inputs, float32
-    delta = 48 * 128 * 128 * 4                           # a 128 x 128 matrix a value head
-    assert d["state_bytes_per_sequence"] == 48 * (conv + delta) and d["state_layers"] == 48
-    state = next(i for i in d["items"] if i["name"] == "state slots")
-    assert state["bytes"] == d["state_slots"] * d["state_bytes_per_sequence"] and d["max_concurrency"] > 0
-    assert "in the 16 attention layers" in r.stdout and "48 state layers" in r.stdout
+    assert d["max_concurrency"] >= gain * d["full_attention_concurrency"] > 0
+    assert f"in the {attending} attention layers" in r.stdout and f"{state_layers} state layers" in r.stdout

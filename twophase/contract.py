@@ -407,6 +407,14 @@ class KVCache:
     # ``[slots, *shape]``; a batch's ``state_slots`` say which row each sequence holds
     states: tuple[tuple[torch.Tensor, ...], ...] = ()
 
+    def copy_states(self, copies: list[tuple[int, int]]) -> None:
+        """Copy state rows, in order, in every state layer's tensors (a batch's ``state_copies``:
+        every backend that holds states applies them before it computes)."""
+        for src, dst in copies:
+            for layer in self.states:
+                for t in layer:
+                    t[dst] = t[src]
+
     @property
     def num_blocks(self) -> int:
         return self.pool.shape[2]

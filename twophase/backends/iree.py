@@ -37,7 +37,6 @@ import numpy as np
 import torch
 
 from twophase.backends.hookspecs import hookimpl
-from twophase.backends.torch_eager import copy_states
 from twophase.backends.traced import GRAPH_FEATURES, STATE_DECODE
 from twophase.contract import (
     CONTRACT_VERSION,
@@ -195,7 +194,7 @@ class IreeBackend(Backend):
         args = [batch.token_ids, batch.positions, self.pool_view, blocks, cached]
         if not self.kv.states:
             return self._run("decode", batch.slot_mapping, args)[0]
-        copy_states(self.kv, batch.state_copies)
+        self.kv.copy_states(batch.state_copies)
         assert batch.state_slots is not None
         slots = batch.state_slots.to(self.device)
         states = state_inputs(self.kv, slots)

@@ -46,7 +46,6 @@ import numpy as np
 import torch
 
 from twophase.backends.hookspecs import hookimpl
-from twophase.backends.torch_eager import copy_states
 from twophase.backends.traced import GRAPH_FEATURES, STATE_DECODE, TRACED_FEATURES
 from twophase.contract import (
     CONTRACT_VERSION,
@@ -262,7 +261,7 @@ class OnnxRuntimeBackend(Backend):
         their state layers' one step), the states gathered at their slots and written back."""
         if max(batch.query_lens) > 1:
             raise BackendUnavailable(self.supports_phase(self.arch, self.quantization, "prefill") or "")
-        copy_states(self.kv, batch.state_copies)
+        self.kv.copy_states(batch.state_copies)
         assert batch.state_slots is not None
         slots = batch.state_slots.to(self.device)
         states = state_inputs(self.kv, slots)

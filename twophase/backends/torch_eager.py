@@ -114,7 +114,7 @@ class TorchBackend(Backend):
     # -- the two operations -----------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, batch: PrefillBatch) -> torch.Tensor:
-        copy_states(self.kv, batch.state_copies)
+        self.kv.copy_states(batch.state_copies)
         meta = self._meta(batch)
         dev = self.device
         spans = list(zip(batch.query_start[:-1], batch.query_lens, batch.start_positions))
@@ -127,7 +127,7 @@ class TorchBackend(Backend):
 
     @torch.inference_mode()
     def decode(self, batch: DecodeBatch) -> torch.Tensor:
-        copy_states(self.kv, batch.state_copies)
+        self.kv.copy_states(batch.state_copies)
         if self.graphs is not None:
             return self.graphs.run(batch)
         dev = self.device
@@ -169,14 +169,6 @@ class TorchBackend(Backend):
                 table = block_tables[i, :-(-ctx[i] // bs)].to(dev)
                 chunks.append((starts[i], n, batch.start_positions[i], table))
         return AttnMeta(slot_mapping.to(dev), decode_idx, decode_tables, decode_lens, chunks)
-
-
-def copy_states(kv: KVCache, copies: list[tuple[int, int]]) -> None:
-    """Copy state rows, in order, in every state layer's tensors (``PrefillBatch.state_copies``)."""
-    for src, dst in copies:
-        for layer in kv.states:
-            for t in layer:
-                t[dst] = t[src]
 
 
 def state_meta(slots: torch.Tensor | None, spans: list[tuple[int, int, int]]) -> StateMeta | None:
