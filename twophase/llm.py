@@ -133,23 +133,18 @@ class LLM:
     def generate(self, prompts: str | list[int] | list[str | list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run prompts to completion; outputs come back in the prompts' order. A prompt that can
-        never be served comes back with ``finish_reason = "rejected"`` and the reason."""
+        """Run prompts to completion; outputs come back in the prompts' order, a prompt with
+        ``n`` choices as ``n`` outputs in a row (``output.index`` says which). A prompt that can
+        never be served comes back with ``finish_reason = "rejected"`` and the reason (once a
+        choice)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
-        outputs: list[RequestOutput | None] = [None] * len(prompts)
-        pending: dict[str, int] = {}
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            try:
-                req = self.engine.add_request(prompt, p)
-                pending[req.request_id] = i
-            except RequestRejected as exc:
-                log.warning("prompt %d rejected: %s", i, exc)
-                outputs[i] = RequestOutput.rejected(f"rejected-{i}", prompt, str(exc))
+        outputs: list[RequestOutput | None] = [None] * sum(p.n for p in params)
+        pending = self._add_all(prompts, params, outputs)
         bar = None
         if use_tqdm:
             from tqdm import tqdm
@@ -163,6 +158,24 @@ class LLM:
         if bar is not None:
             bar.close()
         return outputs  # type: ignore[return-value]
+
+    def _add_all(self, prompts: list, params: list[SamplingParams],
+                 outputs: list[RequestOutput | None]) -> dict[str, int]:
+        """Queue every prompt; each request id's place in ``outputs`` (a prompt's choices in a
+        row). A rejected prompt's outputs are filled here, once a choice."""
+        first = [sum(p.n for p in params[:i]) for i in range(len(params))]
+        pending: dict[str, int] = {}
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                req = self.engine.add_request(prompt, p)
+                for r in [req, *req.forks]:
+                    pending[r.request_id] = first[i] + r.index
+            except RequestRejected as exc:
+                log.warning("prompt %d rejected: %s", i, exc)
+                for j in range(p.n):
+                    outputs[first[i] + j] = dataclasses.replace(
+                        RequestOutput.rejected(f"rejected-{i}", prompt, str(exc)), index=j)
+        return pending
 
     def report(self, outputs: list[RequestOutput] = ()) -> dict[str, Any]:
         """The phase report over every step since the last ``reset_stats``, with latencies of

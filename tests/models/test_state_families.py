@@ -350,3 +350,17 @@ def test_structured_outputs_hold_on_a_hybrid_and_across_backends(tmp_path, defau
         jsonschema.validate(json.loads(o.text), schema)
     split = _llm(tmp_path, backend={"prefill": {"name": "torch"}, "decode": {"name": "onnxruntime"}})
     assert [o.token_ids for o in split.generate(prompts, params)] == [o.token_ids for o in want]
+
+
+def test_choices_fork_the_state_and_equal_the_prompt_sent_alone(hf):
+    """``n`` choices of a hybrid: each takes the attention blocks and a copy of the state its
+    parent reached at the last whole block, then computes its tail itself."""
+    folder, _, _ = hf
+    llm = _llm(folder, cache={"num_blocks": 64, "block_size": 16})
+    prompt = torch.randint(3, 300, (37,), generator=torch.Generator().manual_seed(4)).tolist()
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=9, n=3)
+    outs = llm.generate([prompt], params)
+    alone = [llm.generate([prompt], SamplingParams(max_tokens=8, temperature=1.0, seed=9 + i))[0]
+             for i in range(3)]
+    assert [o.token_ids for o in outs] == [a.token_ids for a in alone]
+    assert [o.metrics["num_cached_tokens"] for o in outs[1:]] == [32, 32]

@@ -30,13 +30,15 @@ RATIO_STEP_UP = 0.25        # per preemption
 
 class Admission:
     def __init__(self, kv: KVManager, max_model_len: int, token_budget: int,
-                 chunked_prefill: bool, vocab_size: int | None = None, reserve: bool = True):
+                 chunked_prefill: bool, vocab_size: int | None = None, reserve: bool = True,
+                 max_num_seqs: int | None = None):
         self.kv = kv
         self.max_model_len = max_model_len
         self.token_budget = token_budget
         self.chunked_prefill = chunked_prefill
         self.vocab_size = vocab_size
         self.reserve = reserve
+        self.max_num_seqs = max_num_seqs
         self.ratio = RATIO_START
 
     def check(self, ids: list[int], params: SamplingParams) -> None:
@@ -55,10 +57,18 @@ class Admission:
             raise RequestRejected(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
                 f"the model's context of {self.max_model_len} tokens (model.max_model_len)")
-        blocks = self.kv.peak_blocks(total, self.token_budget if self.chunked_prefill else total)
+        n = params.n
+        if self.max_num_seqs is not None and n > self.max_num_seqs:
+            raise RequestRejected(f"n = {n} choices need {n} sequences but a step runs at most "
+                                  f"{self.max_num_seqs} (scheduler.max_num_seqs)")
+        chunk = self.token_budget if self.chunked_prefill else total
+        # n choices share the prompt's whole blocks: each holds its own tail and output
+        blocks = self.kv.peak_blocks(total, chunk) + (n - 1) * self.kv.peak_blocks(
+            params.max_tokens + self.kv.block_size, chunk)
         if blocks > self.kv.pool.num_blocks:
+            what = f"prompt + max_tokens = {total} tokens" + (f", {n} choices," if n > 1 else "")
             raise RequestRejected(
-                f"prompt + max_tokens = {total} tokens needs {blocks} KV blocks but the pool has "
+                f"{what} needs {blocks} KV blocks but the pool has "
                 f"{self.kv.pool.num_blocks} (cache.num_blocks)")
         if not self.chunked_prefill and total > self.token_budget:
             raise RequestRejected(

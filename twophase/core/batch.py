@@ -43,35 +43,46 @@ def build(out: SchedulerOutput, kv: KVManager, one_call: bool) -> StepBatches[Re
     batches) a step with any prefill is ONE ``PrefillBatch`` carrying the decodes as one-token
     chunks; otherwise the chunks go in a ``PrefillBatch`` and the decodes in a ``DecodeBatch``.
     A step that verifies drafts sends its decodes as chunks (each its token and its drafts) in
-    one ``verify`` call."""
-    steps = build_phases(out.decodes, out.prefills, kv, one_call) if not out.drafts else _build_verify(out, kv)
+    one ``verify`` call. Where a chunk's request asks for its prompt's log-probabilities, the
+    call carrying the chunks returns logits at every position (``logits = "all"``)."""
+    every = any(r.wants_prompt_logprobs for r, _ in out.prefills)
+    steps = (build_phases(out.decodes, out.prefills, kv, one_call, every) if not out.drafts
+             else _build_verify(out, kv, every))
     if steps.calls:            # the state copies the KV manager asked for, before anything reads them
         steps.calls[0][1].state_copies = kv.take_copies()
     return steps
 
 
-def _build_verify(out: SchedulerOutput, kv: KVManager) -> StepBatches[Request]:
+def _build_verify(out: SchedulerOutput, kv: KVManager, every: bool) -> StepBatches[Request]:
     chunks = [(r, r.num_computed_tokens, n) for r, n in out.prefills]
     items = [(r, r.num_computed_tokens, out.tokens_of(r)) for r in out.decodes]
     verify = prefill_batch(items, kv, {k: p.token_ids for k, p in out.drafts.items()})
     verify.logits = "all"
     calls: list[tuple[Call, PrefillBatch | DecodeBatch]] = \
-        [("prefill", prefill_batch(chunks, kv))] if chunks else []
+        [("prefill", _with_logits(prefill_batch(chunks, kv), every))] if chunks else []
     return StepBatches(calls + [("verify", verify)],
-                       [(r, n, 1) for r, _, n in chunks] + [(r, n, n) for r, _, n in items])
+                       [(r, n, n if every else 1) for r, _, n in chunks] + [(r, n, n) for r, _, n in items])
+
+
+def _with_logits(batch: PrefillBatch, every: bool) -> PrefillBatch:
+    if every:
+        batch.logits = "all"
+    return batch
 
 
 def build_phases(decodes: Sequence[S], prefills: Sequence[tuple[S, int]], kv: KVManager,
-                 one_call: bool) -> StepBatches[S]:
+                 one_call: bool, every: bool = False) -> StepBatches[S]:
     """``build`` for a step with no drafts to verify, over any sequences: the draft model's
-    steps are built here too, from its own copies of the requests."""
+    steps are built here too, from its own copies of the requests. ``every``: the chunks' call
+    returns logits at every position (a chunk's rows are then its tokens')."""
     chunks = [(r, r.num_computed_tokens, n) for r, n in prefills]
-    chunk_rows = [(r, n, 1) for r, _, n in chunks]
+    chunk_rows = [(r, n, n if every else 1) for r, _, n in chunks]
     if one_call and chunks:
         items = [(r, r.num_computed_tokens, 1) for r in decodes] + chunks
-        return StepBatches([("prefill", prefill_batch(items, kv))], [(r, n, 1) for r, _, n in items])
+        return StepBatches([("prefill", _with_logits(prefill_batch(items, kv), every))],
+                           [(r, n, n if every else 1) for r, _, n in items])
     calls: list[tuple[Call, PrefillBatch | DecodeBatch]] = \
-        [("prefill", prefill_batch(chunks, kv))] if chunks else []
+        [("prefill", _with_logits(prefill_batch(chunks, kv), every))] if chunks else []
     if decodes:
         calls.append(("decode", decode_batch(decodes, kv)))
     return StepBatches(calls, chunk_rows + [(r, 1, 1) for r in decodes])

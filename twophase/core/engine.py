@@ -10,6 +10,7 @@ into ``Delta`` values (text, stop strings) that may cross threads.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -30,7 +31,7 @@ from twophase.core.metrics import StepLog, StepRecord
 from twophase.core.output_processor import OutputProcessor
 from twophase.core.outputs import Delta, RequestOutput, RequestStats
 from twophase.core.proposer import Proposer
-from twophase.core.request import Request
+from twophase.core.request import Request, Status
 from twophase.core.sampler import sample_step
 from twophase.core.sampling_params import SamplingParams
 from twophase.core.scheduler import Scheduler, SchedulerOutput
@@ -52,6 +53,11 @@ def check_text(text: str) -> str:
         raise RequestRejected(f"the text is not valid Unicode ({exc.reason} at character "
                               f"{exc.start})") from None
     return text
+
+
+def _wrap(seed: int) -> int:
+    """A choice's seed past 2**64 - 1 wraps around, as a 64-bit generator's would."""
+    return seed - 2 ** 64 if seed >= 2 ** 64 else seed
 
 
 class Engine:
@@ -120,7 +126,8 @@ class Engine:
                     request_id: str | None = None, arrival: float | None = None,
                     kv_transfer: KVTransferParams | None = None,
                     first_token_ids: Sequence[int] = (),
-                    constraint: Constraint | None = None) -> Request:
+                    constraint: Constraint | None = None,
+                    choice_ids: Sequence[str] = ()) -> Request:
         """Queue a request; raises ``RequestRejected`` if it could never be served. The returned
         request is the engine's own: read it on the engine's thread only. A prompt from
         ``prepare`` is not checked again (``params``: None, or the ones it was prepared for).
@@ -132,20 +139,18 @@ class Engine:
         hold only the tokens sampled here).
 
         A request with ``params.structured`` gets its grammar state here (``constraint``: one
-        compiled already, off this thread, by ``grammars.constraint``)."""
+        compiled already, off this thread, by ``grammars.constraint``).
+
+        ``params.n`` choices: the returned request is choice 0, and the others (ids
+        ``choice_ids``, else ``<request_id>.<i>``) wait in its ``forks`` until its prompt is
+        computed; each is then a request of its own, with its own deltas and output."""
         if isinstance(prompt, PreparedPrompt):
             if params is not None and params != prompt.params:
                 raise ValueError("the prompt was prepared for other SamplingParams: prepare it "
                                  "again with these, or pass params=None")
             params = prompt.params
         params = params or SamplingParams()
-        if kv_transfer is not None:
-            if self.connector is None:
-                raise RequestRejected("kv_transfer_params: this engine has no KV connector")
-            self.connector.check(kv_transfer)
-        if len(first_token_ids) >= params.max_tokens:
-            raise RequestRejected(f"{len(first_token_ids)} tokens already sampled leave none of "
-                                  f"max_tokens ({params.max_tokens})")
+        self._check_transfer(params, kv_transfer, first_token_ids)
         request_id = self._new_id(request_id)
         if not isinstance(prompt, PreparedPrompt):
             prompt = self.prepare(prompt, params)
@@ -162,11 +167,51 @@ class Engine:
             state = kv_transfer.generator_state if kv_transfer is not None else None
             if state is not None and req.generator is not None:
                 req.generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+        forks = self._choices(req, list(choice_ids), text)
         self.scheduler.add(req)
-        self.requests[request_id] = req
-        self.output.add(request_id, text, ids, params, first_token_ids,
-                        continues_on_peer=kv_transfer is not None and kv_transfer.do_remote_decode)
+        for r in [req, *forks]:
+            self.requests[r.request_id] = r
+            self.output.add(r.request_id, text, ids, r.params, first_token_ids, index=r.index,
+                            continues_on_peer=kv_transfer is not None and kv_transfer.do_remote_decode)
         return req
+
+    def _check_transfer(self, params: SamplingParams, kv_transfer: KVTransferParams | None,
+                        first_token_ids: Sequence[int]) -> None:
+        """Refuse what a disaggregated request cannot do: its prompt is computed on the peer."""
+        if kv_transfer is not None or first_token_ids:
+            if params.n > 1:
+                raise RequestRejected("n > 1 cannot be combined with kv_transfer_params: send "
+                                      "one request a choice")
+            if params.prompt_logprobs is not None:
+                raise RequestRejected("prompt_logprobs cannot be combined with "
+                                      "kv_transfer_params: the prompt is computed on the peer")
+        if kv_transfer is not None:
+            if self.connector is None:
+                raise RequestRejected("kv_transfer_params: this engine has no KV connector")
+            self.connector.check(kv_transfer)
+        if len(first_token_ids) >= params.max_tokens:
+            raise RequestRejected(f"{len(first_token_ids)} tokens already sampled leave none of "
+                                  f"max_tokens ({params.max_tokens})")
+
+    def _choices(self, req: Request, ids: list[str], text: str | None) -> list[Request]:
+        """The other ``n - 1`` choices of ``req``, waiting on it: each with ``n = 1`` and seed
+        ``seed + i``, and a grammar state of its own."""
+        n = req.params.n
+        if ids and len(ids) != n - 1:
+            raise ValueError(f"{len(ids)} choice ids for n = {n}: give n - 1")
+        ids = ids or [f"{req.request_id}.{i}" for i in range(1, n)]
+        taken = [i for i in ids if i in self.requests or i == req.request_id]
+        if taken or len(set(ids)) < len(ids):
+            raise RequestRejected(f"request id {(taken or ids)[0]!r} is already in use")
+        for i, rid in enumerate(ids, 1):
+            seed = req.params.seed
+            params = dataclasses.replace(req.params, n=1, seed=None if seed is None else _wrap(seed + i))
+            child = Request(rid, req.prompt_token_ids, params, req.times.arrival, text)
+            child.index, child.parent, child.status = i, req, Status.FORKING
+            if params.structured is not None:
+                child.constraint = self.compile(params)
+            req.forks.append(child)
+        return list(req.forks)
 
     def _new_id(self, request_id: str | None) -> str:
         """``request_id``, or a free one where it is None; ``RequestRejected`` if it is in use."""

@@ -243,6 +243,24 @@ class KVManager:
                             for g, t in enumerate(tables)]
         return True
 
+    def fork(self, parent: Seq, child: Seq, num_tokens: int) -> bool:
+        """``child`` (a new sequence with the same prompt) takes ``parent``'s blocks holding its
+        first ``num_tokens`` tokens (whole blocks: a reference more each, nothing copied), and
+        a copy of its state where the model keeps one (so the parent must have computed exactly
+        ``num_tokens``). False, with nothing changed, if no state slot is free."""
+        if self.state_slots and not self._free_slots:
+            return False
+        k, rid = num_tokens // self.block_size, child.request_id
+        dropped = [min(d, k) for d in self._dropped.get(parent.request_id, [0] * self.num_groups)]
+        shared = [t[:k] for t in self.tables[parent.request_id]]
+        self.pool.touch([b for g, t in enumerate(shared) for b in t[dropped[g]:]])
+        self.tables[rid] = [list(t) for t in shared]
+        self._dropped[rid] = dropped
+        if self.state_slots:
+            self._slot_of[rid] = self._free_slots.pop()
+            self._copies.append((self._slot_of[parent.request_id], self._slot_of[rid]))
+        return True
+
     def cache_computed(self, req: Seq) -> None:
         """Publish ``req``'s blocks that are full and computed, so later requests can hit them
         (and its state, where its computed tokens end on a snapshot boundary)."""

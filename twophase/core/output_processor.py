@@ -45,6 +45,8 @@ class _Stream:
     params: SamplingParams
     detok: IncrementalDetokenizer | None
     continues_on_peer: bool = False             # a peer decodes on: it releases what is held back
+    index: int = 0                              # its choice among its prompt's ``n``
+    prompt_logprobs: list[LogProbs | None] | None = None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[LogProbs] = field(default_factory=list)
     text: str = ""                      # released so far
@@ -58,7 +60,7 @@ class OutputProcessor:
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
             params: SamplingParams, first_token_ids: Sequence[int] = (),
-            continues_on_peer: bool = False) -> None:
+            continues_on_peer: bool = False, index: int = 0) -> None:
         """``first_token_ids``: output another engine sampled and sent (disaggregated serving):
         the text of what follows them is decoded after them, and they are not sent again, but
         their text's last characters are held back here as one engine would have (the sender
@@ -68,7 +70,7 @@ class OutputProcessor:
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
         first = "".join(detok.push(t) for t in first_token_ids) if detok is not None else ""
         self._streams[request_id] = _Stream(prompt, list(prompt_token_ids), params, detok, continues_on_peer,
-                                            held=hold_back(first, params.stop)[1])
+                                            index, held=hold_back(first, params.stop)[1])
 
     def process(self, updates: list[SeqUpdate], retire: Retire) -> list[Delta]:
         return [self._delta(u, retire) for u in updates]
@@ -79,13 +81,15 @@ class OutputProcessor:
         if s is None:
             return None
         return RequestOutput.finished(request_id, s.prompt, s.prompt_token_ids, s.token_ids,
-                                      s.text, reason, s.logprobs, stats)
+                                      s.text, reason, s.logprobs, stats, s.prompt_logprobs, s.index)
 
     def _delta(self, u: SeqUpdate, retire: Retire) -> Delta:
         """The step's tokens one at a time (a speculative step brings several): text, then stop
         strings, so tokens after the one that completes a stop string are dropped, and
         ``min_tokens`` is counted at the token that completes it."""
         s = self._streams[u.request_id]
+        if u.prompt_logprobs is not None:
+            s.prompt_logprobs = u.prompt_logprobs
         reason = u.finish_reason
         tokens, logprobs = list(u.new_token_ids), list(u.new_logprobs)
         before = u.num_output_tokens - len(tokens)
@@ -108,7 +112,8 @@ class OutputProcessor:
         output = None
         if reason is not None:
             output = self.finish(u.request_id, reason, retire(u.request_id, reason))
-        return Delta(u.request_id, tokens, text, logprobs, reason, output)
+        return Delta(u.request_id, tokens, text, logprobs, reason, output,
+                     prompt_logprobs=u.prompt_logprobs)
 
     @staticmethod
     def _release(s: _Stream, new_text: str, num_output_tokens: int,

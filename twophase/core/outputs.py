@@ -21,8 +21,10 @@ LogProbs = dict[int, float]          # token id -> log-probability (the sampled 
 class SampledTokens:
     """The tokens the sampler chose for one request this step (one, without speculation)."""
 
-    token_ids: list[int]
+    token_ids: list[int]                     # none for a chunk in the middle of a prompt
     logprobs: list[LogProbs] | None = None   # one dict per token where the request asked
+    # prompt_logprobs: (position of the first, one dict per prompt token) this step's chunk gave
+    prompt_logprobs: tuple[int, list[LogProbs]] | None = None
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class SeqUpdate:
     new_logprobs: list[LogProbs]
     num_output_tokens: int               # after this step
     finish_reason: str | None            # "stop" or "length", decided by the token rules
+    prompt_logprobs: list[LogProbs | None] | None = None   # whole, on a request's first update
 
 
 @dataclass
@@ -71,11 +74,15 @@ class RequestOutput:
     error: str | None = None            # why a rejected request was rejected
     times: RequestTimes | None = None   # raw clock readings behind the metrics
     kv_transfer_params: dict[str, Any] | None = None   # where a decode engine pulls its K/V
+    # each prompt token's log-probabilities (None for the first), where the request asked
+    prompt_logprobs: list[LogProbs | None] | None = None
+    index: int = 0                      # its choice among its prompt's ``n``
 
     @classmethod
     def finished(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  token_ids: list[int], text: str, reason: str, logprobs: list[LogProbs],
-                 stats: RequestStats) -> RequestOutput:
+                 stats: RequestStats, prompt_logprobs: list[LogProbs | None] | None = None,
+                 index: int = 0) -> RequestOutput:
         t = stats.times
         return cls(request_id, prompt, list(prompt_token_ids), list(token_ids), text, reason,
                    list(logprobs),
@@ -84,7 +91,8 @@ class RequestOutput:
                     "num_preemptions": stats.num_preemptions,
                     "num_draft_tokens": stats.num_draft_tokens,
                     "num_accepted_tokens": stats.num_accepted_tokens},
-                   times=t, kv_transfer_params=stats.kv_transfer_params)
+                   times=t, kv_transfer_params=stats.kv_transfer_params,
+                   prompt_logprobs=prompt_logprobs, index=index)
 
     @classmethod
     def rejected(cls, request_id: str, prompt: str | list[int], why: str) -> RequestOutput:
@@ -104,6 +112,7 @@ class Delta:
     finish_reason: str | None = None
     output: RequestOutput | None = None         # the whole request, on its last delta
     error: str | None = None                    # why it ended with "error" (not its fault)
+    prompt_logprobs: list[LogProbs | None] | None = None   # on its first delta, where asked
 
     @property
     def finished(self) -> bool:

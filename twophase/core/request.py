@@ -23,6 +23,7 @@ class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     LOADING = "loading"          # its prompt's K/V are on their way from a peer (kv_transfer.py)
+    FORKING = "forking"          # a choice waiting for its parent's prompt (``Request.forks``)
     FINISHED = "finished"
 
 
@@ -76,6 +77,14 @@ class Request:
         self.constraint: Constraint | None = None                # structured outputs' grammar state
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
+        # each prompt token's log-probabilities by position (the first token has none), where
+        # ``params.prompt_logprobs`` asks for them
+        self.prompt_logprobs: list[dict[int, float] | None] = [None]
+        # ``n`` choices: choice ``index``; the parent (choice 0) holds the others in ``forks``
+        # until its prompt is computed, then they take its blocks (``Scheduler._fork``)
+        self.index = 0
+        self.parent: Request | None = None
+        self.forks: list[Request] = []
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -97,6 +106,11 @@ class Request:
     def num_pending_tokens(self) -> int:
         """Tokens whose K/V still have to be computed (1 for a request in decode)."""
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether a prefill chunk of it must return logits at every position."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def in_decode(self) -> bool:

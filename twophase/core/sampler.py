@@ -33,11 +33,14 @@ def sample_step(logits: torch.Tensor, rows: list[tuple[Request, int, int]],
     model's own."""
     drafts, masks = drafts or {}, masks or {}
     picks, spans, start = [], [], 0
+    prompt_lps = {}                     # chunks whose every row came back (``batch.build``)
     for req, n, k in rows:
         if req.request_id in drafts:
             spans.append((req, start, k))
         elif req.num_computed_tokens + n == req.num_tokens:
             picks.append((req, start + k - 1))
+        if k == n and req.wants_prompt_logprobs and req.request_id not in drafts:
+            prompt_lps[req.request_id] = prompt_logprobs(logits[start:start + k], req)
         start += k
     out: dict[str, SampledTokens] = {}
     if picks:
@@ -45,8 +48,9 @@ def sample_step(logits: torch.Tensor, rows: list[tuple[Request, int, int]],
         chosen = logits[index] if len(index) < logits.shape[0] else logits
         tokens, logprobs = sample(chosen, [r for r, _ in picks], eos_ids,
                                   [masks.get(r.request_id) for r, _ in picks])
-        out = {r.request_id: SampledTokens([t], None if lp is None else [lp])
+        out = {r.request_id: SampledTokens([t], None if lp is None else [lp], prompt_lps.pop(r.request_id, None))
                for (r, _), t, lp in zip(picks, tokens, logprobs)}
+    out |= {rid: SampledTokens([], None, lps) for rid, lps in prompt_lps.items()}   # mid-prompt chunks
     for req, first, k in spans:
         rows_of = logits[first:first + k]
         mask = masks.get(req.request_id)
@@ -92,6 +96,27 @@ def _sample_row(row: torch.Tensor, req: Request, eos_ids: tuple[int, ...]) -> in
     if is_greedy(req):
         return int(row.argmax())
     return int(torch.multinomial(distribution(row, req).cpu(), 1, generator=req.generator))
+
+
+def prompt_logprobs(rows: torch.Tensor, req: Request) -> tuple[int, list[dict[int, float]]]:
+    """The log-probabilities of the prompt tokens a chunk's rows predict: row ``j`` of a chunk
+    from position ``p`` gives token ``p + j + 1``'s (the chunk's last row, after the prompt's
+    last token, predicts the first output token: not a prompt token). ``(p + 1, dicts)``, each
+    dict the token's own and the top ``params.prompt_logprobs``."""
+    first = req.num_computed_tokens + 1
+    targets = req.token_ids[first:min(first + rows.shape[0], req.num_prompt_tokens)]
+    lp = torch.log_softmax(rows[:len(targets)].float(), dim=-1)
+    own = lp.gather(1, torch.tensor(targets, dtype=torch.long, device=lp.device)[:, None])[:, 0].tolist()
+    n = req.params.prompt_logprobs or 0
+    tops = lp.topk(n) if n else None
+    out = []
+    for j, (tok, v) in enumerate(zip(targets, own)):
+        d = {tok: v}
+        if tops is not None:
+            d.update(zip(tops.indices[j].tolist(), tops.values[j].tolist()))
+            d[tok] = v
+        out.append(d)
+    return first, out
 
 
 def _top_logprobs(row: torch.Tensor, token: int, n: int) -> dict[int, float]:

@@ -14,7 +14,13 @@ class SamplingParams:
     """Checked when made (``InvalidSamplingParam``, naming the field): every float finite;
     ``temperature`` in [0, 2], ``top_p`` in (0, 1], ``presence_penalty`` and
     ``frequency_penalty`` in [-2, 2] (OpenAI's ranges); ``min_p`` in [0, 1] and
-    ``repetition_penalty`` > 0 (vLLM's)."""
+    ``repetition_penalty`` > 0 (vLLM's).
+
+    ``n`` choices of one prompt: its prompt is computed once and its blocks shared; choice ``i``
+    samples with ``seed + i`` (vLLM's rule), so it equals the prompt sent alone with that seed.
+    ``prompt_logprobs``: each prompt token's log-probability given the tokens before it (the
+    first has none), computed in the prefill that runs anyway; such a prompt never skips its
+    cached prefix, whose logits it needs."""
 
     max_tokens: int = 64
     min_tokens: int = 0                  # EOS and stop tokens are suppressed before this many
@@ -30,6 +36,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None          # top-n log-probabilities of each sampled token
+    prompt_logprobs: int | None = None   # top-n log-probabilities of each prompt token (vLLM's)
+    n: int = 1                           # choices: the prompt computed once, its blocks shared
     structured: StructuredOutputs | None = None   # a schema, regex, choice or grammar to match
 
     def __post_init__(self) -> None:
@@ -51,6 +59,9 @@ class SamplingParams:
             (-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
+             "must be in [0, 20]"),
+            (self.n >= 1, "n", "must be at least 1"),
             (self.seed is None or -(2 ** 63) <= self.seed < 2 ** 64, "seed",
              "must fit in 64 bits: [-2**63, 2**64)"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
@@ -108,5 +119,7 @@ _KINDS = {
                        "a list of non-negative token ids"),
     "ignore_eos": (lambda v: isinstance(v, bool), "true or false"),
     "logprobs": (lambda v: v is None or _int(v), "an integer or None"),
+    "prompt_logprobs": (lambda v: v is None or _int(v), "an integer or None"),
+    "n": (_int, "an integer"),
     "structured": (lambda v: v is None or isinstance(v, StructuredOutputs), "a StructuredOutputs or None"),
 }

@@ -80,7 +80,7 @@ class Scheduler:
         self.proposer, self.num_spec_tokens = proposer, num_spec_tokens if proposer else 0
         self.spec_control = spec_control if proposer else None    # "auto": drafts per decode
         self.admission = Admission(kv, max_model_len, max_num_batched_tokens, chunked_prefill,
-                                   vocab_size, reserve)
+                                   vocab_size, reserve, max_num_seqs)
         self.connector = connector                # K/V from and for other engines
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -124,6 +124,8 @@ class Scheduler:
         updates = []
         for req, n in out.scheduled:
             got = sampled.get(req.request_id)
+            if got is not None and got.prompt_logprobs is not None:
+                self._take_prompt_logprobs(req, *got.prompt_logprobs)
             proposal = out.drafts.get(req.request_id)
             kept = 0
             if proposal is not None and got is not None:
@@ -139,29 +141,95 @@ class Scheduler:
             req.num_computed_tokens += n
             if proposal is not None:
                 self.kv.truncate(req, req.num_computed_tokens)
-            reason, appended = None, 0
-            for token in got.token_ids if got is not None else ():
-                req.token_ids.append(token)
-                if req.constraint is not None:
-                    req.constraint.accept(token)
-                req.times.token_times.append(now)
-                appended += 1
-                reason = check_stop(req, self.max_model_len, self.eos_token_ids)
-                if reason is not None:
-                    break
+            reason, appended = self._append(req, got.token_ids if got is not None else [], now)
             if proposal is not None:
                 req.num_draft_tokens += len(proposal.token_ids)
                 out.accepted[req.request_id] = min(kept, appended)   # what a stop left of them
                 req.num_accepted_tokens += out.accepted[req.request_id]
             self.kv.cache_computed(req)   # after the tokens: a block hashes the tokens it holds
             self.kv.release_outside_window(req)
+            if req.forks:
+                self._fork(req)
             if reason is not None:
                 self.finish(req, reason, now)
-            if got is not None:
-                updates.append(SeqUpdate(req.request_id, got.token_ids[:appended],
-                                         (got.logprobs or [])[:appended], req.num_output_tokens,
-                                         reason))
+            if got is not None and got.token_ids:
+                updates.append(self._update(req, got, appended, reason))
         return updates
+
+    def _append(self, req: Request, tokens: list[int], now: float) -> tuple[str | None, int]:
+        """Take sampled tokens one at a time through the stop rules: why ``req`` ends (or None)
+        and how many it took."""
+        for i, token in enumerate(tokens, 1):
+            req.token_ids.append(token)
+            if req.constraint is not None:
+                req.constraint.accept(token)
+            req.times.token_times.append(now)
+            reason = check_stop(req, self.max_model_len, self.eos_token_ids)
+            if reason is not None:
+                return reason, i
+        return None, len(tokens)
+
+    @staticmethod
+    def _update(req: Request, got: SampledTokens, appended: int,
+                reason: str | None) -> SeqUpdate:
+        """What the output side hears of a step's tokens; the first carries the prompt's
+        log-probabilities."""
+        first = req.params.prompt_logprobs is not None and req.num_output_tokens == appended
+        return SeqUpdate(req.request_id, got.token_ids[:appended], (got.logprobs or [])[:appended],
+                         req.num_output_tokens, reason, list(req.prompt_logprobs) if first else None)
+
+    @staticmethod
+    def _take_prompt_logprobs(req: Request, first: int, entries: list) -> None:
+        """Keep a chunk's prompt log-probabilities (from position ``first``) that ``req`` lacks:
+        a prompt computed again after a preemption gives them again."""
+        have = len(req.prompt_logprobs)
+        if first <= have < first + len(entries):
+            req.prompt_logprobs += entries[have - first:]
+
+    # -- n choices ------------------------------------------------------------------------------
+    def fork_point(self, req: Request) -> int:
+        """Where ``req``'s choices part: the prompt's last whole block (each choice computes the
+        rest itself, at least one token, whose logits it samples its first token from)."""
+        bs = self.kv.block_size
+        return (req.num_prompt_tokens - 1) // bs * bs
+
+    def _cut(self, req: Request, start: int, n: int) -> int:
+        """A prefill chunk of ``n`` tokens from ``start``, ended where the KV manager saves a
+        state, and, for a request with choices waiting, at their fork point."""
+        n = self.kv.cut_chunk(start, n)
+        if req.forks:
+            f = self.fork_point(req)
+            if start < f < start + n:
+                n = f - start
+        return n
+
+    def _fork(self, req: Request) -> None:
+        """Once ``req`` has computed its prompt up to the fork point, each choice waiting on it
+        takes those blocks (one reference more each, no copy; its state copied, in a model with
+        state layers) and runs from there. A choice that finds no sequence slot or free blocks
+        waits as a request of its own (nothing is lost; a prefix hit may still share)."""
+        f = self.fork_point(req)
+        if req.num_computed_tokens < f:
+            return
+        forks, req.forks = req.forks, []
+        for child in forks:
+            child.parent = None
+            room = len(self.running) + len(self.loading) < self.max_num_seqs
+            if f and room and self.kv.fork(req, child, f):
+                child.num_computed_tokens = child.num_cached_tokens = f
+                child.prompt_logprobs = req.prompt_logprobs[:f + 1]
+                child.status = Status.RUNNING
+                self.running.append(child)
+            else:
+                child.status = Status.WAITING
+                self.waiting.appendleft(child)
+
+    def _release_forks(self, req: Request) -> None:
+        """``req`` ended before its choices forked: they go on as requests of their own."""
+        for child in reversed(req.forks):
+            child.parent, child.status = None, Status.WAITING
+            self.waiting.appendleft(child)
+        req.forks = []
 
     def _schedule_decodes(self, out: SchedulerOutput) -> None:
         for req in list(self.running):
@@ -214,7 +282,7 @@ class Scheduler:
             n = min(req.num_pending_tokens, self._left)
             if n < req.num_pending_tokens and not self.chunked_prefill:
                 continue
-            n = self.kv.cut_chunk(req.num_computed_tokens, n)
+            n = self._cut(req, req.num_computed_tokens, n)
             if self._allocate_or_preempt(req, n, out):
                 out.prefills.append((req, n))
                 self._left -= n
@@ -231,13 +299,17 @@ class Scheduler:
                 if not self._start_pull(req, external):
                     return
                 continue
-            computed = self.kv.computed_blocks(req) if self.chunked_prefill else []
+            # a prompt whose log-probabilities are asked for computes every position: no hit
+            hit = self.chunked_prefill and not req.wants_prompt_logprobs
+            computed = self.kv.computed_blocks(req) if hit else []
             cached = self.kv.hit_tokens(computed)
             pending = req.num_tokens - cached
             n = min(pending, self._left)
             if n < pending and not self.chunked_prefill:
                 return
-            n = self.kv.cut_chunk(cached, n)
+            n = self._cut(req, cached, n)
+            if req.forks and len(self.running) + len(self.loading) + 1 + len(req.forks) > self.max_num_seqs:
+                return                       # its choices need sequence slots too
             if not self.admission.may_start(self.kv.blocks_needed(req, n, computed),
                                             self.running + self.loading):
                 return
@@ -252,6 +324,8 @@ class Scheduler:
             self.running.append(req)
             out.prefills.append((req, n))
             self._left -= n
+            if req.forks and cached >= self.fork_point(req):
+                self._fork(req)        # nothing to share yet, or a prefix hit reached the point
 
     def _start_pull(self, req: Request, external: int) -> bool:
         """Admit ``req`` with blocks for the ``external`` tokens a peer computed, and pull them;
@@ -336,12 +410,18 @@ class Scheduler:
             return
         if self.proposer is not None:
             self.proposer.release(req)
+        if req.forks:
+            self._release_forks(req)
         if req.status is Status.RUNNING:
             if self.connector is not None:
                 req.kv_handoff = self.connector.request_finished(req)
             self.running.remove(req)
         elif req.status is Status.WAITING:
             self.waiting.remove(req)
+        elif req.status is Status.FORKING:
+            assert req.parent is not None
+            req.parent.forks.remove(req)
+            req.parent = None
         elif req.status is Status.LOADING:
             self.loading.remove(req)
             assert self.connector is not None
