@@ -125,3 +125,40 @@ def test_streamed_text_equals_final_text_with_stop_strings(default_llm, default_
     final = mine[-1].output
     assert "".join(streamed) == final.text == free.text[:free.text.index(stop)]
     assert req.finish_reason == final.finish_reason == "stop"
+
+
+def _check_prompt_logprobs(out, prompt: list[int], ref: torch.Tensor, k: int, what: str) -> None:
+    """Each prompt token's log-probability and its top ``k`` within 1e-4 of ``ref`` (HF's
+    log_softmax at the position before it); the first token has none."""
+    lps = out.prompt_logprobs
+    assert lps is not None and len(lps) == len(prompt) and lps[0] is None, what
+    for p in range(1, len(prompt)):
+        got, row = lps[p], ref[p - 1]
+        assert abs(got[prompt[p]] - row[prompt[p]].item()) < 1e-4, f"{what}: position {p}"
+        top = row.topk(k)
+        for i, v in zip(top.indices.tolist(), top.values.tolist()):
+            assert i in got and abs(got[i] - v) < 1e-4, f"{what}: position {p}, top {i}"
+
+
+def test_prompt_logprobs_equal_hf_whole_chunked_and_on_a_prefix_hit(hf, default_llm, default_prompts):
+    """The prompt's log-probabilities are computed in the prefill that runs anyway: whole,
+    split into chunks, and again on a prompt whose blocks are cached (the hit is not taken)."""
+    _, model = hf
+    prompt = default_llm.tokenizer.encode(" ".join(default_prompts))
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    params = SamplingParams(max_tokens=2, prompt_logprobs=3)
+    sched = default_llm.engine.scheduler
+    whole = default_llm.generate([prompt], params)[0]
+    old_budget, sched.budget = sched.budget, 40
+    try:
+        chunked = default_llm.generate([prompt], params)[0]
+    finally:
+        sched.budget = old_budget
+    plain = default_llm.generate([prompt], SamplingParams(max_tokens=2))[0]
+    assert len(prompt) > 2 * 40
+    for out, what in [(whole, "whole"), (chunked, "chunked, its blocks cached by the first")]:
+        _check_prompt_logprobs(out, prompt, ref, 3, what)
+    assert chunked.metrics["num_cached_tokens"] == 0
+    assert plain.prompt_logprobs is None and plain.metrics["num_cached_tokens"] > 0
+    assert whole.token_ids == chunked.token_ids == plain.token_ids

@@ -69,6 +69,31 @@ def test_greedy_tokens_equal_transformers_generate(hf_model):
     assert out.token_ids == g[0, len(prompt):].tolist()
 
 
+def test_prompt_logprobs_equal_transformers_log_softmax(hf_model):
+    """Prompt log-probabilities within 1e-4 of HF's, whole, in chunks, and with the prompt's
+    blocks cached by the run before (a hit would skip the positions they need: not taken)."""
+    _, ref, llm = hf_model
+    ids = torch.randint(3, 300, (1, PROMPT), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = torch.log_softmax(ref(ids).logits[0].float(), dim=-1)
+    prompt, params = ids[0].tolist(), SamplingParams(max_tokens=1, prompt_logprobs=2)
+    sched = llm.engine.scheduler
+    runs = [llm.generate([prompt], params)[0]]
+    old_budget, sched.budget = sched.budget, 24
+    try:
+        runs.append(llm.generate([prompt], params)[0])
+    finally:
+        sched.budget = old_budget
+    for out in runs:
+        lps = out.prompt_logprobs
+        assert lps[0] is None and len(lps) == PROMPT
+        got = torch.tensor([lps[p][prompt[p]] for p in range(1, PROMPT)])
+        assert (got - want[torch.arange(PROMPT - 1), ids[0, 1:]]).abs().max() < 1e-4
+        top = want[:-1].topk(2)
+        assert all(set(top.indices[p - 1].tolist()) <= set(lps[p]) for p in range(1, PROMPT))
+    assert runs[1].metrics["num_cached_tokens"] == 0
+
+
 def test_an_unknown_family_names_the_ones_that_load(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "mamba", "vocab_size": 10}')
     (tmp_path / "model.safetensors").write_bytes(b"")
