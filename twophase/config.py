@@ -129,6 +129,7 @@ class ServerConfig:
     max_queue: int = 256                   # requests in flight before new ones get 503
     model_name: str | None = None          # the model id clients send; default the model's
     default_max_tokens: int = 256          # requests (completions and chat) without max_tokens
+    max_n: int = 16                        # choices a prompt may ask for (n, best_of)
     max_body_bytes: int = 4 << 20          # a larger request body is a 413
     shutdown_timeout_s: float = 30.0       # after SIGTERM, streams still open then get an error
 

@@ -84,6 +84,10 @@ def test_replicas_give_one_engines_greedy_text_streaming(replicas, default_llm, 
     whole = client.completions.create(model=MODEL, prompt=default_prompts[0],
                                       max_tokens=GREEDY_TOKENS, temperature=0)
     assert whole.choices[0].text == want[0]
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=4, n=2)    # a choice a request
+    two = client.completions.create(model=MODEL, prompt=default_prompts[3], max_tokens=6,
+                                    temperature=1.0, seed=4, n=2)
+    assert [c.text for c in two.choices] == [o.text for o in default_llm.generate([default_prompts[3]], params)]
 
 
 def test_prompts_sharing_a_prefix_land_on_one_replica(replicas, default_llm):

@@ -27,7 +27,7 @@ def cluster_app(cfg: Config, api_key: str | None, on_fatal: Callable[[BaseExcept
         name = sv.model_name or info["model_id"]
         loop = ClusterLoop(cluster, cluster.tokenizer(), info["max_model_len"], sv.max_queue)
         app = build_app(loop, loop.tokenizer, ServerMetrics(extra=cluster.metrics_text), name,
-                        api_key, sv.default_max_tokens, sv.max_body_bytes)
+                        api_key, sv.default_max_tokens, sv.max_body_bytes, sv.max_n)
     except BaseException:
         cluster.shutdown()
         raise

@@ -130,6 +130,19 @@ class ClusterLoop:
         task.add_done_callback(self._task_done)       # also for a task cancelled before it ran
         return handle
 
+    def submit_choices(self, prompt: list[int], params: SamplingParams, constraint: Any = None) -> list[Handle]:
+        """``params.n`` requests, choice ``i`` with ``seed + i``: replicas do not share blocks,
+        so each choice computes the prompt on the replica it lands on."""
+        handles: list[Handle] = []
+        try:
+            for i in range(params.n):
+                handles.append(self.submit(prompt, params.choice(i), constraint))
+        except BaseException:
+            for h in handles:
+                h.abort()
+            raise
+        return handles
+
     def _task_done(self, task: asyncio.Task) -> None:
         self._in_flight -= 1
         self._tasks.discard(task)

@@ -10,7 +10,6 @@ into ``Delta`` values (text, stop strings) that may cross threads.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import logging
@@ -53,11 +52,6 @@ def check_text(text: str) -> str:
         raise RequestRejected(f"the text is not valid Unicode ({exc.reason} at character "
                               f"{exc.start})") from None
     return text
-
-
-def _wrap(seed: int) -> int:
-    """A choice's seed past 2**64 - 1 wraps around, as a 64-bit generator's would."""
-    return seed - 2 ** 64 if seed >= 2 ** 64 else seed
 
 
 class Engine:
@@ -204,8 +198,7 @@ class Engine:
         if taken or len(set(ids)) < len(ids):
             raise RequestRejected(f"request id {(taken or ids)[0]!r} is already in use")
         for i, rid in enumerate(ids, 1):
-            seed = req.params.seed
-            params = dataclasses.replace(req.params, n=1, seed=None if seed is None else _wrap(seed + i))
+            params = req.params.choice(i)
             child = Request(rid, req.prompt_token_ids, params, req.times.arrival, text)
             child.index, child.parent, child.status = i, req, Status.FORKING
             if params.structured is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field, fields
 
@@ -73,6 +74,14 @@ class SamplingParams:
         for ok, name, msg in checks:
             if not ok:
                 raise InvalidSamplingParam(name, f"{msg}, got {getattr(self, name)!r}")
+
+    def choice(self, i: int) -> SamplingParams:
+        """What choice ``i`` samples with, alone: ``n = 1`` and ``seed + i`` (past 2**64 - 1 it
+        wraps around, as a 64-bit generator's seed would)."""
+        seed = self.seed
+        if seed is not None:
+            seed = seed + i - 2 ** 64 if seed + i >= 2 ** 64 else seed + i
+        return dataclasses.replace(self, n=1, seed=seed)
 
     @property
     def greedy(self) -> bool:

@@ -28,7 +28,7 @@ from twophase.server.state import ServerState
 
 def create_app(llm, model_name: str, api_key: str | None = None, max_queue: int = 256,
                default_max_tokens: int = 256, max_body_bytes: int = 4 << 20,
-               on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
+               on_fatal: Callable[[BaseException], None] | None = None, max_n: int = 16) -> FastAPI:
     """The app over ``llm``, in this process. ``on_fatal`` is called (on the engine's thread)
     if the engine stops for good; ``twophase serve`` then shuts the server down and exits
     non-zero."""
@@ -40,12 +40,12 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_queue: int 
                       on_change=lambda: metrics.refresh(engine.stats()),
                       on_fatal=on_fatal)
     return build_app(loop, llm.tokenizer, metrics, model_name, api_key, default_max_tokens,
-                     max_body_bytes)
+                     max_body_bytes, max_n)
 
 
 def build_app(loop: Loop, tokenizer, metrics: ServerMetrics, model_name: str,
               api_key: str | None = None, default_max_tokens: int = 256,
-              max_body_bytes: int = 4 << 20) -> FastAPI:
+              max_body_bytes: int = 4 << 20, max_n: int = 16) -> FastAPI:
     """The HTTP layer over any ``Loop``: one engine here (``EngineLoop``) or engines on Ray
     (``twophase.cluster.frontend.ClusterLoop``)."""
 
@@ -55,7 +55,7 @@ def build_app(loop: Loop, tokenizer, metrics: ServerMetrics, model_name: str,
         loop.close()
 
     app = FastAPI(title="twophase", lifespan=lifespan)
-    app.state.server = ServerState(tokenizer, loop, metrics, model_name, default_max_tokens)
+    app.state.server = ServerState(tokenizer, loop, metrics, model_name, default_max_tokens, max_n)
     app.state.loop, app.state.metrics = loop, metrics
     _add_error_handlers(app)
     routes = [r for module in (info, completions, chat) for r in module.router.routes]

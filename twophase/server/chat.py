@@ -18,13 +18,14 @@ router = APIRouter()
 
 
 class ChatFormat:
+    """``n`` choices of one conversation; each streams with its own tool-call state."""
+
     def __init__(self, server: ServerState, body: P.ChatCompletionRequest, tools: T.ToolPlan):
         self.server, self.body, self.tools = server, body, tools
         self.id, self.created = P.new_id("chatcmpl"), P.now()
-        self.role_sent = False
-        self.calls = T.CallStream(tools) if tools.mode in ("named", "required") else None
-        self.held = (T.HeldText(tools.format) if tools.mode == "auto" and tools.format not in (None, "unknown")
-                     else None)
+        self.role_sent: set[int] = set()
+        self.calls: dict[int, T.CallStream] = {}
+        self.held: dict[int, T.HeldText] = {}
 
     def _logprobs(self, token_ids, logprobs) -> dict[str, Any] | None:
         if not self.body.logprobs:
@@ -36,58 +37,78 @@ class ChatFormat:
         return P.envelope(self.id, kind, self.created, self.server.model_name, choices, usage)
 
     def whole(self, outputs: list[RequestOutput]) -> dict[str, Any]:
-        (output,) = outputs
-        content, calls = T.parse(self.tools, T.with_marker(self.tools, output.text, output.token_ids))
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = calls
-        return self._object("chat.completion", [{
-            "index": 0, "message": message, "logprobs": self._logprobs(output.token_ids, output.logprobs),
-            "finish_reason": self._reason(output, bool(calls))}],
-            P.usage(len(output.prompt_token_ids), len(output.token_ids)))
+        choices = []
+        for i, output in enumerate(outputs):
+            content, calls = T.parse(self.tools, T.with_marker(self.tools, output.text, output.token_ids))
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+            choices.append({"index": i, "message": message,
+                            "logprobs": self._logprobs(output.token_ids, output.logprobs),
+                            "finish_reason": self._reason(output, bool(calls))})
+        out = self._object("chat.completion", choices, _usage(outputs))
+        if self.body.prompt_logprobs is not None:          # vLLM's: the response's, not a choice's
+            out["prompt_logprobs"] = P.prompt_logprobs(
+                self.server.tokenizer, outputs[0].prompt_token_ids, outputs[0].prompt_logprobs)
+        return out
 
     def _reason(self, output: RequestOutput, called: bool) -> str | None:
         return "tool_calls" if called and output.finish_reason == "stop" else output.finish_reason
 
+    def _stream_state(self, index: int) -> tuple[T.CallStream | None, T.HeldText | None]:
+        tools = self.tools
+        if index not in self.calls and tools.mode in ("named", "required"):
+            self.calls[index] = T.CallStream(tools)
+        if index not in self.held and tools.mode == "auto" and tools.format not in (None, "unknown"):
+            self.held[index] = T.HeldText(tools.format)
+        return self.calls.get(index), self.held.get(index)
+
     def chunk(self, delta: Delta, index: int) -> dict[str, Any] | None:
+        calls, held = self._stream_state(index)
         content: dict[str, Any] = {"content": delta.text}
-        if self.calls is not None:
-            content = {k: v for k, v in {"tool_calls": self.calls.feed(delta.text)}.items() if v}
-        elif self.held is not None:
-            content = {"content": self.held.feed(delta.text)}
-        if not any(content.values()) and self.role_sent and delta.logprobs is None:
+        if calls is not None:
+            content = {k: v for k, v in {"tool_calls": calls.feed(delta.text)}.items() if v}
+        elif held is not None:
+            content = {"content": held.feed(delta.text)}
+        if not any(content.values()) and index in self.role_sent and delta.logprobs is None:
             return None
-        if not self.role_sent:
+        if index not in self.role_sent:
             content["role"] = "assistant"
-            self.role_sent = True
+            self.role_sent.add(index)
         return self._object("chat.completion.chunk", [{
             "index": index, "delta": content,
             "logprobs": self._logprobs(delta.token_ids, delta.logprobs), "finish_reason": None}])
 
     def finish(self, output: RequestOutput, index: int) -> dict[str, Any]:
+        calls, held = self._stream_state(index)
         delta: dict[str, Any] = {}
-        called = bool(self.calls and self.calls.sent)
-        if self.held is not None:                   # auto: the held text, read for calls
-            content, calls = T.parse(self.tools, T.with_marker(self.tools, output.text, output.token_ids))
-            rest = self.held.rest() if not calls else None
+        called = bool(calls and calls.sent)
+        if held is not None:                        # auto: the held text, read for calls
+            content, parsed = T.parse(self.tools, T.with_marker(self.tools, output.text, output.token_ids))
+            rest = held.rest() if not parsed else None
             delta = {k: v for k, v in {"content": rest, "tool_calls": [
-                {"index": i, **c} for i, c in enumerate(calls)]}.items() if v}
-            called = bool(calls)
+                {"index": i, **c} for i, c in enumerate(parsed)]}.items() if v}
+            called = bool(parsed)
         return self._object("chat.completion.chunk", [{"index": index, "delta": delta, "logprobs": None,
                                                        "finish_reason": self._reason(output, called)}])
 
     def usage(self, outputs: list[RequestOutput]) -> dict[str, Any] | None:
         if not (self.body.stream_options and self.body.stream_options.include_usage):
             return None
-        (output,) = outputs
-        return self._object("chat.completion.chunk", [], P.usage(
-            len(output.prompt_token_ids), len(output.token_ids)))
+        return self._object("chat.completion.chunk", [], _usage(outputs))
+
+
+def _usage(outputs: list[RequestOutput]) -> dict[str, int]:
+    """The conversation counts once however many choices share it."""
+    return P.usage(len(outputs[0].prompt_token_ids) if outputs else 0,
+                   sum(len(o.token_ids) for o in outputs))
 
 
 @router.post("/v1/chat/completions")
 async def chat(body: P.ChatCompletionRequest, request: Request):
     server = state_of(request)
     P.check_model(body.model, server.model_name)
+    body.check_choices(server.max_n)
     if server.tokenizer is None:
         raise P.ApiError(400, "this model has no tokenizer or chat template: use "
                               "/v1/completions with token ids", "messages")

@@ -25,6 +25,12 @@ class Submit:
     kv_transfer: KVTransferParams | None = None
     first_token_ids: tuple[int, ...] = ()
     constraint: Any = None                   # a grammar state compiled off the engine's thread
+    # the other choices of ``params.n``: each one's request id and sink
+    choices: tuple[tuple[str, Sink], ...] = ()
+
+    @property
+    def sinks(self) -> list[Sink]:
+        return [self.sink, *(sink for _, sink in self.choices)]
 
 
 @dataclass(frozen=True)

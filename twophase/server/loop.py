@@ -118,6 +118,11 @@ class Loop(Protocol):
     def submit(self, prompt: PreparedPrompt | list[int], params: SamplingParams,
                constraint: Any = None) -> Handle: ...
 
+    def submit_choices(self, prompt: PreparedPrompt | list[int], params: SamplingParams,
+                       constraint: Any = None) -> list[Handle]:
+        """``params.n`` handles, one a choice, in order."""
+        ...
+
     def fail_all(self, message: str) -> None: ...
 
     def close(self, timeout: float = 10.0) -> bool: ...
@@ -190,27 +195,43 @@ class EngineLoop:
         ``Overloaded`` past the queue limit, ``EngineError`` once the engine has stopped; a
         prompt that can never be served arrives as a ``RequestRejected`` from the handle (token
         ids are checked on the engine's thread; a prompt from ``prepare`` was checked there)."""
+        (handle,) = self._submit(prompt, params, constraint, kv_transfer, first_token_ids)
+        return handle
+
+    def submit_choices(self, prompt: PreparedPrompt | list[int], params: SamplingParams,
+                       constraint: Any = None) -> list[Handle]:
+        """One request of ``params.n`` choices: the prompt computed once, its blocks shared;
+        each choice counts against the queue limit and streams through its own handle."""
+        return self._submit(prompt, params, constraint, None, ())
+
+    def _submit(self, prompt: PreparedPrompt | list[int], params: SamplingParams, constraint: Any,
+                kv_transfer: KVTransferParams | None, first_token_ids: Sequence[int]) -> list[Handle]:
         loop = asyncio.get_running_loop()
+        n = params.n
         with self._lock:
             if self._closed or not self.alive:
                 raise EngineStopped(f"the engine has stopped: {self.fatal}" if self.fatal
                                     else "the server is shutting down")
-            if self._in_flight >= self.max_queue:
+            if self._in_flight + n > self.max_queue:
                 raise Overloaded(f"{self._in_flight} requests in flight (server.max_queue = "
                                  f"{self.max_queue}); retry later")
-            self._in_flight += 1
-        request_id = f"req-{next(self._ids)}"
-        handle = Handle(request_id, lambda: self._commands.put(Abort(request_id)))
+            self._in_flight += n
+        first = f"req-{next(self._ids)}"
+        ids = [first] + [f"{first}.{i}" for i in range(1, n)]
+        handles = [Handle(rid, lambda rid=rid: self._commands.put(Abort(rid))) for rid in ids]
 
-        def sink(item: Any) -> None:
-            try:
-                loop.call_soon_threadsafe(handle.items.put_nowait, item)
-            except RuntimeError:            # the client's event loop is gone
-                pass
+        def sink_of(handle: Handle) -> Callable[[Any], None]:
+            def sink(item: Any) -> None:
+                try:
+                    loop.call_soon_threadsafe(handle.items.put_nowait, item)
+                except RuntimeError:            # the client's event loop is gone
+                    pass
+            return sink
 
-        self._commands.put(Submit(handle.request_id, prompt, params, sink, kv_transfer,
-                                  tuple(first_token_ids), constraint))
-        return handle
+        sinks = [sink_of(h) for h in handles]
+        self._commands.put(Submit(first, prompt, params, sinks[0], kv_transfer, tuple(first_token_ids),
+                                  constraint, tuple(zip(ids[1:], sinks[1:]))))
+        return handles
 
     def call(self, fn: Callable[[], Any]) -> None:
         """Run ``fn`` on the engine's thread between steps (what must not race a step)."""
@@ -251,8 +272,9 @@ class EngineLoop:
             except queue.Empty:
                 return
             if isinstance(cmd, Submit):
-                self._release_slot()
-                cmd.sink(EngineStopped(message))
+                for sink in cmd.sinks:
+                    self._release_slot()
+                    sink(EngineStopped(message))
 
     def _handle(self, cmd: Command) -> None:
         if isinstance(cmd, Submit):
@@ -268,17 +290,17 @@ class EngineLoop:
         try:
             self.engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id,
                                     kv_transfer=cmd.kv_transfer, first_token_ids=cmd.first_token_ids,
-                                    constraint=cmd.constraint)
-        except RequestRejected as exc:
-            self._release_slot()
-            cmd.sink(exc)
-            return
-        except Exception as exc:        # the engine's fault, not the request's
-            log.exception("adding request %s failed", cmd.request_id)
-            self._release_slot()
-            cmd.sink(EngineError(f"the engine could not take the request: {exc}"))
+                                    constraint=cmd.constraint, choice_ids=[i for i, _ in cmd.choices])
+        except Exception as exc:
+            if not isinstance(exc, RequestRejected):        # the engine's fault, not the request's
+                log.exception("adding request %s failed", cmd.request_id)
+                exc = EngineError(f"the engine could not take the request: {exc}")
+            for sink in cmd.sinks:
+                self._release_slot()
+                sink(exc)
             return
         self._sinks[cmd.request_id] = cmd.sink
+        self._sinks.update(cmd.choices)
 
     def _step(self) -> None:
         try:

@@ -1,8 +1,8 @@
 """OpenAI's request and response shapes, and their mapping onto ``SamplingParams``.
 
 Requests are validated strictly: a parameter this server does not implement is refused with a
-400 naming it, never silently ignored (a client that asks for ``n = 3`` or ``logit_bias`` must
-know it did not get them). Errors use OpenAI's error object.
+400 naming it, never silently ignored (a client that asks for ``logit_bias`` must know it did
+not get it). Errors use OpenAI's error object.
 """
 
 from __future__ import annotations
@@ -100,7 +100,8 @@ class _Common(BaseModel):
     min_tokens: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: Annotated[int, Field(ge=1)] = 1
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None   # vLLM's: the prompt's own
     user: str | None = None                  # metadata only
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParam | None = None     # vLLM's: json, regex, choice, grammar
@@ -132,16 +133,23 @@ class _Common(BaseModel):
         """The name the client gave its length limit (the engine's messages say ``max_tokens``)."""
         return "max_tokens"
 
+    def check_choices(self, max_n: int) -> None:
+        """``n`` within the server's limit (``server.max_n``): each choice is a request."""
+        if self.n > max_n:
+            raise ApiError(400, f"n = {self.n} exceeds this server's limit of {max_n} choices "
+                                f"(server.max_n)", "n")
+
     def sampling(self, logprobs: int | None, default_max_tokens: int,
-                 max_tokens_field: str = "max_tokens") -> SamplingParams:
-        if self.n != 1:
-            raise ApiError(400, f"n = {self.n} is not supported: one choice per request", "n",
-                           code="unsupported_parameter")
-        if self.max_tokens is not None and self.max_tokens < 1:
+                 max_tokens_field: str = "max_tokens", n: int | None = None,
+                 prompt_logprobs: int | None = None, max_tokens: int | None = None) -> SamplingParams:
+        """``n``, ``prompt_logprobs``, ``max_tokens``: where the endpoint asks the engine for
+        other than the client did (``best_of``, ``echo``)."""
+        if max_tokens is None and self.max_tokens is not None and self.max_tokens < 1:
             raise ApiError(400, f"{max_tokens_field} must be at least 1, got {self.max_tokens}",
                            max_tokens_field)
         kwargs = {k: v for k, v in {
-            "max_tokens": self.max_tokens or default_max_tokens, "temperature": self.temperature,
+            "n": n or self.n, "prompt_logprobs": _most(prompt_logprobs, self.prompt_logprobs),
+            "max_tokens": max_tokens or self.max_tokens or default_max_tokens, "temperature": self.temperature,
             "top_p": self.top_p, "seed": self.seed, "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty, "logprobs": logprobs,
             "top_k": 0 if self.top_k == -1 else self.top_k, "min_p": self.min_p,
@@ -154,6 +162,10 @@ class _Common(BaseModel):
             raise ApiError(400, f"{exc.name} {exc.message}", exc.name) from None
 
 
+def _most(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else max(a, b)
+
+
 Prompt = Text | Annotated[list[TokenId], Field(min_length=1)]
 
 
@@ -162,7 +174,8 @@ class CompletionRequest(_Common):
     prompt: Prompt | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)] | \
         Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
-    echo: bool = False
+    echo: bool = False                           # the prompt (and its logprobs) before each choice
+    best_of: Annotated[int, Field(ge=1)] | None = None    # run this many, return the n likeliest
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -170,10 +183,39 @@ class CompletionRequest(_Common):
             return [p]  # type: ignore[list-item]
         return list(p)  # type: ignore[arg-type]
 
+    @property
+    def candidates(self) -> int:
+        """Choices run a prompt: ``best_of``, else ``n``."""
+        return self.best_of or self.n
+
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens = 0``: the prompt scored, nothing generated (one token is
+        sampled and dropped)."""
+        return self.echo and self.max_tokens == 0
+
+    def check_choices(self, max_n: int) -> None:
+        super().check_choices(max_n)
+        if self.best_of is None:
+            return
+        if self.best_of > max_n:
+            raise ApiError(400, f"best_of = {self.best_of} exceeds this server's limit of {max_n} "
+                                f"choices (server.max_n)", "best_of")
+        if self.best_of < self.n:
+            raise ApiError(400, f"best_of ({self.best_of}) must be at least n ({self.n})", "best_of")
+        if self.stream and self.best_of > self.n:
+            raise ApiError(400, "best_of > n cannot be streamed: the best are known only at the "
+                                "end", "best_of")
+
     def params(self, default_max_tokens: int) -> SamplingParams:
-        if self.echo:
-            raise ApiError(400, "echo is not supported", "echo", code="unsupported_parameter")
-        return self.sampling(self.logprobs, default_max_tokens)
+        if self.max_tokens == 0 and not self.echo:
+            raise ApiError(400, "max_tokens must be at least 1 (0 only with echo, to score the "
+                                "prompt)", "max_tokens")
+        ranked = self.candidates > self.n               # ranking needs each token's logprob
+        logprobs = 0 if ranked and self.logprobs is None else self.logprobs
+        return self.sampling(logprobs, default_max_tokens, n=self.candidates,
+                             prompt_logprobs=self.logprobs if self.echo else None,
+                             max_tokens=1 if self.echo_only else None)
 
 
 class TextPart(BaseModel):
@@ -280,6 +322,9 @@ class ChatCompletionRequest(_Common):
             self.max_tokens = self.max_completion_tokens
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs = true", "top_logprobs")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ApiError(400, "prompt_logprobs are returned with the whole response: not with "
+                                "stream = true", "prompt_logprobs")
         return self.sampling((self.top_logprobs or 0) if self.logprobs else None, default_max_tokens,
                              self.max_tokens_field())
 
@@ -312,19 +357,31 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, float]],
+def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, float] | None],
                         offset: int) -> dict[str, Any]:
-    """The completions API's logprobs object for these tokens."""
+    """The completions API's logprobs object for these tokens (an echoed prompt's first token
+    has none: null, as OpenAI returns it)."""
     text = lambda t: tokenizer.decode([t]) if tokenizer else str(t)  # noqa: E731
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for tok, lp in zip(token_ids, logprobs):
         out["tokens"].append(text(tok))
-        out["token_logprobs"].append(lp[tok])
-        out["top_logprobs"].append({text(t): v for t, v in lp.items() if t != tok or len(lp) == 1}
-                                   | {text(tok): lp[tok]})
+        out["token_logprobs"].append(None if lp is None else lp[tok])
+        out["top_logprobs"].append(None if lp is None else {
+            text(t): v for t, v in lp.items() if t != tok or len(lp) == 1} | {text(tok): lp[tok]})
         out["text_offset"].append(offset)
         offset += len(out["tokens"][-1])
     return out
+
+
+def prompt_logprobs(tokenizer, token_ids: list[int],
+                    logprobs: list[dict[int, float] | None] | None) -> list[dict[str, Any] | None] | None:
+    """vLLM's ``prompt_logprobs``: for each prompt token (None for the first), the token's own
+    and the top alternatives, keyed by token id."""
+    if logprobs is None:
+        return None
+    text = lambda t: tokenizer.decode([t]) if tokenizer else str(t)  # noqa: E731
+    return [None if lp is None else {str(t): {"logprob": v, "decoded_token": text(t)}
+                                     for t, v in lp.items()} for lp in logprobs[:len(token_ids)]]
 
 
 def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, float]],

@@ -109,7 +109,7 @@ def local_app(cfg: Config, api_key: str | None, on_fatal: Callable[[BaseExceptio
     try:
         name = sv.model_name or llm.model.model_id
         app = create_app(llm, name, api_key, sv.max_queue, sv.default_max_tokens, sv.max_body_bytes,
-                         on_fatal=on_fatal)
+                         on_fatal=on_fatal, max_n=sv.max_n)
     except BaseException:
         llm.close()
         raise

@@ -20,6 +20,7 @@ class ServerState:
     metrics: ServerMetrics
     model_name: str
     default_max_tokens: int
+    max_n: int = 16                  # choices a prompt (``n``, ``best_of``)
 
 
 def state_of(request: Request) -> ServerState:

@@ -1,7 +1,8 @@
 """The one path from a request to a reply, shared by every generating endpoint: check and
 tokenise the prompts (off the engine's thread), submit them, then either collect the whole
 outputs or stream server-sent events. An endpoint only says how its replies look (a
-``Formatter``); a request with several prompts gets one choice per prompt, in order.
+``Formatter``); a request with several prompts gets ``params.n`` choices a prompt, in order
+(choice ``p * n + i`` is prompt ``p``'s ``i``-th).
 
 A client that goes away, mid-stream or while waiting for a whole reply, has its requests
 aborted and their KV blocks freed at once. An engine failure mid-stream is an error event,
@@ -30,7 +31,7 @@ DISCONNECT_POLL_S = 0.25
 
 
 class Formatter(Protocol):
-    """How one endpoint's replies look; ``index`` is the choice (the prompt's place)."""
+    """How one endpoint's replies look; ``index`` is the choice's place among all."""
 
     def whole(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         """The non-streamed reply."""
@@ -85,7 +86,7 @@ async def _start(request: Request, loop: EngineLoop, prompts: list[str | list[in
     handles: list[Handle] = []
     try:
         for one, constraint in zip(ids, constraints):
-            handles.append(loop.submit(one, params, constraint))
+            handles += loop.submit_choices(one, params, constraint)
         await _unless_disconnected(request, _firsts(handles))
         return handles
     except EngineStopped as exc:
