@@ -32,7 +32,12 @@ _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(.+)\.lora_([AB])\
 
 
 class AdapterError(TwophaseError):
-    """An adapter that cannot run on this model: the message says why."""
+    """An adapter that cannot run on this model, or be found or loaded now: the message says
+    why (a server answers 404 where ``not_found``, 503 where ``busy``, else 400)."""
+
+    def __init__(self, message: str, not_found: bool = False, busy: bool = False):
+        super().__init__(message)
+        self.not_found, self.busy = not_found, busy
 
 
 @dataclass(frozen=True)
