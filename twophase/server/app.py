@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API over one engine: ``/v1/completions``,
-``/v1/chat/completions`` (both streaming as server-sent events), ``/v1/models``, ``/health``,
-``/metrics`` (Prometheus). One module per endpoint; this one assembles them.
+``/v1/chat/completions``, ``/v1/responses`` (all streaming as server-sent events),
+``/v1/models``, ``/health``, ``/metrics`` (Prometheus). One module per endpoint; this one assembles them.
 
 Every request goes through a ``Loop`` (one engine's ``EngineLoop``, or ``ClusterLoop`` over
 engines on Ray), so concurrent clients batch together. Bad input gets
@@ -18,12 +18,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from twophase.server import chat, completions, info
+from twophase.server import chat, completions, info, responses
 from twophase.server import protocol as P
 from twophase.server.loop import EngineLoop, Loop
 from twophase.server.metrics import ServerMetrics
 from twophase.server.middleware import Gate
 from twophase.server.state import ServerState
+
+ENDPOINTS = (info, completions, chat, responses)        # each module's ``router``
 
 
 def create_app(llm, model_name: str, api_key: str | None = None, max_queue: int = 256,
@@ -58,10 +60,10 @@ def build_app(loop: Loop, tokenizer, metrics: ServerMetrics, model_name: str,
     app.state.server = ServerState(tokenizer, loop, metrics, model_name, default_max_tokens, max_n)
     app.state.loop, app.state.metrics = loop, metrics
     _add_error_handlers(app)
-    routes = [r for module in (info, completions, chat) for r in module.router.routes]
+    routes = [r for module in ENDPOINTS for r in module.router.routes]
     app.add_middleware(Gate, api_key=api_key, metrics=metrics, routes=routes,
                        max_body_bytes=max_body_bytes)
-    for module in (info, completions, chat):
+    for module in ENDPOINTS:
         app.include_router(module.router)
     return app
 
