@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API over one engine: ``/v1/completions``,
 ``/v1/chat/completions``, ``/v1/responses`` (all streaming as server-sent events),
-``/v1/models``, ``/health``, ``/metrics`` (Prometheus). One module per endpoint; this one assembles them.
+``/v1/models``, ``/tokenize`` and ``/detokenize`` (vLLM's), ``/health``, ``/metrics``
+(Prometheus). One module per endpoint; this one assembles them.
 
 Every request goes through a ``Loop`` (one engine's ``EngineLoop``, or ``ClusterLoop`` over
 engines on Ray), so concurrent clients batch together. Bad input gets
@@ -18,14 +19,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from twophase.server import chat, completions, info, responses
+from twophase.server import chat, completions, info, responses, tokenize
 from twophase.server import protocol as P
 from twophase.server.loop import EngineLoop, Loop
 from twophase.server.metrics import ServerMetrics
 from twophase.server.middleware import Gate
 from twophase.server.state import ServerState
 
-ENDPOINTS = (info, completions, chat, responses)        # each module's ``router``
+ENDPOINTS = (info, completions, chat, responses, tokenize)        # each module's ``router``
 
 
 def create_app(llm, model_name: str, api_key: str | None = None, max_queue: int = 256,
