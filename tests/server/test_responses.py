@@ -48,9 +48,10 @@ def test_text_equals_generate_of_the_chat_prompt(default_server, client, default
     assert (r.usage.input_tokens, r.usage.output_tokens) == (len(want.prompt_token_ids), len(want.token_ids))
     assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
     assert r.store is False and r.incomplete_details is None
-    same = client.responses.create(model=MODEL, max_output_tokens=40, temperature=0,
+    same = client.responses.create(model=MODEL, max_output_tokens=40, temperature=0, truncation="disabled",
+                                   store=True,            # accepted, and the reply says nothing was stored
                                    input=[{"role": "user", "content": [{"type": "input_text", "text": ASK}]}])
-    assert same.output_text == want.text
+    assert same.output_text == want.text and same.store is False
     all_blocks_free(llm, app)
 
 
@@ -61,6 +62,28 @@ def test_instructions_are_a_leading_system_message(default_server, client, defau
     r = client.responses.create(model=MODEL, instructions=rules, input=ASK, max_output_tokens=24)
     assert r.output_text == want.text and r.instructions == rules
     assert r.output_text != _generate(default_llm, [{"role": "user", "content": ASK}], 24).text
+    all_blocks_free(llm, app)
+
+
+def test_message_items_mean_the_chat_messages(default_server, client):
+    """Roles (``developer`` too), text parts and an earlier reply's ``output_text`` sent back
+    are the chat endpoint's messages, whole."""
+    llm, url, app = default_server
+    items = [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Be brief."}]},
+             {"role": "user", "content": "Hi!"},
+             {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+              "content": [{"type": "output_text", "text": "Hello! How can I help?", "annotations": []}]},
+             {"role": "user", "content": [{"type": "input_text", "text": "Name a"},
+                                          {"type": "input_text", "text": " colour."}]}]
+    messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi!"},
+                {"role": "assistant", "content": "Hello! How can I help?"},
+                {"role": "user", "content": "Name a colour."}]
+    want = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0)
+    got = client.responses.create(model=MODEL, input=items, max_output_tokens=30, temperature=0)
+    assert got.output_text == want.choices[0].message.content
+    assert got.usage.input_tokens == want.usage.prompt_tokens
+    last_only = client.responses.create(model=MODEL, input=items[-1:], max_output_tokens=30, temperature=0)
+    assert last_only.usage.input_tokens < got.usage.input_tokens      # every item reached the prompt
     all_blocks_free(llm, app)
 
 
@@ -164,9 +187,9 @@ def test_text_format_json_schema_answer_validates(default_server, client):
     assert r.status == "completed"
     jsonschema.validate(json.loads(r.output_text), schema)
     assert r.text.format.type == "json_schema" and r.text.format.name == "person"
-    r = client.responses.create(model=MODEL, input="Make up a person: give a name and an age.",
-                                max_output_tokens=120, text={"format": {"type": "json_object"}})
-    assert isinstance(json.loads(r.output_text), dict)
+    r = client.responses.create(model=MODEL, input="Describe a cat as a JSON object with a name and an age.",
+                                max_output_tokens=80, temperature=0, text={"format": {"type": "json_object"}})
+    assert r.status == "completed" and isinstance(json.loads(r.output_text), dict)
     all_blocks_free(llm, app)
 
 
@@ -176,6 +199,17 @@ def test_text_format_json_schema_answer_validates(default_server, client):
     ({"background": True}, "background"),
     ({"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]}, "input"),
+    ({"input": [{"type": "image_generation_call", "id": "ig_1", "status": "completed"}]}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "file_1"}]}]}, "input"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input"),
+    ({"input": [{"role": "user"}]}, "input"),
+    ({"input": [{"role": "robot", "content": "hi"}]}, "input"),
+    ({"input": []}, "input"),
+    ({"input": 3}, "input"),
+    ({"instructions": ["x"]}, "instructions"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"temperature": -1}, "temperature"),
+    ({"tools": [{"type": "function"}]}, "tools"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
     ({"tools": [{"type": "file_search", "vector_store_ids": ["vs_1"]}]}, "tools"),
     ({"reasoning": {"effort": "low"}}, "reasoning"),

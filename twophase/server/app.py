@@ -117,7 +117,9 @@ def _add_error_handlers(app: FastAPI) -> None:
             return _error(P.ApiError(400, f"unsupported parameter: {param}", param,
                                      code="unsupported_parameter"))
         if first.get("type") == "missing":
-            return _error(P.ApiError(400, f"missing required parameter: {param}", param))
+            field = str(first["loc"][-1])         # a nested field: named, with the parameter it is in
+            where = param if field == param else f"{field} (in {param})"
+            return _error(P.ApiError(400, f"missing required parameter: {where}", param))
         return _error(P.ApiError(400, f"{param}: {first.get('msg')}", param))
 
     @app.exception_handler(StarletteHTTPException)

@@ -108,6 +108,7 @@ class ResponsesRequest(BaseModel):
     metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None
     user: str | None = None
     store: bool | None = None                   # accepted; nothing is stored
+    truncation: Literal["disabled"] | None = None   # the default; "auto" would drop input unasked
     # named so that a client using them hears why they cannot work here
     previous_response_id: Any = None
     conversation: Any = None
