@@ -193,6 +193,26 @@ def test_text_format_json_schema_answer_validates(default_server, client):
     all_blocks_free(llm, app)
 
 
+def test_the_clients_parse_helpers_get_the_model_back(default_server, client):
+    """``responses.parse`` and ``responses.stream`` with ``text_format``: the client's own
+    schema from a pydantic model, its answer parsed back into one."""
+    pydantic = pytest.importorskip("pydantic")
+
+    class Cat(pydantic.BaseModel):
+        name: str
+        age: int
+
+    llm, url, app = default_server
+    whole = client.responses.parse(model=MODEL, input="Describe a cat.", text_format=Cat, max_output_tokens=60,
+                                   temperature=0)
+    assert isinstance(whole.output_parsed, Cat)
+    with client.responses.stream(model=MODEL, input="Describe a cat.", text_format=Cat, max_output_tokens=60,
+                                 temperature=0) as stream:
+        streamed = stream.get_final_response()
+    assert streamed.output_parsed == whole.output_parsed
+    all_blocks_free(llm, app)
+
+
 @pytest.mark.parametrize("fields, param", [
     ({"previous_response_id": "resp_abc"}, "previous_response_id"),
     ({"conversation": "conv_abc"}, "conversation"),
