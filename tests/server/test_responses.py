@@ -250,6 +250,16 @@ def test_bad_requests_name_the_field(default_server, client, fields, param):
     all_blocks_free(llm, app)
 
 
+@pytest.mark.parametrize("item, says", [
+    ({"type": "image_generation_call", "id": "ig_1", "status": "completed"}, "'image_generation_call'"),
+    ({"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}, "'input_image'"),
+])
+def test_an_item_it_cannot_read_is_named_in_the_refusal(default_server, client, item, says):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=MODEL, input=[item], max_output_tokens=4)
+    assert err.value.body["param"] == "input" and says in err.value.body["message"], err.value.body
+
+
 def test_unknown_model_is_404(default_server, client):
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="gpt-4o", input="hi")
