@@ -10,7 +10,7 @@ token id outside the vocabulary.
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
@@ -18,6 +18,9 @@ from pydantic import BaseModel, Field
 from twophase.server import chat
 from twophase.server import protocol as P
 from twophase.server.state import ServerState, state_of
+
+if TYPE_CHECKING:
+    from twophase.models.tokenizer import Tokenizer
 
 router = APIRouter()
 
@@ -41,7 +44,7 @@ class DetokenizeRequest(BaseModel):
     tokens: list[P.TokenId]
 
 
-def _tokenizer(server: ServerState, model: str | None, field: str):
+def _tokenizer(server: ServerState, model: str | None, field: str) -> Tokenizer:
     if model is not None:
         P.check_model(model, server.model_name)
     if server.tokenizer is None:
@@ -75,7 +78,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     return {"count": len(tokens), "max_model_len": server.loop.max_model_len, "tokens": tokens}
 
 
-def _decode(tok, tokens: list[int]) -> str:
+def _decode(tok: Tokenizer, tokens: list[int]) -> str:
     """The tokens' text, special tokens written out (a rendered chat reads back whole)."""
     size = max(tok.vocabulary().values()) + 1
     bad = next((t for t in tokens if t >= size), None)
