@@ -324,7 +324,8 @@ def test_a_non_streamed_client_that_leaves_is_aborted_without_a_traceback(caplog
         [r.getMessage() for r in logged]
 
 
-@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize",
+                                   "/detokenize"])
 @pytest.mark.parametrize("body, kind", [
     ("[]", "an array"), ('[{"model": "smollm2", "prompt": "hi"}]', "an array"),
     ('"hi"', "a string"), ("3", "a number"), ("1.5", "a number"), ("null", "null"),
