@@ -265,6 +265,14 @@ def test_an_engine_failure_ends_its_streams_with_an_error_and_the_server_goes_on
         assert rest[-1] == "data: [DONE]"
         err = json.loads(rest[-2][6:])["error"]
         assert err["code"] == "engine_error" and "device lost" in err["message"]
+        body = {"model": MODEL, "input": "hi", "max_output_tokens": 50, "stream": True}
+        with httpx.stream("POST", url + "/v1/responses", json=body, timeout=30) as r:   # its own events
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data:"))
+            fail["decode"] = 1
+            rest = [json.loads(line[6:]) for line in lines if line.startswith("data:")]
+        assert rest[-1]["type"] == "error" and rest[-1]["code"] == "engine_error", rest[-1]
+        assert "device lost" in rest[-1]["message"] and "response.completed" not in [e["type"] for e in rest]
         r = _post(url, {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3})
         assert r.status_code == 200, "one failed step must not end the server"
         # a new prompt that fails its first step is ended alone, however often: it may be its fault
