@@ -265,6 +265,14 @@ def test_an_engine_failure_ends_its_streams_with_an_error_and_the_server_goes_on
         assert rest[-1] == "data: [DONE]"
         err = json.loads(rest[-2][6:])["error"]
         assert err["code"] == "engine_error" and "device lost" in err["message"]
+        body = {"model": MODEL, "input": "hi", "max_output_tokens": 50, "stream": True}
+        with httpx.stream("POST", url + "/v1/responses", json=body, timeout=30) as r:   # its own events
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data:"))
+            fail["decode"] = 1
+            rest = [json.loads(line[6:]) for line in lines if line.startswith("data:")]
+        assert rest[-1]["type"] == "error" and rest[-1]["code"] == "engine_error", rest[-1]
+        assert "device lost" in rest[-1]["message"] and "response.completed" not in [e["type"] for e in rest]
         r = _post(url, {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3})
         assert r.status_code == 200, "one failed step must not end the server"
         # a new prompt that fails its first step is ended alone, however often: it may be its fault
@@ -324,7 +332,8 @@ def test_a_non_streamed_client_that_leaves_is_aborted_without_a_traceback(caplog
         [r.getMessage() for r in logged]
 
 
-@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize",
+                                   "/detokenize"])
 @pytest.mark.parametrize("body, kind", [
     ("[]", "an array"), ('[{"model": "smollm2", "prompt": "hi"}]', "an array"),
     ('"hi"', "a string"), ("3", "a number"), ("1.5", "a number"), ("null", "null"),

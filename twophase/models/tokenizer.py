@@ -14,10 +14,10 @@ class Tokenizer(Protocol):
     max_token_chars: int        # the most characters of text one token stands for
     chat_template: str | None   # the model's own (None: it has none)
 
-    def encode(self, text: str) -> list[int]: ...
-    def decode(self, ids: list[int]) -> str: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
     def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
-                            **extra: Any) -> str: ...
+                            add_generation_prompt: bool = True, **extra: Any) -> str: ...
     def vocabulary(self) -> dict[str, int]: ...
 
 
@@ -43,14 +43,16 @@ class HFTokenizer:
         # character is at least a byte: n characters of text are at least n / this tokens
         self.max_token_chars = max(len(t) for t in self._tok.get_vocab(with_added_tokens=True))
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``add_special_tokens``: the BOS the model's prompts start with, where it has one
+        (False: the text's own tokens, as for a chat template that writes its BOS itself)."""
         ids = self._tok.encode(text, add_special_tokens=False).ids
-        if self.add_bos and self.bos_token:
+        if add_special_tokens and self.add_bos and self.bos_token:
             ids = [self._tok.token_to_id(self.bos_token)] + ids
         return ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def to_json(self) -> str:
         """The whole tokenizer as ``tokenizer.json`` text (what a grammar engine reads)."""
@@ -61,15 +63,15 @@ class HFTokenizer:
         return self._tok.get_vocab(with_added_tokens=True)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
-                            **extra: Any) -> str:
-        """The conversation rendered as HF's ``apply_chat_template(tokenize=False,
-        add_generation_prompt=True)`` renders it: same environment, globals and filters."""
+                            add_generation_prompt: bool = True, **extra: Any) -> str:
+        """The conversation rendered as HF's ``apply_chat_template(tokenize=False)`` renders
+        it: same environment, globals and filters."""
         if not self.chat_template:
             raise ValueError("this model's tokenizer has no chat template")
         if self._template is None:
             self._template = template_environment().from_string(self.chat_template)
         return self._template.render(
-            messages=messages, tools=tools, add_generation_prompt=True,
+            messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
 
 
@@ -111,10 +113,10 @@ class ByteTokenizer:
             raise ValueError("a byte tokenizer needs a vocabulary of at least 259 tokens")
         self.eos_token_ids = eos_token_ids
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [b + self.OFFSET for b in text.encode("utf-8")]
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         data = bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < 256 + self.OFFSET)
         return data.decode("utf-8", errors="replace")
 
@@ -122,8 +124,9 @@ class ByteTokenizer:
         return {"<pad>": 0, "<s>": 1, "</s>": 2} | {f"<0x{b:02X}>": b + self.OFFSET for b in range(256)}
 
     def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
-                            **extra: Any) -> str:
-        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+                            add_generation_prompt: bool = True, **extra: Any) -> str:
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        return text + "assistant: " if add_generation_prompt else text
 
 
 def _default_template(template: Any) -> str | None:

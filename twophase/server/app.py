@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API over one engine: ``/v1/completions``,
-``/v1/chat/completions`` (both streaming as server-sent events), ``/v1/models``, ``/health``,
-``/metrics`` (Prometheus). One module per endpoint; this one assembles them.
+``/v1/chat/completions``, ``/v1/responses`` (all streaming as server-sent events),
+``/v1/models``, ``/tokenize`` and ``/detokenize`` (vLLM's), ``/health``, ``/metrics``
+(Prometheus). One module per endpoint; this one assembles them.
 
 Every request goes through a ``Loop`` (one engine's ``EngineLoop``, or ``ClusterLoop`` over
 engines on Ray), so concurrent clients batch together. Bad input gets
@@ -18,12 +19,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from twophase.server import chat, completions, info
+from twophase.server import chat, completions, info, responses, tokenize
 from twophase.server import protocol as P
 from twophase.server.loop import EngineLoop, Loop
 from twophase.server.metrics import ServerMetrics
 from twophase.server.middleware import Gate
 from twophase.server.state import ServerState
+
+ENDPOINTS = (info, completions, chat, responses, tokenize)        # each module's ``router``
 
 
 def create_app(llm, model_name: str, api_key: str | None = None, max_queue: int = 256,
@@ -58,10 +61,10 @@ def build_app(loop: Loop, tokenizer, metrics: ServerMetrics, model_name: str,
     app.state.server = ServerState(tokenizer, loop, metrics, model_name, default_max_tokens, max_n)
     app.state.loop, app.state.metrics = loop, metrics
     _add_error_handlers(app)
-    routes = [r for module in (info, completions, chat) for r in module.router.routes]
+    routes = [r for module in ENDPOINTS for r in module.router.routes]
     app.add_middleware(Gate, api_key=api_key, metrics=metrics, routes=routes,
                        max_body_bytes=max_body_bytes)
-    for module in (info, completions, chat):
+    for module in ENDPOINTS:
         app.include_router(module.router)
     return app
 
@@ -114,7 +117,9 @@ def _add_error_handlers(app: FastAPI) -> None:
             return _error(P.ApiError(400, f"unsupported parameter: {param}", param,
                                      code="unsupported_parameter"))
         if first.get("type") == "missing":
-            return _error(P.ApiError(400, f"missing required parameter: {param}", param))
+            field = str(first["loc"][-1])         # a nested field: named, with the parameter it is in
+            where = param if field == param else f"{field} (in {param})"
+            return _error(P.ApiError(400, f"missing required parameter: {where}", param))
         return _error(P.ApiError(400, f"{param}: {first.get('msg')}", param))
 
     @app.exception_handler(StarletteHTTPException)

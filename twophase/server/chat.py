@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from twophase.core.outputs import Delta, RequestOutput
+from twophase.core.sampling_params import SamplingParams
 from twophase.errors import InvalidSamplingParam
 from twophase.server import protocol as P
 from twophase.server import tools as T
@@ -109,24 +110,42 @@ async def chat(body: P.ChatCompletionRequest, request: Request):
     server = state_of(request)
     P.check_model(body.model, server.model_name)
     body.check_choices(server.max_n)
+    prompt, params, tools = prepare(server, body)
+    return await respond(request, server.loop, [prompt], params, body.stream, ChatFormat(server, body, tools),
+                         body.max_tokens_field())
+
+
+def prepare(server: ServerState, body: P.ChatCompletionRequest) -> tuple[str, SamplingParams, T.ToolPlan]:
+    """The request's prompt (its messages through the chat template), sampling parameters and
+    tool plan; ``ApiError`` (400) naming what is wrong. ``/v1/responses`` maps onto this."""
     if server.tokenizer is None:
         raise P.ApiError(400, "this model has no tokenizer or chat template: use "
                               "/v1/completions with token ids", "messages")
     params = body.params(server.default_max_tokens)
-    template = server.tokenizer.chat_template
-    tools = T.plan(body, template)
-    if tools.format == "mistral":
-        tools.marker_id = server.tokenizer.vocabulary().get("[TOOL_CALLS]")
+    tools = plan_tools(server, body)
     if tools.structured is not None:
         try:
             params = dataclasses.replace(params, structured=tools.structured)
         except InvalidSamplingParam as exc:          # min_tokens or stop beside a forced call
             raise P.ApiError(400, f"{exc.name} {exc.message}", exc.name) from None
+    return render(server, body, tools), params, tools
+
+
+def plan_tools(server: ServerState, body: P.ChatCompletionRequest) -> T.ToolPlan:
+    assert server.tokenizer is not None
+    tools = T.plan(body, server.tokenizer.chat_template)
+    if tools.format == "mistral":
+        tools.marker_id = server.tokenizer.vocabulary().get("[TOOL_CALLS]")
+    return tools
+
+
+def render(server: ServerState, body: P.ChatCompletionRequest, tools: T.ToolPlan, **extra: Any) -> str:
+    """The messages through the model's chat template (``extra``: the template's own flags)."""
+    assert server.tokenizer is not None
+    template = server.tokenizer.chat_template
     messages = T.messages_for(template, [m.for_template() for m in body.messages], tools.tools)
     try:
-        prompt = server.tokenizer.apply_chat_template(messages, tools=tools.tools)
+        return server.tokenizer.apply_chat_template(messages, tools=tools.tools, **extra)
     except Exception as exc:            # a template may refuse a conversation (roles' order)
         raise P.ApiError(400, f"the model's chat template refused these messages: {exc}",
                          "messages") from None
-    return await respond(request, server.loop, [prompt], params, body.stream, ChatFormat(server, body, tools),
-                         body.max_tokens_field())

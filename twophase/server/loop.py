@@ -99,6 +99,7 @@ class Loop(Protocol):
     ``twophase.cluster.frontend.ClusterLoop``: several, on Ray)."""
 
     fatal: BaseException | None
+    max_model_len: int                  # the longest request, prompt and output together
 
     @property
     def in_flight(self) -> int: ...
@@ -140,6 +141,7 @@ class EngineLoop:
         self.llm = llm
         self.engine = llm.engine
         self.max_queue = max_queue
+        self.max_model_len: int = self.engine.max_model_len
         self.on_step, self.on_finish, self.on_change = on_step, on_finish, on_change
         self.on_fatal = on_fatal
         self.max_failed_steps = max_failed_steps

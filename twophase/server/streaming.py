@@ -2,7 +2,9 @@
 tokenise the prompts (off the engine's thread), submit them, then either collect the whole
 outputs or stream server-sent events. An endpoint only says how its replies look (a
 ``Formatter``); a request with several prompts gets ``params.n`` choices a prompt, in order
-(choice ``p * n + i`` is prompt ``p``'s ``i``-th).
+(choice ``p * n + i`` is prompt ``p``'s ``i``-th). ``/v1/responses``, whose events are not
+choices' chunks, builds its reply from the same pieces (``start``, ``collect``, ``merged``,
+``event_stream``).
 
 A client that goes away, mid-stream or while waiting for a whole reply, has its requests
 aborted and their KV blocks freed at once. An engine failure mid-stream is an error event,
@@ -53,14 +55,19 @@ class Formatter(Protocol):
 async def respond(request: Request, loop: EngineLoop, prompts: list[str | list[int]],
                   params: SamplingParams, stream: bool, fmt: Formatter, max_tokens_field: str = "max_tokens"):
     """``max_tokens_field``: the name the client gave its length limit, which a refusal names."""
-    handles = await _start(request, loop, prompts, params, max_tokens_field)
+    handles = await start(request, loop, prompts, params, max_tokens_field)
     if not stream:
-        outputs = await _collect(request, handles)
+        outputs = await collect(request, handles)
         return JSONResponse(fmt.whole(outputs))
-    # the abort runs however the response ends, also when it is cancelled before it started
-    return StreamingResponse(_events(handles, fmt), media_type="text/event-stream",
+    return event_stream(_events(handles, fmt), handles)
+
+
+def event_stream(events: AsyncIterator[str], handles: list[Handle]) -> StreamingResponse:
+    """``events`` (server-sent events' text) as the response; the abort runs however the
+    response ends, also when it is cancelled before it started."""
+    return StreamingResponse(events, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"},
-                             background=BackgroundTask(_abort, handles))
+                             background=BackgroundTask(abort, handles))
 
 
 def _rejected(exc: RequestRejected, max_tokens_field: str) -> P.ApiError:
@@ -70,7 +77,7 @@ def _rejected(exc: RequestRejected, max_tokens_field: str) -> P.ApiError:
                       code="prompt_rejected")
 
 
-async def _start(request: Request, loop: EngineLoop, prompts: list[str | list[int]],
+async def start(request: Request, loop: EngineLoop, prompts: list[str | list[int]],
                  params: SamplingParams, max_tokens_field: str) -> list[Handle]:
     """Check, submit and wait for each request's first item, so refusals become a status, not
     a stream."""
@@ -90,21 +97,21 @@ async def _start(request: Request, loop: EngineLoop, prompts: list[str | list[in
         await _unless_disconnected(request, _firsts(handles))
         return handles
     except EngineStopped as exc:
-        _abort(handles)
+        abort(handles)
         raise P.ApiError(503, str(exc), type_="server_error", code="engine_stopped",
                          headers={"Retry-After": "1"}) from None
     except Overloaded as exc:
-        _abort(handles)
+        abort(handles)
         raise P.ApiError(503, str(exc), type_="server_overloaded", code="overloaded",
                          headers={"Retry-After": "1"}) from None
     except RequestRejected as exc:
-        _abort(handles)
+        abort(handles)
         raise _rejected(exc, max_tokens_field) from None
     except EngineError as exc:
-        _abort(handles)
+        abort(handles)
         raise P.ApiError(500, str(exc), type_="server_error", code="engine_error") from None
     except BaseException:                       # cancelled: the client went away
-        _abort(handles)
+        abort(handles)
         raise
 
 
@@ -113,7 +120,7 @@ async def _firsts(handles: list[Handle]) -> None:
         await h.first()
 
 
-def _abort(handles: list[Handle]) -> None:
+def abort(handles: list[Handle]) -> None:
     for h in handles:
         h.abort()                   # no-op once finished
 
@@ -149,14 +156,14 @@ def _retrieve(task: asyncio.Future) -> None:
         task.exception()
 
 
-async def _collect(request: Request, handles: list[Handle]) -> list[RequestOutput]:
+async def collect(request: Request, handles: list[Handle]) -> list[RequestOutput]:
     """Every output of a non-streamed request; aborts them if the client goes away."""
     try:
         return await _unless_disconnected(request, _all_finished(handles))
     except EngineError as exc:
         raise P.ApiError(500, str(exc), type_="server_error", code="engine_error") from None
     finally:
-        _abort(handles)
+        abort(handles)
 
 
 async def _all_finished(handles: list[Handle]) -> list[RequestOutput]:
@@ -165,7 +172,7 @@ async def _all_finished(handles: list[Handle]) -> list[RequestOutput]:
     return [await _until_finished(h) for h in handles]
 
 
-async def _merged(handles: list[Handle]) -> AsyncIterator[tuple[int, Any]]:
+async def merged(handles: list[Handle]) -> AsyncIterator[tuple[int, Any]]:
     """Every handle's items as they come, tagged with the handle's place."""
     pending = {asyncio.ensure_future(h.next()): i for i, h in enumerate(handles)}
     try:
@@ -185,7 +192,7 @@ async def _merged(handles: list[Handle]) -> AsyncIterator[tuple[int, Any]]:
 async def _events(handles: list[Handle], fmt: Formatter) -> AsyncIterator[str]:
     outputs: list[RequestOutput | None] = [None] * len(handles)
     try:
-        async for i, item in _merged(handles):
+        async for i, item in merged(handles):
             if isinstance(item, Finished):
                 outputs[i] = item.output
                 body = fmt.finish(item.output, i)
@@ -201,7 +208,7 @@ async def _events(handles: list[Handle], fmt: Formatter) -> AsyncIterator[str]:
             P.ApiError(500, str(exc), type_="server_error", code="engine_error")
         yield _event(err.body())
     finally:
-        _abort(handles)              # no-op once finished; frees the blocks of a client gone
+        abort(handles)              # no-op once finished; frees the blocks of a client gone
     yield "data: [DONE]\n\n"
 
 
