@@ -37,11 +37,20 @@ class ModelConfig:
     quantization: Literal["none", "q4", "gguf"] = "none"
     accuracy_level: int = 4               # q4: 4 quantises activations to int8 per block (fastest)
     outlier_channels: int = 8             # q4: input channels per projection kept in float32
+    max_loras: int = 4                    # LoRA adapters resident at once (the rest on disk)
 
     def source(self) -> ModelSource:
         """What the model loaders read of this section (the model layer never reads the config)."""
         return ModelSource(self.name, self.path, self.weights, self.dtype, self.num_layers, self.seed,
                            self.quantization, self.accuracy_level, self.outlier_channels)
+
+
+@dataclass
+class LoraModule:
+    """An adapter served beside the base model (``[[lora]]``): a request names it to run with it."""
+
+    name: str
+    path: str                              # a PEFT adapter folder (relative to the config file)
 
 
 @dataclass
@@ -200,6 +209,7 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    lora: list[LoraModule] = field(default_factory=list)
     base_dir: Path = field(default=Path("."), metadata={"internal": True})
 
     def phases(self) -> tuple[BackendSection, BackendSection]:
@@ -279,8 +289,20 @@ def _check_backend_shape(data: dict[str, Any], where: str = "") -> None:
 def _check(cfg: Config) -> None:
     """Cross-field rules a type cannot express."""
     for check in (_check_limits, _check_sampling, _check_bench, _check_model, _check_server,
-                  _check_workload, _check_speculative, _check_cluster):
+                  _check_workload, _check_speculative, _check_cluster, _check_lora):
         check(cfg)
+
+
+def _check_lora(cfg: Config) -> None:
+    if cfg.model.max_loras < 1:
+        raise ConfigError("model.max_loras", f"must be at least 1, got {cfg.model.max_loras}")
+    seen: set[str] = set()
+    for i, a in enumerate(cfg.lora):
+        if not a.name.strip() or a.name != a.name.strip():
+            raise ConfigError(f"lora[{i}].name", f"must be a name without surrounding spaces, got {a.name!r}")
+        if a.name in seen:
+            raise ConfigError(f"lora[{i}].name", f"{a.name!r} is given twice")
+        seen.add(a.name)
 
 
 def _check_cluster(cfg: Config) -> None:

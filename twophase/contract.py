@@ -274,6 +274,10 @@ class Capabilities:
     features_in: Mapping[str, frozenset[str]] = field(default_factory=dict)
     # the K/V formats (``twophase.kv_formats``) it reads and writes besides its model's dtype
     kv_formats: tuple[str, ...] = ()
+    # does it apply LoRA adapters unmerged, each sequence its own (``PrefillBatch.lora_slots``)?
+    # Then it implements ``place_adapter`` and keeps its torch module in ``model`` (adapters
+    # are checked against its projections' shapes)
+    adapters: bool = False
 
 
 @dataclass(frozen=True)
@@ -441,6 +445,8 @@ class PrefillBatch:
     # (from, to) state rows to copy, in order, before computing: a prefix hit's saved state
     # into its sequence's slot, or a slot's state saved for later hits
     state_copies: list[tuple[int, int]] = field(default_factory=list)
+    # [B] each sequence's adapter slot (-1: the base model); None where none runs with one
+    lora_slots: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -469,6 +475,7 @@ class DecodeBatch:
     context_lens: torch.Tensor     # [B] tokens in the cache after this call
     state_slots: torch.Tensor | None = None   # [B] as ``PrefillBatch.state_slots``
     state_copies: list[tuple[int, int]] = field(default_factory=list)   # as ``PrefillBatch``'s
+    lora_slots: list[int] | None = None        # as ``PrefillBatch``'s
 
     @property
     def num_seqs(self) -> int:
@@ -479,7 +486,8 @@ class DecodeBatch:
         lens = self.context_lens.tolist()
         return PrefillBatch(self.token_ids, self.positions, self.slot_mapping, self.block_tables,
                             self.context_lens, [1] * len(lens), [n - 1 for n in lens],
-                            state_slots=self.state_slots, state_copies=self.state_copies)
+                            state_slots=self.state_slots, state_copies=self.state_copies,
+                            lora_slots=self.lora_slots)
 
 
 class Backend(ABC):
@@ -572,6 +580,12 @@ class Backend(ABC):
     @abstractmethod
     def decode(self, batch: DecodeBatch) -> torch.Tensor:
         """Logits ``[num_seqs, vocab]``. Afterwards the pool holds the new tokens' K/V."""
+
+    def place_adapter(self, slot: int, adapter: Any) -> None:
+        """Put a LoRA adapter's deltas (``twophase.lora.peft_adapter.LoraAdapter``) in ``slot``,
+        or empty it (None); the sequences whose ``lora_slots`` name the slot then run with it.
+        Only for a backend with ``Capabilities.adapters``."""
+        raise NotImplementedError(f"the {self.name} backend does not apply LoRA adapters")
 
     def read_kv_pool(self) -> torch.Tensor | None:
         """A copy of the pool a backend keeps itself (``shares_kv_pool = False``), for tests and

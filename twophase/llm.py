@@ -16,6 +16,7 @@ from typing import Any
 
 from twophase.backends.registry import Registry
 from twophase.builder import Loaded, draft, load
+from twophase.builder.adapters import adapter_manager
 from twophase.builder.backends import Backends
 from twophase.builder.checks import check_draft
 from twophase.builder.engine import make_engine
@@ -35,6 +36,13 @@ class LLM:
         self.registry = registry or Registry()
         self.loaded: Loaded = load(config, self.registry, make_engine=LLM)
         self.draft: LLM | None = None             # loaded by the first engine that drafts with it
+        d = self.loaded
+        try:          # the adapters every engine over these backends serves (None: none can be)
+            self.adapters = adapter_manager(d.config, d.backends, d.model.arch)
+        except BaseException:
+            for b in d.backends.distinct():
+                b.close()
+            raise
         t0 = time.perf_counter()
         self.engine = self.build_engine()
         engine_s = time.perf_counter() - t0           # a draft model loads here
@@ -113,7 +121,8 @@ class LLM:
         """A fresh engine (scheduler, prefix cache, step records) over the same backends and pool."""
         d = self.loaded
         return make_engine(d.config, d.layout, d.kv_cache, d.backends, d.model.arch, self.tokenizer,
-                           self._draft_backends, f"{id(self):x}", clock=clock, sleep=sleep)
+                           self._draft_backends, f"{id(self):x}", clock=clock, sleep=sleep,
+                           adapters=self.adapters)
 
     def _draft_backends(self) -> tuple[Backends, int]:
         """The draft model (``method = "draft"``), loaded once, with a pool as large as the

@@ -8,27 +8,17 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.hf_models import tiny_hf_model
+from helpers.lora import TARGETS as ALL
+from helpers.lora import peft_adapter
 
 from twophase import LLM, SamplingParams
 from twophase.core.batch import prefill_batch
-from twophase.lora.layer import attach, place
 from twophase.lora.peft_adapter import AdapterError, load_peft_adapter
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-TARGETS = {"llama": (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-                     ["k_proj", "down_proj"]),
-           "phi3": (["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], ["qkv_proj"])}
-
-
-def _adapter(model, folder, targets, seed: int, **kw):
-    torch.manual_seed(seed)
-    cfg = peft.LoraConfig(target_modules=targets, init_lora_weights=False, **kw)
-    pm = peft.get_peft_model(model, cfg)
-    pm.save_pretrained(folder)
-    ref = pm.eval()
-    return ref
+TARGETS = {"llama": (ALL["llama"], ["k_proj", "down_proj"]), "phi3": (ALL["phi3"], ["qkv_proj"])}
 
 
 @pytest.fixture(scope="module", params=sorted(TARGETS))
@@ -41,8 +31,7 @@ def setup(request, tmp_path_factory):
     refs = []
     for i, (targets, kw) in enumerate([(TARGETS[family][0], dict(r=4, lora_alpha=8)),
                                        (TARGETS[family][1], dict(r=2, lora_alpha=3, use_rslora=True))]):
-        base = transformers.AutoModelForCausalLM.from_pretrained(root / "base").eval()
-        pm = _adapter(base, root / f"a{i}", targets, seed=10 + i, **kw)
+        pm = peft_adapter(root / "base", root / f"a{i}", targets, seed=10 + i, **kw)
         with torch.no_grad():
             refs.append(pm(ids).logits[0])
     base = transformers.AutoModelForCausalLM.from_pretrained(root / "base").eval()
@@ -52,24 +41,23 @@ def setup(request, tmp_path_factory):
     from twophase.models.families import by_model_type
     names = by_model_type(family, "test").layer_names
     adapters = [load_peft_adapter(f"a{i}", root / f"a{i}", model, names) for i in range(2)]
-    ctx, wrapped = attach(model)
     for slot, a in enumerate(adapters):
-        place(wrapped, slot, a)
-    return llm, ctx, ids[0].tolist(), refs, root, names
+        llm.prefill_backend.place_adapter(slot, a)
+    return llm, ids[0].tolist(), refs, root, names
 
 
-def _logits(llm, ctx, prompts: list[list[int]], slots: list[int]) -> list[torch.Tensor]:
+def _logits(llm, prompts: list[list[int]], slots: list[int]) -> list[torch.Tensor]:
+    """Each prompt's logits at every position, in one prefill call, sequence ``i`` with the
+    adapter in slot ``slots[i]`` (-1: the base model)."""
     eng = llm.engine
     reqs = [eng.add_request(p, SamplingParams(max_tokens=1)) for p in prompts]
     for r, p in zip(reqs, prompts):
         assert eng.kv.allocate(r, len(p))
     batch = prefill_batch([(r, 0, len(p)) for r, p in zip(reqs, prompts)], eng.kv)
-    batch.logits = "all"
-    ctx.set([s for p, s in zip(prompts, slots) for _ in p])
+    batch.logits, batch.lora_slots = "all", slots
     try:
         out = llm.prefill_backend.prefill(batch)
     finally:
-        ctx.clear()
         for r in reqs:
             eng.abort(r.request_id)
     return list(out.split([len(p) for p in prompts]))
@@ -80,23 +68,23 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_each_adapter_equals_peft_at_every_position(setup):
-    llm, ctx, ids, refs, _, _ = setup
+    llm, ids, refs, _, _ = setup
     for slot, ref in [(0, refs[0]), (1, refs[1]), (-1, refs[2])]:
-        (got,) = _logits(llm, ctx, [ids], [slot])
+        (got,) = _logits(llm, [ids], [slot])
         assert _rel(got, ref) < 1e-4, f"slot {slot}"
     assert _rel(refs[0], refs[2]) > 1e-2 and _rel(refs[1], refs[2]) > 1e-2     # the adapters matter
 
 
 def test_a_batch_mixing_adapters_gives_each_sequence_its_own(setup):
-    llm, ctx, ids, refs, _, _ = setup
+    llm, ids, refs, _, _ = setup
     prompts = [ids, ids[:25], ids, ids[:33]]
     slots = [1, -1, 0, 1]
-    for got, slot, p in zip(_logits(llm, ctx, prompts, slots), slots, prompts):
+    for got, slot, p in zip(_logits(llm, prompts, slots), slots, prompts):
         assert _rel(got, refs[{0: 0, 1: 1, -1: 2}[slot]][:len(p)]) < 1e-4, f"slot {slot}"
 
 
 def test_bad_adapters_are_refused_with_the_reason(setup, tmp_path):
-    llm, ctx, ids, refs, root, names = setup
+    llm, ids, refs, root, names = setup
     model = llm.prefill_backend.model
     import shutil
     bad = tmp_path / "bad"

@@ -10,6 +10,7 @@ import ctypes
 import dataclasses
 import logging
 import sys
+from typing import Any
 
 import torch
 
@@ -55,6 +56,7 @@ class TorchBackend(Backend):
         self.kv: KVCache | None = None
         self.graphs = None
         self.groups = None
+        self.lora: Any = None            # (LoraContext, wrapped projections) once adapters come
 
     @classmethod
     def check_available(cls, device: str = "cpu") -> None:
@@ -76,7 +78,7 @@ class TorchBackend(Backend):
     def capabilities(self) -> Capabilities:
         return Capabilities(devices=("cpu", "cuda"), features=TORCH_FEATURES,
                             dtypes=(torch.float32, torch.bfloat16, torch.float16), kv_groups=True,
-                            kv_formats=tuple(KV_FORMATS))
+                            kv_formats=tuple(KV_FORMATS), adapters=True)
 
     def load(self, model: ModelSpec, cfg: BackendConfig) -> None:
         self.check_available(cfg.device)
@@ -111,10 +113,32 @@ class TorchBackend(Backend):
 
             self.graphs = DecodeGraphs(self._forward_decode, kv)
 
+    # -- adapters ---------------------------------------------------------------------------
+    def place_adapter(self, slot: int, adapter: Any) -> None:
+        """The projections are wrapped at the first adapter (a model never given one runs as it
+        was); CUDA graphs, captured without adapters, are given up then."""
+        from twophase.lora.layer import attach, place
+
+        if self.lora is None:
+            self.lora = attach(self.model)
+            if self.graphs is not None:
+                log.info("torch: decode runs without CUDA graphs once adapters are served")
+                self.graphs = None
+        place(self.lora[1], slot, adapter, self.device, self.dtype)
+
+    def _adapters(self, slots: list[int] | None, lens: list[int]) -> None:
+        """Which tokens of this call run with which adapter slot."""
+        if self.lora is not None:
+            if slots is None:
+                self.lora[0].clear()
+            else:
+                self.lora[0].set([s for s, n in zip(slots, lens) for _ in range(n)])
+
     # -- the two operations -----------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, batch: PrefillBatch) -> torch.Tensor:
         self.kv.copy_states(batch.state_copies)
+        self._adapters(batch.lora_slots, batch.query_lens)
         meta = self._meta(batch)
         dev = self.device
         spans = list(zip(batch.query_start[:-1], batch.query_lens, batch.start_positions))
@@ -128,6 +152,7 @@ class TorchBackend(Backend):
     @torch.inference_mode()
     def decode(self, batch: DecodeBatch) -> torch.Tensor:
         self.kv.copy_states(batch.state_copies)
+        self._adapters(batch.lora_slots, [1] * batch.num_seqs)
         if self.graphs is not None:
             return self.graphs.run(batch)
         dev = self.device

@@ -15,7 +15,7 @@ from twophase.config import Config
 from twophase.contract import KVCache, ModelArch
 from twophase.core.draft_proposer import DraftProposer
 from twophase.core.engine import Engine
-from twophase.core.kv_manager import KVManager
+from twophase.core.kv_manager import KVManager, SeqSlots
 from twophase.core.kv_transfer import KVConnector, layout_of
 from twophase.core.ngram import NgramProposer
 from twophase.core.proposer import Proposer
@@ -30,9 +30,11 @@ AUTO_MAX_DRAFTS = 6          # the most drafts num_tokens = "auto" gives a decod
 
 def make_engine(config: Config, layout: PoolLayout, kv_cache: KVCache, backends: Backends, arch: ModelArch,
                 tokenizer, draft: Callable[[], tuple[Backends, int]] | None, owner: str,
-                clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep) -> Engine:
+                clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep,
+                adapters: SeqSlots | None = None) -> Engine:
     """An engine with a fresh scheduler and prefix cache over ``kv_cache``. ``draft``: loads the
-    draft model once, giving its backends and pool blocks (``method = "draft"``)."""
+    draft model once, giving its backends and pool blocks (``method = "draft"``). ``adapters``:
+    the LoRA adapters' slots (one ``LoraManager`` for every engine over these backends)."""
     sc, cc = config.scheduler, config.cache
     budget, max_seqs = layout.token_budget, layout.max_num_seqs
     if sc.policy == "decode-first" and layout.chunked_prefill and budget <= max_seqs:
@@ -51,6 +53,7 @@ def make_engine(config: Config, layout: PoolLayout, kv_cache: KVCache, backends:
             prefix_caching = False
     kv = KVManager(layout.num_blocks, cc.block_size, prefix_caching, layout.specs, layout.state_slots,
                    layout.state_snapshots, cc.state_snapshot_every, verify_rows=layout.state_verify_rows)
+    kv.adapters = adapters
     proposer: Proposer | None = None
     if sp.method == "ngram":
         proposer = NgramProposer(sp.prompt_lookup_min, sp.prompt_lookup_max)

@@ -116,6 +116,14 @@ def state_slots(kv: KVManager, reqs: Sequence[Seq]) -> torch.Tensor | None:
     return torch.tensor([kv.state_slot(r) for r in reqs], dtype=torch.long)
 
 
+def lora_slots(kv: KVManager, reqs: Sequence[Seq]) -> list[int] | None:
+    """Each sequence's adapter slot (-1: the base model); None where none has one."""
+    if kv.adapters is None:
+        return None
+    slots = [kv.adapter_slot(r) for r in reqs]
+    return slots if any(s >= 0 for s in slots) else None
+
+
 def prefill_batch(items: Sequence[Chunk], kv: KVManager,
                   drafts: Mapping[str, list[int]] | None = None) -> PrefillBatch:
     """Chunks ``(sequence, start, n)``: each sequence's tokens ``start .. start + n - 1``, where
@@ -136,7 +144,8 @@ def prefill_batch(items: Sequence[Chunk], kv: KVManager,
         context_lens=torch.tensor([s + n for _, s, n in items], dtype=torch.long),
         query_lens=[n for _, _, n in items],
         start_positions=[s for _, s, _ in items],
-        state_slots=state_slots(kv, [r for r, _, _ in items]))
+        state_slots=state_slots(kv, [r for r, _, _ in items]),
+        lora_slots=lora_slots(kv, [r for r, _, _ in items]))
 
 
 def decode_batch(reqs: Sequence[Seq], kv: KVManager) -> DecodeBatch:
@@ -148,4 +157,5 @@ def decode_batch(reqs: Sequence[Seq], kv: KVManager) -> DecodeBatch:
         slot_mapping=_group_slots(kv, [(r, p, 1) for r, p in zip(reqs, pos)]),
         block_tables=block_tables(kv, reqs),
         context_lens=torch.tensor([p + 1 for p in pos], dtype=torch.long),
-        state_slots=state_slots(kv, reqs))
+        state_slots=state_slots(kv, reqs),
+        lora_slots=lora_slots(kv, reqs))

@@ -16,7 +16,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -76,6 +76,11 @@ class Engine:
     @property
     def max_model_len(self) -> int:
         return self.scheduler.max_model_len
+
+    @property
+    def adapters(self) -> Any:
+        """The ``LoraManager`` of the adapters it serves (None: none can be)."""
+        return self.kv.adapters
 
     @property
     def limits(self) -> EngineLimits:
@@ -152,6 +157,7 @@ class Engine:
         if params.structured is not None and constraint is None:
             constraint = self.compile(params)
         req = Request(request_id, ids, params, self.clock() if arrival is None else arrival, text)
+        req.cache_root = self._cache_root(params)
         req.kv_transfer = kv_transfer
         req.constraint = constraint
         if constraint is not None:
@@ -168,6 +174,20 @@ class Engine:
             self.output.add(r.request_id, text, ids, r.params, first_token_ids, index=r.index,
                             continues_on_peer=kv_transfer is not None and kv_transfer.do_remote_decode)
         return req
+
+    def _cache_root(self, params: SamplingParams) -> bytes:
+        """What a request's cached blocks are keyed by beside its tokens (its adapter);
+        ``RequestRejected`` for an adapter this engine does not know."""
+        if params.lora is None:
+            return b""
+        if self.adapters is None:
+            raise RequestRejected(f"adapter {params.lora!r}: this engine serves no adapters (its "
+                                  "backends do not apply them)")
+        if params.lora not in self.adapters.known:
+            known = ", ".join(sorted(self.adapters.known)) or "none"
+            raise RequestRejected(f"no adapter named {params.lora!r} (known: {known})")
+        root: bytes = self.adapters.cache_root(params.lora)
+        return root
 
     def _check_transfer(self, params: SamplingParams, kv_transfer: KVTransferParams | None,
                         first_token_ids: Sequence[int]) -> None:
@@ -200,6 +220,7 @@ class Engine:
         for i, rid in enumerate(ids, 1):
             params = req.params.choice(i)
             child = Request(rid, req.prompt_token_ids, params, req.times.arrival, text)
+            child.cache_root = req.cache_root
             child.index, child.parent, child.status = i, req, Status.FORKING
             if params.structured is not None:
                 child.constraint = self.compile(params)

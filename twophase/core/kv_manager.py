@@ -21,10 +21,22 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Protocol
 
 from twophase.cache.spec import CacheSpec, FullAttentionSpec, cdiv, sequence_blocks
 from twophase.core.block_pool import BlockPool
 from twophase.core.seq_state import Seq
+
+
+class SeqSlots(Protocol):
+    """A per-sequence resource held from a sequence's first blocks to its last, as a state slot
+    is (an adapter's slot): ``hold`` False means not now, and the sequence waits."""
+
+    def hold(self, seq: Seq) -> bool: ...
+
+    def drop(self, seq: Seq) -> None: ...
+
+    def slot(self, seq: Seq) -> int: ...
 
 # a prefix hit: one list a group, each as long as the hit, 0 at a sliding group's passed blocks
 Hit = Sequence[Sequence[int]]
@@ -57,6 +69,7 @@ class KVManager:
         self._hashes: dict[str, list[bytes]] = {}      # chain hashes of each request's full blocks
         self._published: dict[str, int] = {}         # how many of its blocks are in the cache
         self.queries = 0                              # prefix-cache lookups, in tokens
+        self.adapters: SeqSlots | None = None         # adapters' slots (LoRA), where served
         self.hits = 0
 
     @property
@@ -111,7 +124,7 @@ class KVManager:
         bs, toks = self.block_size, req.token_ids
         while len(hashes) < num_blocks:
             i = len(hashes)
-            h = hashlib.sha256(hashes[-1] if hashes else b"")
+            h = hashlib.sha256(hashes[-1] if hashes else getattr(req, "cache_root", b""))
             h.update(array("q", toks[i * bs:(i + 1) * bs]).tobytes())
             hashes.append(h.digest())      # sha256: a collision would silently reuse others' K/V
         return hashes[:num_blocks]
@@ -227,9 +240,11 @@ class KVManager:
         reusable = sum(1 for b in set(live) if self.pool.ref_cnt[b] == 0)   # hits in free queue
         if need * self.num_groups > self.pool.num_free - reusable:
             return False
+        if self.state_slots and rid not in self._slot_of and not self._free_slots:
+            return False
+        if self.adapters is not None and rid not in self.tables and not self.adapters.hold(req):
+            return False
         if self.state_slots and rid not in self._slot_of:
-            if not self._free_slots:
-                return False
             self._slot_of[rid] = self._free_slots.pop()
             if computed:               # the prefix's saved state into the sequence's slot
                 row = self._snapshots[self._chain(req, k)[-1]]
@@ -249,6 +264,8 @@ class KVManager:
         a copy of its state where the model keeps one (so the parent must have computed exactly
         ``num_tokens``). False, with nothing changed, if no state slot is free."""
         if self.state_slots and not self._free_slots:
+            return False
+        if self.adapters is not None and not self.adapters.hold(child):
             return False
         k, rid = num_tokens // self.block_size, child.request_id
         dropped = [min(d, k) for d in self._dropped.get(parent.request_id, [0] * self.num_groups)]
@@ -322,8 +339,14 @@ class KVManager:
         """The state slot ``req`` holds (a model with state layers; one from its first blocks)."""
         return self._slot_of[req.request_id]
 
+    def adapter_slot(self, req: Seq) -> int:
+        """The adapter slot ``req`` holds; -1: the base model."""
+        return -1 if self.adapters is None else self.adapters.slot(req)
+
     def free(self, req: Seq) -> None:
         rid = req.request_id
+        if self.adapters is not None:
+            self.adapters.drop(req)
         if rid in self._slot_of:
             self._free_slots.append(self._slot_of.pop(rid))
         tables = self.tables.pop(rid, None) or []

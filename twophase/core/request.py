@@ -85,6 +85,14 @@ class Request:
         self.index = 0
         self.parent: Request | None = None
         self.forks: list[Request] = []
+        # what its cached blocks' hash chain starts from: empty, or what makes its K/V differ
+        # from another request's over the same tokens (its adapter)
+        self.cache_root = b""
+
+    @property
+    def lora(self) -> str | None:
+        """The adapter it runs with (``params.lora``)."""
+        return self.params.lora
 
     @property
     def num_prompt_tokens(self) -> int:

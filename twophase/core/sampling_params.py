@@ -39,6 +39,7 @@ class SamplingParams:
     logprobs: int | None = None          # top-n log-probabilities of each sampled token
     prompt_logprobs: int | None = None   # top-n log-probabilities of each prompt token (vLLM's)
     n: int = 1                           # choices: the prompt computed once, its blocks shared
+    lora: str | None = None              # the adapter to run with, by name (None: the base model)
     structured: StructuredOutputs | None = None   # a schema, regex, choice or grammar to match
 
     def __post_init__(self) -> None:
@@ -130,5 +131,6 @@ _KINDS = {
     "logprobs": (lambda v: v is None or _int(v), "an integer or None"),
     "prompt_logprobs": (lambda v: v is None or _int(v), "an integer or None"),
     "n": (_int, "an integer"),
+    "lora": (lambda v: v is None or (isinstance(v, str) and bool(v)), "an adapter's name or None"),
     "structured": (lambda v: v is None or isinstance(v, StructuredOutputs), "a StructuredOutputs or None"),
 }

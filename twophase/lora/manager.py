@@ -9,14 +9,16 @@ adapter waits (the scheduler tries again); loading one then is refused with the 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from twophase.lora.peft_adapter import AdapterError, LoraAdapter
+from twophase.lora.peft_adapter import WEIGHTS, AdapterError, LoraAdapter
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +48,7 @@ class LoraManager:
     known: dict[str, Path] = field(default_factory=dict)
     stats: dict[str, AdapterStats] = field(default_factory=dict)
     _resident: OrderedDict[str, _Resident] = field(default_factory=OrderedDict)   # LRU first
+    _held: dict[str, tuple[str, int]] = field(default_factory=dict)   # request id -> (adapter, slot)
 
     def register(self, name: str, path: str | Path, load_now: bool = False) -> None:
         """Make ``name`` known (checked now where ``load_now``: a bad adapter fails here, not
@@ -75,6 +78,42 @@ class LoraManager:
             self.placer(r.slot, None)
             del self._resident[name]
         del self.known[name]
+
+    def cache_root(self, name: str) -> bytes:
+        """Where the hash chain of blocks computed with ``name`` starts: its name and its file
+        as it is now, so blocks of an adapter replaced under the same name are never reused."""
+        path = self.known[name]
+        try:
+            st = (path / WEIGHTS).stat()
+            mark = f"{st.st_size}:{st.st_mtime_ns}"
+        except OSError:
+            mark = "?"
+        return hashlib.sha256(f"lora\0{name}\0{path.resolve()}\0{mark}".encode()).digest()
+
+    # -- what the KV manager asks (``SeqSlots``): a sequence holds its adapter's slot while it
+    # holds blocks
+    def hold(self, seq: Any) -> bool:
+        name = getattr(seq, "lora", None)
+        if name is None or seq.request_id in self._held:
+            return True
+        if not self.can_acquire(name):
+            return False
+        self._held[seq.request_id] = (name, self.acquire(name))
+        return True
+
+    def drop(self, seq: Any) -> None:
+        held = self._held.pop(seq.request_id, None)
+        if held is not None:
+            self.release(held[0])
+
+    def slot(self, seq: Any) -> int:
+        held = self._held.get(seq.request_id)
+        return -1 if held is None else held[1]
+
+    def busy(self, name: str) -> int:
+        """Requests holding ``name``'s slot now."""
+        r = self._resident.get(name)
+        return 0 if r is None else r.holders
 
     @property
     def resident(self) -> list[str]:
