@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+PROMPTS = [list(range(5, 5 + n)) for n in (19, 26, 33)]
+TOKENS = 12
 TARGETS = {"llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
            "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
 

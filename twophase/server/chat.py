@@ -108,7 +108,6 @@ def _usage(outputs: list[RequestOutput]) -> dict[str, int]:
 @router.post("/v1/chat/completions")
 async def chat(body: P.ChatCompletionRequest, request: Request):
     server = state_of(request)
-    P.check_model(body.model, server.model_name)
     body.check_choices(server.max_n)
     prompt, params, tools = prepare(server, body)
     return await respond(request, server.loop, [prompt], params, body.stream, ChatFormat(server, body, tools),
@@ -121,7 +120,8 @@ def prepare(server: ServerState, body: P.ChatCompletionRequest) -> tuple[str, Sa
     if server.tokenizer is None:
         raise P.ApiError(400, "this model has no tokenizer or chat template: use "
                               "/v1/completions with token ids", "messages")
-    params = body.params(server.default_max_tokens)
+    lora = server.adapter_of(body.model)
+    params = dataclasses.replace(body.params(server.default_max_tokens), lora=lora)
     tools = plan_tools(server, body)
     if tools.structured is not None:
         try:

@@ -3,6 +3,7 @@ choices each (``best_of`` run, the likeliest ``n`` kept), the prompt echoed wher
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -115,9 +116,9 @@ def _summed_logprob(output: RequestOutput) -> float:
 @router.post("/v1/completions")
 async def completions(body: P.CompletionRequest, request: Request):
     server = state_of(request)
-    P.check_model(body.model, server.model_name)
+    lora = server.adapter_of(body.model)
     body.check_choices(server.max_n)
-    params = body.params(server.default_max_tokens)
+    params = dataclasses.replace(body.params(server.default_max_tokens), lora=lora)
     prompts = body.prompts()
     return await respond(request, server.loop, prompts, params, body.stream,
                          CompletionFormat(server, body, prompts))

@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from twophase.server import protocol as P
-from twophase.server.state import state_of
+from twophase.server.state import ServerState, state_of
 
 router = APIRouter()
 
@@ -31,17 +31,23 @@ async def prometheus(request: Request):
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
-def _model(name: str) -> dict:
-    return {"id": name, "object": "model", "created": P.now(), "owned_by": "twophase"}
+def _model(name: str, server: ServerState) -> dict:
+    """The base model, or an adapter over it (``parent``: the base, ``root``: its folder)."""
+    out = {"id": name, "object": "model", "created": P.now(), "owned_by": "twophase"}
+    if name != server.model_name:
+        out |= {"parent": server.model_name, "root": str(server.adapters.known[name])}
+    return out
 
 
 @router.get("/v1/models")
 async def models(request: Request):
-    return {"object": "list", "data": [_model(state_of(request).model_name)]}
+    server = state_of(request)
+    names = [server.model_name, *sorted(server.adapter_names())]
+    return {"object": "list", "data": [_model(n, server) for n in names]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def model(model_id: str, request: Request):
-    served = state_of(request).model_name
-    P.check_model(model_id, served)
-    return _model(served)
+    server = state_of(request)
+    server.adapter_of(model_id)
+    return _model(model_id, server)

@@ -239,6 +239,30 @@ class EngineLoop:
         """Run ``fn`` on the engine's thread between steps (what must not race a step)."""
         self._commands.put(Call(fn))
 
+    async def run(self, fn: Callable[[], Any]) -> Any:
+        """``fn()``'s result (or what it raised), run on the engine's thread between steps."""
+        if not self.alive:
+            raise EngineStopped(f"the engine has stopped: {self.fatal}")
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+
+        def settle(ok: bool, value: Any) -> None:
+            if not done.done():
+                done.set_result(value) if ok else done.set_exception(value)
+
+        def job() -> None:
+            try:
+                result = (True, fn())
+            except Exception as exc:
+                result = (False, exc)
+            try:
+                loop.call_soon_threadsafe(settle, *result)
+            except RuntimeError:            # the caller's event loop is gone
+                pass
+
+        self._commands.put(Call(job))
+        return await done
+
     def fail_all(self, message: str) -> None:
         """End every open request with an error (shutdown past its deadline)."""
         self._commands.put(FailAll(message))

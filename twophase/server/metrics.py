@@ -56,6 +56,10 @@ class ServerMetrics:
         self.prefix_hit_rate = Gauge("twophase_prefix_cache_hit_rate",
                                      "prompt tokens found in the prefix cache, as a fraction",
                                      registry=r)
+        self.lora_resident = Gauge("twophase_lora_resident", "1 where the adapter is resident in a "
+                                   "slot, 0 where it waits on disk", ["adapter"], registry=r)
+        self.lora_requests = Gauge("twophase_lora_requests_served", "requests served with the adapter "
+                                   "since it was loaded", ["adapter"], registry=r)
         self.kv_total = Gauge("twophase_kv_blocks_total", "KV blocks in the pool", registry=r)
         self.memory = {key: Gauge(f"twophase_{key}", what, registry=r) for key, what in MEMORY.items()}
 
@@ -80,9 +84,15 @@ class ServerMetrics:
         if rec.decode_seqs:
             self.decode_batch.observe(rec.decode_seqs)
 
-    def refresh(self, stats) -> None:
-        """The gauges from the engine's ``EngineStats``, after every step and every batch of
-        commands (aborts included)."""
+    def refresh(self, stats, adapters=None) -> None:
+        """The gauges from the engine's ``EngineStats`` (and its ``LoraManager``), after every
+        step and every batch of commands (aborts included)."""
+        if adapters is not None:
+            self.lora_resident.clear()
+            self.lora_requests.clear()
+            for name in adapters.known:
+                self.lora_resident.labels(adapter=name).set(int(adapters.slot_of(name) is not None))
+                self.lora_requests.labels(adapter=name).set(adapters.stats[name].served)
         self.running.set(stats.running)
         self.waiting.set(stats.waiting)
         self.kv_used.set(stats.used_blocks)

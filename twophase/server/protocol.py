@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Collection
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
@@ -329,10 +330,15 @@ class ChatCompletionRequest(_Common):
                              self.max_tokens_field())
 
 
-def check_model(name: str, served: str) -> None:
-    if name != served:
-        raise ApiError(404, f"the model {name!r} does not exist here; this server serves "
-                            f"{served!r}", "model", type_="not_found_error", code="model_not_found")
+def check_model(name: str, served: str, adapters: Collection[str] = ()) -> str | None:
+    """The adapter ``name`` names (None: the base model); a 404 for anything else."""
+    if name == served:
+        return None
+    if name in adapters:
+        return name
+    also = f" and the adapters {', '.join(sorted(adapters))}" if adapters else ""
+    raise ApiError(404, f"the model {name!r} does not exist here; this server serves "
+                        f"{served!r}{also}", "model", type_="not_found_error", code="model_not_found")
 
 
 def new_id(prefix: str) -> str:

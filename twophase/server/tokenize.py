@@ -46,7 +46,7 @@ class DetokenizeRequest(BaseModel):
 
 def _tokenizer(server: ServerState, model: str | None, field: str) -> Tokenizer:
     if model is not None:
-        P.check_model(model, server.model_name)
+        server.adapter_of(model)            # an adapter shares the base model's tokenizer
     if server.tokenizer is None:
         raise P.ApiError(400, "this model has no tokenizer", field)
     return server.tokenizer
