@@ -180,6 +180,18 @@ def test_open_removes_temp_files_of_writers_gone_and_keeps_a_live_ones(tmp_path)
     assert not gone.exists() and live.exists() and len(again) == 1
 
 
+def test_files_it_did_not_write_are_ignored_at_open(tmp_path):
+    t = tier(tmp_path)
+    t.put(k(1), payload(1))
+    sub = t.path_for(k(1)).parent
+    strays = [sub / (k(1).hex()[:2] + "abc.kv"), sub / (k(1).hex()[:2].upper() + "ab.kv"), sub / "notes.kv",
+              sub / "x.tmp", t.folder / "zz", t.folder / "readme.txt"]
+    for s in strays:
+        s.write_bytes(b"not a block")
+    again = tier(tmp_path)
+    assert len(again) == 1 and again.get(k(1)) == payload(1) and all(s.exists() for s in strays)
+
+
 def test_entries_folders_and_clear(tmp_path):
     a, b = tier(tmp_path), tier(tmp_path, fp=OTHER_FP)
     for i in range(3):

@@ -100,7 +100,8 @@ class DiskTier:
 
     An in-memory index (key -> file bytes, least recently used first) answers ``in`` and a miss
     without touching the filesystem; it is rebuilt from the folder at open, ordered by mtime,
-    which each read refreshes (``os.utime``) so recency survives a restart."""
+    which each read refreshes (``os.utime``) so recency survives a restart. Not thread-safe: one
+    caller at a time (a background writer thread owns it alone)."""
 
     def __init__(self, root_dir: str | os.PathLike[str], max_bytes: int, fingerprint: bytes, fsync: bool = True):
         if max_bytes < 0:
@@ -320,7 +321,10 @@ def folders(root_dir: str | os.PathLike[str]) -> list[FolderUsage]:
     root = Path(os.path.expanduser(os.fspath(root_dir)))
     out = []
     for folder in _fingerprint_folders(root):
-        files = [st.st_size for _, st in _block_files(folder)]
+        try:
+            files = [st.st_size for _, st in _block_files(folder)]
+        except OSError:
+            continue                            # a folder that cannot be listed: none of ours to show
         out.append(FolderUsage(folder.name, len(files), sum(files)))
     return out
 
@@ -334,8 +338,11 @@ def clear_root(root_dir: str | os.PathLike[str], name: str | None = None) -> int
     for folder in _fingerprint_folders(root):
         if name is not None and folder.name != name:
             continue
-        for path, _ in _block_files(folder, remove_stale_tmp=True):
-            removed += _unlink(path)
+        try:
+            paths = [path for path, _ in _block_files(folder, remove_stale_tmp=True)]
+        except OSError:
+            paths = []
+        removed += sum(_unlink(path) for path in paths)
         try:
             subs = list(folder.iterdir())
         except OSError:
@@ -433,7 +440,8 @@ def _unlink(path: Path) -> int:
 
 
 def _is_hex(name: str, length: int | None = None) -> bool:
-    return bool(name) and (length is None or len(name) == length) and set(name) <= _HEX
+    """Lower-case hex of whole bytes (what ``bytes.hex`` writes), of ``length`` digits if given."""
+    return bool(name) and len(name) % 2 == 0 and (length is None or len(name) == length) and set(name) <= _HEX
 
 
 def _reason(exc: OSError) -> str:
