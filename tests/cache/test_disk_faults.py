@@ -30,7 +30,10 @@ def payload(i: int, size: int) -> bytes:
 
 
 def _run(*cmd: str) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:        # no mount(8) here, or it hangs
+        return subprocess.CompletedProcess(cmd, 127, "", str(exc))
 
 
 @pytest.fixture
