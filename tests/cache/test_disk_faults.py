@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import twophase
 from twophase.cache.disk_tier import DiskTier
 
 FP = hashlib.sha256(b"model a").digest()
@@ -72,13 +74,19 @@ WRITER = textwrap.dedent("""
 """)
 
 
+def _same_twophase() -> dict[str, str]:
+    """The environment of a child that imports the twophase this test imported."""
+    src = str(Path(twophase.__file__).resolve().parents[1])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+
+
 def _kill_mid_write(root: Path, size: int) -> list[Path]:
     """Start a writer of ``size``-byte blocks and SIGKILL it once it has written a few, as soon as
     a temp file exists (or after 2 s); the temp files it left. Tried again if a kill lands between
     two blocks: the caller checks that one try caught a write under way."""
     left: list[Path] = []
     for _ in range(3):
-        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(root), str(size)])
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(root), str(size)], env=_same_twophase())
         try:
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline and len(list(root.rglob("*.kv"))) < 3:
