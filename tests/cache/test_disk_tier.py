@@ -188,8 +188,11 @@ def test_files_it_did_not_write_are_ignored_at_open(tmp_path):
               sub / "x.tmp", t.folder / "zz", t.folder / "readme.txt"]
     for s in strays:
         s.write_bytes(b"not a block")
+    (sub / (k(1).hex()[:2] + "cd.kv")).mkdir()
+    (sub / (k(1).hex()[:2] + "ef.kv")).symlink_to(t.path_for(k(1)))
     again = tier(tmp_path)
     assert len(again) == 1 and again.get(k(1)) == payload(1) and all(s.exists() for s in strays)
+    assert again.clear() == 1 and all(s.exists() for s in strays)
 
 
 def test_entries_folders_and_clear(tmp_path):

@@ -10,8 +10,8 @@ payload. The header (little-endian, ``_HEAD`` then the full fingerprint and the 
 The checksum is ``zlib.crc32`` over the header (its crc field left out), the fingerprint, the key
 and the payload. It guards against accidental damage (bit rot, a file cut short, a partial copy):
 crc32 finds every burst of up to 32 flipped bits and misses other damage once in 2**32, and it
-runs at more than 1.5 GB/s here where ``blake2b`` ran at 0.4 GB/s, slower than reading a block
-back from the page cache. A cryptographic hash would buy nothing: whoever can write this folder
+ran at 1.7 GB/s on an x86 core with AVX2 where ``blake2b`` ran at 0.4 GB/s, slower than reading a
+block back from the page cache. A cryptographic hash would buy nothing: whoever can write this folder
 can write a valid file anyway. Which block and which model a file holds is checked exactly, by
 comparing the key and fingerprint stored in the header, not through the checksum.
 
@@ -379,7 +379,8 @@ def _block_files(folder: Path, remove_stale_tmp: bool = False) -> Iterator[tuple
                 _remove_if_abandoned(Path(e.path))
             elif e.name.endswith(_SUFFIX) and _is_hex(e.name[:-len(_SUFFIX)]) and e.name.startswith(sub.name):
                 try:
-                    yield Path(e.path), e.stat()
+                    if e.is_file(follow_symlinks=False):    # never a folder or a link to elsewhere
+                        yield Path(e.path), e.stat(follow_symlinks=False)
                 except OSError:
                     continue
 
