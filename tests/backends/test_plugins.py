@@ -169,7 +169,7 @@ def test_conformance_kit_passes_the_builtin_backends(tmp_path):
     test_native, test_quant: CI time)."""
     _run_kit(tmp_path, [r for r in _kit_runs(with_default_model=(("torch", "{}"),)) if r[:3] not in VARIANTS])
     run = _run(sys.executable, *KIT, "--backend", "tensorrt", "-rs", cwd=tmp_path)
-    assert run.returncode == 0 and "1 passed, 9 skipped" in run.stdout and "TensorRT" in run.stdout
+    assert run.returncode == 0 and "1 passed, 10 skipped" in run.stdout and "TensorRT" in run.stdout
 
 
 # second settings of a backend the kit also runs plainly; each has its own tests beside its
@@ -193,7 +193,9 @@ def _run_kit(tmp_path, runs) -> None:
         run = _run(sys.executable, *KIT, "--backend", name, "--backend-options", options,
                    "--quantization", quantization, *quality, cwd=tmp_path)
         assert run.returncode == 0, f"{name} {options} {quantization}:\n{run.stdout[-3000:]}"
-        assert ("10 passed" if not quality else "9 passed, 1 skipped") in run.stdout, run.stdout[-500:]
+        skipped = len(quality) + (name != "torch")      # torch alone claims adapters
+        expect = f"{11 - skipped} passed" + (f", {skipped} skipped" if skipped else "")
+        assert expect in run.stdout, run.stdout[-500:]
 
 
 def test_conformance_kit_passes_the_numpy_plugin(venv, tmp_path):
@@ -201,7 +203,7 @@ def test_conformance_kit_passes_the_numpy_plugin(venv, tmp_path):
         _pip(venv, "install", "--no-deps", "--no-build-isolation", str(PLUGIN))
     run = _run(venv, *KIT, "--backend", "numpy", cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-3000:]
-    assert "10 passed" in run.stdout
+    assert "10 passed, 1 skipped" in run.stdout               # it claims no adapters
 
 
 def test_conformance_kit_fails_a_backend_that_writes_kv_at_the_wrong_slots(tmp_path):
@@ -222,3 +224,22 @@ def test_conformance_kit_fails_a_backend_that_writes_kv_at_the_wrong_slots(tmp_p
                "-k", "fresh_prompts", env={"PYTHONPATH": str(site)}, cwd=tmp_path)
     assert run.returncode == 1, run.stdout[-2000:]
     assert "K/V written at the wrong slots" in run.stdout
+
+
+def test_conformance_kit_fails_a_backend_that_claims_adapters_and_ignores_them(tmp_path):
+    site = tmp_path / "site"
+    _fake_dist(site, "no-adapters", "no_adapters", """
+        from twophase.backends.hookspecs import hookimpl
+        from twophase.backends.torch_eager import TorchBackend
+        class NoAdapters(TorchBackend):
+            name = "no-adapters"
+            def place_adapter(self, slot, adapter):
+                pass                                  # claims them, applies none
+        @hookimpl
+        def twophase_backends():
+            return [NoAdapters]
+        """)
+    run = _run(sys.executable, *KIT, "--backend", "no-adapters", "--skip-default-model",
+               "-k", "adapters", env={"PYTHONPATH": str(site)}, cwd=tmp_path)
+    assert run.returncode == 1, run.stdout[-2000:]
+    assert "logits differ from the torch reference" in run.stdout

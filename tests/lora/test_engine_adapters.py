@@ -85,3 +85,14 @@ def test_unknown_adapters_and_backends_without_them_are_refused(folders, tmp_pat
     with pytest.raises(ConfigError, match="lora\\[1\\].name.*twice"):
         LLM.from_config({"model": {"path": str(root / "base")},
                          "lora": [{"name": "x", "path": "a"}, {"name": "x", "path": "b"}]})
+
+
+def test_speculative_decoding_with_adapters_stays_exact(folders):
+    """Drafts are verified by the target with each request's adapter: its tokens, whatever the
+    drafts (n-gram lookups in the prompt and output)."""
+    root, refs = folders
+    llm = _llm(root, speculative={"method": "ngram", "num_tokens": 3})
+    names = ["a0", None, "a1", "a2"]
+    outs = llm.generate([PROMPTS[1]] * 4, [_params(n) for n in names])
+    assert [o.token_ids for o in outs] == [refs[n][1] for n in names]
+    assert sum(o.metrics["num_draft_tokens"] for o in outs) > 0

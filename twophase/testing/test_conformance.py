@@ -201,6 +201,32 @@ def test_mixed_batch_of_chunks_and_decodes(backend_name, backend_device, backend
     _compare(llm, b, lambda x: x.prefill(batch), quantization)
 
 
+def test_adapters_per_sequence_in_one_batch(backend_name, backend_device, backend_options, quantization,
+                                            tmp_path):
+    """A backend that claims adapters (``Capabilities.adapters``) applies each sequence's own
+    in one mixed batch, as torch does; one that does not is refused by the engine by name."""
+    llm = _reference(quantization)
+    b = _backend(llm, backend_name, backend_device, backend_options, quantization)
+    if not b.capabilities().adapters:
+        pytest.skip("the backend does not claim adapters (the engine refuses [[lora]] with it by name)")
+    from twophase.lora.peft_adapter import load_peft_adapter
+    from twophase.lora.random_adapter import write_random_adapter
+    from twophase.models.families import FAMILIES
+
+    names = FAMILIES[llm.model.arch.family].layer_names
+    model = llm.prefill_backend.model
+    for slot in (0, 1):
+        folder = write_random_adapter(model, names, tmp_path / f"a{slot}", rank=4, seed=slot, std=0.2)
+        adapter = load_peft_adapter(f"a{slot}", folder, model, names)
+        llm.prefill_backend.place_adapter(slot, adapter)
+        b.place_adapter(slot, adapter)
+    _advance(llm, (6, 25), 1)
+    llm.engine.add_request(list(range(40, 80)), SamplingParams(max_tokens=3))
+    sched, batch = llm.engine.schedule_batch("mixed")
+    batch.lora_slots = [i % 3 - 1 for i in range(batch.num_seqs)]      # base, a0, a1, base, ...
+    _compare(llm, b, lambda x: x.prefill(batch), quantization)
+
+
 def test_generate_with_chunking_and_preemption_equals_torch(backend_name, backend_device,
                                                            backend_options, quantization):
     """Tokens through chunked prefill and preemption equal torch's (q4: the backend's own on a
