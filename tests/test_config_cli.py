@@ -716,3 +716,17 @@ def test_every_run_says_what_happens_to_its_prompts():
     run = subprocess.run([sys.executable, "-m", "twophase", "run", "--model", "tiny", "--prompt", "x",
                           "--max-tokens", "1"], capture_output=True, text=True)
     assert run.returncode == 0 and "prompts: " in run.stderr
+
+
+def test_lora_flags_join_the_configs_adapters():
+    import argparse
+
+    from twophase.cli import flags
+
+    p = argparse.ArgumentParser()
+    flags.add(p)
+    data = {"lora": [{"name": "sql", "path": "adapters/sql"}]}
+    cfg = load_config(data, flags.overrides(p.parse_args(["--lora", "chat=/a/chat", "--lora", "x = y"]), data))
+    assert [(a.name, a.path) for a in cfg.lora] == [("sql", "adapters/sql"), ("chat", "/a/chat"), ("x", "y")]
+    with pytest.raises(SystemExit):
+        p.parse_args(["--lora", "no-path"])

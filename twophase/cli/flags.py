@@ -26,12 +26,22 @@ def add(parser: argparse.ArgumentParser, prompts: bool = True) -> None:
     g.add_argument("--quantization", choices=["none", "q4", "gguf"], help="model.quantization")
     g.add_argument("--threads", type=int, help="the backend's threads (backend.options.threads)")
     g.add_argument("--max-tokens", type=int, help="sampling.max_tokens")
+    g.add_argument("--lora", action="append", type=_adapter, metavar="NAME=PATH",
+                   help="a PEFT adapter to serve beside the model (repeat for several); joins [[lora]]")
     if prompts:
         g.add_argument("--prompt", action="append", metavar="TEXT",
                        help="a prompt (repeat for several); replaces the workload")
         g.add_argument("--raw", action="store_true",
                        help="send prompts as written, without the model's chat template "
                             "(completion style: \"The capital of France is\"); workload.chat = false")
+
+
+def _adapter(text: str) -> tuple[str, str]:
+    """``--lora NAME=PATH``."""
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH (a name, then a PEFT adapter folder), got {text!r}")
+    return name.strip(), path.strip()
 
 
 def load(args: argparse.Namespace) -> Config:
@@ -62,6 +72,8 @@ def overrides(args: argparse.Namespace, data: dict[str, Any]) -> dict[str, Any]:
         o["backend"] = {**o.get("backend", {}), **({k: threads for k in phases} or threads)}
     if args.max_tokens is not None:
         o["sampling"] = {"max_tokens": args.max_tokens}
+    if getattr(args, "lora", None):
+        o["lora"] = list(data.get("lora") or []) + [{"name": n, "path": p} for n, p in args.lora]
     for flag in ("replicas", "prefill_workers", "decode_workers"):
         if getattr(args, flag, None) is not None:
             o.setdefault("cluster", {})[flag] = getattr(args, flag)

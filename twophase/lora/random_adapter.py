@@ -28,7 +28,7 @@ def write_random_adapter(model: Any, layer_names: dict[str, tuple[tuple[str, ...
     for i, block in enumerate(model.layers):
         for ours in ADAPTABLE:
             parent_name, _, attr = ours.rpartition(".")
-            module = getattr(getattr(block, parent_name, None), attr, None)
+            module: Any = getattr(getattr(block, parent_name, None), attr, None)
             if not isinstance(getattr(module, "in_features", None), int):
                 continue
             hfs = layer_names[ours][0]
