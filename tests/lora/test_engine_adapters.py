@@ -96,3 +96,18 @@ def test_speculative_decoding_with_adapters_stays_exact(folders):
     outs = llm.generate([PROMPTS[1]] * 4, [_params(n) for n in names])
     assert [o.token_ids for o in outs] == [refs[n][1] for n in names]
     assert sum(o.metrics["num_draft_tokens"] for o in outs) > 0
+
+
+def test_the_plan_counts_the_resident_adapters_bytes(folders):
+    from twophase.config import load_config
+    from twophase.plan.budget import adapter_item
+
+    root, _ = folders
+    llm = _llm(root, model={"max_loras": 2})
+    held = sorted((llm.adapters._resident[n].adapter.nbytes for n in llm.adapters.resident), reverse=True)
+    cfg = load_config({"model": {"path": str(root / "base"), "max_loras": 2},
+                       "lora": [{"name": f"a{i}", "path": str(root / f"a{i}")} for i in range(3)]})
+    sizes = sorted((llm.adapters.loader(f"a{i}", root / f"a{i}").nbytes for i in range(3)), reverse=True)
+    item = adapter_item(cfg)
+    assert item.bytes == sum(sizes[:2]) and item.kind == "adapters"
+    assert len(held) == 2 and held[0] <= sizes[0]

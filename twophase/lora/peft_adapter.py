@@ -66,6 +66,18 @@ class LoraAdapter:
                    for d in self.deltas)
 
 
+def adapter_bytes(path: Path) -> int:
+    """What an adapter's deltas take once read (float32), from its file's header alone; 0 where
+    it cannot be read."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path / WEIGHTS), framework="pt") as f:
+            return sum(4 * math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    except Exception:                     # missing or damaged: its load says why
+        return 0
+
+
 def read_config(path: Path) -> dict[str, Any]:
     """``adapter_config.json``, checked for what this engine computes."""
     try:

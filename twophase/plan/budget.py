@@ -13,6 +13,8 @@ loading is the pool the engine allocates. Items:
 - ``cuda graphs``: captured decode steps, for a backend that captures them (torch on CUDA):
   their private pool holds the largest bucket's activations and every bucket's logits.
 - ``workspace``: what a backend sizes itself (TensorRT's profiles); cuBLAS's on CUDA.
+- ``adapters``: the ``[[lora]]`` adapters that can be resident at once (the ``model.max_loras``
+  largest), float32 as they are held.
 - ``runtime``: the CUDA context and libraries, or the Python process on the CPU.
 - ``reserve``: what the engine leaves free (``1 - cache.memory_utilization`` of a GPU; on the CPU
   all but the pool's share of the free memory).
@@ -276,10 +278,23 @@ def runtime_items(config: Config, model: PlannedModel, device: DeviceProfile, ma
                           "measured: imports, the first model's threads"))
     if any(m.cuda_graphs for m in mems):
         items.append(cuda_graph_item(arch, sc.max_num_seqs, max_model_len, config.cache.block_size, e))
+    if config.lora:
+        items.append(adapter_item(config))
     # a backend that runs both phases holds its workspace once
     spaces = dict.fromkeys(m.workspace for m in mems if m.workspace is not None)
     items += [Item("workspace", w.name, w.bytes, w.how, role="at bind") for w in spaces]
     return items
+
+
+def adapter_item(config: Config) -> Item:
+    """The largest ``max_loras`` of the config's adapters, as held (float32); one that cannot be
+    read counts nothing here (loading it reports why)."""
+    from twophase.lora.peft_adapter import adapter_bytes
+
+    sizes = sorted((adapter_bytes(config.resolve(a.path)) for a in config.lora), reverse=True)
+    k = min(config.model.max_loras, len(sizes))
+    return Item("adapters", "resident LoRA adapters", sum(sizes[:k]),
+                f"the largest {k} of {len(sizes)}, float32")
 
 
 def cuda_graph_item(arch: ModelArch, seqs: int, context: int, block_size: int, e: int) -> Item:

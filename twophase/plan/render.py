@@ -10,7 +10,8 @@ from rich.table import Table
 from twophase.plan.budget import GiB, MiB, Plan
 
 COLORS = {"weights": "#4c72b0", "kv cache": "#55a868", "activations": "#c44e52", "logits": "#dd8452",
-          "cuda graphs": "#8172b3", "workspace": "#937860", "runtime": "#8c8c8c", "reserve": "#dddddd"}
+          "cuda graphs": "#8172b3", "workspace": "#937860", "runtime": "#8c8c8c", "reserve": "#dddddd",
+          "adapters": "#da8bc3"}
 
 
 def human(n: int) -> str:
