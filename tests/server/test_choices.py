@@ -124,3 +124,13 @@ def test_bad_chat_choices_get_a_400_naming_the_field(default_server, body, param
         "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], **body}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     all_blocks_free(llm, app)
+
+
+def test_a_client_gone_mid_stream_frees_every_choice(default_server):
+    llm, url, app = default_server
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 300, "n": 4, "temperature": 1.0,
+            "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        assert next(line for line in r.iter_lines() if line.startswith("data:"))
+    all_blocks_free(llm, app)
