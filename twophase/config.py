@@ -19,6 +19,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from twophase.cache.tiers import InvalidOffloadSetting, OffloadConfig
 from twophase.core.sampling_params import SamplingParams
 from twophase.errors import ConfigError, InvalidSamplingParam
 from twophase.models.source import ModelSource
@@ -88,6 +89,8 @@ class CacheConfig:
     # snapshots are kept, the least recently used given up first ("auto": 2 x max_num_seqs)
     state_snapshot_every: int = 512
     state_snapshots: int | Literal["auto"] = "auto"
+    # blocks the pool evicts kept in host memory, then on disk ([cache.offload]; none: no tiers)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
 
 
 @dataclass
@@ -289,8 +292,18 @@ def _check_backend_shape(data: dict[str, Any], where: str = "") -> None:
 def _check(cfg: Config) -> None:
     """Cross-field rules a type cannot express."""
     for check in (_check_limits, _check_sampling, _check_bench, _check_model, _check_server,
-                  _check_workload, _check_speculative, _check_cluster, _check_lora):
+                  _check_workload, _check_speculative, _check_cluster, _check_lora, _check_offload):
         check(cfg)
+
+
+def _check_offload(cfg: Config) -> None:
+    o = cfg.cache.offload
+    try:
+        OffloadConfig(o.host_gib, o.disk_dir, o.disk_gib)
+    except InvalidOffloadSetting as exc:
+        raise ConfigError(f"cache.offload.{exc.name}", exc.message) from None
+    if o.disk_dir is not None:
+        o.disk_dir = str(cfg.resolve(o.disk_dir))
 
 
 def _check_lora(cfg: Config) -> None:
@@ -474,7 +487,7 @@ def _build(cls: type, data: Any, path: str):
 
 # sections whose own constructor checks their values: built without that check, which their
 # ``_check_*`` makes in its turn, so a config's errors are reported in the order of ``_check``
-_CHECKED_LATER = (SamplingParams,)
+_CHECKED_LATER = (SamplingParams, OffloadConfig)
 
 
 def _unchecked(cls: type, values: dict[str, Any]):

@@ -122,7 +122,7 @@ class LLM:
         d = self.loaded
         return make_engine(d.config, d.layout, d.kv_cache, d.backends, d.model.arch, self.tokenizer,
                            self._draft_backends, f"{id(self):x}", clock=clock, sleep=sleep,
-                           adapters=self.adapters)
+                           adapters=self.adapters, spec=d.spec)
 
     def _draft_backends(self) -> tuple[Backends, int]:
         """The draft model (``method = "draft"``), loaded once, with a pool as large as the
@@ -193,6 +193,9 @@ class LLM:
         rep = phase_report(self.engine.step_records(), [o.times for o in served],
                            sum(len(o.token_ids) for o in served))
         rep["prefix_cache_hit_rate"] = self.engine.stats().prefix_hit_rate
+        kv = self.engine.kv
+        if kv.tiers is not None:                  # hits by tier, bytes moved, restore time
+            rep["kv_tiers"] = {**kv.tiers.stats(), **{f"{t}_restored_blocks": n for t, n in kv.restored.items()}}
         rep["kv_blocks_total"] = self.num_blocks
         rep["memory"] = self.memory
         rep["load_time_s"] = self.load_time_s

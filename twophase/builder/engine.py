@@ -10,9 +10,10 @@ import time
 from collections.abc import Callable
 
 from twophase.builder.backends import Backends
+from twophase.builder.tiers import use_tiers
 from twophase.cache.layout import PoolLayout
 from twophase.config import Config
-from twophase.contract import KVCache, ModelArch
+from twophase.contract import KVCache, ModelArch, ModelSpec
 from twophase.core.draft_proposer import DraftProposer
 from twophase.core.engine import Engine
 from twophase.core.kv_manager import KVManager, SeqSlots
@@ -31,10 +32,11 @@ AUTO_MAX_DRAFTS = 6          # the most drafts num_tokens = "auto" gives a decod
 def make_engine(config: Config, layout: PoolLayout, kv_cache: KVCache, backends: Backends, arch: ModelArch,
                 tokenizer, draft: Callable[[], tuple[Backends, int]] | None, owner: str,
                 clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep,
-                adapters: SeqSlots | None = None) -> Engine:
+                adapters: SeqSlots | None = None, spec: ModelSpec | None = None) -> Engine:
     """An engine with a fresh scheduler and prefix cache over ``kv_cache``. ``draft``: loads the
     draft model once, giving its backends and pool blocks (``method = "draft"``). ``adapters``:
-    the LoRA adapters' slots (one ``LoraManager`` for every engine over these backends)."""
+    the LoRA adapters' slots (one ``LoraManager`` for every engine over these backends).
+    ``spec``: the model's, for the tiers' fingerprint (``[cache.offload]``)."""
     sc, cc = config.scheduler, config.cache
     budget, max_seqs = layout.token_budget, layout.max_num_seqs
     if sc.policy == "decode-first" and layout.chunked_prefill and budget <= max_seqs:
@@ -54,6 +56,9 @@ def make_engine(config: Config, layout: PoolLayout, kv_cache: KVCache, backends:
     kv = KVManager(layout.num_blocks, cc.block_size, prefix_caching, layout.specs, layout.state_slots,
                    layout.state_snapshots, cc.state_snapshot_every, verify_rows=layout.state_verify_rows)
     kv.adapters = adapters
+    if spec is not None:
+        phases = config.phases()
+        use_tiers(config, spec, layout, kv_cache, kv, (phases[0].name, phases[1].name))
     proposer: Proposer | None = None
     if sp.method == "ngram":
         proposer = NgramProposer(sp.prompt_lookup_min, sp.prompt_lookup_max)

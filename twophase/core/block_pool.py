@@ -9,7 +9,7 @@ it at the head and evicts it. So the free queue is also the LRU list of reusable
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 class BlockPool:
@@ -19,6 +19,8 @@ class BlockPool:
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, int] = {}          # content hash -> block id
+        # told of each cached block just before it is evicted (its K/V still there): the tiers
+        self.on_evict: Callable[[int, bytes], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -33,6 +35,8 @@ class BlockPool:
             block, _ = self.free.popitem(last=False)
             h = self.block_hash[block]
             if h is not None:                       # evict the least recently freed cached block
+                if self.on_evict is not None:
+                    self.on_evict(block, h)
                 del self.cached[h]
                 self.block_hash[block] = None
             self.ref_cnt[block] = 1

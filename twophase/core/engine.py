@@ -405,5 +405,8 @@ class Engine:
         return out, batch.prefill_batch(items, self.kv)
 
     def close(self) -> None:
-        """Release the backends' resources."""
+        """Release the backends' resources; what the host tier holds goes to disk, for the next
+        start."""
+        if self.kv.tiers is not None:
+            self.kv.tiers.flush()
         self.executor.close()

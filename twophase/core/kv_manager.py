@@ -23,7 +23,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
+from twophase.cache.pool_blocks import PoolBlocks
 from twophase.cache.spec import CacheSpec, FullAttentionSpec, cdiv, sequence_blocks
+from twophase.cache.tiers import TieredStore
 from twophase.core.block_pool import BlockPool
 from twophase.core.seq_state import Seq
 
@@ -70,6 +72,12 @@ class KVManager:
         self._published: dict[str, int] = {}         # how many of its blocks are in the cache
         self.queries = 0                              # prefix-cache lookups, in tokens
         self.adapters: SeqSlots | None = None         # adapters' slots (LoRA), where served
+        # where every block's hash chain starts (what produced the K/V: with tiers, the
+        # fingerprint's root; a request's own ``cache_root``, its adapter, follows it)
+        self.root = b""
+        self.tiers: TieredStore | None = None         # host and disk below the pool
+        self.blocks: PoolBlocks | None = None         # the pool's blocks as bytes, for the tiers
+        self.restored = {"host": 0, "disk": 0}        # blocks copied back up into the pool
         self.hits = 0
 
     @property
@@ -124,7 +132,7 @@ class KVManager:
         bs, toks = self.block_size, req.token_ids
         while len(hashes) < num_blocks:
             i = len(hashes)
-            h = hashlib.sha256(hashes[-1] if hashes else getattr(req, "cache_root", b""))
+            h = hashlib.sha256(hashes[-1] if hashes else self.root + getattr(req, "cache_root", b""))
             h.update(array("q", toks[i * bs:(i + 1) * bs]).tobytes())
             hashes.append(h.digest())      # sha256: a collision would silently reuse others' K/V
         return hashes[:num_blocks]
@@ -135,6 +143,8 @@ class KVManager:
         if not self.prefix_caching:
             return []
         chain = self._chain(req, (req.num_tokens - 1) // self.block_size)
+        if self.tiers is not None:
+            self._restore(chain)
         found = [[self.pool.lookup(self._key(h, g)) for h in chain] for g in range(self.num_groups)]
         k = len(chain)
         for g, w in enumerate(self.windows):
@@ -151,6 +161,33 @@ class KVManager:
             return []
         return [[0 if b is None or i < self._dead(g, k * self.block_size, k) else b
                  for i, b in enumerate(found[g][:k])] for g in range(self.num_groups)]
+
+    def use_tiers(self, tiers: TieredStore, blocks: PoolBlocks, root: bytes) -> None:
+        """Blocks the pool evicts go to ``tiers``; a lookup brings them back (one group of full
+        attention, no state layers: what the tiers handle so far)."""
+        self.tiers, self.blocks, self.root = tiers, blocks, root
+        self.pool.on_evict = lambda block, key: tiers.put_evicted(key, blocks.read(block))
+
+    def _restore(self, chain: list[bytes]) -> None:
+        """The chain's blocks the pool lacks and a tier holds, copied back up into free cached
+        blocks (then a lookup finds them as it finds any cached block); up to the first block no
+        tier holds, and never evicting a block restored for this same chain."""
+        assert self.tiers is not None and self.blocks is not None
+        restored = 0
+        for h in chain:
+            if self.pool.lookup(h) is not None:
+                continue
+            if self.tiers.contains(h) is None or self.pool.num_free <= restored + 1:
+                return
+            got = self.tiers.get(h)
+            if got is None:                        # damaged on disk: a miss
+                return
+            block = self.pool.allocate(1)[0]       # the least recently used free block goes down
+            self.blocks.write(block, got[0])
+            self.pool.cache(block, h)
+            self.pool.release([block])
+            self.restored[got[1]] += 1
+            restored += 1
 
     def _restorable(self, chain: list[bytes], k: int) -> bool:
         """A hit of ``k`` blocks restores its state layers' state: none, or one saved there."""

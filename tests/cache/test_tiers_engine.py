@@ -1,0 +1,104 @@
+"""The tiers under a real engine: a prefix the pool evicted comes back from host memory, a
+restarted process finds it on disk, each with the tokens a cold run gives; another model or K/V
+format never reads those blocks; damaged files cost the cache, not the request."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from twophase import LLM, SamplingParams
+from twophase.errors import ConfigError
+
+A, B, C = list(range(5, 60)), list(range(100, 160)), list(range(200, 260))
+P = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=1)
+
+
+def _cfg(disk, **cache):
+    return {"model": {"name": "tiny", "weights": "random"},
+            "cache": {"num_blocks": 24, "block_size": 4, **cache,
+                      "offload": {"host_gib": 0.01, "disk_dir": str(disk), "disk_gib": 0.01}}}
+
+
+@pytest.fixture(scope="module")
+def cold():
+    """A's tokens computed from nothing, without tiers."""
+    return LLM.from_config({"model": {"name": "tiny", "weights": "random"},
+                            "cache": {"num_blocks": 24, "block_size": 4}}).generate([A], P)[0]
+
+
+def _evict(llm):
+    llm.generate([B], P)
+    llm.generate([C], P)                   # 24 blocks: A's are gone from the pool now
+
+
+def test_an_evicted_prefix_comes_back_from_host_memory(tmp_path, cold):
+    llm = LLM.from_config(_cfg(tmp_path))
+    first = llm.generate([A], P)[0]
+    _evict(llm)
+    again = llm.generate([A], P)[0]
+    assert again.metrics["num_cached_tokens"] == 52 and llm.engine.kv.restored["host"] == 13
+    assert first.token_ids == again.token_ids == cold.token_ids
+    assert [lp[t] for t, lp in zip(again.token_ids, again.logprobs)] == \
+        pytest.approx([lp[t] for t, lp in zip(cold.token_ids, cold.logprobs)], abs=1e-5)
+    assert llm.report([again])["kv_tiers"]["host_hits"] == 13
+
+
+RESTARTED = """
+import json, sys
+from twophase import LLM, SamplingParams
+llm = LLM.from_config(json.loads(sys.argv[1]))
+out = llm.generate([json.loads(sys.argv[2])], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+print(json.dumps({"cached": out.metrics["num_cached_tokens"], "tokens": out.token_ids,
+                  "restored": llm.engine.kv.restored}))
+"""
+
+
+def _restarted(cfg, prompt) -> dict:
+    run = subprocess.run([sys.executable, "-c", RESTARTED, json.dumps(cfg), json.dumps(prompt)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_a_restarted_process_finds_the_prefix_on_disk(tmp_path, cold):
+    llm = LLM.from_config(_cfg(tmp_path))
+    llm.generate([A], P)
+    _evict(llm)
+    llm.close()                            # what host memory holds goes to disk
+    got = _restarted(_cfg(tmp_path), A)
+    assert got["cached"] == 52 and got["restored"]["disk"] == 13 and got["tokens"] == cold.token_ids
+    other = _restarted({**_cfg(tmp_path), "model": {"name": "tiny", "weights": "random", "seed": 1}}, A)
+    assert other["cached"] == 0 and other["restored"]["disk"] == 0          # another model
+    fp16 = _restarted(_cfg(tmp_path, dtype="float16"), A)
+    assert fp16["cached"] == 0                                               # another K/V format
+
+
+def test_damaged_files_cost_the_cache_not_the_request(tmp_path, cold):
+    llm = LLM.from_config(_cfg(tmp_path))
+    llm.generate([A], P)
+    _evict(llm)
+    llm.close()
+    files = sorted(tmp_path.rglob("*.kv"))
+    assert files
+    for f in files:                                 # flip a byte near the end of each block
+        data = bytearray(f.read_bytes())
+        data[-3] ^= 0xFF
+        f.write_bytes(bytes(data))
+    llm = LLM.from_config(_cfg(tmp_path))
+    out = llm.generate([A], P)[0]
+    assert out.metrics["num_cached_tokens"] == 0 and out.token_ids == cold.token_ids
+    assert llm.report([out])["kv_tiers"]["disk_corrupt"] >= 1
+
+
+def test_what_the_tiers_cannot_hold_yet_is_refused_by_name(tmp_path):
+    off = {"host_gib": 0.01}
+    with pytest.raises(ConfigError, match="cache.offload: .*prefix_caching"):
+        LLM.from_config({"model": {"name": "tiny", "weights": "random"},
+                         "cache": {"num_blocks": 24, "prefix_caching": False, "offload": off}})
+    with pytest.raises(ConfigError, match="cache.offload.disk_gib: needs disk_dir"):
+        LLM.from_config({"model": {"name": "tiny", "weights": "random"},
+                         "cache": {"offload": {"disk_gib": 1}}})
