@@ -193,9 +193,9 @@ class LLM:
         rep = phase_report(self.engine.step_records(), [o.times for o in served],
                            sum(len(o.token_ids) for o in served))
         rep["prefix_cache_hit_rate"] = self.engine.stats().prefix_hit_rate
-        kv = self.engine.kv
-        if kv.tiers is not None:                  # hits by tier, bytes moved, restore time
-            rep["kv_tiers"] = {**kv.tiers.stats(), **{f"{t}_restored_blocks": n for t, n in kv.restored.items()}}
+        tiers = self.engine.kv.tier_stats()
+        if tiers is not None:                     # hits by tier, bytes moved, restore time
+            rep["kv_tiers"] = tiers
         rep["kv_blocks_total"] = self.num_blocks
         rep["memory"] = self.memory
         rep["load_time_s"] = self.load_time_s

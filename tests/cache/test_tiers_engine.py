@@ -5,6 +5,7 @@ format never reads those blocks; damaged files cost the cache, not the request."
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -75,6 +76,13 @@ def test_a_restarted_process_finds_the_prefix_on_disk(tmp_path, cold):
     assert other["cached"] == 0 and other["restored"]["disk"] == 0          # another model
     fp16 = _restarted(_cfg(tmp_path, dtype="float16"), A)
     assert fp16["cached"] == 0                                               # another K/V format
+    listed = subprocess.run([sys.executable, "-m", "twophase", "cache", "--kv-dir", str(tmp_path)],
+                            capture_output=True, text=True, env={**os.environ, "COLUMNS": "120"})
+    assert listed.returncode == 0 and "fingerprint" in listed.stdout, listed.stderr
+    cleared = subprocess.run([sys.executable, "-m", "twophase", "cache", "clear", "--kv-dir", str(tmp_path)],
+                             capture_output=True, text=True)
+    assert cleared.returncode == 0 and "removed" in cleared.stdout
+    assert not list(tmp_path.rglob("*.kv"))
 
 
 def test_damaged_files_cost_the_cache_not_the_request(tmp_path, cold):

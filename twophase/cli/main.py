@@ -93,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     cache.add_argument("kinds", nargs="*", metavar="KIND",
                        help=f"clear: what to delete ({', '.join(KINDS)})")
     cache.add_argument("--all", action="store_true", help="clear: every kind")
+    cache.add_argument("--kv-dir", metavar="DIR", help="the K/V disk tier at DIR (cache.offload.disk_dir) "
+                                                       "instead: its blocks by model fingerprint; clear deletes them")
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
@@ -261,12 +263,34 @@ def _plan_routing(cfg, device, registry):
             f"backend auto is {why}: planned on torch")
 
 
+def _kv_tier(args) -> int:
+    """``twophase cache [clear] --kv-dir DIR``: the disk tier's blocks, a folder a fingerprint."""
+    from rich.table import Table
+
+    from twophase.cache.disk_tier import clear_root, folders
+    from twophase.cli import cache_contents as cc
+
+    if args.action == "clear":
+        print(f"removed {clear_root(args.kv_dir)} K/V blocks from {args.kv_dir}")
+        return 0
+    found = folders(args.kv_dir)
+    t = Table(title=f"K/V disk tier {args.kv_dir}: {cc.human(sum(f.bytes for f in found))}")
+    for col in ("fingerprint", "blocks", "size"):
+        t.add_column(col, justify="left" if col == "fingerprint" else "right")
+    for f in found:
+        t.add_row(f.name, str(f.files), cc.human(f.bytes))
+    terminal.console().print(t if found else f"{args.kv_dir} holds no K/V blocks")
+    return 0
+
+
 def cmd_cache(args) -> int:
     from rich.table import Table
 
     from twophase.cli import cache_contents as cc
     from twophase.paths import cache_dir
 
+    if args.kv_dir:
+        return _kv_tier(args)
     root = cache_dir()
     if args.action == "clear":
         kinds = list(KINDS) if args.all else args.kinds

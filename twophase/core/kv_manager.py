@@ -168,6 +168,13 @@ class KVManager:
         self.tiers, self.blocks, self.root = tiers, blocks, root
         self.pool.on_evict = lambda block, key: tiers.put_evicted(key, blocks.read(block))
 
+    def tier_stats(self) -> dict[str, float] | None:
+        """The tiers' counters (hits, bytes moved and held, restore seconds) and the blocks
+        restored from each; None without tiers."""
+        if self.tiers is None:
+            return None
+        return {**self.tiers.stats(), **{f"{t}_restored_blocks": n for t, n in self.restored.items()}}
+
     def _restore(self, chain: list[bytes]) -> None:
         """The chain's blocks the pool lacks and a tier holds, copied back up into free cached
         blocks (then a lookup finds them as it finds any cached block); up to the first block no

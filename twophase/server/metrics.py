@@ -60,6 +60,11 @@ class ServerMetrics:
                                    "slot, 0 where it waits on disk", ["adapter"], registry=r)
         self.lora_requests = Gauge("twophase_lora_requests_served", "requests served with the adapter "
                                    "since it was loaded", ["adapter"], registry=r)
+        self.kv_tiers = Gauge("twophase_kv_tier", "the K/V host and disk tiers' counters (hits, "
+                              "bytes in and out, blocks and bytes held, restored blocks, evictions)",
+                              ["tier", "counter"], registry=r)
+        self.kv_restore_seconds = Gauge("twophase_kv_tier_restore_seconds", "seconds spent reading "
+                                        "blocks back from the tiers", registry=r)
         self.kv_total = Gauge("twophase_kv_blocks_total", "KV blocks in the pool", registry=r)
         self.memory = {key: Gauge(f"twophase_{key}", what, registry=r) for key, what in MEMORY.items()}
 
@@ -84,9 +89,15 @@ class ServerMetrics:
         if rec.decode_seqs:
             self.decode_batch.observe(rec.decode_seqs)
 
-    def refresh(self, stats, adapters=None) -> None:
-        """The gauges from the engine's ``EngineStats`` (and its ``LoraManager``), after every
-        step and every batch of commands (aborts included)."""
+    def refresh(self, stats, adapters=None, tiers=None) -> None:
+        """The gauges from the engine's ``EngineStats`` (and its ``LoraManager`` and K/V tiers'
+        counters), after every step and every batch of commands (aborts included)."""
+        if tiers is not None:
+            for key, value in tiers.items():
+                tier, _, what = key.partition("_")
+                if tier in ("host", "disk"):
+                    self.kv_tiers.labels(tier=tier, counter=what).set(value)
+            self.kv_restore_seconds.set(tiers.get("restore_seconds", 0.0))
         if adapters is not None:
             self.lora_resident.clear()
             self.lora_requests.clear()
