@@ -110,3 +110,19 @@ def test_what_the_tiers_cannot_hold_yet_is_refused_by_name(tmp_path):
     with pytest.raises(ConfigError, match="cache.offload.disk_gib: needs disk_dir"):
         LLM.from_config({"model": {"name": "tiny", "weights": "random"},
                          "cache": {"offload": {"disk_gib": 1}}})
+
+
+def test_metrics_show_the_tiers(tmp_path):
+    pytest.importorskip("uvicorn")
+    import httpx
+    from helpers.server import serving
+
+    llm = LLM.from_config(_cfg(tmp_path))
+    with serving(llm) as (url, app):
+        for prompt in (A, B, C, A):
+            r = httpx.post(url + "/v1/completions", json={"model": "smollm2", "prompt": prompt, "max_tokens": 2},
+                           timeout=60)
+            assert r.status_code == 200, r.text
+        text = httpx.get(url + "/metrics").text
+    assert 'twophase_kv_tier{counter="restored_blocks",tier="host"} 13.0' in text
+    assert "twophase_kv_tier_restore_seconds" in text
