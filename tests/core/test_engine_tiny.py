@@ -197,3 +197,14 @@ def test_the_memory_figures_say_what_the_pool_holds():
     assert m["kv_tokens"] == 64 * 16 and m["max_concurrency"] == 64 // (256 // 16)
     assert m["kv_cache_bytes"] >= 64 * 16 * per_token
     assert m["weight_bytes"] == num_params(a) * 4 and m["headroom_bytes"] > 0
+
+
+def test_a_cache_salt_keeps_prefixes_apart():
+    """Requests share cached blocks only with requests of the same salt (none is a salt too)."""
+    llm = tiny_llm(cache={"num_blocks": 64, "block_size": 4})
+    prompt = list(range(9, 9 + 33))
+    p = SamplingParams(max_tokens=2)
+    runs = [llm.generate([prompt], SamplingParams(max_tokens=2, cache_salt=s))[0] for s in ("a", "b", "a", None)]
+    assert [r.metrics["num_cached_tokens"] for r in runs] == [0, 0, 32, 0]
+    assert llm.generate([prompt], p)[0].metrics["num_cached_tokens"] == 32
+    assert len({tuple(r.token_ids) for r in runs}) == 1

@@ -11,6 +11,7 @@ into ``Delta`` values (text, stop strings) that may cross threads.
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 import logging
 import math
@@ -176,8 +177,13 @@ class Engine:
         return req
 
     def _cache_root(self, params: SamplingParams) -> bytes:
-        """What a request's cached blocks are keyed by beside its tokens (its adapter);
-        ``RequestRejected`` for an adapter this engine does not know."""
+        """What a request's cached blocks are keyed by beside its tokens (its adapter, its
+        ``cache_salt``); ``RequestRejected`` for an adapter this engine does not know."""
+        salt = b"" if params.cache_salt is None else \
+            hashlib.sha256(b"salt\0" + params.cache_salt.encode("utf-8", "surrogatepass")).digest()
+        return self._adapter_root(params) + salt
+
+    def _adapter_root(self, params: SamplingParams) -> bytes:
         if params.lora is None:
             return b""
         if self.adapters is None:

@@ -40,6 +40,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None   # top-n log-probabilities of each prompt token (vLLM's)
     n: int = 1                           # choices: the prompt computed once, its blocks shared
     lora: str | None = None              # the adapter to run with, by name (None: the base model)
+    # requests share cached prefixes only with requests of the same salt (vLLM's): tenants apart
+    cache_salt: str | None = None
     structured: StructuredOutputs | None = None   # a schema, regex, choice or grammar to match
 
     def __post_init__(self) -> None:
@@ -131,6 +133,7 @@ _KINDS = {
     "logprobs": (lambda v: v is None or _int(v), "an integer or None"),
     "prompt_logprobs": (lambda v: v is None or _int(v), "an integer or None"),
     "n": (_int, "an integer"),
+    "cache_salt": (lambda v: v is None or isinstance(v, str), "a string or None"),
     "lora": (lambda v: v is None or (isinstance(v, str) and bool(v)), "an adapter's name or None"),
     "structured": (lambda v: v is None or isinstance(v, StructuredOutputs), "a StructuredOutputs or None"),
 }

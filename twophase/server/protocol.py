@@ -103,6 +103,7 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     n: Annotated[int, Field(ge=1)] = 1
     prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None   # vLLM's: the prompt's own
+    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None   # vLLM's: tenants apart
     user: str | None = None                  # metadata only
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParam | None = None     # vLLM's: json, regex, choice, grammar
@@ -149,7 +150,8 @@ class _Common(BaseModel):
             raise ApiError(400, f"{max_tokens_field} must be at least 1, got {self.max_tokens}",
                            max_tokens_field)
         kwargs = {k: v for k, v in {
-            "n": n or self.n, "prompt_logprobs": _most(prompt_logprobs, self.prompt_logprobs),
+            "cache_salt": self.cache_salt, "n": n or self.n,
+            "prompt_logprobs": _most(prompt_logprobs, self.prompt_logprobs),
             "max_tokens": max_tokens or self.max_tokens or default_max_tokens, "temperature": self.temperature,
             "top_p": self.top_p, "seed": self.seed, "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty, "logprobs": logprobs,
