@@ -126,3 +126,15 @@ def test_metrics_show_the_tiers(tmp_path):
         text = httpx.get(url + "/metrics").text
     assert 'twophase_kv_tier{counter="restored_blocks",tier="host"} 13.0' in text
     assert "twophase_kv_tier_restore_seconds" in text
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_every_kv_format_round_trips_through_the_tiers(tmp_path, dtype):
+    want = LLM.from_config({"model": {"name": "tiny", "weights": "random"},
+                            "cache": {"num_blocks": 24, "block_size": 4, "dtype": dtype}}).generate([A], P)[0]
+    llm = LLM.from_config(_cfg(tmp_path, dtype=dtype))
+    llm.generate([A], P)
+    _evict(llm)
+    again = llm.generate([A], P)[0]
+    assert again.metrics["num_cached_tokens"] == 52 and llm.engine.kv.restored["host"] == 13
+    assert again.token_ids == want.token_ids
