@@ -140,3 +140,20 @@ def test_every_kv_format_round_trips_through_the_tiers(tmp_path, dtype):
     again = llm.generate([A], P)[0]
     assert again.metrics["num_cached_tokens"] == 52 and llm.engine.kv.restored["host"] == 13
     assert again.token_ids == want.token_ids
+
+
+def test_a_pool_in_groups_round_trips_through_the_tiers(tmp_path):
+    """Gemma 3's sliding and full layers: a block a group, each kept and brought back."""
+    pytest.importorskip("transformers")
+    from helpers.hf_models import tiny_hf_model
+
+    tiny_hf_model("gemma3", tmp_path / "gemma3")
+    model = {"path": str(tmp_path / "gemma3")}
+    want = LLM.from_config({"model": model, "cache": {"num_blocks": 72, "block_size": 4}}).generate([A], P)[0]
+    llm = LLM.from_config({**_cfg(tmp_path / "disk", num_blocks=72), "model": model})
+    assert llm.engine.kv.num_groups > 1
+    llm.generate([A], P)
+    _evict(llm)
+    again = llm.generate([A], P)[0]
+    assert again.metrics["num_cached_tokens"] == 52 and llm.engine.kv.restored["host"] == 4 * 13
+    assert again.token_ids == want.token_ids

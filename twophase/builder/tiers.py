@@ -42,9 +42,6 @@ def use_tiers(config: Config, spec: ModelSpec, layout: PoolLayout, kv_cache: KVC
     if layout.state is not None:
         raise ConfigError("cache.offload", "a model with state layers keeps no tiers yet (a hit "
                                            "there restores a saved state, which the tiers do not hold)")
-    if kv.num_groups > 1:
-        raise ConfigError("cache.offload", "a pool in groups (sliding and full layers) keeps no "
-                                           "tiers yet")
     if not config.cache.prefix_caching:
         raise ConfigError("cache.offload", "needs cache.prefix_caching: the tiers keep cached prefixes")
     if kv_cache.pool.device.type == "meta":

@@ -177,24 +177,28 @@ class KVManager:
 
     def _restore(self, chain: list[bytes]) -> None:
         """The chain's blocks the pool lacks and a tier holds, copied back up into free cached
-        blocks (then a lookup finds them as it finds any cached block); up to the first block no
-        tier holds, and never evicting a block restored for this same chain."""
+        blocks (then a lookup finds them as it finds any cached block), in each group up to its
+        first block no tier holds; never evicting a block restored for this same chain. A
+        sliding group's blocks before the window are restored too where a tier has them, though
+        the hit reads none of them: simpler than knowing the hit's length first."""
         assert self.tiers is not None and self.blocks is not None
         restored = 0
-        for h in chain:
-            if self.pool.lookup(h) is not None:
-                continue
-            if self.tiers.contains(h) is None or self.pool.num_free <= restored + 1:
-                return
-            got = self.tiers.get(h)
-            if got is None:                        # damaged on disk: a miss
-                return
-            block = self.pool.allocate(1)[0]       # the least recently used free block goes down
-            self.blocks.write(block, got[0])
-            self.pool.cache(block, h)
-            self.pool.release([block])
-            self.restored[got[1]] += 1
-            restored += 1
+        for g in range(self.num_groups):
+            for h in chain:
+                key = self._key(h, g)
+                if self.pool.lookup(key) is not None:
+                    continue
+                if self.tiers.contains(key) is None or self.pool.num_free <= restored + 1:
+                    break
+                got = self.tiers.get(key)
+                if got is None:                    # damaged on disk: a miss
+                    break
+                block = self.pool.allocate(1)[0]   # the least recently used free block goes down
+                self.blocks.write(block, got[0])
+                self.pool.cache(block, key)
+                self.pool.release([block])
+                self.restored[got[1]] += 1
+                restored += 1
 
     def _restorable(self, chain: list[bytes], k: int) -> bool:
         """A hit of ``k`` blocks restores its state layers' state: none, or one saved there."""
