@@ -411,8 +411,9 @@ class Engine:
         return out, batch.prefill_batch(items, self.kv)
 
     def close(self) -> None:
-        """Release the backends' resources; what the host tier holds goes to disk, for the next
-        start."""
+        """Release the backends' resources; the pool's cached blocks and what the host tier
+        holds go to disk, for the next start."""
         if self.kv.tiers is not None:
+            self.kv.save_cached()
             self.kv.tiers.flush()
         self.executor.close()

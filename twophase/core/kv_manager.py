@@ -168,6 +168,15 @@ class KVManager:
         self.tiers, self.blocks, self.root = tiers, blocks, root
         self.pool.on_evict = lambda block, key: tiers.put_evicted(key, blocks.read(block))
 
+    def save_cached(self) -> int:
+        """Every cached block the pool holds, into the tiers (at shutdown: with the host tier's
+        blocks they go to disk, for the next start); the number saved."""
+        if self.tiers is None or self.blocks is None:
+            return 0
+        for key, block in list(self.pool.cached.items()):
+            self.tiers.put_evicted(key, self.blocks.read(block))
+        return len(self.pool.cached)
+
     def tier_stats(self) -> dict[str, float] | None:
         """The tiers' counters (hits, bytes moved and held, restore seconds) and the blocks
         restored from each; None without tiers."""
