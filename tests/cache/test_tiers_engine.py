@@ -157,3 +157,11 @@ def test_a_pool_in_groups_round_trips_through_the_tiers(tmp_path):
     again = llm.generate([A], P)[0]
     assert again.metrics["num_cached_tokens"] == 52 and llm.engine.kv.restored["host"] == 4 * 13
     assert again.token_ids == want.token_ids
+
+
+def test_blocks_still_in_the_pool_at_close_survive_a_restart(tmp_path, cold):
+    llm = LLM.from_config(_cfg(tmp_path))
+    llm.generate([A], P)                   # never evicted: in the pool when the engine closes
+    llm.close()
+    got = _restarted(_cfg(tmp_path), A)
+    assert got["cached"] == 52 and got["tokens"] == cold.token_ids
