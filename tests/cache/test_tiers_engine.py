@@ -165,3 +165,23 @@ def test_blocks_still_in_the_pool_at_close_survive_a_restart(tmp_path, cold):
     llm.close()
     got = _restarted(_cfg(tmp_path), A)
     assert got["cached"] == 52 and got["tokens"] == cold.token_ids
+
+
+def test_a_hybrid_models_snapshots_go_down_and_come_back(tmp_path):
+    """Qwen3.5's state layers: a prefix hit restores the state saved at a boundary; evicted,
+    the snapshot goes to the tiers with the blocks, and both come back."""
+    pytest.importorskip("transformers")
+    from helpers.hf_models import tiny_hf_model
+
+    tiny_hf_model("qwen3_5", tmp_path / "q")
+    model = {"path": str(tmp_path / "q")}
+    cache = {"num_blocks": 40, "block_size": 4, "state_snapshot_every": 16, "state_snapshots": 2}
+    want = LLM.from_config({"model": model, "cache": cache}).generate([A], P)[0]
+    llm = LLM.from_config({"model": model, "cache": {**cache, "offload": {"host_gib": 0.01}},
+                           "scheduler": {"max_num_seqs": 2}})
+    llm.generate([A], P)
+    _evict(llm)
+    again = llm.generate([A], P)[0]
+    assert again.metrics["num_cached_tokens"] == 48
+    assert llm.engine.kv.restored["host"] > 0      # the snapshot at 48 (the 2 rows went to B and C) and blocks
+    assert again.token_ids == want.token_ids

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from twophase.cache.fingerprint import cache_fingerprint, model_identity, root_hash
 from twophase.cache.layout import PoolLayout
-from twophase.cache.pool_blocks import PoolBlocks
+from twophase.cache.pool_blocks import PoolBlocks, StateRows
 from twophase.cache.tiers import TieredStore
 from twophase.config import Config
 from twophase.contract import KVCache, ModelSpec
@@ -28,7 +28,8 @@ def fingerprint(config: Config, spec: ModelSpec, layout: PoolLayout, kv_cache: K
         model=model, backends=list(backends),
         weights_format=[str(spec.dtype), spec.quantization, spec.accuracy_level, spec.outlier_channels],
         kv_format=[str(pool.dtype), config.cache.dtype], block_size=layout.block_size,
-        layout={"pool": list(pool.shape[:2]) + list(pool.shape[3:]), "windows": list(layout.windows)},
+        layout={"pool": list(pool.shape[:2]) + list(pool.shape[3:]), "windows": list(layout.windows),
+                "states": [[str(t.dtype), *t.shape[1:]] for s in kv_cache.states for t in s]},
         tokenizer=spec.model_id, adapter=None)        # an adapter roots its requests' chains itself
 
 
@@ -39,9 +40,6 @@ def use_tiers(config: Config, spec: ModelSpec, layout: PoolLayout, kv_cache: KVC
     off = config.cache.offload
     if not off.enabled:
         return None
-    if layout.state is not None:
-        raise ConfigError("cache.offload", "a model with state layers keeps no tiers yet (a hit "
-                                           "there restores a saved state, which the tiers do not hold)")
     if not config.cache.prefix_caching:
         raise ConfigError("cache.offload", "needs cache.prefix_caching: the tiers keep cached prefixes")
     if kv_cache.pool.device.type == "meta":
@@ -49,5 +47,6 @@ def use_tiers(config: Config, spec: ModelSpec, layout: PoolLayout, kv_cache: KVC
                                            "write the engine's")
     fp = fingerprint(config, spec, layout, kv_cache, backends)
     store = TieredStore.from_config(off, fp)
-    kv.use_tiers(store, PoolBlocks(kv_cache.pool), root_hash(fp))
+    kv.use_tiers(store, PoolBlocks(kv_cache.pool), root_hash(fp),
+                 StateRows(kv_cache.states) if kv_cache.states else None)
     return store

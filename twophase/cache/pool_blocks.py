@@ -24,3 +24,28 @@ class PoolBlocks:
             raise ValueError(f"a block is {self.block_bytes} bytes here, got {len(payload)}")
         raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         self.pool[:, :, block].copy_(raw.view(self.pool.dtype).view(self.shape))
+
+
+class StateRows:
+    """A row of the state layers' tensors as bytes (every layer's convolution tail and recurrent
+    state of one saved sequence): what the tiers keep of a prefix snapshot."""
+
+    def __init__(self, states: tuple[tuple[torch.Tensor, ...], ...]):
+        self.tensors = [t for layer in states for t in layer]
+
+    @property
+    def row_bytes(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in self.tensors)
+
+    def read(self, row: int) -> bytes:
+        return b"".join(bytes(t[row].contiguous().cpu().view(torch.uint8).flatten().numpy())
+                        for t in self.tensors)
+
+    def write(self, row: int, payload: bytes) -> None:
+        if len(payload) != self.row_bytes:
+            raise ValueError(f"a state row is {self.row_bytes} bytes here, got {len(payload)}")
+        raw, at = torch.frombuffer(bytearray(payload), dtype=torch.uint8), 0
+        for t in self.tensors:
+            n = t[0].numel() * t.element_size()
+            t[row].copy_(raw[at:at + n].view(t.dtype).view(t[0].shape))
+            at += n

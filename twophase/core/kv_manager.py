@@ -23,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
-from twophase.cache.pool_blocks import PoolBlocks
+from twophase.cache.pool_blocks import PoolBlocks, StateRows
 from twophase.cache.spec import CacheSpec, FullAttentionSpec, cdiv, sequence_blocks
 from twophase.cache.tiers import TieredStore
 from twophase.core.block_pool import BlockPool
@@ -40,6 +40,7 @@ class SeqSlots(Protocol):
 
     def slot(self, seq: Seq) -> int: ...
 
+STATE = b"state\0"          # a snapshot's key in the tiers: this, then its last block's chain hash
 # a prefix hit: one list a group, each as long as the hit, 0 at a sliding group's passed blocks
 Hit = Sequence[Sequence[int]]
 FULL = FullAttentionSpec(1, 1, "float32")      # one group of full attention (its bytes are the layout's)
@@ -77,6 +78,7 @@ class KVManager:
         self.root = b""
         self.tiers: TieredStore | None = None         # host and disk below the pool
         self.blocks: PoolBlocks | None = None         # the pool's blocks as bytes, for the tiers
+        self.state_rows: StateRows | None = None      # the state rows as bytes (state layers)
         self.restored = {"host": 0, "disk": 0}        # blocks copied back up into the pool
         self.hits = 0
 
@@ -162,10 +164,11 @@ class KVManager:
         return [[0 if b is None or i < self._dead(g, k * self.block_size, k) else b
                  for i, b in enumerate(found[g][:k])] for g in range(self.num_groups)]
 
-    def use_tiers(self, tiers: TieredStore, blocks: PoolBlocks, root: bytes) -> None:
-        """Blocks the pool evicts go to ``tiers``; a lookup brings them back (one group of full
-        attention, no state layers: what the tiers handle so far)."""
-        self.tiers, self.blocks, self.root = tiers, blocks, root
+    def use_tiers(self, tiers: TieredStore, blocks: PoolBlocks, root: bytes,
+                  state_rows: StateRows | None = None) -> None:
+        """Blocks the pool evicts go to ``tiers``, and so do the prefix snapshots of a model with
+        state layers (``state_rows``) when their rows are taken; a lookup brings both back."""
+        self.tiers, self.blocks, self.root, self.state_rows = tiers, blocks, root, state_rows
         self.pool.on_evict = lambda block, key: tiers.put_evicted(key, blocks.read(block))
 
     def save_cached(self) -> int:
@@ -175,7 +178,10 @@ class KVManager:
             return 0
         for key, block in list(self.pool.cached.items()):
             self.tiers.put_evicted(key, self.blocks.read(block))
-        return len(self.pool.cached)
+        if self.state_rows is not None:
+            for h, row in self._snapshots.items():
+                self.tiers.put_evicted(STATE + h, self.state_rows.read(row))
+        return len(self.pool.cached) + len(self._snapshots)
 
     def tier_stats(self) -> dict[str, float] | None:
         """The tiers' counters (hits, bytes moved and held, restore seconds) and the blocks
@@ -187,14 +193,26 @@ class KVManager:
     def _restore(self, chain: list[bytes]) -> None:
         """The chain's blocks the pool lacks and a tier holds, copied back up into free cached
         blocks (then a lookup finds them as it finds any cached block), in each group up to its
-        first block no tier holds; never evicting a block restored for this same chain. A
-        sliding group's blocks before the window are restored too where a tier has them, though
-        the hit reads none of them: simpler than knowing the hit's length first."""
+        first block no tier holds; the chain's blocks the pool has are held meanwhile, so making
+        room never evicts them. A sliding group's blocks before the window are restored too where
+        a tier has them, though the hit reads none of them: simpler than knowing the hit's length
+        first."""
+        assert self.tiers is not None and self.blocks is not None
+        if self.state_rows is not None and self.snapshot_every:
+            self._restore_snapshot(chain)
+        keys = [[self._key(h, g) for h in chain] for g in range(self.num_groups)]
+        held = [b for ks in keys for k in ks if (b := self.pool.lookup(k)) is not None]
+        self.pool.touch(held)
+        try:
+            self._restore_blocks(keys)
+        finally:
+            self.pool.release(held[::-1])
+
+    def _restore_blocks(self, keys: list[list[bytes]]) -> None:
         assert self.tiers is not None and self.blocks is not None
         restored = 0
-        for g in range(self.num_groups):
-            for h in chain:
-                key = self._key(h, g)
+        for group_keys in keys:
+            for key in group_keys:
                 if self.pool.lookup(key) is not None:
                     continue
                 if self.tiers.contains(key) is None or self.pool.num_free <= restored + 1:
@@ -237,11 +255,42 @@ class KVManager:
         if self._snapshot_rows:
             row = self._snapshot_rows.pop()
         elif self._snapshots:
-            row = self._snapshots.popitem(last=False)[1]
+            row = self._take_snapshot_row()
         else:
             return
         self._snapshots[key] = row
         self._copies.append((self._slot_of[req.request_id], row))
+
+    def _take_snapshot_row(self) -> int:
+        """The least recently used snapshot's row, its state first saved to the tiers."""
+        old, row = self._snapshots.popitem(last=False)
+        if self.tiers is not None and self.state_rows is not None:
+            self.tiers.put_evicted(STATE + old, self.state_rows.read(row))
+        return row
+
+    def _restore_snapshot(self, chain: list[bytes]) -> None:
+        """The longest snapshot boundary of ``chain`` whose state a tier holds and no row does,
+        brought back into a row (a free one, else the least recently used one not about to be
+        written by a queued copy)."""
+        assert self.tiers is not None and self.state_rows is not None
+        every = self.snapshot_every // self.block_size
+        for k in range(len(chain) // every * every, 0, -every):
+            h = chain[k - 1]
+            if h in self._snapshots:
+                return
+            if self.tiers.contains(STATE + h) is None:
+                continue
+            pending = {to for _, to in self._copies}
+            if not self._snapshot_rows and (not self._snapshots or next(iter(self._snapshots.values())) in pending):
+                return
+            got = self.tiers.get(STATE + h)
+            if got is None:
+                return
+            row = self._snapshot_rows.pop() if self._snapshot_rows else self._take_snapshot_row()
+            self.state_rows.write(row, got[0])
+            self._snapshots[h] = row
+            self.restored[got[1]] += 1
+            return
 
     def keep_state(self, req: Seq) -> None:
         """Before ``req``'s drafts are verified: keep its state, which a rejected draft would

@@ -58,8 +58,13 @@ class SimulatedLLM(LLM):
         if config.cluster.disaggregated or config.cluster.replicas > 1:
             raise ConfigError("cluster", "the simulator runs one engine: no replicas or "
                               "disaggregated workers")
+        if config.lora:
+            raise ConfigError("lora", "the simulator does not cost adapters' steps")
+        if config.cache.offload.enabled:
+            raise ConfigError("cache.offload", "the simulator does not model the host and disk tiers")
         check_tp(tp, device.kind)
         self.tp = tp
+        self.adapters = None
         self.registry = registry or Registry()
         kind = device.kind
         planned = planned_model(config.model)
