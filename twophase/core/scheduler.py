@@ -393,8 +393,12 @@ class Scheduler:
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
         """The waiting head could not start this step (``max_num_seqs``, the budget, the pool
         or admission refused it): while a running request has a lower priority (larger value),
-        preempt it (``_victim`` first) and admit again, as vLLM's priority policy does."""
-        while self.waiting and self.running:
+        preempt it (``_victim`` first) and admit again, as vLLM's priority policy does. At most
+        once a request running now: an admitted request never outranks the waiting ones, so
+        the bound only matters if the queue's order were broken (a step, never a hang)."""
+        for _ in range(len(self.running)):
+            if not (self.waiting and self.running):
+                return
             victim = self._victim()
             if victim.priority <= self.waiting[0].priority:
                 return
