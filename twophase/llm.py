@@ -22,13 +22,22 @@ from twophase.builder.checks import check_draft
 from twophase.builder.engine import make_engine
 from twophase.cache.layout import with_step_limits
 from twophase.config import Config, SchedulerConfig, SpeculativeConfig, load_config
-from twophase.core.engine import Engine
+from twophase.core.engine import Engine, check_priority
 from twophase.core.metrics import phase_report
 from twophase.core.outputs import RequestOutput
 from twophase.core.sampling_params import SamplingParams
 from twophase.errors import RequestRejected
 
 log = logging.getLogger(__name__)
+
+
+def _priorities(priority: list[int] | None, n: int) -> list[int]:
+    """One priority a prompt (default all 0), each checked before any request is queued."""
+    if priority is None:
+        return [0] * n
+    if len(priority) != n:
+        raise ValueError(f"{n} prompts but {len(priority)} priorities")
+    return [check_priority(p) for p in priority]
 
 
 class LLM:
@@ -141,19 +150,21 @@ class LLM:
 
     def generate(self, prompts: str | list[int] | list[str | list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False, priority: list[int] | None = None) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in the prompts' order, a prompt with
         ``n`` choices as ``n`` outputs in a row (``output.index`` says which). A prompt that can
         never be served comes back with ``finish_reason = "rejected"`` and the reason (once a
-        choice)."""
+        choice). ``priority``: one a prompt, as vLLM's (the lower value starts first; default
+        all 0)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        priority = _priorities(priority, len(prompts))
         outputs: list[RequestOutput | None] = [None] * sum(p.n for p in params)
-        pending = self._add_all(prompts, params, outputs)
+        pending = self._add_all(prompts, params, priority, outputs)
         bar = None
         if use_tqdm:
             from tqdm import tqdm
@@ -168,15 +179,15 @@ class LLM:
             bar.close()
         return outputs  # type: ignore[return-value]
 
-    def _add_all(self, prompts: list, params: list[SamplingParams],
+    def _add_all(self, prompts: list, params: list[SamplingParams], priority: list[int],
                  outputs: list[RequestOutput | None]) -> dict[str, int]:
         """Queue every prompt; each request id's place in ``outputs`` (a prompt's choices in a
         row). A rejected prompt's outputs are filled here, once a choice."""
         first = [sum(p.n for p in params[:i]) for i in range(len(params))]
         pending: dict[str, int] = {}
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
+        for i, (prompt, p, prio) in enumerate(zip(prompts, params, priority)):
             try:
-                req = self.engine.add_request(prompt, p)
+                req = self.engine.add_request(prompt, p, priority=prio)
                 for r in [req, *req.forks]:
                     pending[r.request_id] = first[i] + r.index
             except RequestRejected as exc:

@@ -113,14 +113,15 @@ class ClusterLoop:
         except InvalidSamplingParam as exc:
             raise rejected(exc) from None
 
-    def submit(self, prompt: str | list[int], params: SamplingParams, constraint: Any = None) -> Handle:
+    def submit(self, prompt: str | list[int], params: SamplingParams, constraint: Any = None, *,
+               priority: int = 0) -> Handle:
         if self._closed:
             raise EngineStopped("the server is shutting down")
         if self._in_flight >= self.max_queue:
             raise Overloaded(f"{self._in_flight} requests in flight (server.max_queue = "
                              f"{self.max_queue}); retry later")
         assert not isinstance(prompt, str), "prepare() first"
-        job = Job(f"{self._prefix}-{next(self._ids)}", list(prompt), params)
+        job = Job(f"{self._prefix}-{next(self._ids)}", list(prompt), params, priority=priority)
         task: asyncio.Task | None = None
         handle = Handle(job.request_id, lambda: task.cancel() if task is not None else None)
         self._in_flight += 1
@@ -130,13 +131,14 @@ class ClusterLoop:
         task.add_done_callback(self._task_done)       # also for a task cancelled before it ran
         return handle
 
-    def submit_choices(self, prompt: list[int], params: SamplingParams, constraint: Any = None) -> list[Handle]:
+    def submit_choices(self, prompt: list[int], params: SamplingParams, constraint: Any = None, *,
+                       priority: int = 0) -> list[Handle]:
         """``params.n`` requests, choice ``i`` with ``seed + i``: replicas do not share blocks,
         so each choice computes the prompt on the replica it lands on."""
         handles: list[Handle] = []
         try:
             for i in range(params.n):
-                handles.append(self.submit(prompt, params.choice(i), constraint))
+                handles.append(self.submit(prompt, params.choice(i), constraint, priority=priority))
         except BaseException:
             for h in handles:
                 h.abort()

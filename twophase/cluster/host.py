@@ -58,6 +58,7 @@ class Job:
     params: SamplingParams
     kv_transfer: KVTransferParams | None = None
     first_token_ids: tuple[int, ...] = ()
+    priority: int = 0                        # on the worker that serves it (each ranks its own)
 
 
 class EngineHost:
@@ -94,7 +95,7 @@ class EngineHost:
         """The request's ``Delta``s (the last carries its output), or one ``Failure``."""
         try:
             handle = self.loop.submit(job.prompt_token_ids, job.params, None, job.kv_transfer,
-                                      job.first_token_ids)
+                                      job.first_token_ids, priority=job.priority)
         except Exception as exc:
             yield Failure.of(exc)
             return

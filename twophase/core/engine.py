@@ -55,6 +55,15 @@ def check_text(text: str) -> str:
     return text
 
 
+def check_priority(priority: object) -> int:
+    """``priority`` if it is an integer (a bool, float or string is refused, naming it)."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        exc = RequestRejected(f"priority must be an integer, got {priority!r}")
+        exc.param = "priority"
+        raise exc
+    return priority
+
+
 class Engine:
     def __init__(self, prefill_backend: Backend, decode_backend: Backend, scheduler: Scheduler,
                  tokenizer: Tokenizer | None = None, vocab_size: int | None = None,
@@ -127,7 +136,7 @@ class Engine:
                     kv_transfer: KVTransferParams | None = None,
                     first_token_ids: Sequence[int] = (),
                     constraint: Constraint | None = None,
-                    choice_ids: Sequence[str] = ()) -> Request:
+                    choice_ids: Sequence[str] = (), priority: int = 0) -> Request:
         """Queue a request; raises ``RequestRejected`` if it could never be served. The returned
         request is the engine's own: read it on the engine's thread only. A prompt from
         ``prepare`` is not checked again (``params``: None, or the ones it was prepared for).
@@ -143,7 +152,11 @@ class Engine:
 
         ``params.n`` choices: the returned request is choice 0, and the others (ids
         ``choice_ids``, else ``<request_id>.<i>``) wait in its ``forks`` until its prompt is
-        computed; each is then a request of its own, with its own deltas and output."""
+        computed; each is then a request of its own, with its own deltas and output.
+
+        ``priority``: as vLLM's, the lower value starts first and is preempted last; equal
+        priorities are served first come, first served. A request's choices share it."""
+        check_priority(priority)
         if isinstance(prompt, PreparedPrompt):
             if params is not None and params != prompt.params:
                 raise ValueError("the prompt was prepared for other SamplingParams: prepare it "
@@ -157,7 +170,8 @@ class Engine:
         ids, text = list(prompt.token_ids), prompt.text
         if params.structured is not None and constraint is None:
             constraint = self.compile(params)
-        req = Request(request_id, ids, params, self.clock() if arrival is None else arrival, text)
+        req = Request(request_id, ids, params, self.clock() if arrival is None else arrival, text,
+                      priority)
         req.cache_root = self._cache_root(params)
         req.kv_transfer = kv_transfer
         req.constraint = constraint
@@ -225,7 +239,8 @@ class Engine:
             raise RequestRejected(f"request id {(taken or ids)[0]!r} is already in use")
         for i, rid in enumerate(ids, 1):
             params = req.params.choice(i)
-            child = Request(rid, req.prompt_token_ids, params, req.times.arrival, text)
+            child = Request(rid, req.prompt_token_ids, params, req.times.arrival, text,
+                            req.priority)
             child.cache_root = req.cache_root
             child.index, child.parent, child.status = i, req, Status.FORKING
             if params.structured is not None:

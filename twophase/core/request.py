@@ -57,9 +57,10 @@ class RequestTimes:
 
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival: float, prompt: str | None = None):
+                 arrival: float, prompt: str | None = None, priority: int = 0):
         self.request_id = request_id
         self.prompt = prompt
+        self.priority = priority                                # lower starts first (as vLLM)
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.token_ids: list[int] = list(prompt_token_ids)     # prompt + output

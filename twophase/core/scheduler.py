@@ -8,6 +8,11 @@ progress. ``prefill-first`` inverts the order; ``chunked_prefill = false`` only 
 prompts. When the pool runs out, the newest running request is preempted: its blocks are freed
 and it is recomputed later (nothing is dropped).
 
+Priorities, as vLLM takes them: a lower value starts first (``waiting.py``), the running request
+of the largest value is the first preempted, and a waiting request of higher priority than a
+running one that cannot start preempts it, so a flood of low-priority requests never starves
+it. With equal priorities this is first come, first served.
+
 The scheduler is the only writer of request state: ``schedule`` decides who runs,
 ``update_from_output`` applies what the step computed and sampled (computed lengths, prefix
 publication, new tokens, stop rules, freeing), ``finish`` retires a request.
@@ -16,7 +21,6 @@ publication, new tokens, stop rules, freeing), ``finish`` retires a request.
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from twophase.core.admission import Admission
@@ -27,6 +31,7 @@ from twophase.core.proposer import Proposal, Proposer
 from twophase.core.request import Request, Status
 from twophase.core.spec_control import SpecController
 from twophase.core.stop import check_stop
+from twophase.core.waiting import WaitingQueue
 
 
 @dataclass
@@ -82,7 +87,7 @@ class Scheduler:
         self.admission = Admission(kv, max_model_len, max_num_batched_tokens, chunked_prefill,
                                    vocab_size, reserve, max_num_seqs)
         self.connector = connector                # K/V from and for other engines
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()               # by priority, then arrival
         self.running: list[Request] = []
         self.loading: list[Request] = []           # admitted, their K/V on the way from a peer
         self.num_preemptions = 0
@@ -91,7 +96,7 @@ class Scheduler:
     def add(self, req: Request) -> None:
         """Queue ``req``, which ``Engine.prepare`` has checked could ever be served (through
         ``admission.check``: one check a prompt, wherever it was tokenised)."""
-        self.waiting.append(req)
+        self.waiting.add(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.loading)
@@ -108,8 +113,10 @@ class Scheduler:
         else:
             self._schedule_prefills(out)
             self._schedule_decodes(out)
+        pool_short = len(out.preempted)      # what the reserve learns from (not priority's)
+        self._preempt_for_priority(out)
         self._schedule_drafts(out)           # last: from what decodes and prefill left over
-        self.admission.stepped(len(out.preempted))
+        self.admission.stepped(pool_short)
         if now is not None:
             for req, _ in out.scheduled:
                 if req.times.first_scheduled is None:
@@ -222,13 +229,13 @@ class Scheduler:
                 self.running.append(child)
             else:
                 child.status = Status.WAITING
-                self.waiting.appendleft(child)
+                self.waiting.add(child, front=True)
 
     def _release_forks(self, req: Request) -> None:
         """``req`` ended before its choices forked: they go on as requests of their own."""
         for child in reversed(req.forks):
             child.parent, child.status = None, Status.WAITING
-            self.waiting.appendleft(child)
+            self.waiting.add(child, front=True)
         req.forks = []
 
     def _schedule_decodes(self, out: SchedulerOutput) -> None:
@@ -362,17 +369,41 @@ class Scheduler:
                 out.failed.append((req, why))          # the engine ends it ("error")
 
     def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
-        """Blocks for ``n`` more tokens of ``req``, preempting the newest running requests
-        until they fit. False if ``req`` itself had to be preempted."""
+        """Blocks for ``n`` more tokens of ``req``, preempting running requests (``_victim``
+        first) until they fit. False if ``req`` itself had to be preempted."""
         while not self.kv.allocate(req, n):
-            victim = self.running[-1]
-            out.recomputed_tokens += victim.num_computed_tokens
-            self.preempt(victim)
-            out.preempted.append(victim)
-            self._left += self._unschedule(victim, out)
+            victim = self._victim()
+            self._preempt_scheduled(victim, out)
             if victim is req:
                 return False
         return True
+
+    def _victim(self) -> Request:
+        """The running request to preempt first: the lowest priority (largest value), the
+        newest among equals."""
+        return max(reversed(self.running), key=lambda r: r.priority)
+
+    def _preempt_scheduled(self, victim: Request, out: SchedulerOutput) -> None:
+        """Preempt ``victim``, taking back the tokens it was scheduled this step."""
+        out.recomputed_tokens += victim.num_computed_tokens
+        self.preempt(victim)
+        out.preempted.append(victim)
+        self._left += self._unschedule(victim, out)
+
+    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
+        """The waiting head could not start this step (``max_num_seqs``, the budget, the pool
+        or admission refused it): while a running request has a lower priority (larger value),
+        preempt it (``_victim`` first) and admit again, as vLLM's priority policy does. At most
+        once a request running now: an admitted request never outranks the waiting ones, so
+        the bound only matters if the queue's order were broken (a step, never a hang)."""
+        for _ in range(len(self.running)):
+            if not (self.waiting and self.running):
+                return
+            victim = self._victim()
+            if victim.priority <= self.waiting[0].priority:
+                return
+            self._preempt_scheduled(victim, out)
+            self._admit(out)
 
     @staticmethod
     def _scheduled(req: Request, out: SchedulerOutput) -> bool:
@@ -392,14 +423,15 @@ class Scheduler:
         return 0
 
     def preempt(self, req: Request) -> None:
-        """Free ``req``'s blocks and put it at the head of the queue to be recomputed."""
+        """Free ``req``'s blocks and queue it to be recomputed, in front of the waiting
+        requests of its priority."""
         self.running.remove(req)
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.waiting.add(req, front=True)
 
     def finish(self, req: Request, reason: str, now: float | None = None) -> None:
         """Retire ``req`` (finished, aborted or failed) and free its blocks at once. On a

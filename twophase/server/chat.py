@@ -111,7 +111,7 @@ async def chat(body: P.ChatCompletionRequest, request: Request):
     body.check_choices(server.max_n)
     prompt, params, tools = prepare(server, body)
     return await respond(request, server.loop, [prompt], params, body.stream, ChatFormat(server, body, tools),
-                         body.max_tokens_field())
+                         body.max_tokens_field(), priority=body.priority)
 
 
 def prepare(server: ServerState, body: P.ChatCompletionRequest) -> tuple[str, SamplingParams, T.ToolPlan]:

@@ -27,6 +27,7 @@ class Submit:
     constraint: Any = None                   # a grammar state compiled off the engine's thread
     # the other choices of ``params.n``: each one's request id and sink
     choices: tuple[tuple[str, Sink], ...] = ()
+    priority: int = 0                        # the lower value starts first (its choices' too)
 
     @property
     def sinks(self) -> list[Sink]:

@@ -121,4 +121,4 @@ async def completions(body: P.CompletionRequest, request: Request):
     params = dataclasses.replace(body.params(server.default_max_tokens), lora=lora)
     prompts = body.prompts()
     return await respond(request, server.loop, prompts, params, body.stream,
-                         CompletionFormat(server, body, prompts))
+                         CompletionFormat(server, body, prompts), priority=body.priority)

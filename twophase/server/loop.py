@@ -117,10 +117,10 @@ class Loop(Protocol):
         ...
 
     def submit(self, prompt: PreparedPrompt | list[int], params: SamplingParams,
-               constraint: Any = None) -> Handle: ...
+               constraint: Any = None, *, priority: int = 0) -> Handle: ...
 
     def submit_choices(self, prompt: PreparedPrompt | list[int], params: SamplingParams,
-                       constraint: Any = None) -> list[Handle]:
+                       constraint: Any = None, *, priority: int = 0) -> list[Handle]:
         """``params.n`` handles, one a choice, in order."""
         ...
 
@@ -192,22 +192,25 @@ class EngineLoop:
         return await asyncio.get_running_loop().run_in_executor(GRAMMAR_THREAD, self.engine.compile, params)
 
     def submit(self, prompt: PreparedPrompt | list[int], params: SamplingParams, constraint: Any = None,
-               kv_transfer: KVTransferParams | None = None, first_token_ids: Sequence[int] = ()) -> Handle:
-        """Queue a request; its deltas, then a ``Finished``, arrive through the handle. Raises
+               kv_transfer: KVTransferParams | None = None, first_token_ids: Sequence[int] = (),
+               *, priority: int = 0) -> Handle:
+        """Queue a request (``priority`` as ``Engine.add_request`` takes it); its deltas, then a
+        ``Finished``, arrive through the handle. Raises
         ``Overloaded`` past the queue limit, ``EngineError`` once the engine has stopped; a
         prompt that can never be served arrives as a ``RequestRejected`` from the handle (token
         ids are checked on the engine's thread; a prompt from ``prepare`` was checked there)."""
-        (handle,) = self._submit(prompt, params, constraint, kv_transfer, first_token_ids)
+        (handle,) = self._submit(prompt, params, constraint, kv_transfer, first_token_ids, priority)
         return handle
 
     def submit_choices(self, prompt: PreparedPrompt | list[int], params: SamplingParams,
-                       constraint: Any = None) -> list[Handle]:
+                       constraint: Any = None, *, priority: int = 0) -> list[Handle]:
         """One request of ``params.n`` choices: the prompt computed once, its blocks shared;
         each choice counts against the queue limit and streams through its own handle."""
-        return self._submit(prompt, params, constraint, None, ())
+        return self._submit(prompt, params, constraint, None, (), priority)
 
     def _submit(self, prompt: PreparedPrompt | list[int], params: SamplingParams, constraint: Any,
-                kv_transfer: KVTransferParams | None, first_token_ids: Sequence[int]) -> list[Handle]:
+                kv_transfer: KVTransferParams | None, first_token_ids: Sequence[int],
+                priority: int = 0) -> list[Handle]:
         loop = asyncio.get_running_loop()
         n = params.n
         with self._lock:
@@ -232,7 +235,7 @@ class EngineLoop:
 
         sinks = [sink_of(h) for h in handles]
         self._commands.put(Submit(first, prompt, params, sinks[0], kv_transfer, tuple(first_token_ids),
-                                  constraint, tuple(zip(ids[1:], sinks[1:]))))
+                                  constraint, tuple(zip(ids[1:], sinks[1:])), priority))
         return handles
 
     def call(self, fn: Callable[[], Any]) -> None:
@@ -316,7 +319,8 @@ class EngineLoop:
         try:
             self.engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id,
                                     kv_transfer=cmd.kv_transfer, first_token_ids=cmd.first_token_ids,
-                                    constraint=cmd.constraint, choice_ids=[i for i, _ in cmd.choices])
+                                    constraint=cmd.constraint, choice_ids=[i for i, _ in cmd.choices],
+                                    priority=cmd.priority)
         except Exception as exc:
             if not isinstance(exc, RequestRejected):        # the engine's fault, not the request's
                 log.exception("adding request %s failed", cmd.request_id)

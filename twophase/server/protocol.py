@@ -107,6 +107,7 @@ class _Common(BaseModel):
     user: str | None = None                  # metadata only
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParam | None = None     # vLLM's: json, regex, choice, grammar
+    priority: int = 0                        # vLLM's: the lower value is served first
 
     def structured(self) -> StructuredOutputs | None:
         """What the output must match (``response_format`` or vLLM's ``structured_outputs``)."""

@@ -41,7 +41,8 @@ async def responses(body: R.ResponsesRequest, request: Request):
     body.check_stateless()
     try:
         prompt, params, tools = chat.prepare(server, body.chat())
-        handles = await streaming.start(request, server.loop, [prompt], params, "max_output_tokens")
+        handles = await streaming.start(request, server.loop, [prompt], params, "max_output_tokens",
+                                        body.priority)
     except P.ApiError as exc:
         raise R.renamed(exc) from None
     reply = Reply(server, body, params, tools)

@@ -109,6 +109,7 @@ class ResponsesRequest(BaseModel):
     user: str | None = None
     store: bool | None = None                   # accepted; nothing is stored
     truncation: Literal["disabled"] | None = None   # the default; "auto" would drop input unasked
+    priority: int = 0                           # vLLM's: the lower value is served first
     # named so that a client using them hears why they cannot work here
     previous_response_id: Any = None
     conversation: Any = None
@@ -161,7 +162,7 @@ class ResponsesRequest(BaseModel):
         body: dict[str, Any] = {
             "model": self.model, "messages": self.messages(), "max_tokens": self.max_output_tokens,
             "temperature": self.temperature, "top_p": self.top_p, "user": self.user,
-            "parallel_tool_calls": self.parallel_tool_calls,
+            "parallel_tool_calls": self.parallel_tool_calls, "priority": self.priority,
             "tools": [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
                       for t in self.tools] if self.tools else None,
             "tool_choice": {"type": "function", "function": {"name": self.tool_choice.name}}

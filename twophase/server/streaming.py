@@ -53,9 +53,11 @@ class Formatter(Protocol):
 
 
 async def respond(request: Request, loop: EngineLoop, prompts: list[str | list[int]],
-                  params: SamplingParams, stream: bool, fmt: Formatter, max_tokens_field: str = "max_tokens"):
-    """``max_tokens_field``: the name the client gave its length limit, which a refusal names."""
-    handles = await start(request, loop, prompts, params, max_tokens_field)
+                  params: SamplingParams, stream: bool, fmt: Formatter, max_tokens_field: str = "max_tokens",
+                  priority: int = 0):
+    """``max_tokens_field``: the name the client gave its length limit, which a refusal names;
+    ``priority``: every prompt's, as ``Engine.add_request`` takes it."""
+    handles = await start(request, loop, prompts, params, max_tokens_field, priority)
     if not stream:
         outputs = await collect(request, handles)
         return JSONResponse(fmt.whole(outputs))
@@ -78,7 +80,7 @@ def _rejected(exc: RequestRejected, max_tokens_field: str) -> P.ApiError:
 
 
 async def start(request: Request, loop: EngineLoop, prompts: list[str | list[int]],
-                 params: SamplingParams, max_tokens_field: str) -> list[Handle]:
+                 params: SamplingParams, max_tokens_field: str, priority: int = 0) -> list[Handle]:
     """Check, submit and wait for each request's first item, so refusals become a status, not
     a stream."""
     try:
@@ -93,7 +95,7 @@ async def start(request: Request, loop: EngineLoop, prompts: list[str | list[int
     handles: list[Handle] = []
     try:
         for one, constraint in zip(ids, constraints):
-            handles += loop.submit_choices(one, params, constraint)
+            handles += loop.submit_choices(one, params, constraint, priority=priority)
         await _unless_disconnected(request, _firsts(handles))
         return handles
     except EngineStopped as exc:
