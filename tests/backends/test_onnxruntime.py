@@ -378,3 +378,17 @@ def test_torch_glue_runs_on_one_thread_beside_onnxruntime_and_is_restored_after(
         torch.set_num_threads(before)
     with pytest.raises(ConfigError, match="spinning"):
         tiny_llm(backend={"name": "onnxruntime", "options": {"spinning": "yes"}})
+
+
+def test_prompt_logprobs_equal_torchs_chunked():
+    """Prompt log-probabilities come from the prefill backend's logits at every position:
+    onnxruntime's, in chunks, equal torch's (which equal HF's, tests/models/test_families.py)."""
+    prompt = list(range(7, 7 + 45))
+    p = SamplingParams(max_tokens=2, prompt_logprobs=2)
+    small = {"scheduler": {"max_num_batched_tokens": 16, "max_num_seqs": 4},
+             "cache": {"num_blocks": 64, "block_size": 4}}
+    want = tiny_llm(**small).generate([prompt], p)[0].prompt_logprobs
+    got = tiny_llm(**small, backend={"name": "onnxruntime"}).generate([prompt], p)[0].prompt_logprobs
+    assert got[0] is None and len(got) == len(want) == 45
+    for g, w, t in zip(got[1:], want[1:], prompt[1:]):
+        assert abs(g[t] - w[t]) < 1e-4 and set(g) == set(w)
