@@ -118,7 +118,7 @@ def test_embeddings_beside_generation_share_steps(chunked, hf_default, token_ids
 
 def test_an_embedding_survives_preemption():
     """Mean pooling sums over chunks: a preempted request starts its sum again."""
-    llm = tiny_llm(cache={"num_blocks": 12, "block_size": 4},
+    llm = tiny_llm(cache={"num_blocks": 16, "block_size": 4},
                    scheduler={"max_num_batched_tokens": 16, "max_num_seqs": 4})
     prompts = [[(7 * i + j) % 500 + 3 for j in range(40)] for i in range(3)]
     want = [o.embedding for o in llm.embed(prompts[:1], PoolingParams("mean"))]
@@ -149,14 +149,17 @@ def test_a_random_model_of_another_family_matches_transformers(tmp_path, family)
 
 def sentence_transformer_folder(tmp_path, default_llm, pooling_mode: str):
     """A tiny random Qwen3 with the default model's tokenizer, wrapped as sentence-transformers
-    wraps an embedding model (Transformer, Pooling, Normalize) and saved."""
-    st = pytest.importorskip("sentence_transformers")
+    wraps an embedding model (Transformer, Pooling, Normalize) and saved: a base model's
+    checkpoint (no ``model.`` prefix, no lm_head) with the modules' files beside it."""
+    st = pytest.importorskip("sentence_transformers", minversion="6")
     import transformers
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
 
     hf = tmp_path / "hf"
     torch.manual_seed(0)
     cfg = hf_config("qwen3")
     cfg.vocab_size = default_llm.model.arch.vocab_size
+    cfg.tie_word_embeddings = True          # as Qwen3-Embedding: its base model holds no lm_head
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -164,9 +167,9 @@ def sentence_transformer_folder(tmp_path, default_llm, pooling_mode: str):
     model.save_pretrained(hf)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(f"{default_llm.model.weights}/{name}", hf / name)
-    word = st.models.Transformer(str(hf))
-    pool = st.models.Pooling(word.get_word_embedding_dimension(), pooling_mode=pooling_mode)
-    encoder = st.SentenceTransformer(modules=[word, pool, st.models.Normalize()], device="cpu")
+    word = Transformer(str(hf))
+    pool = Pooling(word.get_embedding_dimension(), pooling_mode=pooling_mode)
+    encoder = st.SentenceTransformer(modules=[word, pool, Normalize()], device="cpu")
     folder = tmp_path / "st"
     encoder.save(str(folder))
     return encoder, folder
@@ -178,7 +181,7 @@ def test_a_sentence_transformers_folder_pools_as_it_says(tmp_path, default_llm, 
     assert PoolingConfig.read(folder) == PoolingConfig({"lasttoken": "last", "mean": "mean"}[mode], True)
     llm = LLM.from_config({"model": {"path": str(folder)}, "cache": {"num_blocks": 64, "block_size": 8},
                            "scheduler": {"max_num_batched_tokens": 16, "max_num_seqs": 4}})
-    ids = [encoder.tokenize([t])["input_ids"][0].tolist() for t in TEXTS]
+    ids = [encoder.preprocess([t])["input_ids"][0].tolist() for t in TEXTS]
     want = [torch.tensor(v) for v in encoder.encode(TEXTS, convert_to_numpy=True)]
     assert_close([torch.tensor(o.embedding) for o in llm.embed(ids)], want)     # pooling "model"
     if [llm.tokenizer.encode(t) for t in TEXTS] == ids:                          # the text path too

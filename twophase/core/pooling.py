@@ -77,23 +77,36 @@ class PoolingConfig:
     @classmethod
     def read(cls, folder: str | Path | None) -> PoolingConfig | None:
         """The folder's config: ``modules.json`` names a ``Pooling`` module's folder, whose
-        ``config.json`` sets one of ``pooling_mode_lasttoken``, ``pooling_mode_mean_tokens`` or
-        ``pooling_mode_cls_token``; a ``Normalize`` module normalises. None where the folder has
-        none, or pools in a way computed nowhere here (max, weighted mean: logged)."""
+        ``config.json`` sets ``pooling_mode`` (``lasttoken``, ``mean`` or ``cls``; or, as
+        sentence-transformers before v6 saved it, one ``pooling_mode_*`` flag); a ``Normalize``
+        module normalises. None where the folder has none, or pools in a way computed nowhere
+        here (max, weighted mean, several modes at once: logged)."""
         if folder is None or not (Path(folder) / "modules.json").is_file():
             return None
         modules = json.loads((Path(folder) / "modules.json").read_text())
         kinds = {m.get("type", "").rsplit(".", 1)[-1]: m.get("path", "") for m in modules}
         if "Pooling" not in kinds:
             return None
-        cfg = json.loads((Path(folder) / kinds["Pooling"] / "config.json").read_text())
-        on = [k for k, v in cfg.items() if k.startswith("pooling_mode_") and v is True]
-        modes = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
-        if len(on) != 1 or on[0] not in modes:
-            log.warning("%s: pooling %s is not computed here; pooling 'model' means 'last'", folder, on)
+        mode = _pooling_mode(json.loads((Path(folder) / kinds["Pooling"] / "config.json").read_text()))
+        if not isinstance(mode, str) or mode not in MODES:
+            log.warning("%s: pooling %r is not computed here; pooling 'model' means 'last'", folder, mode)
             return None
-        pooling: Pooling = modes[on[0]]  # type: ignore[assignment]
-        return cls(pooling, "Normalize" in kinds)
+        return cls(MODES[mode], "Normalize" in kinds)
+
+
+# sentence-transformers' pooling modes computed here
+MODES: dict[str, Pooling] = {"lasttoken": "last", "mean": "mean", "cls": "cls"}
+
+
+def _pooling_mode(cfg: dict) -> object:
+    """A Pooling module's mode: ``pooling_mode`` (v6), else the one ``pooling_mode_<x>_token(s)``
+    flag set (``lasttoken``, ``mean``, ``cls``...), else the list of those set."""
+    if "pooling_mode" in cfg:
+        mode = cfg["pooling_mode"]
+        return mode[0] if isinstance(mode, list) and len(mode) == 1 else mode
+    on = [k.removeprefix("pooling_mode_").removesuffix("_tokens").removesuffix("_token")
+          for k, v in cfg.items() if k.startswith("pooling_mode_") and v is True]
+    return on[0] if len(on) == 1 else on
 
 
 def resolve(params: PoolingParams, model: PoolingConfig | None) -> tuple[Pooling, bool]:
@@ -161,10 +174,11 @@ class _Pooled:
     def vector(self, num_tokens: int) -> list[float]:
         if self.pooling == "mean":
             assert self.total is not None and self.count == num_tokens, "mean pooling missed positions"
-            v = self.total / self.count
+            v: torch.Tensor = self.total / self.count
         else:
-            v = self.first if self.pooling == "cls" else self.last
-            assert v is not None
+            chosen = self.first if self.pooling == "cls" else self.last
+            assert chosen is not None
+            v = chosen
         if self.normalize:
             v = torch.nn.functional.normalize(v, dim=0)
         return v.tolist()
