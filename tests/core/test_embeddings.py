@@ -198,8 +198,26 @@ def test_pooling_config_needs_sentence_transformers_files(tmp_path):
     (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(
         {"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False}))
     assert PoolingConfig.read(tmp_path) == PoolingConfig("cls", False)
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "lasttoken"}))
+    assert PoolingConfig.read(tmp_path) == PoolingConfig("last", False)
     (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_max_tokens": True}))
-    assert PoolingConfig.read(tmp_path) is None
+    assert PoolingConfig.read(tmp_path).unsupported == "max"
+
+
+def test_a_pooling_the_model_needs_but_is_not_computed_here_is_refused(tmp_path):
+    """A folder that pools by max: ``model`` pooling is refused naming ``pooling``, never
+    answered with another pooling; an explicit one is served."""
+    ref = tiny_hf_model("qwen2", tmp_path)
+    (tmp_path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "max"}))
+    llm = LLM.from_config({"model": {"path": str(tmp_path)}, "cache": {"num_blocks": 16, "block_size": 8}})
+    with pytest.raises(RequestRejected, match="pools 'max'") as info:
+        llm.engine.add_request([5, 6, 7], pooling=PoolingParams())
+    assert info.value.param == "pooling" and not llm.engine.has_unfinished()
+    assert_close(ours(llm, [[5, 6, 7]], "mean", False), [reference(ref.model, [5, 6, 7], "mean", False)])
 
 
 def test_model_pooling_without_a_config_is_the_last_token_unnormalised(default_llm):

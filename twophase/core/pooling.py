@@ -12,8 +12,10 @@ Pooling modes: ``last`` (the last token's hidden state: what decoder embedding m
 Qwen3-Embedding use), ``mean`` (over every token), ``cls`` (the first token's), or ``model``:
 what the model's folder ships in sentence-transformers' files (``modules.json`` and
 ``1_Pooling/config.json``; a ``Normalize`` module means L2-normalised), else ``last``,
-unnormalised. Prefix caching: ``last`` may take a hit (the last token is always computed, since
-a hit always leaves one token to compute); ``mean`` and ``cls`` need every position's hidden
+unnormalised; a config naming a mode computed nowhere here (max, weighted mean) refuses
+``model``, rather than pool otherwise than the model was trained to. Prefix caching: ``last``
+may take a hit (the last token is always computed, since a hit always leaves one token to
+compute); ``mean`` and ``cls`` need every position's hidden
 state, so they never do (``Request.may_hit_prefix``), though their blocks are published for
 others.
 """
@@ -73,14 +75,15 @@ class PoolingConfig:
 
     pooling: Pooling
     normalize: bool
+    unsupported: str | None = None    # a mode the folder names that is computed nowhere here
 
     @classmethod
     def read(cls, folder: str | Path | None) -> PoolingConfig | None:
         """The folder's config: ``modules.json`` names a ``Pooling`` module's folder, whose
         ``config.json`` sets ``pooling_mode`` (``lasttoken``, ``mean`` or ``cls``; or, as
         sentence-transformers before v6 saved it, one ``pooling_mode_*`` flag); a ``Normalize``
-        module normalises. None where the folder has none, or pools in a way computed nowhere
-        here (max, weighted mean, several modes at once: logged)."""
+        module normalises. None where the folder has none; where it pools in a way computed
+        nowhere here (max, weighted mean, several modes at once) ``unsupported`` names it."""
         if folder is None or not (Path(folder) / "modules.json").is_file():
             return None
         modules = json.loads((Path(folder) / "modules.json").read_text())
@@ -89,8 +92,8 @@ class PoolingConfig:
             return None
         mode = _pooling_mode(json.loads((Path(folder) / kinds["Pooling"] / "config.json").read_text()))
         if not isinstance(mode, str) or mode not in MODES:
-            log.warning("%s: pooling %r is not computed here; pooling 'model' means 'last'", folder, mode)
-            return None
+            log.warning("%s: pooling %r is not computed here: pooling 'model' is refused", folder, mode)
+            return cls("last", "Normalize" in kinds, str(mode))
         return cls(MODES[mode], "Normalize" in kinds)
 
 
@@ -115,6 +118,11 @@ def resolve(params: PoolingParams, model: PoolingConfig | None) -> tuple[Pooling
         return params.pooling, bool(params.normalize)
     if model is None:
         return "last", bool(params.normalize)
+    if model.unsupported is not None:
+        exc = RequestRejected(f"this model pools {model.unsupported!r} (its sentence-transformers "
+                              f"config), which is not computed here: ask for pooling last, mean or cls")
+        exc.param = "pooling"
+        raise exc
     return model.pooling, model.normalize if params.normalize is None else params.normalize
 
 
