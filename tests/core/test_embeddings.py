@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from helpers.hf_models import hf_config, tiny_hf_model
+from helpers.hf_models import hf_config, hf_pooled, tiny_hf_model
 from helpers.models import tiny_llm
 
 from twophase import LLM, PoolingParams, SamplingParams
@@ -28,12 +28,7 @@ ATOL = 1e-4
 CASES = [(p, n) for p in ("last", "mean", "cls") for n in (False, True)]
 
 
-def reference(base, ids: list[int], pooling: str, normalize: bool) -> torch.Tensor:
-    """HF's final hidden states (after the final norm: ``last_hidden_state``) pooled."""
-    with torch.no_grad():
-        h = base(torch.tensor([ids])).last_hidden_state[0].float()
-    v = {"last": h[-1], "mean": h.mean(0), "cls": h[0]}[pooling]
-    return torch.nn.functional.normalize(v, dim=0) if normalize else v
+reference = hf_pooled
 
 
 def ours(llm: LLM, prompts, pooling: str, normalize: bool) -> list[torch.Tensor]:
@@ -49,10 +44,8 @@ def assert_close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
 
 
 @pytest.fixture(scope="module")
-def hf_default(default_llm):
-    import transformers
-
-    return transformers.AutoModel.from_pretrained(default_llm.model.weights, dtype=torch.float32).eval()
+def hf_default(default_hf_base):
+    return default_hf_base
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ from typing import Any
 
 from twophase.core.engine_values import PreparedPrompt
 from twophase.core.kv_transfer import KVTransferParams
+from twophase.core.pooling import PoolingParams
 from twophase.core.sampling_params import SamplingParams
 
 Sink = Callable[[Any], None]        # takes a request's deltas, its ``Finished`` or an exception
@@ -27,6 +28,7 @@ class Submit:
     constraint: Any = None                   # a grammar state compiled off the engine's thread
     # the other choices of ``params.n``: each one's request id and sink
     choices: tuple[tuple[str, Sink], ...] = ()
+    pooling: PoolingParams | None = None     # an embedding: prefill-only, pooled
 
     @property
     def sinks(self) -> list[Sink]:
