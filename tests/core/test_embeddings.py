@@ -37,6 +37,17 @@ def ours(llm: LLM, prompts, pooling: str, normalize: bool) -> list[torch.Tensor]
     return [torch.tensor(o.embedding) for o in outs]
 
 
+def every_case(llm: LLM, prompts) -> dict[tuple[str, bool], list[torch.Tensor]]:
+    """Each prompt's embedding in every case of ``CASES``, all queued at once (one engine run)."""
+    eng = llm.engine
+    reqs = {c: [eng.add_request(p, pooling=PoolingParams(*c)).request_id for p in prompts] for c in CASES}
+    done = {}
+    while eng.has_unfinished():
+        done.update({d.request_id: d.output for d in eng.step() if d.output is not None})
+    assert all(o.finish_reason == "stop" and o.token_ids == [] for o in done.values())
+    return {c: [torch.tensor(done[r].embedding) for r in ids] for c, ids in reqs.items()}
+
+
 def assert_close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
     for g, w in zip(got, want, strict=True):
         assert g.dtype == torch.float32 and g.shape == w.shape
@@ -53,6 +64,12 @@ def token_ids(default_llm) -> list[list[int]]:
     return [default_llm.tokenizer.encode(t) for t in TEXTS]
 
 
+@pytest.fixture(scope="module")
+def refs(hf_default, token_ids) -> dict[tuple[str, bool], list[torch.Tensor]]:
+    """HF's pooled vectors of ``TEXTS`` in every case."""
+    return {c: [reference(hf_default, ids, *c) for ids in token_ids] for c in CASES}
+
+
 @pytest.fixture
 def chunked(default_llm):
     """The default model with a budget of 16 tokens a step: the long inputs take several chunks."""
@@ -62,18 +79,19 @@ def chunked(default_llm):
     default_llm.reschedule(before)
 
 
-@pytest.mark.parametrize("pooling,normalize", CASES)
-def test_default_model_matches_transformers(default_llm, hf_default, token_ids, pooling, normalize):
-    got = ours(default_llm, TEXTS, pooling, normalize)
-    assert_close(got, [reference(hf_default, ids, pooling, normalize) for ids in token_ids])
+def test_default_model_matches_transformers(default_llm, refs):
+    got = every_case(default_llm, TEXTS)
+    for case in CASES:
+        assert_close(got[case], refs[case])
+    assert_close(ours(default_llm, TEXTS, "mean", True), refs["mean", True])     # LLM.embed
     assert default_llm.engine.kv.num_free_blocks == default_llm.num_blocks
 
 
-@pytest.mark.parametrize("pooling,normalize", CASES)
-def test_chunked_prefill_gives_the_same_embedding(chunked, hf_default, token_ids, pooling, normalize):
+def test_chunked_prefill_gives_the_same_embedding(chunked, refs, token_ids):
     assert max(map(len, token_ids)) > 3 * 16
-    got = ours(chunked, token_ids, pooling, normalize)
-    assert_close(got, [reference(hf_default, ids, pooling, normalize) for ids in token_ids])
+    got = every_case(chunked, token_ids)
+    for case in CASES:
+        assert_close(got[case], refs[case])
     records = chunked.engine.step_records()
     assert max(r.prefill_tokens for r in records) <= 16
     assert chunked.engine.kv.num_free_blocks == chunked.num_blocks
