@@ -66,10 +66,7 @@ def _rejected(exc: RequestRejected, index: int | None = None) -> P.ApiError:
 
 async def _prepared(server: ServerState, inputs: list[str | list[int]]) -> list:
     """Each input tokenised and checked off the engine's thread (a 400 naming the one refused)."""
-    prepare = getattr(server.loop, "prepare_embedding", None)
-    if prepare is None:
-        raise P.ApiError(400, "embeddings are not served by this deployment", "model",
-                         code="unsupported_endpoint")
+    prepare = server.loop.prepare_embedding  # type: ignore[attr-defined]
     prepared = []
     for i, x in enumerate(inputs):
         try:
@@ -100,6 +97,9 @@ async def embeddings(body: EmbeddingRequest, request: Request):
     if server.adapter_of(body.model) is not None:
         raise P.ApiError(400, f"embeddings come from the base model ({server.model_name!r}), not an adapter",
                          "model", code="unsupported_parameter")
+    if not hasattr(server.loop, "prepare_embedding"):      # engines on Ray: not yet
+        raise P.ApiError(400, "embeddings are not served by this deployment", "model",
+                         code="unsupported_endpoint")
     body.check_dimensions(server.hidden_size)
     try:
         pooling = PoolingParams(body.pooling, body.normalize)
