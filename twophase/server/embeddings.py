@@ -97,7 +97,7 @@ async def embeddings(body: EmbeddingRequest, request: Request):
     if server.adapter_of(body.model) is not None:
         raise P.ApiError(400, f"embeddings come from the base model ({server.model_name!r}), not an adapter",
                          "model", code="unsupported_parameter")
-    if not hasattr(server.loop, "prepare_embedding"):      # engines on Ray: not yet
+    if not hasattr(server.loop, "submit_embedding"):       # engines on Ray: not yet
         raise P.ApiError(400, "embeddings are not served by this deployment", "model",
                          code="unsupported_endpoint")
     body.check_dimensions(server.hidden_size)
