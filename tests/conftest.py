@@ -53,6 +53,14 @@ def default_llm() -> LLM:
 
 
 @pytest.fixture(scope="session")
+def default_hf_base(default_llm):
+    """HF's base model of the default model (``last_hidden_state``: after the final norm), float32."""
+    import transformers
+
+    return transformers.AutoModel.from_pretrained(default_llm.model.weights, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
 def default_server():
     """The default model behind the real HTTP server (uvicorn on a free port): ``(llm, url, app)``,
     shared by the files that test the server."""

@@ -6,7 +6,7 @@ from typing import Any
 
 from twophase.backends.hookspecs import hookimpl
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "hookimpl"]
+__all__ = ["LLM", "PoolingParams", "RequestOutput", "SamplingParams", "hookimpl"]
 __version__ = "0.1.0"
 
 
@@ -20,4 +20,8 @@ def __getattr__(name: str) -> Any:
         from twophase.core.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "PoolingParams":
+        from twophase.core.pooling import PoolingParams
+
+        return PoolingParams
     raise AttributeError(name)

@@ -278,6 +278,10 @@ class Capabilities:
     # Then it implements ``place_adapter`` and keeps its torch module in ``model`` (adapters
     # are checked against its projections' shapes)
     adapters: bool = False
+    # can its ``prefill`` return the final norm's hidden states instead of logits
+    # (``PrefillBatch.output = "hidden"``)? Embeddings need it; the engine refuses a pooling
+    # request, naming the backend, where its prefill backend does not say so
+    hidden_states: bool = False
 
 
 @dataclass(frozen=True)
@@ -439,6 +443,10 @@ class PrefillBatch:
     query_lens: list[int]          # [B] chunk lengths
     start_positions: list[int]     # [B] tokens already cached before the chunk
     logits: Literal["last", "all"] = "last"   # one row per sequence, or one per token
+    # what those rows hold: logits, or the hidden states the head would read (after the final
+    # norm, before the head: ``[rows, hidden_size]``), for embeddings. "hidden" is sent only to
+    # a backend whose ``Capabilities.hidden_states`` is set, in a batch of no other work
+    output: Literal["logits", "hidden"] = "logits"
     # [B] each sequence's state slot (``KVCache.states``; a chunk at position 0 starts from
     # zeros); None for a model whose every layer attends
     state_slots: torch.Tensor | None = None
@@ -575,7 +583,11 @@ class Backend(ABC):
     @abstractmethod
     def prefill(self, batch: PrefillBatch) -> torch.Tensor:
         """Logits ``[num_seqs, vocab]`` (``logits="last"``) or ``[num_tokens, vocab]`` ("all"),
-        float32 on any device. Afterwards the pool holds every chunk token's K/V at its slot."""
+        float32 on any device. Afterwards the pool holds every chunk token's K/V at its slot.
+
+        With ``batch.output == "hidden"`` (only where ``Capabilities.hidden_states``): the same
+        rows of the final norm's output instead, ``[rows, hidden_size]`` in any float dtype,
+        with no head, soft-capping or logit scaling applied."""
 
     @abstractmethod
     def decode(self, batch: DecodeBatch) -> torch.Tensor:

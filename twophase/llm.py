@@ -25,6 +25,7 @@ from twophase.config import Config, SchedulerConfig, SpeculativeConfig, load_con
 from twophase.core.engine import Engine, check_priority
 from twophase.core.metrics import phase_report
 from twophase.core.outputs import RequestOutput
+from twophase.core.pooling import PoolingConfig, PoolingParams
 from twophase.core.sampling_params import SamplingParams
 from twophase.errors import RequestRejected
 
@@ -131,7 +132,8 @@ class LLM:
         d = self.loaded
         return make_engine(d.config, d.layout, d.kv_cache, d.backends, d.model.arch, self.tokenizer,
                            self._draft_backends, f"{id(self):x}", clock=clock, sleep=sleep,
-                           adapters=self.adapters, spec=d.spec)
+                           adapters=self.adapters, spec=d.spec,
+                           pooling=PoolingConfig.read(None if d.model.weights == "random" else d.model.weights))
 
     def _draft_backends(self) -> tuple[Backends, int]:
         """The draft model (``method = "draft"``), loaded once, with a pool as large as the
@@ -196,6 +198,29 @@ class LLM:
                     outputs[first[i] + j] = dataclasses.replace(
                         RequestOutput.rejected(f"rejected-{i}", prompt, str(exc)), index=j)
         return pending
+
+    def embed(self, prompts: str | list[int] | list[str | list[int]],
+              pooling: PoolingParams | None = None) -> list[RequestOutput]:
+        """Each prompt's embedding (``RequestOutput.embedding``, float32 values), in the prompts'
+        order, computed as prefill-only work through the scheduler (``core/pooling.py``).
+        ``pooling`` defaults to the model's config (``PoolingParams()``). A prompt that can never
+        be served comes back with ``finish_reason = "rejected"`` and the reason."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        pooling = pooling or PoolingParams()
+        outputs: list[RequestOutput | None] = [None] * len(prompts)
+        pending: dict[str, int] = {}
+        for i, prompt in enumerate(prompts):
+            try:
+                pending[self.engine.add_request(prompt, pooling=pooling).request_id] = i
+            except RequestRejected as exc:
+                log.warning("prompt %d rejected: %s", i, exc)
+                outputs[i] = RequestOutput.rejected(f"rejected-{i}", prompt, str(exc))
+        while self.engine.has_unfinished():
+            for d in self.engine.step():
+                if d.output is not None and d.request_id in pending:
+                    outputs[pending.pop(d.request_id)] = d.output
+        return outputs  # type: ignore[return-value]
 
     def report(self, outputs: list[RequestOutput] = ()) -> dict[str, Any]:
         """The phase report over every step since the last ``reset_stats``, with latencies of

@@ -104,3 +104,12 @@ def tiny_qwen3_5_multimodal(folder: Path, tie: bool = False):
             p.mul_(4.0) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(folder)
     return model
+
+
+def hf_pooled(base, ids: list[int], pooling: str, normalize: bool) -> torch.Tensor:
+    """HF's final hidden states (after the final norm: ``last_hidden_state``) of ``ids``, pooled
+    (``last``, ``mean`` or ``cls``), L2-normalised where asked: what an embedding must equal."""
+    with torch.no_grad():
+        h = base(torch.tensor([ids])).last_hidden_state[0].float()
+    v = {"last": h[-1], "mean": h.mean(0), "cls": h[0]}[pooling]
+    return torch.nn.functional.normalize(v, dim=0) if normalize else v

@@ -78,7 +78,7 @@ class TorchBackend(Backend):
     def capabilities(self) -> Capabilities:
         return Capabilities(devices=("cpu", "cuda"), features=TORCH_FEATURES,
                             dtypes=(torch.float32, torch.bfloat16, torch.float16), kv_groups=True,
-                            kv_formats=tuple(KV_FORMATS), adapters=True)
+                            kv_formats=tuple(KV_FORMATS), adapters=True, hidden_states=True)
 
     def load(self, model: ModelSpec, cfg: BackendConfig) -> None:
         self.check_available(cfg.device)
@@ -147,6 +147,8 @@ class TorchBackend(Backend):
         if batch.logits == "last":
             last = torch.tensor(batch.query_start[1:], device=dev) - 1
             hidden = hidden[last]
+        if batch.output == "hidden":        # the decoder's output is after the final norm
+            return hidden
         return self.model.logits(hidden)
 
     @torch.inference_mode()

@@ -19,6 +19,7 @@ from twophase.core.engine import Engine
 from twophase.core.kv_manager import KVManager, SeqSlots
 from twophase.core.kv_transfer import KVConnector, layout_of
 from twophase.core.ngram import NgramProposer
+from twophase.core.pooling import PoolingConfig
 from twophase.core.proposer import Proposer
 from twophase.core.scheduler import Scheduler
 from twophase.core.spec_control import SpecController
@@ -32,11 +33,13 @@ AUTO_MAX_DRAFTS = 6          # the most drafts num_tokens = "auto" gives a decod
 def make_engine(config: Config, layout: PoolLayout, kv_cache: KVCache, backends: Backends, arch: ModelArch,
                 tokenizer, draft: Callable[[], tuple[Backends, int]] | None, owner: str,
                 clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep,
-                adapters: SeqSlots | None = None, spec: ModelSpec | None = None) -> Engine:
+                adapters: SeqSlots | None = None, spec: ModelSpec | None = None,
+                pooling: PoolingConfig | None = None) -> Engine:
     """An engine with a fresh scheduler and prefix cache over ``kv_cache``. ``draft``: loads the
     draft model once, giving its backends and pool blocks (``method = "draft"``). ``adapters``:
     the LoRA adapters' slots (one ``LoraManager`` for every engine over these backends).
-    ``spec``: the model's, for the tiers' fingerprint (``[cache.offload]``)."""
+    ``spec``: the model's, for the tiers' fingerprint (``[cache.offload]``). ``pooling``: the
+    model folder's embedding config, where it ships one."""
     sc, cc = config.scheduler, config.cache
     budget, max_seqs = layout.token_budget, layout.max_num_seqs
     if sc.policy == "decode-first" and layout.chunked_prefill and budget <= max_seqs:
@@ -80,4 +83,4 @@ def make_engine(config: Config, layout: PoolLayout, kv_cache: KVCache, backends:
                           spec_control=SpecController(k) if auto else None,
                           reserve=sc.admission == "reserve", connector=connector)
     return Engine(backends.prefill, backends.decode, scheduler, tokenizer, vocab_size=arch.vocab_size, clock=clock,
-                  decode_routes=backends.routes)
+                  decode_routes=backends.routes, pooling=pooling)

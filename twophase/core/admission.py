@@ -75,6 +75,17 @@ class Admission:
                 f"prompt + max_tokens = {total} tokens exceeds scheduler.max_num_batched_tokens "
                 f"({self.token_budget}) with chunked prefill off")
 
+    def never_fits(self, n: int) -> str | None:
+        """Why a sequence of ``n`` tokens, all prefilled and none sampled (an embedding), can
+        never run here, or None."""
+        blocks = self.kv.peak_blocks(n, self.token_budget if self.chunked_prefill else n)
+        if blocks > self.kv.pool.num_blocks:
+            return f"{n} tokens need {blocks} KV blocks but the pool has {self.kv.pool.num_blocks} (cache.num_blocks)"
+        if not self.chunked_prefill and n > self.token_budget:
+            return (f"{n} tokens exceed scheduler.max_num_batched_tokens ({self.token_budget}) "
+                    f"with chunked prefill off")
+        return None
+
     def may_start(self, new_blocks: int, running: Iterable[Request]) -> bool:
         """May a waiting request that needs ``new_blocks`` more blocks start this step, beside
         the ``running`` sequences?"""

@@ -30,6 +30,7 @@ from twophase.core.kv_transfer import KVConnector, KVTransferParams
 from twophase.core.metrics import StepLog, StepRecord
 from twophase.core.output_processor import OutputProcessor
 from twophase.core.outputs import Delta, RequestOutput, RequestStats
+from twophase.core.pooling import Pooler, PoolingConfig, PoolingParams, prepare_pooled
 from twophase.core.proposer import Proposer
 from twophase.core.request import Request, Status
 from twophase.core.sampler import sample_step
@@ -68,8 +69,9 @@ class Engine:
     def __init__(self, prefill_backend: Backend, decode_backend: Backend, scheduler: Scheduler,
                  tokenizer: Tokenizer | None = None, vocab_size: int | None = None,
                  clock: Callable[[], float] = time.perf_counter,
-                 decode_routes: Sequence[tuple[int, Backend]] = ()):
+                 decode_routes: Sequence[tuple[int, Backend]] = (), pooling: PoolingConfig | None = None):
         self.executor = Executor(prefill_backend, decode_backend, decode_routes)
+        self.pooler = Pooler(prefill_backend, pooling)        # embeddings (core/pooling.py)
         self.scheduler = scheduler
         self.output = OutputProcessor(tokenizer)
         self.tokenizer = tokenizer
@@ -136,7 +138,8 @@ class Engine:
                     kv_transfer: KVTransferParams | None = None,
                     first_token_ids: Sequence[int] = (),
                     constraint: Constraint | None = None,
-                    choice_ids: Sequence[str] = (), priority: int = 0) -> Request:
+                    choice_ids: Sequence[str] = (), priority: int = 0,
+                    pooling: PoolingParams | None = None) -> Request:
         """Queue a request; raises ``RequestRejected`` if it could never be served. The returned
         request is the engine's own: read it on the engine's thread only. A prompt from
         ``prepare`` is not checked again (``params``: None, or the ones it was prepared for).
@@ -155,8 +158,13 @@ class Engine:
         computed; each is then a request of its own, with its own deltas and output.
 
         ``priority``: as vLLM's, the lower value starts first and is preempted last; equal
-        priorities are served first come, first served. A request's choices share it."""
+        priorities are served first come, first served. A request's choices share it.
+
+        With ``pooling`` it is an embedding (``core/pooling.py``): prefill-only, never sampled;
+        a prompt for it comes from ``prepare_embedding``, else is checked as one."""
         check_priority(priority)
+        if pooling is not None:
+            return self._add_pooled(prompt, pooling, request_id, arrival)
         if isinstance(prompt, PreparedPrompt):
             if params is not None and params != prompt.params:
                 raise ValueError("the prompt was prepared for other SamplingParams: prepare it "
@@ -248,6 +256,25 @@ class Engine:
             req.forks.append(child)
         return list(req.forks)
 
+    def prepare_embedding(self, prompt: str | Sequence[int]) -> PreparedPrompt:
+        """An embedding's input tokenised and checked (``RequestRejected`` naming ``input``),
+        as ``prepare`` does a prompt's; thread-safe."""
+        tok = self.tokenizer
+        return prepare_pooled(prompt, None if tok is None else lambda t: tok.encode(check_text(t)),
+                              self.vocab_size, self.max_model_len, self.scheduler.admission.never_fits)
+
+    def _add_pooled(self, prompt: str | Sequence[int] | PreparedPrompt, pooling: PoolingParams,
+                    request_id: str | None, arrival: float | None) -> Request:
+        if not isinstance(prompt, PreparedPrompt):
+            prompt = self.prepare_embedding(prompt)
+        req = Request(self._new_id(request_id), list(prompt.token_ids), prompt.params,
+                      self.clock() if arrival is None else arrival, prompt.text)
+        self.pooler.add(req, pooling)
+        self.scheduler.add(req)
+        self.requests[req.request_id] = req
+        self.output.add(req.request_id, prompt.text, list(prompt.token_ids), prompt.params)
+        return req
+
     def _new_id(self, request_id: str | None) -> str:
         """``request_id``, or a free one where it is None; ``RequestRejected`` if it is in use."""
         if request_id is None:
@@ -301,15 +328,20 @@ class Engine:
         had_running = any(r.num_computed_tokens > 0 for r, _ in out.scheduled)
         try:
             with self.executor.glue():
-                batches = batch.build(out, self.kv, self.executor.one_call(len(out.decodes)))
-                masks = structured_masks.start(out)     # computed while the forward pass runs
-                logits = self.executor.run(batches)
+                sampled_out, pooled = self.pooler.split(out)    # embeddings: a call of their own
+                batches = batch.build(sampled_out, self.kv, self.executor.one_call(len(out.decodes)))
+                masks = structured_masks.start(sampled_out)     # computed while the forward pass runs
+                logits = self.executor.run(batches) if batches.calls else None
+                self.pooler.run(pooled, self.kv)
                 now = self.clock()                      # the step's time: its tokens exist
-                sampled = sample_step(logits, batches.rows, self.scheduler.eos_token_ids, out.drafts,
-                                      None if masks is None else masks.result())
+                sampled = {} if logits is None else sample_step(
+                    logits, batches.rows, self.scheduler.eos_token_ids, out.drafts,
+                    None if masks is None else masks.result())
                 updates = self.scheduler.update_from_output(out, sampled, now)
                 deltas = ended + self.output.process(updates,
                                                      lambda rid, why: self._retire(rid, why, now))
+                deltas += self.pooler.finish(pooled, lambda rid: self.output.finish(
+                    rid, "stop", self._retire(rid, "stop", now)))
         except Exception as exc:
             # a failed step must not leave half-updated requests behind: end them, free blocks
             failed = [r.request_id for r, _ in out.scheduled if r.request_id in self.requests]
@@ -334,6 +366,7 @@ class Engine:
     def _retire(self, request_id: str, reason: str, now: float | None = None) -> RequestStats:
         """Finish ``request_id`` in the scheduler (if it is not already) and forget it."""
         req = self.requests.pop(request_id)
+        self.pooler.forget(request_id)
         if req.times.finished is None:
             now = self.clock() if now is None else now
         else:

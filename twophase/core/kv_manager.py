@@ -142,7 +142,7 @@ class KVManager:
     def computed_blocks(self, req: Seq) -> Hit:
         """Cached blocks holding a prefix of ``req``'s tokens, a list a group. At least one token
         is always left to compute, since its logits are needed to sample."""
-        if not self.prefix_caching:
+        if not self.prefix_caching or not getattr(req, "may_hit_prefix", True):   # (Request's)
             return []
         chain = self._chain(req, (req.num_tokens - 1) // self.block_size)
         if self.tiers is not None:

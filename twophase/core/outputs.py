@@ -77,6 +77,7 @@ class RequestOutput:
     # each prompt token's log-probabilities (None for the first), where the request asked
     prompt_logprobs: list[LogProbs | None] | None = None
     index: int = 0                      # its choice among its prompt's ``n``
+    embedding: list[float] | None = None   # a pooling request's vector (core/pooling.py)
 
     @classmethod
     def finished(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int],

@@ -76,6 +76,7 @@ class Request:
         self.kv_handoff: KVTransferParams | None = None         # blocks kept for a peer at finish
         self.generator: torch.Generator | None = None
         self.constraint: Constraint | None = None                # structured outputs' grammar state
+        self.may_hit_prefix = True          # False: every position is computed (mean/cls embeddings)
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
         # each prompt token's log-probabilities by position (the first token has none), where

@@ -73,8 +73,12 @@ def text_model_names(names: Iterable[str], arch: ModelArch, folder: Path) -> dic
     """A checkpoint's tensor names → the HF names ``from_hf_state_dict`` reads. A family's
     multimodal checkpoint holds its text model under ``LANGUAGE_MODEL`` (and ``lm_head``): those
     are renamed as the text model's own (``model.language_model.norm`` → ``model.norm``), the rest
-    (the images part) left out, which the log says; any other checkpoint's names as they are."""
+    (the images part) left out, which the log says. A base model's checkpoint (``Qwen3Model``, as
+    embedding models ship: ``layers.0...``, no ``model.``) gets the prefix; any other checkpoint's
+    names are kept as they are."""
     names = list(names)
+    if any(n.startswith("layers.") for n in names) and not any(n.startswith("model.") for n in names):
+        return {n: n if n.startswith("lm_head.") else "model." + n for n in names}
     if not family(arch.family).hf_multimodal_type or not any(n.startswith(LANGUAGE_MODEL) for n in names):
         return {n: n for n in names}
     kept = {n: "model." + n.removeprefix(LANGUAGE_MODEL) for n in names if n.startswith(LANGUAGE_MODEL)}

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API over one engine: ``/v1/completions``,
 ``/v1/chat/completions``, ``/v1/responses`` (all streaming as server-sent events),
-``/v1/models``, ``/tokenize`` and ``/detokenize`` (vLLM's), ``/v1/load_lora_adapter`` and
-``/v1/unload_lora_adapter`` (vLLM's), ``/health``, ``/metrics``
+``/v1/embeddings``, ``/v1/models``, ``/tokenize`` and ``/detokenize`` (vLLM's),
+``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (vLLM's), ``/health``, ``/metrics``
 (Prometheus). One module per endpoint; this one assembles them.
 
 Every request goes through a ``Loop`` (one engine's ``EngineLoop``, or ``ClusterLoop`` over
@@ -21,14 +21,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from twophase.server import adapters, chat, completions, info, responses, tokenize
+from twophase.server import adapters, chat, completions, embeddings, info, responses, tokenize
 from twophase.server import protocol as P
 from twophase.server.loop import EngineLoop, Loop
 from twophase.server.metrics import ServerMetrics
 from twophase.server.middleware import Gate
 from twophase.server.state import ServerState
 
-ENDPOINTS = (info, completions, chat, responses, tokenize, adapters)        # each module's ``router``
+ENDPOINTS = (info, completions, chat, responses, tokenize, adapters, embeddings)  # each module's ``router``
 
 
 def create_app(llm, model_name: str, api_key: str | None = None, max_queue: int = 256,
@@ -45,12 +45,13 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_queue: int 
                       on_change=lambda: metrics.refresh(engine.stats(), llm.adapters, engine.kv.tier_stats()),
                       on_fatal=on_fatal)
     return build_app(loop, llm.tokenizer, metrics, model_name, api_key, default_max_tokens,
-                     max_body_bytes, max_n, llm.adapters)
+                     max_body_bytes, max_n, llm.adapters, hidden_size=llm.model.arch.hidden_size)
 
 
 def build_app(loop: Loop, tokenizer, metrics: ServerMetrics, model_name: str,
               api_key: str | None = None, default_max_tokens: int = 256,
-              max_body_bytes: int = 4 << 20, max_n: int = 16, lora: Any = None) -> FastAPI:
+              max_body_bytes: int = 4 << 20, max_n: int = 16, lora: Any = None,
+              hidden_size: int | None = None) -> FastAPI:
     """The HTTP layer over any ``Loop``: one engine here (``EngineLoop``) or engines on Ray
     (``twophase.cluster.frontend.ClusterLoop``). ``lora``: the engine's ``LoraManager``, for
     requests naming adapters (None: the base model only, as behind a cluster)."""
@@ -61,7 +62,8 @@ def build_app(loop: Loop, tokenizer, metrics: ServerMetrics, model_name: str,
         loop.close()
 
     app = FastAPI(title="twophase", lifespan=lifespan)
-    app.state.server = ServerState(tokenizer, loop, metrics, model_name, default_max_tokens, max_n, lora)
+    app.state.server = ServerState(tokenizer, loop, metrics, model_name, default_max_tokens, max_n, lora,
+                                   hidden_size)
     app.state.loop, app.state.metrics = loop, metrics
     _add_error_handlers(app)
     routes = [r for module in ENDPOINTS for r in module.router.routes]

@@ -9,6 +9,7 @@ from typing import Any
 
 from twophase.core.engine_values import PreparedPrompt
 from twophase.core.kv_transfer import KVTransferParams
+from twophase.core.pooling import PoolingParams
 from twophase.core.sampling_params import SamplingParams
 
 Sink = Callable[[Any], None]        # takes a request's deltas, its ``Finished`` or an exception
@@ -28,6 +29,7 @@ class Submit:
     # the other choices of ``params.n``: each one's request id and sink
     choices: tuple[tuple[str, Sink], ...] = ()
     priority: int = 0                        # the lower value starts first (its choices' too)
+    pooling: PoolingParams | None = None     # an embedding: prefill-only, pooled
 
     @property
     def sinks(self) -> list[Sink]:

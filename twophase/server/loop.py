@@ -29,6 +29,7 @@ from typing import Any, Protocol
 from twophase.core.engine_values import PreparedPrompt
 from twophase.core.kv_transfer import KVTransferParams
 from twophase.core.outputs import RequestOutput
+from twophase.core.pooling import PoolingParams
 from twophase.core.sampling_params import SamplingParams
 from twophase.errors import RequestRejected, StepFailed, TwophaseError
 from twophase.server.commands import Abort, Call, Command, FailAll, Submit, Wake
@@ -184,6 +185,11 @@ class EngineLoop:
         (``RequestRejected``). The engine does not check it again."""
         return await asyncio.to_thread(self.engine.prepare, prompt, params)
 
+    async def prepare_embedding(self, prompt: str | list[int]) -> PreparedPrompt:
+        """An embedding's input tokenised and checked (``Engine.prepare_embedding``), in a
+        worker thread as ``prepare`` does a prompt."""
+        return await asyncio.to_thread(self.engine.prepare_embedding, prompt)
+
     async def constrain(self, params: SamplingParams) -> Any:
         """Compiled in a thread of its own: a slow grammar waits behind other grammars, never
         in front of prompts being tokenised (``prepare``'s threads)."""
@@ -208,9 +214,14 @@ class EngineLoop:
         each choice counts against the queue limit and streams through its own handle."""
         return self._submit(prompt, params, constraint, None, (), priority)
 
+    def submit_embedding(self, prompt: PreparedPrompt, pooling: PoolingParams) -> list[Handle]:
+        """An embedding (its input from ``prepare_embedding``): prefill-only work beside the
+        generating requests, its vector in its ``Finished`` output."""
+        return self._submit(prompt, prompt.params, None, None, (), pooling=pooling)
+
     def _submit(self, prompt: PreparedPrompt | list[int], params: SamplingParams, constraint: Any,
                 kv_transfer: KVTransferParams | None, first_token_ids: Sequence[int],
-                priority: int = 0) -> list[Handle]:
+                priority: int = 0, pooling: PoolingParams | None = None) -> list[Handle]:
         loop = asyncio.get_running_loop()
         n = params.n
         with self._lock:
@@ -235,7 +246,7 @@ class EngineLoop:
 
         sinks = [sink_of(h) for h in handles]
         self._commands.put(Submit(first, prompt, params, sinks[0], kv_transfer, tuple(first_token_ids),
-                                  constraint, tuple(zip(ids[1:], sinks[1:])), priority))
+                                  constraint, tuple(zip(ids[1:], sinks[1:])), priority, pooling))
         return handles
 
     def call(self, fn: Callable[[], Any]) -> None:
@@ -320,7 +331,7 @@ class EngineLoop:
             self.engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id,
                                     kv_transfer=cmd.kv_transfer, first_token_ids=cmd.first_token_ids,
                                     constraint=cmd.constraint, choice_ids=[i for i, _ in cmd.choices],
-                                    priority=cmd.priority)
+                                    priority=cmd.priority, pooling=cmd.pooling)
         except Exception as exc:
             if not isinstance(exc, RequestRejected):        # the engine's fault, not the request's
                 log.exception("adding request %s failed", cmd.request_id)

@@ -23,6 +23,7 @@ class ServerState:
     default_max_tokens: int
     max_n: int = 16                  # choices a prompt (``n``, ``best_of``)
     adapters: Any = None             # the engine's ``LoraManager`` (None: it serves none)
+    hidden_size: int | None = None   # an embedding's length (None: not known here)
 
     def adapter_names(self) -> Collection[str]:
         return () if self.adapters is None else self.adapters.known

@@ -16,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from functools import partial
 from typing import Any, Protocol
 
 from fastapi import Request
@@ -92,10 +93,20 @@ async def start(request: Request, loop: EngineLoop, prompts: list[str | list[int
     except RequestRejected as exc:
         raise P.ApiError(400, str(exc), exc.param or "response_format",
                          code="invalid_structured_output") from None
+    return await started(request, [partial(loop.submit_choices, one, params, c, priority=priority)
+                                    for one, c in zip(ids, constraints)],
+                         lambda exc: _rejected(exc, max_tokens_field))
+
+
+async def started(request: Request, submits: Iterable[Callable[[], list[Handle]]],
+                  rejected: Callable[[RequestRejected], P.ApiError]) -> list[Handle]:
+    """Submit each request (its handles: one a choice) and wait for each one's first item: a
+    refusal (``rejected`` makes its 400), a full queue or a stopped engine is a status, not a
+    stream; what was submitted is aborted then."""
     handles: list[Handle] = []
     try:
-        for one, constraint in zip(ids, constraints):
-            handles += loop.submit_choices(one, params, constraint, priority=priority)
+        for submit in submits:
+            handles += submit()
         await _unless_disconnected(request, _firsts(handles))
         return handles
     except EngineStopped as exc:
@@ -108,7 +119,7 @@ async def start(request: Request, loop: EngineLoop, prompts: list[str | list[int
                          headers={"Retry-After": "1"}) from None
     except RequestRejected as exc:
         abort(handles)
-        raise _rejected(exc, max_tokens_field) from None
+        raise rejected(exc) from None
     except EngineError as exc:
         abort(handles)
         raise P.ApiError(500, str(exc), type_="server_error", code="engine_error") from None
