@@ -78,15 +78,15 @@ def test_missing_config_file(tmp_path):
 @pytest.mark.parametrize("text, key, allowed", [
     ('[model]\nnam = "tiny"\n', "model.nam",
      ["name", "path", "weights", "dtype", "num_layers", "max_model_len", "seed", "quantization",
-      "accuracy_level", "outlier_channels"]),
+      "accuracy_level", "outlier_channels", "max_loras"]),
     (TINY_TOML + "[scheduler]\nfoo = 1\n", "scheduler.foo",
      ["policy", "max_num_seqs", "max_num_batched_tokens", "chunked_prefill", "admission"]),
     ('[modle]\nname = "tiny"\n', "modle",
      ["model", "backend", "scheduler", "cache", "sampling", "workload", "bench", "server", "speculative",
-      "cluster"]),
+      "cluster", "lora"]),
     (TINY_TOML + "[cache]\nblock_sise = 16\n", "cache.block_sise",
      ["block_size", "num_blocks", "memory_gb", "memory_utilization", "prefix_caching", "dtype", "prefault",
-      "state_snapshot_every", "state_snapshots"]),
+      "state_snapshot_every", "state_snapshots", "offload"]),
 ], ids=["model.nam", "scheduler.foo", "top-level-modle", "cache.block_sise"])
 def test_unknown_key_lists_allowed_keys(tmp_path, text, key, allowed):
     err = config_error(write(tmp_path, text))

@@ -23,7 +23,7 @@ LAYERS = [
     ["twophase.cache"],                                             # cache specs and the pool layout
     ["twophase.structured"],                                        # grammars the sampler applies
     ["twophase.core"],                                              # scheduling, KV, sampling
-    ["twophase.models", "twophase.graph"],                          # the model; graph signature, inputs
+    ["twophase.models", "twophase.graph", "twophase.lora"],         # the model; graph signature; adapters
     ["twophase.config"],                                            # the TOML schema (above the model)
     ["twophase.exporters"],                                         # build artefacts offline
     ["twophase.backends"],                                          # runtimes (and the registry)

@@ -229,7 +229,7 @@ class LLM:
         rep = phase_report(self.engine.step_records(), [o.times for o in served],
                            sum(len(o.token_ids) for o in served))
         rep["prefix_cache_hit_rate"] = self.engine.stats().prefix_hit_rate
-        tiers = self.engine.kv.tier_stats()
+        tiers = self.engine.tier_stats()
         if tiers is not None:                     # hits by tier, bytes moved, restore time
             rep["kv_tiers"] = tiers
         rep["kv_blocks_total"] = self.num_blocks

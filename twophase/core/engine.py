@@ -89,6 +89,10 @@ class Engine:
     def max_model_len(self) -> int:
         return self.scheduler.max_model_len
 
+    def tier_stats(self) -> dict[str, float] | None:
+        """The K/V host and disk tiers' counters (None: no tiers)."""
+        return self.kv.tier_stats()
+
     @property
     def adapters(self) -> Any:
         """The ``LoraManager`` of the adapters it serves (None: none can be)."""

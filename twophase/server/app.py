@@ -42,7 +42,7 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_queue: int 
     metrics.kv_total.set(engine.stats().total_blocks)
     metrics.loaded(llm.memory)
     loop = EngineLoop(llm, max_queue, on_step=metrics.step, on_finish=metrics.finished,
-                      on_change=lambda: metrics.refresh(engine.stats(), llm.adapters, engine.kv.tier_stats()),
+                      on_change=lambda: metrics.refresh(engine.stats(), llm.adapters, engine.tier_stats()),
                       on_fatal=on_fatal)
     return build_app(loop, llm.tokenizer, metrics, model_name, api_key, default_max_tokens,
                      max_body_bytes, max_n, llm.adapters, hidden_size=llm.model.arch.hidden_size)
