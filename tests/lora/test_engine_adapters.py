@@ -87,6 +87,7 @@ def test_unknown_adapters_and_backends_without_them_are_refused(folders, tmp_pat
                          "lora": [{"name": "x", "path": "a"}, {"name": "x", "path": "b"}]})
 
 
+@pytest.mark.exhaustive
 def test_speculative_decoding_with_adapters_stays_exact(folders):
     """Drafts are verified by the target with each request's adapter: its tokens, whatever the
     drafts (n-gram lookups in the prompt and output)."""
@@ -98,6 +99,7 @@ def test_speculative_decoding_with_adapters_stays_exact(folders):
     assert sum(o.metrics["num_draft_tokens"] for o in outs) > 0
 
 
+@pytest.mark.exhaustive
 def test_the_plan_counts_the_resident_adapters_bytes(folders):
     from twophase.config import load_config
     from twophase.plan.budget import adapter_item

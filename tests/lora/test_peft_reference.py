@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 TARGETS = {"llama": (ALL["llama"], ["k_proj", "down_proj"]), "phi3": (ALL["phi3"], ["qkv_proj"])}
 
 
-@pytest.fixture(scope="module", params=sorted(TARGETS))
+@pytest.fixture(scope="module", params=[pytest.param("llama", marks=pytest.mark.exhaustive), "phi3"])
 def setup(request, tmp_path_factory):
     family = request.param
     root = tmp_path_factory.mktemp(f"lora-{family}")
