@@ -132,7 +132,7 @@ class TorchBackend(Backend):
             if slots is None:
                 self.lora[0].clear()
             else:
-                self.lora[0].set([s for s, n in zip(slots, lens) for _ in range(n)])
+                self.lora[0].set([s for s, n in zip(slots, lens) for _ in range(n)], self.device)
 
     # -- the two operations -----------------------------------------------------------------
     @torch.inference_mode()

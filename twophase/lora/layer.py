@@ -1,10 +1,14 @@
-"""Adapters applied unmerged, many in one batch (Punica's and S-LoRA's idea): each adapted
-projection computes the base product for every token once, then, for each adapter present in
-the batch, ``scale * (x[rows] @ A.T) @ B.T`` on that adapter's tokens only (a shrink to the rank,
-then an expand), added to the output rows the adapter's module owns.
+"""Adapters applied unmerged, many in one batch (Punica's and S-LoRA's idea), in two matrix
+products a projection whatever the mix: each projection keeps every resident adapter's A
+stacked (``[R, in]``, R their ranks summed) and B side by side, scaled (``[out, R]``, each
+adapter's block at the output rows its module owns, zeros elsewhere). A forward computes the
+base product, then ``x @ A_all^T`` (every token's shrink by every resident adapter: R columns),
+zeroes the columns of adapters other than the token's own, and adds ``@ B_all^T``.
 
-The rows of a batch that share an adapter are found once a forward (``LoraContext.set``), not
-once a projection. A projection with no adapter resident costs one dictionary lookup.
+The first form of this (a loop over the adapters present, each on its tokens) cost 31% of decode
+at batch 32 with four adapters interleaved (gathers and many small products); stacked, the
+extra work is R columns a token, one mask and two products. It grows with the resident
+adapters' total rank (``model.max_loras`` times their rank), not with how they are mixed.
 """
 
 from __future__ import annotations
@@ -21,27 +25,18 @@ ADAPTABLE = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")
 
 
 class LoraContext:
-    """Which tokens of the current forward use which resident slot (shared by every
-    ``LoraLinear`` of a model)."""
+    """Which resident slot each token of the current forward uses (shared by every
+    ``LoraLinear`` of a model); None: no token uses one."""
 
     def __init__(self) -> None:
-        self.groups: list[tuple[int, slice | torch.Tensor]] = []
+        self.token_slots: torch.Tensor | None = None
 
-    def set(self, token_slots: Sequence[int]) -> None:
-        """``token_slots``: each token's slot, -1 for the base model. A sequence's tokens are
-        consecutive, so each slot's tokens are usually one run (a slice, no gather)."""
-        runs: dict[int, list[tuple[int, int]]] = {}
-        start = 0
-        for i in range(1, len(token_slots) + 1):
-            if i == len(token_slots) or token_slots[i] != token_slots[start]:
-                if token_slots[start] >= 0:
-                    runs.setdefault(token_slots[start], []).append((start, i))
-                start = i
-        self.groups = [(slot, slice(*r[0]) if len(r) == 1 else
-                        torch.cat([torch.arange(a, b) for a, b in r])) for slot, r in runs.items()]
+    def set(self, token_slots: Sequence[int], device: torch.device | str = "cpu") -> None:
+        """``token_slots``: each token's slot, -1 for the base model."""
+        self.token_slots = torch.tensor(token_slots, dtype=torch.long, device=device)
 
     def clear(self) -> None:
-        self.groups = []
+        self.token_slots = None
 
 
 class LoraLinear(nn.Module):
@@ -53,6 +48,7 @@ class LoraLinear(nn.Module):
         self.in_features, self.out_features = base.in_features, base.out_features
         # slot -> (row start, row stop, A [r, in], B [rows, r], scale) for each delta here
         self.slots: dict[int, list[tuple[int, int, torch.Tensor, torch.Tensor, float]]] = {}
+        self._stacked: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def weight(self) -> torch.Tensor:
@@ -62,15 +58,35 @@ class LoraLinear(nn.Module):
     def bias(self) -> torch.Tensor | None:
         return self.base.bias
 
+    def changed(self) -> None:
+        """The slots changed: stack them again at the next forward."""
+        self._stacked = None
+
+    def _stack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A of every delta stacked ``[R, in]``, B scaled side by side ``[out, R]``, and each
+        column's slot ``[R]``."""
+        if self._stacked is None:
+            deltas = [(slot, d) for slot, ds in sorted(self.slots.items()) for d in ds]
+            w = self.base.weight
+            a = torch.cat([d[2] for _, d in deltas]).to(w.device, w.dtype)
+            b = torch.zeros(self.out_features, a.shape[0], dtype=w.dtype, device=w.device)
+            cols, at = [], 0
+            for slot, (start, stop, da, db, scale) in deltas:
+                r = da.shape[0]
+                b[start:stop, at:at + r] = db.to(w.device, w.dtype) * scale
+                cols += [slot] * r
+                at += r
+            self._stacked = (a, b, torch.tensor(cols, dtype=torch.long, device=w.device))
+        return self._stacked
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        if not self.slots:
+        token_slots = self.ctx.token_slots
+        if not self.slots or token_slots is None:
             return y
-        for slot, rows in self.ctx.groups:
-            for start, stop, a, b, scale in self.slots.get(slot, ()):
-                xs = x[rows]
-                y[rows, start:stop] += ((xs @ a.to(xs.dtype).T) @ b.to(xs.dtype).T) * scale
-        return y
+        a, b, cols = self._stack()
+        h = (x @ a.T) * (cols[None, :] == token_slots[:, None]).to(x.dtype)
+        return y + h @ b.T
 
 
 def attach(model: Any) -> tuple[LoraContext, dict[tuple[int, str], LoraLinear]]:
@@ -93,10 +109,12 @@ def place(wrapped: dict[tuple[int, str], LoraLinear], slot: int, adapter: LoraAd
           device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
     """Put ``adapter``'s deltas in ``slot`` of every projection they reach (None: empty it)."""
     for lin in wrapped.values():
-        lin.slots.pop(slot, None)
+        if lin.slots.pop(slot, None) is not None:
+            lin.changed()
     if adapter is None:
         return
     for d in adapter.deltas:
         lin = wrapped[(d.layer, d.module)]
         lin.slots.setdefault(slot, []).append(
             (d.rows[0], d.rows[1], d.a.to(device, dtype), d.b.to(device, dtype), d.scale))
+        lin.changed()
