@@ -30,13 +30,26 @@ class LoraContext:
 
     def __init__(self) -> None:
         self.token_slots: torch.Tensor | None = None
+        self._masks: dict[int, torch.Tensor] = {}
 
     def set(self, token_slots: Sequence[int], device: torch.device | str = "cpu") -> None:
         """``token_slots``: each token's slot, -1 for the base model."""
         self.token_slots = torch.tensor(token_slots, dtype=torch.long, device=device)
+        self._masks = {}
 
     def clear(self) -> None:
         self.token_slots = None
+        self._masks = {}
+
+    def mask(self, key: tuple[int, ...], cols: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``[tokens, R]``: 1 where column ``j`` is the token's own adapter's. Projections of one
+        kind stack their adapters alike (every layer's q, k, v), so one is made a forward for
+        each and shared (``key``: the columns' slots)."""
+        assert self.token_slots is not None
+        m = self._masks.get(hash(key))
+        if m is None:
+            m = self._masks[hash(key)] = (cols[None, :] == self.token_slots[:, None]).to(dtype)
+        return m
 
 
 class LoraLinear(nn.Module):
@@ -49,6 +62,7 @@ class LoraLinear(nn.Module):
         # slot -> (row start, row stop, A [r, in], B [rows, r], scale) for each delta here
         self.slots: dict[int, list[tuple[int, int, torch.Tensor, torch.Tensor, float]]] = {}
         self._stacked: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._cols: tuple[int, ...] = ()
 
     @property
     def weight(self) -> torch.Tensor:
@@ -77,6 +91,7 @@ class LoraLinear(nn.Module):
                 cols += [slot] * r
                 at += r
             self._stacked = (a, b, torch.tensor(cols, dtype=torch.long, device=w.device))
+            self._cols = tuple(cols)
         return self._stacked
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -85,8 +100,8 @@ class LoraLinear(nn.Module):
         if not self.slots or token_slots is None:
             return y
         a, b, cols = self._stack()
-        h = (x @ a.T) * (cols[None, :] == token_slots[:, None]).to(x.dtype)
-        return y + h @ b.T
+        h = (x @ a.T).mul_(self.ctx.mask(self._cols, cols, x.dtype))
+        return torch.addmm(y, h, b.T)
 
 
 def attach(model: Any) -> tuple[LoraContext, dict[tuple[int, str], LoraLinear]]:
