@@ -97,6 +97,7 @@ def test_chunked_prefill_gives_the_same_embedding(chunked, refs, token_ids):
     assert chunked.engine.kv.num_free_blocks == chunked.num_blocks
 
 
+@pytest.mark.exhaustive
 def test_embeddings_beside_generation_share_steps(chunked, hf_default, token_ids):
     """Generating requests and embeddings in the same steps: each gets what it gets alone, and
     a mean embedding of a prompt already in the prefix cache computes every position again."""

@@ -69,9 +69,25 @@ def test_greedy_tokens_equal_transformers_generate(hf_model):
     assert out.token_ids == g[0, len(prompt):].tolist()
 
 
+DEFAULT_LANE = ("llama", "qwen3", "gemma2")     # the prompt-logprob check's families by default
+
+
 def test_prompt_logprobs_equal_transformers_log_softmax(hf_model):
     """Prompt log-probabilities within 1e-4 of HF's, whole, in chunks, and with the prompt's
     blocks cached by the run before (a hit would skip the positions they need: not taken)."""
+    if hf_model[0] not in DEFAULT_LANE:
+        pytest.skip("checked in the exhaustive lane")
+    _prompt_logprobs_equal_transformers(hf_model)
+
+
+@pytest.mark.exhaustive
+def test_prompt_logprobs_equal_transformers_log_softmax_every_family(hf_model):
+    if hf_model[0] in DEFAULT_LANE:
+        pytest.skip("checked in the default lane")
+    _prompt_logprobs_equal_transformers(hf_model)
+
+
+def _prompt_logprobs_equal_transformers(hf_model) -> None:
     _, ref, llm = hf_model
     ids = torch.randint(3, 300, (1, PROMPT), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():

@@ -55,6 +55,7 @@ def test_text_equals_generate_of_the_chat_prompt(default_server, client, default
     all_blocks_free(llm, app)
 
 
+@pytest.mark.exhaustive
 def test_instructions_are_a_leading_system_message(default_server, client, default_llm):
     llm, url, app = default_server
     rules = "Answer in French."
@@ -65,6 +66,7 @@ def test_instructions_are_a_leading_system_message(default_server, client, defau
     all_blocks_free(llm, app)
 
 
+@pytest.mark.exhaustive
 def test_message_items_mean_the_chat_messages(default_server, client):
     """Roles (``developer`` too), text parts and an earlier reply's ``output_text`` sent back
     are the chat endpoint's messages, whole."""
@@ -127,6 +129,7 @@ def _valid_call(item, name: str, tool: dict) -> dict:
     return arguments
 
 
+@pytest.mark.exhaustive
 def test_required_and_named_tool_choice_give_function_calls(default_server, client):
     llm, url, app = default_server
     ask = "What is the weather in Paris?"
