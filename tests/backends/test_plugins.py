@@ -206,40 +206,39 @@ def test_conformance_kit_passes_the_numpy_plugin(venv, tmp_path):
     assert "10 passed, 1 skipped" in run.stdout               # it claims no adapters
 
 
-def test_conformance_kit_fails_a_backend_that_writes_kv_at_the_wrong_slots(tmp_path):
-    site = tmp_path / "site"
-    _fake_dist(site, "wrong-slots", "wrong_slots", """
+def _kit_on_a_broken_torch(tmp_path, name: str, methods: str, only: str):
+    """The kit, on the checks ``only`` selects, against torch with ``methods`` (its class body)
+    broken in a plugin of its own."""
+    site, module = tmp_path / "site", name.replace("-", "_")
+    body = textwrap.indent(textwrap.dedent(methods).strip(), " " * 12)
+    _fake_dist(site, name, module, f"""
         from twophase.backends.hookspecs import hookimpl
         from twophase.backends.torch_eager import TorchBackend
-        class WrongSlots(TorchBackend):
-            name = "wrong-slots"
-            def prefill(self, batch):
-                batch.slot_mapping = batch.slot_mapping + 1      # one slot off
-                return super().prefill(batch)
+        class Broken(TorchBackend):
+            name = {name!r}
+{body}
         @hookimpl
         def twophase_backends():
-            return [WrongSlots]
+            return [Broken]
         """)
-    run = _run(sys.executable, *KIT, "--backend", "wrong-slots", "--skip-default-model",
-               "-k", "fresh_prompts", env={"PYTHONPATH": str(site)}, cwd=tmp_path)
+    return _run(sys.executable, *KIT, "--backend", name, "--skip-default-model", "-k", only,
+                env={"PYTHONPATH": str(site)}, cwd=tmp_path)
+
+
+def test_conformance_kit_fails_a_backend_that_writes_kv_at_the_wrong_slots(tmp_path):
+    run = _kit_on_a_broken_torch(tmp_path, "wrong-slots", """
+        def prefill(self, batch):
+            batch.slot_mapping = batch.slot_mapping + 1      # one slot off
+            return super().prefill(batch)
+        """, "fresh_prompts")
     assert run.returncode == 1, run.stdout[-2000:]
     assert "K/V written at the wrong slots" in run.stdout
 
 
 def test_conformance_kit_fails_a_backend_that_claims_adapters_and_ignores_them(tmp_path):
-    site = tmp_path / "site"
-    _fake_dist(site, "no-adapters", "no_adapters", """
-        from twophase.backends.hookspecs import hookimpl
-        from twophase.backends.torch_eager import TorchBackend
-        class NoAdapters(TorchBackend):
-            name = "no-adapters"
-            def place_adapter(self, slot, adapter):
-                pass                                  # claims them, applies none
-        @hookimpl
-        def twophase_backends():
-            return [NoAdapters]
-        """)
-    run = _run(sys.executable, *KIT, "--backend", "no-adapters", "--skip-default-model",
-               "-k", "adapters", env={"PYTHONPATH": str(site)}, cwd=tmp_path)
+    run = _kit_on_a_broken_torch(tmp_path, "no-adapters", """
+        def place_adapter(self, slot, adapter):
+            pass                                  # claims them, applies none
+        """, "adapters")
     assert run.returncode == 1, run.stdout[-2000:]
     assert "logits differ from the torch reference" in run.stdout
