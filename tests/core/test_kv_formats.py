@@ -63,7 +63,8 @@ def prose_ids(default_llm) -> list[int]:
 BATCH_SHIFT = {"float16": 5e-3, "int8": 0.1, "fp8": 0.2}
 
 
-@pytest.mark.parametrize("fmt", ["float16", "int8", "fp8"])
+@pytest.mark.parametrize("fmt", [pytest.param("float16", marks=pytest.mark.exhaustive), "int8",
+                                 pytest.param("fp8", marks=pytest.mark.exhaustive)])   # CI time: int8 by default
 def test_a_requests_tokens_do_not_depend_on_its_batch_within_a_format(default_llm, fmt):
     """Alone in an ample pool, or batched with chunked prefill in a pool that preempts, with
     prefix-cache hits and with n-gram drafts: the same tokens up to the format's near-ties (a

@@ -7,7 +7,8 @@ demoted again is only marked recently used there, not rewritten. ``flush`` write
 memory holds to disk, for a shutdown that wants a restarted server to find it.
 
 The pool itself is the top tier; the engine asks the pool first and this store on a pool miss.
-Not thread-safe: one caller at a time.
+Not thread-safe: one caller at a time. Built from the config, its disk tier writes on a thread of
+its own (``DiskWriter``): a step that evicts never waits on a disk write.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from twophase.cache.disk_tier import DiskTier
+from twophase.cache.disk_writer import DiskWriter
 from twophase.cache.host_tier import HostTier
 
 GiB = 1 << 30
@@ -73,7 +75,7 @@ class OffloadConfig:
 class TieredStore:
     """Host memory over disk, either of which may be absent."""
 
-    def __init__(self, host: HostTier | None = None, disk: DiskTier | None = None,
+    def __init__(self, host: HostTier | None = None, disk: DiskTier | DiskWriter | None = None,
                  clock: Callable[[], float] = time.perf_counter):
         self.host = host
         self.disk = disk
@@ -84,7 +86,8 @@ class TieredStore:
     @classmethod
     def from_config(cls, cfg: OffloadConfig, fingerprint: bytes) -> TieredStore:
         host = HostTier(cfg.host_bytes) if cfg.host_bytes else None
-        disk = DiskTier(cfg.disk_dir, cfg.disk_bytes, fingerprint) if cfg.disk_dir and cfg.disk_bytes else None
+        disk = DiskWriter(DiskTier(cfg.disk_dir, cfg.disk_bytes, fingerprint), min(cfg.disk_bytes, 256 << 20)) \
+            if cfg.disk_dir and cfg.disk_bytes else None
         return cls(host, disk)
 
     def put_evicted(self, key: bytes, payload: bytes) -> None:
@@ -131,9 +134,17 @@ class TieredStore:
     def flush(self) -> int:
         """Write every block host memory holds to disk (kept in host memory too); the number
         written or already there. For a shutdown: host memory does not survive a restart."""
-        if self.host is None or self.disk is None:
+        if self.disk is None:
             return 0
-        return sum(self.disk.put(k, p) for k, p in self.host.items())
+        written = sum(self.disk.put(k, p) for k, p in self.host.items()) if self.host is not None else 0
+        if isinstance(self.disk, DiskWriter):
+            self.disk.drain()
+        return written
+
+    def close(self) -> None:
+        """Stop the disk writer once what it has queued is written."""
+        if isinstance(self.disk, DiskWriter):
+            self.disk.close()
 
     def stats(self) -> dict[str, float]:
         """Counters for /metrics: hits by tier, bytes moved, bytes held, restore time."""
@@ -155,5 +166,7 @@ class TieredStore:
             "disk_corrupt": d.counters.corrupt if d else 0,
             "disk_write_errors": d.counters.write_errors if d else 0,
             "disk_read_errors": d.counters.read_errors if d else 0,
+            "disk_dropped": d.dropped if isinstance(d, DiskWriter) else 0,
+            "disk_pending_bytes": d.pending_bytes if isinstance(d, DiskWriter) else 0,
         })
         return out

@@ -468,4 +468,5 @@ class Engine:
         if self.kv.tiers is not None:
             self.kv.save_cached()
             self.kv.tiers.flush()
+            self.kv.tiers.close()
         self.executor.close()
