@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 
 from twophase.cache.disk_tier import DiskCounters, DiskTier
@@ -31,6 +32,7 @@ class DiskWriter:
         self.disk = disk
         self.max_pending_bytes = max_pending_bytes
         self.dropped = 0                        # blocks refused because the queue was full
+        self.cpu_seconds = 0.0                  # the writer thread's CPU time (checksums, copies)
         self._lock = threading.Lock()           # the tier: one caller at a time
         self._cond = threading.Condition()      # the queue
         self._pending: OrderedDict[bytes, bytes] = OrderedDict()
@@ -90,11 +92,13 @@ class DiskWriter:
                 if not self._pending:
                     return
                 key, payload = next(iter(self._pending.items()))   # stays queued (a hit) until written
+            start = time.thread_time()
             try:
                 with self._lock:
                     self.disk.put(key, payload)
             except Exception:                   # the tier reports OS errors itself; anything else
                 log.exception("disk KV cache: the writer failed on a block; dropped")
+            self.cpu_seconds += time.thread_time() - start
             with self._cond:
                 self._pending.pop(key, None)
                 self._pending_bytes -= len(payload)

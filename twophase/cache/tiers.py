@@ -82,6 +82,7 @@ class TieredStore:
         self._clock = clock
         self.misses = 0
         self.restore_seconds = 0.0      # time spent in get: what a tier hit costs before compute
+        self.offload_seconds = 0.0      # time spent in evict_from: what handing blocks down costs a step
 
     @classmethod
     def from_config(cls, cfg: OffloadConfig, fingerprint: bytes) -> TieredStore:
@@ -95,6 +96,15 @@ class TieredStore:
         no host tier, straight to disk; with neither, dropped)."""
         demoted = self.host.put(key, payload) if self.host is not None else [(key, payload)]
         self._demote(demoted)
+
+    def evict_from(self, key: bytes, read: Callable[[], bytes]) -> None:
+        """``put_evicted`` of a block copied out of the pool now (``read``), timed: the pool
+        evicts inside a step, so this is the tiers' cost to it."""
+        start = self._clock()
+        try:
+            self.put_evicted(key, read())
+        finally:
+            self.offload_seconds += self._clock() - start
 
     def _demote(self, blocks: list[tuple[bytes, bytes]]) -> None:
         if self.disk is not None:
@@ -148,7 +158,8 @@ class TieredStore:
 
     def stats(self) -> dict[str, float]:
         """Counters for /metrics: hits by tier, bytes moved, bytes held, restore time."""
-        out: dict[str, float] = {"misses": self.misses, "restore_seconds": self.restore_seconds}
+        out: dict[str, float] = {"misses": self.misses, "restore_seconds": self.restore_seconds,
+                                 "offload_seconds": self.offload_seconds}
         h, d = self.host, self.disk
         out.update({
             "host_hits": h.counters.hits if h else 0,
@@ -168,5 +179,6 @@ class TieredStore:
             "disk_read_errors": d.counters.read_errors if d else 0,
             "disk_dropped": d.dropped if isinstance(d, DiskWriter) else 0,
             "disk_pending_bytes": d.pending_bytes if isinstance(d, DiskWriter) else 0,
+            "disk_writer_cpu_seconds": d.cpu_seconds if isinstance(d, DiskWriter) else 0,
         })
         return out

@@ -169,7 +169,7 @@ class KVManager:
         """Blocks the pool evicts go to ``tiers``, and so do the prefix snapshots of a model with
         state layers (``state_rows``) when their rows are taken; a lookup brings both back."""
         self.tiers, self.blocks, self.root, self.state_rows = tiers, blocks, root, state_rows
-        self.pool.on_evict = lambda block, key: tiers.put_evicted(key, blocks.read(block))
+        self.pool.on_evict = lambda block, key: tiers.evict_from(key, lambda: blocks.read(block))
 
     def save_cached(self) -> int:
         """Every cached block the pool holds, into the tiers (at shutdown: with the host tier's

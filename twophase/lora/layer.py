@@ -1,14 +1,17 @@
-"""Adapters applied unmerged, many in one batch (Punica's and S-LoRA's idea), in two matrix
+"""Adapters applied unmerged, many in one batch (Punica's and S-LoRA's idea), in a few matrix
 products a projection whatever the mix: each projection keeps every resident adapter's A
-stacked (``[R, in]``, R their ranks summed) and B side by side, scaled (``[out, R]``, each
-adapter's block at the output rows its module owns, zeros elsewhere). A forward computes the
-base product, then ``x @ A_all^T`` (every token's shrink by every resident adapter: R columns),
-zeroes the columns of adapters other than the token's own, and adds ``@ B_all^T``.
+stacked (``[R, in]``, R their ranks summed) and, for each output range adapters reach (a fused
+q/k/v projection has three), their B blocks side by side, scaled (``[rows, R_range]``). A
+forward computes the base product, then ``x @ A_all^T`` (every token's shrink by every resident
+adapter: R columns), zeroes the columns of adapters other than the token's own, and adds each
+range's ``h[:, its columns] @ B_range^T`` into its rows of the output.
 
 The first form of this (a loop over the adapters present, each on its tokens) cost 31% of decode
-at batch 32 with four adapters interleaved (gathers and many small products); stacked, the
-extra work is R columns a token, one mask and two products. It grows with the resident
-adapters' total rank (``model.max_loras`` times their rank), not with how they are mixed.
+at batch 32 with four adapters interleaved (gathers and many small products); stacked, with one
+B over the whole output (zeros outside each adapter's rows), 22%: at batch 32 decode reads
+weights, and that B was two-thirds zeros for q/k/v and half for gate/up. By range, the bytes
+read are the adapters' own. The work grows with the resident adapters' total rank
+(``model.max_loras`` times their rank), not with how they are mixed.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ class LoraLinear(nn.Module):
         self.in_features, self.out_features = base.in_features, base.out_features
         # slot -> (row start, row stop, A [r, in], B [rows, r], scale) for each delta here
         self.slots: dict[int, list[tuple[int, int, torch.Tensor, torch.Tensor, float]]] = {}
-        self._stacked: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._stacked: tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int, int, torch.Tensor]]] | None = None
         self._cols: tuple[int, ...] = ()
 
     @property
@@ -76,21 +79,24 @@ class LoraLinear(nn.Module):
         """The slots changed: stack them again at the next forward."""
         self._stacked = None
 
-    def _stack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A of every delta stacked ``[R, in]``, B scaled side by side ``[out, R]``, and each
-        column's slot ``[R]``."""
+    def _stack(self) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int, int, torch.Tensor]]]:
+        """A of every delta stacked ``[R, in]``, each column's slot ``[R]``, and for each output
+        range the deltas reach (q, k and v of a fused projection are three), its B blocks scaled
+        side by side: ``(row start, row stop, column start, column stop, B [rows, columns])``.
+        Columns are ordered by output range, then slot, so each range's are contiguous."""
         if self._stacked is None:
-            deltas = [(slot, d) for slot, ds in sorted(self.slots.items()) for d in ds]
             w = self.base.weight
-            a = torch.cat([d[2] for _, d in deltas]).to(w.device, w.dtype)
-            b = torch.zeros(self.out_features, a.shape[0], dtype=w.dtype, device=w.device)
-            cols, at = [], 0
-            for slot, (start, stop, da, db, scale) in deltas:
-                r = da.shape[0]
-                b[start:stop, at:at + r] = db.to(w.device, w.dtype) * scale
-                cols += [slot] * r
-                at += r
-            self._stacked = (a, b, torch.tensor(cols, dtype=torch.long, device=w.device))
+            deltas = sorted(((d[0], d[1], slot, d) for slot, ds in self.slots.items() for d in ds),
+                            key=lambda t: t[:3])
+            a = torch.cat([d[2] for *_, d in deltas]).to(w.device, w.dtype)
+            cols: list[int] = []
+            groups: list[tuple[int, int, int, int, torch.Tensor]] = []
+            for start, stop in dict.fromkeys((d[0], d[1]) for d in deltas):
+                mine = [(slot, d) for s0, s1, slot, d in deltas if (s0, s1) == (start, stop)]
+                b = torch.cat([(d[3] * d[4]).to(w.device, w.dtype) for _, d in mine], dim=1)
+                groups.append((start, stop, len(cols), len(cols) + b.shape[1], b))
+                cols += [slot for slot, d in mine for _ in range(d[2].shape[0])]
+            self._stacked = (a, torch.tensor(cols, dtype=torch.long, device=w.device), groups)
             self._cols = tuple(cols)
         return self._stacked
 
@@ -99,9 +105,11 @@ class LoraLinear(nn.Module):
         token_slots = self.ctx.token_slots
         if not self.slots or token_slots is None:
             return y
-        a, b, cols = self._stack()
+        a, cols, groups = self._stack()
         h = (x @ a.T).mul_(self.ctx.mask(self._cols, cols, x.dtype))
-        return torch.addmm(y, h, b.T)
+        for start, stop, c0, c1, b in groups:
+            y[:, start:stop].addmm_(h[:, c0:c1], b.T)       # in place: the base product is ours
+        return y
 
 
 def attach(model: Any) -> tuple[LoraContext, dict[tuple[int, str], LoraLinear]]:

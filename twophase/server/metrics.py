@@ -65,6 +65,8 @@ class ServerMetrics:
                               ["tier", "counter"], registry=r)
         self.kv_restore_seconds = Gauge("twophase_kv_tier_restore_seconds", "seconds spent reading "
                                         "blocks back from the tiers", registry=r)
+        self.kv_offload_seconds = Gauge("twophase_kv_tier_offload_seconds", "seconds steps spent "
+                                        "handing evicted blocks down to the tiers", registry=r)
         self.kv_total = Gauge("twophase_kv_blocks_total", "KV blocks in the pool", registry=r)
         self.memory = {key: Gauge(f"twophase_{key}", what, registry=r) for key, what in MEMORY.items()}
 
@@ -98,6 +100,7 @@ class ServerMetrics:
                 if tier in ("host", "disk"):
                     self.kv_tiers.labels(tier=tier, counter=what).set(value)
             self.kv_restore_seconds.set(tiers.get("restore_seconds", 0.0))
+            self.kv_offload_seconds.set(tiers.get("offload_seconds", 0.0))
         if adapters is not None:
             self.lora_resident.clear()
             self.lora_requests.clear()
