@@ -1,7 +1,9 @@
 """The cost of serving adapters unmerged: decode at batch 32 on the default model (torch) with
 four distinct rank-16 adapters spread over the batch, against the base model alone and against
 one adapter merged into the weights (what a server of one fine-tune would run), and one adapter
-unmerged. Each line runs in a process of its own, rounds interleaved; the adapters are random
+unmerged. Each line runs in a process of its own, rounds interleaved (in alternating order), the
+pool's pages touched at start (``cache.prefault``: a first touch inside a step costs a page fault,
+and which line's steps paid more of them swung single runs by 20%); the adapters are random
 (PEFT's format, ``twophase.lora.random_adapter``), which costs what trained ones cost.
 
 Also: an adapter's load time (read, checked, placed in its slot) and the first request's
@@ -28,7 +30,7 @@ LINES = {"base": "base model", "merged": "1 adapter merged", "one": "1 adapter u
 def _llm(folders: list[Path], threads: int | None):
     from twophase import LLM
 
-    cfg = {"model": {"max_loras": 4}, "backend": {"name": "torch"}, "cache": {"num_blocks": 1024},
+    cfg = {"model": {"max_loras": 4}, "backend": {"name": "torch"}, "cache": {"num_blocks": 1024, "prefault": True},
            "scheduler": {"max_num_seqs": 64},
            "lora": [{"name": f"a{i}", "path": str(f)} for i, f in enumerate(folders)]}
     if threads:
@@ -125,7 +127,7 @@ def main() -> None:
     del base
     rates: dict[str, list[float]] = {k: [] for k in LINES}
     for r in range(args.rounds):
-        for line in LINES:
+        for line in (list(LINES) if r % 2 == 0 else list(LINES)[::-1]):
             rates[line].append(_run(args, line)["decode_tokens_per_s"])
         print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rates.items()), flush=True)
     med = {k: statistics.median(v) for k, v in rates.items()}
