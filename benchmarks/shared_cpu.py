@@ -7,8 +7,10 @@ interleaved.
 
 A decode step of the native backend is hundreds of OpenMP barriers; a thread of it that shares
 its core with another process waits for its turn there at each one, and its partner waits at
-the barrier. ``--env LINE:NAME=VALUE`` runs a line again with an environment variable set (an
-OpenMP runtime's wait policy, say), to compare.
+the barrier. ``native-q4`` runs on fewer threads while other processes hold cores
+(``twophase.measure.thread_governor``); ``native-q4-fixed`` keeps its threads whatever happens
+(``share_cpu = false``), ``native-q4-1`` runs one. ``--env LINE:NAME=VALUE`` runs a line again
+with an environment variable set (an OpenMP runtime's wait policy, say), to compare.
 """
 
 from __future__ import annotations
@@ -21,15 +23,17 @@ import subprocess
 import sys
 import time
 
-LINES = {"native-q4": ({"name": "native"}, "q4"), "torch": ({"name": "torch"}, "none"),
-         "native-q4-auto": ({"name": "native", "options": {"threads": "auto"}}, "q4")}
+LINES = {"native-q4": ({"name": "native"}, "q4"),              # fewer threads while a core is held
+         "native-q4-fixed": ({"name": "native", "options": {"share_cpu": False}}, "q4"),   # as before
+         "native-q4-1": ({"name": "native", "options": {"threads": 1}}, "q4"),
+         "torch": ({"name": "torch"}, "none")}
 
 
 def worker(line: str, threads: int, batch: int, tokens: int) -> dict:
     from twophase import LLM, SamplingParams
 
     backend, quant = LINES[line]
-    backend = {**backend, "options": {"threads": threads, **backend.get("options", {})}}
+    backend = {**backend, "options": {"threads": threads, **backend.get("options", {})}}   # the line's own win
     llm = LLM.from_config({"model": {"name": "smollm2-135m-instruct", "quantization": quant},
                            "backend": backend})
     llm.generate([[1000 + i for i in range(16)]], SamplingParams(max_tokens=8, ignore_eos=True))   # warm

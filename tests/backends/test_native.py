@@ -424,3 +424,30 @@ def test_a_cc_that_names_no_program_is_a_clear_refusal(monkeypatch):
     monkeypatch.setenv("CC", "/nonexistent/cc")
     with pytest.raises(BackendUnavailable, match="found no compiler CC='/nonexistent/cc'"):
         kernel.check_machine()
+
+
+def test_a_step_on_fewer_threads_gives_the_same_logits_bit_for_bit():
+    """Beside a busy process the step runs on fewer threads (``share_cpu``); the scratch and the
+    attention's split stay laid out for the configured count, so nothing a request sees changes:
+    long contexts at batch 1 (the attention split into parts) and a batch, prefill and decode."""
+    cache = {"num_blocks": 96, "block_size": 4}
+    prompts = [list(range(7, 7 + 150)), list(range(300, 320)), list(range(40, 45))]
+    params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3)
+    runs = []
+    for team in (2, 1):
+        llm = tiny_llm(model=Q4, backend={"name": "native", "options": {"threads": 2}}, cache=cache)
+        gov = llm.prefill_backend.governor
+        assert gov is not None and gov.max_threads == 2
+        gov.threads = lambda team=team: team          # as the governor would under load
+        runs.append([(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
+                    + [(o.token_ids, o.logprobs) for o in llm.generate(prompts[:1], params)])
+    assert runs[0] == runs[1]
+
+
+def test_share_cpu_is_a_boolean_and_off_keeps_the_threads():
+    from twophase.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="share_cpu"):
+        tiny_llm(model=Q4, backend={"name": "native", "options": {"share_cpu": "yes"}})
+    llm = tiny_llm(model=Q4, backend={"name": "native", "options": {"threads": 2, "share_cpu": False}})
+    assert llm.prefill_backend.governor is None

@@ -44,10 +44,11 @@ from twophase.contract import (
 from twophase.device import threads_option
 from twophase.errors import ConfigError
 from twophase.kv_formats import KV_FORMATS
+from twophase.measure.thread_governor import ThreadGovernor
 
 log = logging.getLogger(__name__)
 
-OPTIONS = {"threads", "isa"}
+OPTIONS = {"threads", "isa", "share_cpu"}
 LOGIT_BUFFERS = 4      # kept for reuse: a step calls a backend once or twice (prefill, decode)
 LOGIT_BUFFER_BYTES = 64 << 20   # the largest kept (a batch of 64 of a 262144-token vocabulary)
 # every departure of the families from the Llama block (``model_t``'s fields; experts on the
@@ -126,6 +127,10 @@ class NativeBackend(Backend):
         self.isa = kernel.ISA_NAMES[self.lib.kernel_isa()]
         log.info("native kernels: %s, %d threads", self.isa, threads)
         self.threads = threads
+        share = cfg.options.get("share_cpu", True)
+        if not isinstance(share, bool):
+            raise ConfigError("backend.options.share_cpu", f"must be true or false; got {share!r}")
+        self.governor = ThreadGovernor(threads, name="native") if share and threads > 1 else None
         self.weights = NativeWeights.build(model)
         self.scratch = torch.empty(0)
         self.logit_buffers: list[np.ndarray] = []
@@ -187,7 +192,8 @@ class NativeBackend(Backend):
                  tables=tables.data_ptr(), width=tables.shape[-1], seqs=tables.shape[-2], seq=seq.data_ptr(),
                  ctx=ctx.data_ptr(), n_logits=n_logits, logit_rows=logit_rows.data_ptr(), pool=pool.data_ptr(),
                  num_blocks=pool.shape[2], block_size=pool.shape[4], kv_type=KV_TYPES[pool.dtype],
-                 logits=logits.data_ptr(), scratch=self.scratch.data_ptr(), max_ctx=max_ctx, threads=self.threads)
+                 logits=logits.data_ptr(), scratch=self.scratch.data_ptr(), max_ctx=max_ctx, threads=self.threads,
+                 team=self.governor.threads() if self.governor is not None else self.threads)
         self.lib.step(self.weights.model, s)     # the tensors above outlive the call
         return logits
 

@@ -76,7 +76,8 @@ class Step(ctypes.Structure):
                 ("tables", c_void_p), ("width", c_int), ("seqs", c_int), ("seq", c_void_p), ("ctx", c_void_p),
                 ("n_logits", c_int), ("logit_rows", c_void_p), ("pool", c_void_p),
                 ("num_blocks", c_int), ("block_size", c_int), ("kv_type", c_int), ("logits", c_void_p),
-                ("scratch", c_void_p), ("max_ctx", c_int), ("threads", c_int)]
+                ("scratch", c_void_p), ("max_ctx", c_int), ("threads", c_int),
+                ("team", c_int)]
 
 
 # each C struct kernel.py passes, by its name in step.c, and its mirror here

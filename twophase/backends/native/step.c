@@ -152,7 +152,10 @@ typedef struct {
     float *logits;            /* [n_logits][vocab] */
     float *scratch;           /* step_scratch_floats() floats */
     int max_ctx;
-    int threads;              /* named here: the OpenMP runtime may be torch's, set to 1 for glue */
+    int threads;              /* named here: the OpenMP runtime may be torch's, set to 1 for glue;
+                                 what the scratch and the attention's split are laid out for */
+    int team;                 /* threads that run this step, 1..threads: fewer while other processes
+                                 hold cores (thread_governor.py); the results do not depend on it */
 } step_t;
 
 
@@ -1648,7 +1651,7 @@ void step(const model_t *m, const step_t *s) {
     phase_steps++;
     phase_at = omp_get_wtime();
 #endif
-    #pragma omp parallel num_threads(s->threads)
+    #pragma omp parallel num_threads(s->team)
     {
         float *mine = per_thread + (size_t)omp_get_thread_num() * attn_thread_floats(m, s->max_ctx);
         float *shared = per_thread + (size_t)s->threads * attn_thread_floats(m, s->max_ctx);
@@ -1804,7 +1807,7 @@ static const field_t model_fields[] = {
 static const field_t step_fields[] = {
     S(rows), S(tokens), S(positions), S(slots), S(tables), S(width), S(seqs), S(seq), S(ctx), S(n_logits),
     S(logit_rows), S(pool), S(num_blocks), S(block_size), S(kv_type), S(logits), S(scratch), S(max_ctx),
-    S(threads), END(step_t)};
+    S(threads), S(team), END(step_t)};
 static const field_t proj_q4_fields[] = {
     FIELD(proj_q4, n), FIELD(proj_q4, k), FIELD(proj_q4, n_out), FIELD(proj_q4, w), FIELD(proj_q4, out_idx),
     FIELD(proj_q4, out_w), END(proj_q4)};
