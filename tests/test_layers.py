@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1] / "twophase"
 
 LAYERS = [
     ["twophase.errors", "twophase.paths", "twophase.device", "twophase.data",
-     "twophase.large_pages"],                                       # machine facts, errors, memory
+     "twophase.large_pages", "twophase.measure.machine",
+     "twophase.measure.thread_governor"],                           # machine facts, errors, memory
     ["twophase.arch", "twophase.formats", "twophase.kv_formats", "twophase.contract",
      "twophase.backends.hookspecs"],                                # the plugin contract
     ["twophase.cache"],                                             # cache specs and the pool layout

@@ -34,6 +34,7 @@ def test_greedy_tokens_equal_torch_with_chunking_and_preemption(backend, preempt
     assert_same_tokens_with_preemption(backend, preempting_torch_tokens)
 
 
+@pytest.mark.exhaustive      # CI time: a cached chunk through iree is in test_logits_match_torch_on_the_same_pool
 def test_prefix_cache_hits_through_iree():
     assert_prefix_hits_give_torch_tokens("iree")
 

@@ -182,6 +182,7 @@ def test_the_isa_option_runs_that_path_and_refuses_an_unknown_one_by_name():
     assert [o.token_ids for o in avx2.generate(prompts, p)] == [o.token_ids for o in native.generate(prompts, p)]
 
 
+@pytest.mark.exhaustive      # CI time: a second build of the kernels, for benchmarks/step_phases.py
 def test_the_phase_clock_build_times_each_op_of_its_steps():
     """``-DSTEP_PHASES`` (benchmarks/step_phases.py): the same logits, the steps counted, and
     the ops' totals within the steps' wall time, the projections and the head among them."""
