@@ -69,7 +69,7 @@ def main() -> None:
     got: dict[tuple, list[float]] = {}
     for r in range(args.rounds):
         for busy in (False, True):
-            for line, env in runs:
+            for line, env in runs[r % len(runs):] + runs[:r % len(runs)]:     # each line first in turn
                 for b in batches:
                     extra = dict([env.split("=", 1)]) if env else {}
                     noise = spinner() if busy else None

@@ -33,8 +33,20 @@ class Machine:
 
 
 def governor(m: Machine, max_threads: int, usable: int | None = None) -> ThreadGovernor:
-    return ThreadGovernor(max_threads, interval_s=0.25, clock=lambda: m.t, sample=m.sample,
-                          usable_cores=usable if usable is not None else m.cpus)
+    g = ThreadGovernor(max_threads, interval_s=0.25, clock=lambda: m.t, sample=m.sample,
+                       usable_cores=usable if usable is not None else m.cpus)
+    assert g.threads() == max_threads         # the first step: the first reading's start
+    return g
+
+
+def test_what_happens_before_the_first_step_is_not_a_neighbour():
+    """A load's own work the OS does elsewhere (readahead, page zeroing) would read as others."""
+    m = Machine(2)
+    g = ThreadGovernor(2, interval_s=0.25, clock=lambda: m.t, sample=m.sample, usable_cores=2)
+    m.run(2.0, others=1.5, own=0.5)           # loading
+    assert g.threads() == 2
+    m.run(0.5, others=0.0, own=2.0)
+    assert g.threads() == 2
 
 
 @pytest.mark.parametrize("others,want", [(0.0, 2), (0.5, 2), (0.7, 1), (1.0, 1), (2.0, 1)])

@@ -40,13 +40,16 @@ class ThreadGovernor:
         self.name = name
         self._clock, self._sample = clock, sample
         self._usable = usable_cores if usable_cores is not None else _usable_cores()
-        self._last = sample()
-        self._last_t = clock()
+        self._last: machine.Sample | None = None    # taken at the first step, not at load: what
+        self._last_t = 0.0                          # the OS does for a load (readahead) is not a neighbour
         self.others_cores = 0.0             # the last reading: cores other processes kept busy
 
     def threads(self) -> int:
         """The count for the next step (re-read at most every ``interval_s``)."""
         now = self._clock()
+        if self._last is None:
+            self._last, self._last_t = self._sample(), now
+            return self.current
         if now - self._last_t < self.interval_s:
             return self.current
         s = self._sample()
