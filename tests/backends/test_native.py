@@ -439,9 +439,11 @@ def test_a_step_on_fewer_threads_gives_the_same_logits_bit_for_bit():
         llm = tiny_llm(model=Q4, backend={"name": "native", "options": {"threads": 2}}, cache=cache)
         gov = llm.prefill_backend.governor
         assert gov is not None and gov.max_threads == 2
-        gov.threads = lambda team=team: team          # as the governor would under load
+        asked: list[int] = []
+        gov.threads = lambda team=team, asked=asked: asked.append(team) or team    # as under load
         runs.append([(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
                     + [(o.token_ids, o.logprobs) for o in llm.generate(prompts[:1], params)])
+        assert len(asked) >= 6, "the steps did not ask the governor for their team"
     assert runs[0] == runs[1]
 
 
