@@ -25,16 +25,29 @@ LINES = {"cold": "(a) computed cold", "pool": "(b) in the pool", "host": "(c) fr
          "disk": "(d) from disk, after a restart"}
 
 
-def _llm(args, disk: str):
+def _llm(args, disk: str | None, num_blocks: int = 64):
+    """An engine with tiers on ``disk`` (none: no tiers, the probe that reads the layout)."""
     from twophase import LLM
 
-    blocks = -(-3 * args.prefix // 32) + 8             # one prefix and its question, not two
+    tiers = {"offload": {"host_gib": 2.0, "disk_dir": disk, "disk_gib": 4.0}} if disk else {}
     cfg = {"model": {"name": args.model, "quantization": args.quantization},
-           "backend": {"name": args.backend}, "cache": {"num_blocks": blocks, "offload": {
-               "host_gib": 2.0, "disk_dir": disk, "disk_gib": 4.0}}}
+           "backend": {"name": args.backend}, "cache": {"num_blocks": num_blocks, **tiers}}
     if args.threads:
         cfg["backend"]["options"] = {"threads": args.threads}
     return LLM.from_config(cfg)
+
+
+def _resized(llm, args, prompt_len: int):
+    """``llm`` closed, and an engine whose pool holds one prompt of ``prompt_len`` and half
+    another, whatever groups its layers' caches take blocks in (a sliding group's window, a full
+    group's every token): a second long prompt evicts most of the first."""
+    from twophase.cache.spec import sequence_blocks, step_blocks
+
+    lay = llm.loaded.layout
+    one = sequence_blocks(lay.specs, prompt_len, lay.chunk, lay.block_size)
+    want = -(-3 * one // 2) + step_blocks(lay.specs, lay.chunk, lay.block_size)
+    llm.close()
+    return _llm(args, args.disk, want)
 
 
 def _prompts(llm, prefix: int) -> tuple[list[int], list[int], list[int]]:
@@ -53,12 +66,15 @@ def _ttft(llm, prompt: list[int]) -> float:
     from twophase import SamplingParams
 
     out = llm.generate([prompt], SamplingParams(max_tokens=1))[0]
+    if "ttft_s" not in out.metrics:
+        raise SystemExit(f"a {len(prompt)}-token prompt was not served ({out.finish_reason}): {out.error}")
     return out.metrics["ttft_s"]
 
 
 def worker(args) -> dict:
-    llm = _llm(args, args.disk)
+    llm = _llm(args, None)                            # the probe: its tokenizer and layout
     first, second, other = _prompts(llm, args.prefix)
+    llm = _resized(llm, args, max(map(len, (first, second, other))))
     _ttft(llm, list(range(1000, 1064)))               # warm: the first call's set-up is not the prefix's
     if args.worker == "disk":                         # a restarted process: the disk holds it
         out = {"ttft_s": _ttft(llm, second), "restored": llm.engine.kv.restored}
@@ -111,6 +127,7 @@ def main() -> None:
         _run(args, "write", disk)
         restarted = _run(args, "disk", disk)
         assert restarted["restored"]["disk"] > 0, "the restarted process found nothing on disk"
+        assert one["restored"]["host"] > 0, "the evicted prefix did not come back from host memory"
         for k in ("cold", "pool", "host"):
             times[k].append(one[k])
         times["disk"].append(restarted["ttft_s"])

@@ -60,6 +60,7 @@ def test_flush_and_close_leave_every_block_on_disk_for_a_restart(tmp_path):
     cfg = OffloadConfig(host_gib=1, disk_dir=str(tmp_path), disk_gib=1)
     s = TieredStore.from_config(cfg, FP)
     assert isinstance(s.disk, DiskWriter) and isinstance(s.host, HostTier)
+    s.disk.max_pending_bytes = 250                          # the flush holds more than the queue
     for i in range(20):
         s.put_evicted(k(i), p(i))
     assert s.flush() == 20

@@ -5,7 +5,8 @@ pool evicts while allocating). A write is a file, an fsync and a rename: millise
 the step's critical path if done there. Here ``put`` queues the block and returns; one thread
 writes the queue out in order. A queued block is already a hit: ``get`` and ``in`` look in the
 queue before the disk. The queue is bounded (``max_pending_bytes``): a disk slower than the
-evictions drops the blocks that do not fit (counted in ``dropped``), never stalls a step.
+evictions drops the blocks that do not fit (counted in ``dropped``), never stalls a step; a
+shutdown's flush, which has time, waits for room instead.
 
 Reads still run on the caller's thread (a restore needs its block now); they wait at most for the
 one write in progress, since the tier itself is guarded by one lock.
@@ -41,12 +42,16 @@ class DiskWriter:
         self._thread = threading.Thread(target=self._run, name="twophase-kv-disk", daemon=True)
         self._thread.start()
 
-    def put(self, key: bytes, payload: bytes) -> bool:
-        """Queue a block; False if the queue is full or the writer closed (the block is dropped)."""
+    def put(self, key: bytes, payload: bytes, wait: bool = False) -> bool:
+        """Queue a block; False if the queue is full or the writer closed (the block is dropped).
+        ``wait``: a full queue waits for room instead (a shutdown's flush, not a step)."""
         with self._cond:
             if key in self._pending:
                 return True
-            if self._closed or self._pending_bytes + len(payload) > self.max_pending_bytes:
+            if wait:
+                self._cond.wait_for(lambda: self._closed or not self._thread.is_alive() or not self._pending
+                                    or self._pending_bytes + len(payload) <= self.max_pending_bytes)
+            if self._closed or self._pending_bytes + len(payload) > self.max_pending_bytes and self._pending:
                 self.dropped += 1
                 return False
             self._pending[key] = payload

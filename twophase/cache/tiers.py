@@ -146,9 +146,13 @@ class TieredStore:
         written or already there. For a shutdown: host memory does not survive a restart."""
         if self.disk is None:
             return 0
-        written = sum(self.disk.put(k, p) for k, p in self.host.items()) if self.host is not None else 0
-        if isinstance(self.disk, DiskWriter):
+        if self.host is None:
+            return 0
+        if isinstance(self.disk, DiskWriter):             # more than the writer's queue holds: wait
+            written = sum(self.disk.put(k, p, wait=True) for k, p in self.host.items())
             self.disk.drain()
+        else:
+            written = sum(self.disk.put(k, p) for k, p in self.host.items())
         return written
 
     def close(self) -> None:
