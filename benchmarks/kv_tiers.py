@@ -54,8 +54,11 @@ def _prompts(llm, prefix: int) -> tuple[list[int], list[int], list[int]]:
     """The long prefix with one question, with another, and an unrelated prompt as long."""
     from twophase.measure.quality import shipped_text
 
-    words = shipped_text().split()
-    ids = llm.tokenizer.encode(" ".join(words * 4))
+    words, ids = shipped_text().split(), []
+    for times in range(1, 64):               # enough text for two prefixes, in any tokenizer
+        ids = llm.tokenizer.encode(" ".join(words * times))
+        if len(ids) >= 2 * prefix:
+            break
     head, other = ids[:prefix], ids[prefix:2 * prefix]
     q = llm.tokenizer.encode(" Question: what is this text about? Answer:")
     q2 = llm.tokenizer.encode(" Question: who wrote this text? Answer:")

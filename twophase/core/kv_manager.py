@@ -191,12 +191,12 @@ class KVManager:
         return {**self.tiers.stats(), **{f"{t}_restored_blocks": n for t, n in self.restored.items()}}
 
     def _restore(self, chain: list[bytes]) -> None:
-        """The chain's blocks the pool lacks and a tier holds, copied back up into free cached
-        blocks (then a lookup finds them as it finds any cached block), in each group up to its
-        first block no tier holds; the chain's blocks the pool has are held meanwhile, so making
-        room never evicts them. A sliding group's blocks before the window are restored too where
-        a tier has them, though the hit reads none of them: simpler than knowing the hit's length
-        first."""
+        """The chain's blocks a hit can read that the pool lacks and a tier holds, copied back up
+        into free cached blocks (then a lookup finds them as it finds any cached block), in each
+        group up to its first block no tier holds; the chain's blocks the pool has are held
+        meanwhile, so making room never evicts them. A hit reaches as far as every full group's
+        blocks go, and a sliding group's blocks before that end's window are left where they are:
+        restored, they would take the room the blocks the hit reads need."""
         assert self.tiers is not None and self.blocks is not None
         if self.state_rows is not None and self.snapshot_every:
             self._restore_snapshot(chain)
@@ -204,9 +204,21 @@ class KVManager:
         held = [b for ks in keys for k in ks if (b := self.pool.lookup(k)) is not None]
         self.pool.touch(held)
         try:
-            self._restore_blocks(keys)
+            k = self._reachable(keys)
+            self._restore_blocks([ks[self._dead(g, k * self.block_size, k):k] for g, ks in enumerate(keys)])
         finally:
             self.pool.release(held[::-1])
+
+    def _reachable(self, keys: list[list[bytes]]) -> int:
+        """Blocks of the chain a hit may reach: every full group's leading blocks that the pool
+        or a tier holds (where every group slides, the whole chain)."""
+        assert self.tiers is not None
+        k = len(keys[0]) if keys else 0
+        for g, w in enumerate(self.windows):
+            if w is None:
+                k = min(k, next((i for i, key in enumerate(keys[g][:k])
+                                 if self.pool.lookup(key) is None and self.tiers.contains(key) is None), k))
+        return k
 
     def _restore_blocks(self, keys: list[list[bytes]]) -> None:
         assert self.tiers is not None and self.blocks is not None
