@@ -220,7 +220,8 @@ def test_native_experts_on_stored_blocks_give_each_row_what_it_gets_alone(tmp_pa
     path elsewhere), and every row's logits are what that token gets prefilled alone after the
     ones before it, bit for bit. wide: a 1024-wide model whose router is Q8_0 too, over 131
     tokens (the router reads its rounded activations, larger there than the q4 layout's, while
-    it writes the scores laid out after them)."""
+    it writes the scores laid out after them). The int8 paths: AMX tiles compute a step of 32
+    rows or more in bf16 (tests/backends/test_native_amx.py)."""
     from helpers.native import native_or_skip
 
     native_or_skip()
@@ -232,7 +233,8 @@ def test_native_experts_on_stored_blocks_give_each_row_what_it_gets_alone(tmp_pa
     if wide:
         types |= {f"blk.{i}.ffn_gate_inp.weight": "Q8_0" for i in range(model.config.num_hidden_layers)}
     path = write_gguf(tmp_path / "hf", tmp_path / "tiny-qwen3_moe-q.gguf", types)
-    llm = LLM.from_config({**NATIVE, "model": {"path": str(path), "quantization": "gguf"}})
+    backend = {"name": "native", "options": {"threads": 2, "amx": False}}
+    llm = LLM.from_config({**NATIVE, "backend": backend, "model": {"path": str(path), "quantization": "gguf"}})
     prompt = (PROMPT * 4)[:131] if wide else PROMPT
     req = _allocated(llm, prompt)
     whole = _prefill_logits(llm, req, 0, len(prompt))

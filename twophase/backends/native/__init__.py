@@ -48,7 +48,10 @@ from twophase.measure.thread_governor import ThreadGovernor
 
 log = logging.getLogger(__name__)
 
-OPTIONS = {"threads", "isa", "share_cpu"}
+OPTIONS = {"threads", "isa", "share_cpu", "amx"}
+# amx_request()'s answers other than 1 (tiles in use)
+AMX_OFF = {0: "this build has no AMX (the CPU, the compiler or backend.options.isa lacks it)",
+           -1: "the Linux kernel refused the tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"}
 LOGIT_BUFFERS = 4      # kept for reuse: a step calls a backend once or twice (prefill, decode)
 LOGIT_BUFFER_BYTES = 64 << 20   # the largest kept (a batch of 64 of a 262144-token vocabulary)
 # every departure of the families from the Llama block (``model_t``'s fields; experts on the
@@ -132,8 +135,23 @@ class NativeBackend(Backend):
             raise ConfigError("backend.options.share_cpu", f"must be true or false; got {share!r}")
         self.governor = ThreadGovernor(threads, name="native") if share and threads > 1 else None
         self.weights = NativeWeights.build(model)
+        self.amx = self._amx(cfg.options.get("amx", True), model.quantization)
         self.scratch = torch.empty(0)
         self.logit_buffers: list[np.ndarray] = []
+
+    def _amx(self, want: object, quantization: str) -> bool:
+        """Prefill of the stored formats on AMX bf16 tiles (amx_tiles.h): where asked (true by
+        default), the build has them and Linux lends the tile state; else the int8 paths, said."""
+        if not isinstance(want, bool):
+            raise ConfigError("backend.options.amx", f"must be true or false; got {want!r}")
+        if not want:
+            return False
+        got = self.lib.amx_request()
+        if got == 1 and quantization == "gguf":
+            log.info("native prefill: AMX bf16 tiles for steps of 32 tokens or more")
+        elif got != 1:
+            log.info("native prefill: no AMX tiles, %s", AMX_OFF.get(got, f"answer {got}"))
+        return got == 1 and quantization == "gguf"
 
     def kv_cache_spec(self) -> KVCacheSpec:
         a = self.arch
@@ -193,7 +211,7 @@ class NativeBackend(Backend):
                  ctx=ctx.data_ptr(), n_logits=n_logits, logit_rows=logit_rows.data_ptr(), pool=pool.data_ptr(),
                  num_blocks=pool.shape[2], block_size=pool.shape[4], kv_type=KV_TYPES[pool.dtype],
                  logits=logits.data_ptr(), scratch=self.scratch.data_ptr(), max_ctx=max_ctx, threads=self.threads,
-                 team=self.governor.threads() if self.governor is not None else self.threads)
+                 team=self.governor.threads() if self.governor is not None else self.threads, amx=int(self.amx))
         self.lib.step(self.weights.model, s)     # the tensors above outlive the call
         return logits
 

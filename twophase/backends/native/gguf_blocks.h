@@ -36,6 +36,7 @@ typedef struct {
     const float *x; int xstride, k; int8_t *q; float *d; int32_t *s; float *ds;
     int rows, tstride; int8_t *tq; float *td, *tds;
     int8_t *pq; int32_t *ls; int16_t *tls;
+    uint16_t *xb; int amx;  /* the rows in bf16 [rows + 32][k], for the AMX tiles (amx_tiles.h) where amx */
 } gact;
 
 typedef struct { float s[2], bias; int o; } sub_t;          /* a run of 32's float terms */
@@ -701,12 +702,14 @@ static inline int groups_up(int rows) { return (rows + TR - 1) / TR * TR; }
 /* floats the activations' layouts take (gact_layout) */
 static inline long gact_floats(int rows, int k) {
     const long P = groups_up(rows);
-    return ((long)rows * k * 2 + P * k) / 4 + (long)rows * (k / 32 * 6 + k / 16) + P * (k / 32) * 4 + 16;
+    return ((long)rows * k * 2 + P * k) / 4 + (long)rows * (k / 32 * 6 + k / 16) + P * (k / 32) * 4 + 16
+           + (long)(rows + 32) * k / 2 + 16;
 }
 
 /* the activations' layout in the scratch at `at` (gact_floats(rows, k) floats) */
 static gact gact_layout(float *at, int rows, int k, const float *x, int xstride) {
-    gact a = { x, xstride, k, (int8_t *)at, NULL, NULL, NULL, rows, groups_up(rows), NULL, NULL, NULL, NULL, NULL, NULL };
+    gact a = { x, xstride, k, (int8_t *)at, NULL, NULL, NULL, rows, groups_up(rows), NULL, NULL, NULL, NULL, NULL, NULL,
+               NULL, 0 };
     a.d = (float *)(a.q + (size_t)rows * k);
     a.s = (int32_t *)(a.d + (size_t)rows * (k / 32));
     a.ds = (float *)(a.s + (size_t)rows * (k / 16));
@@ -716,6 +719,7 @@ static gact gact_layout(float *at, int rows, int k, const float *x, int xstride)
     a.ls = (int32_t *)(a.tq + (size_t)a.tstride * k);
     a.pq = (int8_t *)(a.ls + (size_t)rows * (k / 32) * 4);
     a.tls = (int16_t *)(a.pq + (size_t)rows * k);
+    a.xb = (uint16_t *)(((uintptr_t)(a.tls + (size_t)(k / 32) * a.tstride * 4) + 63) & ~(uintptr_t)63);
     return a;
 }
 
@@ -736,6 +740,8 @@ static inline int isum8(__m256i v) {
     r = _mm_add_epi32(r, _mm_shuffle_epi32(r, _MM_SHUFFLE(1, 0, 3, 2)));
     return _mm_cvtsi128_si32(_mm_add_epi32(r, _mm_shuffle_epi32(r, _MM_SHUFFLE(2, 3, 0, 1))));
 }
+
+#include "amx_tiles.h"
 
 /* row r of a.x rounded: per 32 values, d = max |x| / 127 and codes lrint(x / d) (round to
    nearest even, as lrintf in the default rounding mode), eight at a time */
@@ -781,6 +787,9 @@ static void gquantize_row(const gact *a, int r) {
                 for (int p = r + 1; p < a->tstride; p++) tile_run(a, p, g, (const int8_t[32]){0}, 0.f, 0.f, (const int32_t[4]){0});
         }
     }
+#if HAVE_AMX
+    if (a->amx) amx_round_row(a, r);
+#endif
 }
 
 /* weight row n of p: its type and bytes, and how many rows of its part follow it (itself
@@ -799,6 +808,9 @@ static inline const uint8_t *weight_row(const proj_g *p, int n, int *type, int *
    batch takes the tiled path: blocks of N_BLOCK weight rows, each block's rows against one
    tile of TG * TR activation rows after another (the tile stays in L1, the block in L2). */
 static void matmul_g(const proj_g *p, int rows, const gact *a, float *y, int ystride, int accumulate, int vec) {
+#if HAVE_AMX
+    if (vec && a->amx && rows >= AMX_ROWS && amx_takes(p)) { matmul_amx(p, rows, a, y, ystride, accumulate); return; }
+#endif
     const int tiled = vec && a->tq && rows >= TILED_ROWS;
     #pragma omp for schedule(static)
     for (int n0 = 0; n0 < p->n; n0 += N_BLOCK) {

@@ -77,7 +77,7 @@ class Step(ctypes.Structure):
                 ("n_logits", c_int), ("logit_rows", c_void_p), ("pool", c_void_p),
                 ("num_blocks", c_int), ("block_size", c_int), ("kv_type", c_int), ("logits", c_void_p),
                 ("scratch", c_void_p), ("max_ctx", c_int), ("threads", c_int),
-                ("team", c_int)]
+                ("team", c_int), ("amx", c_int)]
 
 
 # each C struct kernel.py passes, by its name in step.c, and its mirror here
@@ -156,18 +156,17 @@ def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     check_machine()
     extra_flags = effective_flags(extra_flags)
     here = files("twophase.backends.native")
-    source = here.joinpath("step.c").read_bytes()
-    header = here.joinpath("gguf_blocks.h").read_bytes()
+    source = one_source(here)
     cc = compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     # -march=native: the build is this CPU's; a cache shared with another CPU must not reuse it
     build = " ".join([cc, version, *FLAGS, *extra_flags, cpu_signature()])
-    key = hashlib.sha256(source + header + build.encode()).hexdigest()[:12]
+    key = hashlib.sha256(source + build.encode()).hexdigest()[:12]
     lib = cache_dir() / "native" / f"step-{key}.so"
     if not lib.exists():
         with build_lock(lib):                 # one compile for every process on this cache
             if not lib.exists():
-                _compile(cc, extra_flags, source, header, lib)
+                _compile(cc, extra_flags, source, lib)
     so = ctypes.CDLL(str(lib))
     so.step.argtypes = [POINTER(Model), POINTER(Step)]
     so.step.restype = None
@@ -184,6 +183,10 @@ def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     so.check_matmul_stored.argtypes = [POINTER(ProjStored), c_int, c_void_p, c_void_p, c_void_p, c_void_p,
                                        c_void_p, c_int]
     so.check_matmul_stored.restype = None
+    so.check_matmul_amx.argtypes = [POINTER(ProjStored), c_int, c_void_p, c_void_p, c_void_p, c_void_p, c_int]
+    so.check_matmul_amx.restype = c_int
+    so.amx_request.argtypes = []
+    so.amx_request.restype = c_int
     so.tp_sizeof.argtypes = [c_char_p]
     so.tp_sizeof.restype = c_size_t
     so.tp_field.argtypes = [c_char_p, c_int, POINTER(c_size_t), POINTER(c_size_t)]
@@ -193,11 +196,22 @@ def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     return so
 
 
-def _compile(cc: str, extra_flags: tuple[str, ...], source: bytes, header: bytes, lib: Path) -> None:
+HEADERS = ("gguf_blocks.h", "amx_tiles.h")     # step.c's own, each included once, in this order
+
+
+def one_source(here) -> bytes:
+    """step.c with its headers in place of their #include lines: one file to compile and hash."""
+    source = here.joinpath("step.c").read_bytes()
+    for name in HEADERS:
+        source = source.replace(f'#include "{name}"'.encode(), here.joinpath(name).read_bytes())
+    return source
+
+
+def _compile(cc: str, extra_flags: tuple[str, ...], source: bytes, lib: Path) -> None:
     log.info("compiling the native kernels for this CPU with %s (once; 20-30 s on a 2-core Zen 3)", cc)
     lib.parent.mkdir(parents=True, exist_ok=True)
     src = lib.with_name(f"{lib.stem}.{os.getpid()}.c")
-    src.write_bytes(source.replace(b'#include "gguf_blocks.h"', header))     # one file to compile
+    src.write_bytes(source)
     tmp = lib.with_name(lib.name + f".{os.getpid()}.tmp")
     done = subprocess.run([cc, *FLAGS, *extra_flags, str(src), "-o", str(tmp)], capture_output=True, text=True)
     if done.returncode != 0:

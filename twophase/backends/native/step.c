@@ -156,6 +156,8 @@ typedef struct {
                                  what the scratch and the attention's split are laid out for */
     int team;                 /* threads that run this step, 1..threads: fewer while other processes
                                  hold cores (thread_governor.py); the results do not depend on it */
+    int amx;                  /* stored projections of AMX_ROWS rows or more on the AMX tiles
+                                 (amx_tiles.h; amx_request() granted) */
 } step_t;
 
 
@@ -1518,6 +1520,7 @@ static gact gact_from(const gact *a, int off) {
     if (off % TR) v.tq = NULL;                  /* not on a group: the rows one at a time */
     else if (v.tq) { v.tq += (size_t)off * 32; v.td += off; v.tds += off; v.tls += (size_t)off * 4; }
     v.rows -= off;
+    v.xb += (size_t)off * a->k;
     return v;
 }
 
@@ -1638,8 +1641,9 @@ void step(const model_t *m, const step_t *s) {
     qact a;
     float *per_thread = act_layout(mlp + (size_t)R * F, R, A, &a);
     /* the stored formats' rounded activations, in the same scratch: of h, attn and mlp */
-    const gact gh = gact_layout((float *)a.q, R, D, h, D), gat = gact_layout((float *)a.q, R, QD, attn, QD);
-    const gact gmlp = gact_layout((float *)a.q, R, F, mlp, F);
+    const gact gh = gact_tiles(gact_layout((float *)a.q, R, D, h, D), s->amx);
+    const gact gat = gact_tiles(gact_layout((float *)a.q, R, QD, attn, QD), s->amx);
+    const gact gmlp = gact_tiles(gact_layout((float *)a.q, R, F, mlp, F), s->amx);
     float *after_attn = per_thread + (size_t)s->threads * attn_thread_floats(m, s->max_ctx)
                         + attn_shared_floats(m, R, s->max_ctx, s->threads);
     const moe_t moe = moe_layout(m, after_attn, R);
@@ -1759,6 +1763,57 @@ void check_matmul_stored(const proj_g *p, int rows, const float *x, float *fast,
     }
 }
 
+/* f rounded to the nearest bfloat16, ties to even (finite f) */
+static float bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* For tests: y = W x for `rows` rows of x through the AMX tiles into fast ([rows][n]), and the
+   reference on the same bf16 values into ref: each weight decoded a run at a time from the
+   layout's definition (sub_terms, codes_ref), both sides rounded to bf16 (to nearest even), the
+   products summed in double. The tiles take any rows and types here (a step gives float rows
+   and small steps the other paths). Returns amx_request()'s answer; fast is untouched unless 1. */
+int check_matmul_amx(const proj_g *p, int rows, const float *x, float *fast, float *ref, float *scratch, int threads) {
+    const int K = p->k;
+    for (int r = 0; r < rows; r++)
+        for (int n = 0; n < p->n; n++) {
+            int t, left;
+            const uint8_t *w = weight_row(p, n, &t, &left);
+            double acc = 0.;
+            for (int i = 0; i < K; i++) {
+                float v;
+                if (is_float_type(t)) v = float_at(t, w, i);
+                else {
+                    const int runs = type_values(t) / 32, g = i / 32;
+                    const uint8_t *b = w + (size_t)(g / runs) * type_bytes(t);
+                    const sub_t st = sub_terms(t, b, g % runs);
+                    uint8_t u[32];
+                    codes_ref(t, b, g % runs, u);
+                    const int code = t == T_Q8_0 ? (int)(int8_t)u[i % 32] : (int)u[i % 32] - st.o;
+                    v = fmaf(st.s[i % 32 / 16], (float)code, st.bias);
+                }
+                acc += (double)bf16_round(v) * (double)bf16_round(x[(size_t)r * K + i]);
+            }
+            ref[(size_t)r * p->n + n] = (float)acc;
+        }
+    const int ok = amx_request();
+    if (ok != 1) return ok;
+#if HAVE_AMX
+    gact g = gact_layout(scratch, rows, K, x, K);
+    g.amx = 1;                                  /* the tiles whatever the rows and types */
+    for (int r = 0; r < rows; r++) gquantize_row(&g, r);
+    #pragma omp parallel num_threads(threads)
+    matmul_amx(p, rows, &g, fast, p->n, 0);
+#else
+    (void)fast; (void)scratch; (void)threads;
+#endif
+    return ok;
+}
+
 /* For tests: layer 0's attention alone, for the step's rows (q: [rows][heads * head_dim], out:
    [rows][heads * head_dim]), on s->threads threads; s->scratch: step_scratch_floats */
 void check_attention(const model_t *m, const step_t *s, const float *q, float *out) {
@@ -1807,7 +1862,7 @@ static const field_t model_fields[] = {
 static const field_t step_fields[] = {
     S(rows), S(tokens), S(positions), S(slots), S(tables), S(width), S(seqs), S(seq), S(ctx), S(n_logits),
     S(logit_rows), S(pool), S(num_blocks), S(block_size), S(kv_type), S(logits), S(scratch), S(max_ctx),
-    S(threads), S(team), END(step_t)};
+    S(threads), S(team), S(amx), END(step_t)};
 static const field_t proj_q4_fields[] = {
     FIELD(proj_q4, n), FIELD(proj_q4, k), FIELD(proj_q4, n_out), FIELD(proj_q4, w), FIELD(proj_q4, out_idx),
     FIELD(proj_q4, out_w), END(proj_q4)};
