@@ -44,7 +44,7 @@ from twophase.measure.quality import all_logits, shipped_text
 from twophase.models import hub
 
 MODEL = "smollm2-135m-instruct"
-LINES = ("native-gguf", "native-q4", "onnxruntime-q4", "onnxruntime-native-q4", "onnxruntime-fp32")
+LINES = ("native-gguf", "native-gguf-int8", "native-q4", "onnxruntime-q4", "onnxruntime-native-q4", "onnxruntime-fp32")
 
 
 def twophase_line(backend: str | dict, quantization: str, gguf: str | None = None, kv_dtype: str = "auto") -> LLM:
@@ -233,7 +233,9 @@ def main() -> None:
     g = args.gguf
     native = {"name": "native", "options": {"isa": args.isa}}
     kv = args.kv_dtype
+    int8 = {"name": "native", "options": {"isa": args.isa, "amx": False}}      # no AMX tiles in prefill
     every = {"native-gguf": ("twophase gguf (native)", (native, "gguf", g, kv)),
+             "native-gguf-int8": ("twophase gguf (native, int8 prefill)", (int8, "gguf", g, kv)),
              "native-q4": ("twophase q4 (native)", (native, "q4", g, kv)),
              "onnxruntime-q4": ("twophase q4 (onnxruntime)", ("onnxruntime", "q4", g)),
              "onnxruntime-native-q4": ("twophase q4 (onnxruntime → native)", (

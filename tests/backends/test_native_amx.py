@@ -105,3 +105,15 @@ def test_a_prefill_on_the_tiles_is_nearer_the_float_model_than_int8_activations(
         errs[name] = float((got - want).abs().max() / want.abs().max())
     # measured: 1.4e-2 against 2.3e-2 (max error over the logits, relative to their largest)
     assert errs["tiles"] < 0.75 * errs["int8"], errs
+
+
+@pytest.mark.parametrize("bad", ["yes", 0, -3, 2.5])
+def test_the_amx_option_is_true_false_or_a_number_of_rows(stored_file, bad):  # noqa: F811
+    """On every machine, with tiles or without: a wrong value is refused by name."""
+    native_or_skip()
+    from twophase import LLM
+    from twophase.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="backend.options.amx"):
+        LLM.from_config({"model": {"path": str(stored_file), "quantization": "gguf"},
+                         "backend": {"name": "native", "options": {"amx": bad}}})

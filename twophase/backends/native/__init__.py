@@ -49,6 +49,7 @@ from twophase.measure.thread_governor import ThreadGovernor
 log = logging.getLogger(__name__)
 
 OPTIONS = {"threads", "isa", "share_cpu", "amx"}
+AMX_ROWS = 40     # a step's rows from which the tiles beat the int8 paths (benchmarks/amx_crossover.py)
 # amx_request()'s answers other than 1 (tiles in use)
 AMX_OFF = {0: "this build has no AMX (the CPU, the compiler or backend.options.isa lacks it)",
            -1: "the Linux kernel refused the tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"}
@@ -135,23 +136,26 @@ class NativeBackend(Backend):
             raise ConfigError("backend.options.share_cpu", f"must be true or false; got {share!r}")
         self.governor = ThreadGovernor(threads, name="native") if share and threads > 1 else None
         self.weights = NativeWeights.build(model)
-        self.amx = self._amx(cfg.options.get("amx", True), model.quantization)
+        self.amx = self._amx(cfg.options.get("amx", True), model.quantization)   # rows from which; 0 never
         self.scratch = torch.empty(0)
         self.logit_buffers: list[np.ndarray] = []
 
-    def _amx(self, want: object, quantization: str) -> bool:
-        """Prefill of the stored formats on AMX bf16 tiles (amx_tiles.h): where asked (true by
-        default), the build has them and Linux lends the tile state; else the int8 paths, said."""
-        if not isinstance(want, bool):
-            raise ConfigError("backend.options.amx", f"must be true or false; got {want!r}")
-        if not want:
-            return False
+    def _amx(self, want: object, quantization: str) -> int:
+        """Steps of this many rows or more (0: none) run the stored formats' projections on AMX
+        bf16 tiles (amx_tiles.h): where asked (true: from AMX_ROWS; a number: from that many),
+        the build has them and Linux lends the tile state; else the int8 paths, said."""
+        if not (isinstance(want, bool) or isinstance(want, int) and want >= 1):
+            raise ConfigError("backend.options.amx", f"must be true, false or a number of rows (1 or "
+                              f"more) from which a step takes the tiles; got {want!r}")
+        if want is False:
+            return 0
+        rows = AMX_ROWS if want is True else int(want)
         got = self.lib.amx_request()
         if got == 1 and quantization == "gguf":
-            log.info("native prefill: AMX bf16 tiles for steps of 32 tokens or more")
+            log.info("native prefill: AMX bf16 tiles for steps of %d tokens or more", rows)
         elif got != 1:
             log.info("native prefill: no AMX tiles, %s", AMX_OFF.get(got, f"answer {got}"))
-        return got == 1 and quantization == "gguf"
+        return rows if got == 1 and quantization == "gguf" else 0
 
     def kv_cache_spec(self) -> KVCacheSpec:
         a = self.arch
@@ -211,7 +215,7 @@ class NativeBackend(Backend):
                  ctx=ctx.data_ptr(), n_logits=n_logits, logit_rows=logit_rows.data_ptr(), pool=pool.data_ptr(),
                  num_blocks=pool.shape[2], block_size=pool.shape[4], kv_type=KV_TYPES[pool.dtype],
                  logits=logits.data_ptr(), scratch=self.scratch.data_ptr(), max_ctx=max_ctx, threads=self.threads,
-                 team=self.governor.threads() if self.governor is not None else self.threads, amx=int(self.amx))
+                 team=self.governor.threads() if self.governor is not None else self.threads, amx=self.amx)
         self.lib.step(self.weights.model, s)     # the tensors above outlive the call
         return logits
 

@@ -1,17 +1,17 @@
 /* Prefill on the matrix engine: a stored projection's matmul on AMX bf16 tiles, for steps of
- * AMX_ROWS rows or more. Included by step.c after gguf_blocks.h.
+ * step_t.amx rows or more (40 by default, AMX_ROWS in __init__.py: the crossover measured in
+ * benchmarks/amx_crossover.py). Included by step.c after gguf_blocks.h.
  *
  * The int8 paths round activations to 8 bits a run and apply each run's scales in float, which
  * AMX's int8 tiles cannot do inside a dot over more than 32 values. bf16 tiles can: each thread
  * decodes a panel of AMX_N weight rows (any stored type, w = s * (u - o) + bias a run) into bf16
  * once, in the tiles' pair order, and every block of AMX_M activation rows (bf16, written beside
  * the int8 codes when the row is rounded) meets it with TDPBF16PS, float32 sums over the whole
- * row. Decoding costs a pass over the weights a step, so few rows keep the int8 paths: the
- * crossover is measured in benchmarks/amx_prefill.py.
+ * row. Decoding costs a pass over the weights a step, so few rows keep the int8 paths.
  *
  * Activations keep 16 bits (bf16: 8 bits of mantissa, the exponent of float32) instead of a
  * run's 8-bit codes, and weights are rounded to bf16 after their decoding: a row's result is
- * not the int8 path's, and a row computed in a step of AMX_ROWS rows or more differs from the
+ * not the int8 path's, and a row computed in a step that takes the tiles differs from the
  * same row computed in a smaller one (tested against a float reference on the same bf16 values).
  *
  * Linux lends a process AMX's 8 KiB of tile state only when asked (arch_prctl
@@ -30,9 +30,6 @@
 
 static inline const uint8_t *weight_row(const proj_g *p, int n, int *type, int *left);
 
-#ifndef AMX_ROWS
-#define AMX_ROWS 32     /* a step's rows from which its stored matmuls take the tiles */
-#endif
 
 /* a projection whose rows are all blocks of codes: float rows (F32, F16, BF16) keep their float
    path, which bf16 would round */
@@ -41,8 +38,9 @@ static inline int amx_takes(const proj_g *p) {
     return 1;
 }
 
-/* a's rows in bf16 for the tiles where ``on`` (and tiles exist) and a step has enough of them */
-static inline gact gact_tiles(gact a, int on) { a.amx = HAVE_AMX && on && a.rows >= AMX_ROWS; return a; }
+/* a's rows in bf16 for the tiles where tiles exist and the step has ``from`` rows or more (0:
+   never); a.amx is then that threshold, which each matmul's rows meet or not */
+static inline gact gact_tiles(gact a, int from) { a.amx = HAVE_AMX && from > 0 && a.rows >= from ? from : 0; return a; }
 #define AMX_M 32        /* activation rows a block: two A tiles of 16 */
 #define AMX_N 32        /* weight rows a panel: two B tiles of 16 */
 

@@ -36,7 +36,7 @@ typedef struct {
     const float *x; int xstride, k; int8_t *q; float *d; int32_t *s; float *ds;
     int rows, tstride; int8_t *tq; float *td, *tds;
     int8_t *pq; int32_t *ls; int16_t *tls;
-    uint16_t *xb; int amx;  /* the rows in bf16 [rows + 32][k], for the AMX tiles (amx_tiles.h) where amx */
+    uint16_t *xb; int amx;  /* the rows in bf16 [rows + 32][k] for the AMX tiles (amx_tiles.h): matmuls of amx rows or more, 0 none */
 } gact;
 
 typedef struct { float s[2], bias; int o; } sub_t;          /* a run of 32's float terms */
@@ -809,7 +809,7 @@ static inline const uint8_t *weight_row(const proj_g *p, int n, int *type, int *
    tile of TG * TR activation rows after another (the tile stays in L1, the block in L2). */
 static void matmul_g(const proj_g *p, int rows, const gact *a, float *y, int ystride, int accumulate, int vec) {
 #if HAVE_AMX
-    if (vec && a->amx && rows >= AMX_ROWS && amx_takes(p)) { matmul_amx(p, rows, a, y, ystride, accumulate); return; }
+    if (vec && a->amx && rows >= a->amx && amx_takes(p)) { matmul_amx(p, rows, a, y, ystride, accumulate); return; }
 #endif
     const int tiled = vec && a->tq && rows >= TILED_ROWS;
     #pragma omp for schedule(static)

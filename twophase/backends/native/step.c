@@ -156,8 +156,8 @@ typedef struct {
                                  what the scratch and the attention's split are laid out for */
     int team;                 /* threads that run this step, 1..threads: fewer while other processes
                                  hold cores (thread_governor.py); the results do not depend on it */
-    int amx;                  /* stored projections of AMX_ROWS rows or more on the AMX tiles
-                                 (amx_tiles.h; amx_request() granted) */
+    int amx;                  /* stored projections of this many rows or more on the AMX tiles
+                                 (amx_tiles.h; amx_request() granted); 0 never */
 } step_t;
 
 
