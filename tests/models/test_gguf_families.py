@@ -220,7 +220,7 @@ def test_native_experts_on_stored_blocks_give_each_row_what_it_gets_alone(tmp_pa
     path elsewhere), and every row's logits are what that token gets prefilled alone after the
     ones before it, bit for bit. wide: a 1024-wide model whose router is Q8_0 too, over 131
     tokens (the router reads its rounded activations, larger there than the q4 layout's, while
-    it writes the scores laid out after them). The int8 paths: AMX tiles compute a step of 40
+    it writes the scores laid out after them). The int8 paths: AMX tiles compute a step of 24
     rows or more in bf16 (tests/backends/test_native_amx.py)."""
     from helpers.native import native_or_skip
 

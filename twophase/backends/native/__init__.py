@@ -49,7 +49,7 @@ from twophase.measure.thread_governor import ThreadGovernor
 log = logging.getLogger(__name__)
 
 OPTIONS = {"threads", "isa", "share_cpu", "amx"}
-AMX_ROWS = 40     # a step's rows from which the tiles beat the int8 paths (benchmarks/amx_crossover.py)
+AMX_ROWS = 24     # a step's rows from which the tiles beat the int8 paths (benchmarks/amx_crossover.py)
 # amx_request()'s answers other than 1 (tiles in use)
 AMX_OFF = {0: "this build has no AMX (the CPU, the compiler or backend.options.isa lacks it)",
            -1: "the Linux kernel refused the tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"}

@@ -1,11 +1,11 @@
 /* Prefill on the matrix engine: a stored projection's matmul on AMX bf16 tiles, for steps of
- * step_t.amx rows or more (40 by default, AMX_ROWS in __init__.py: the crossover measured in
+ * step_t.amx rows or more (24 by default, AMX_ROWS in __init__.py: the crossover measured in
  * benchmarks/amx_crossover.py). Included by step.c after gguf_blocks.h.
  *
  * The int8 paths round activations to 8 bits a run and apply each run's scales in float, which
  * AMX's int8 tiles cannot do inside a dot over more than 32 values. bf16 tiles can: each thread
  * decodes a panel of AMX_N weight rows (any stored type, w = s * (u - o) + bias a run) into bf16
- * once, in the tiles' pair order, and every block of AMX_M activation rows (bf16, written beside
+ * once, and every block of AMX_M activation rows (bf16, laid out in the tiles' pair order beside
  * the int8 codes when the row is rounded) meets it with TDPBF16PS, float32 sums over the whole
  * row. Decoding costs a pass over the weights a step, so few rows keep the int8 paths.
  *
@@ -87,44 +87,48 @@ INLINE void amx_run(int t, const uint8_t *w, int g, __m512 *lo, __m512 *hi) {
     *hi = _mm512_fmadd_ps(_mm512_set1_ps(r.terms.s[1]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(r.w, 1))), bias);
 }
 
-/* weight rows n0 .. n0 + nw (nw <= AMX_N) decoded into bf16, in the B tiles' order: for each
-   run c, 16 rows of AMX_N 32-bit pairs, pair kk of weight row i at (c * 16 + kk) * AMX_N + i;
-   rows past nw zero */
-static void amx_panel(const proj_g *p, int n0, int nw, uint32_t *panel) {
-    const int C = p->k / 32;
-    const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                          _mm512_set1_epi32(AMX_N));
+/* weight rows n0 .. n0 + nw (nw <= AMX_N) decoded into bf16, row after row as stored (the A
+   tiles take 16 rows of 32 values a load); rows past nw zero */
+static void amx_panel(const proj_g *p, int n0, int nw, uint16_t *panel) {
+    const int K = p->k;
     for (int i = 0; i < AMX_N; i++) {
+        uint16_t *o = panel + (size_t)i * K;
         if (i >= nw) {
-            for (int c = 0; c < C * 16; c++) panel[(size_t)c * AMX_N + i] = 0;
+            memset(o, 0, (size_t)2 * K);
             continue;
         }
         int t, left;
         const uint8_t *w = weight_row(p, n0 + i, &t, &left);
         (void)left;
-        for (int c = 0; c < C; c++) {
+        for (int c = 0; c < K / 32; c++) {
             __m512 lo, hi;
             amx_run(t, w, c, &lo, &hi);
-            _mm512_i32scatter_epi32(panel + (size_t)c * 16 * AMX_N + i, at, (__m512i)_mm512_cvtne2ps_pbh(hi, lo), 4);
+            _mm512_storeu_si512(o + 32 * c, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
         }
     }
 }
 
-/* row r of a's float activations into its bf16 copy, a->xb */
+/* row r of a's float activations into the B tiles' layout, a->xb: its values k and k + 1 as one
+   32-bit pair at [k / 32][k % 32 / 2][r], rows a->xbs apart (the tiles take 16 rows' pairs a
+   load, 16 pairs of each) */
 static void amx_round_row(const gact *a, int r) {
     const float *x = a->x + (size_t)r * a->xstride;
-    uint16_t *o = a->xb + (size_t)r * a->k;
-    for (int i = 0; i < a->k; i += 32)
-        _mm512_storeu_si512(o + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i)));
+    const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(a->xbs));
+    for (int c = 0; c < a->k / 32; c++)
+        _mm512_i32scatter_epi32(a->xb + (size_t)c * 16 * a->xbs + r, at,
+                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 32 * c + 16), _mm512_loadu_ps(x + 32 * c)), 4);
 }
 
 /* y[r][n] (+)= W[n] . x[r] on the tiles (inside a parallel region): panels of AMX_N weight rows
-   split across threads, each panel meeting every block of AMX_M activation rows */
+   split across threads, each panel meeting every block of AMX_M activation rows. The weights
+   are the A side (rows as stored), the activations the B side (laid out once a row), so the
+   tiles hold y's transpose, turned as it is written out. */
 static void matmul_amx(const proj_g *p, int rows, const gact *a, float *y, int ystride, int accumulate) {
-    static __thread uint32_t *panel;
+    static __thread uint16_t *panel;
     static __thread size_t held;
     const int K = p->k, C = K / 32;
-    const size_t need = (size_t)C * 16 * AMX_N * sizeof(uint32_t);
+    const size_t need = (size_t)AMX_N * K * sizeof(uint16_t);
     if (held < need) {
         free(panel);
         panel = aligned_alloc(64, need);
@@ -135,29 +139,28 @@ static void matmul_amx(const proj_g *p, int rows, const gact *a, float *y, int y
     for (int n0 = 0; n0 < p->n; n0 += AMX_N) {
         const int nw = p->n - n0 < AMX_N ? p->n - n0 : AMX_N;
         amx_panel(p, n0, nw, panel);
-        for (int r0 = 0; r0 < rows; r0 += AMX_M) {
-            const uint16_t *x0 = a->xb + (size_t)r0 * K, *x1 = x0 + (size_t)16 * K;
+        for (int m0 = 0; m0 < rows; m0 += AMX_M) {
             _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
             for (int c = 0; c < C; c++) {
-                const uint32_t *b = panel + (size_t)c * 16 * AMX_N;
-                _tile_loadd(4, x0 + 32 * c, 2 * K);
-                _tile_loadd(5, x1 + 32 * c, 2 * K);
-                _tile_loadd(6, b, 4 * AMX_N);
-                _tile_loadd(7, b + 16, 4 * AMX_N);
+                const uint32_t *b = a->xb + (size_t)c * 16 * a->xbs + m0;
+                _tile_loadd(4, panel + 32 * c, 2 * K);
+                _tile_loadd(5, panel + (size_t)16 * K + 32 * c, 2 * K);
+                _tile_loadd(6, b, 4 * a->xbs);
+                _tile_loadd(7, b + 16, 4 * a->xbs);
                 _tile_dpbf16ps(0, 4, 6);
                 _tile_dpbf16ps(1, 4, 7);
                 _tile_dpbf16ps(2, 5, 6);
                 _tile_dpbf16ps(3, 5, 7);
             }
-            float out[AMX_M][AMX_N];
-            _tile_stored(0, &out[0][0], 4 * AMX_N);
-            _tile_stored(1, &out[0][16], 4 * AMX_N);
-            _tile_stored(2, &out[16][0], 4 * AMX_N);
-            _tile_stored(3, &out[16][16], 4 * AMX_N);
-            const int nr = rows - r0 < AMX_M ? rows - r0 : AMX_M;
-            for (int r = 0; r < nr; r++) {
-                float *yr = y + (size_t)(r0 + r) * ystride + n0;
-                for (int n = 0; n < nw; n++) yr[n] = accumulate ? yr[n] + out[r][n] : out[r][n];
+            float out[AMX_N][AMX_M];            /* [weight row][activation row] */
+            _tile_stored(0, &out[0][0], 4 * AMX_M);
+            _tile_stored(1, &out[0][16], 4 * AMX_M);
+            _tile_stored(2, &out[16][0], 4 * AMX_M);
+            _tile_stored(3, &out[16][16], 4 * AMX_M);
+            const int nr = rows - m0 < AMX_M ? rows - m0 : AMX_M;
+            for (int m = 0; m < nr; m++) {
+                float *yr = y + (size_t)(m0 + m) * ystride + n0;
+                for (int n = 0; n < nw; n++) yr[n] = accumulate ? yr[n] + out[n][m] : out[n][m];
             }
         }
     }

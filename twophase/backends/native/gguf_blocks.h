@@ -36,7 +36,8 @@ typedef struct {
     const float *x; int xstride, k; int8_t *q; float *d; int32_t *s; float *ds;
     int rows, tstride; int8_t *tq; float *td, *tds;
     int8_t *pq; int32_t *ls; int16_t *tls;
-    uint16_t *xb; int amx;  /* the rows in bf16 [rows + 32][k] for the AMX tiles (amx_tiles.h): matmuls of amx rows or more, 0 none */
+    uint32_t *xb; int xbs, amx;  /* the rows in bf16 pairs for the AMX tiles (amx_tiles.h), rows xbs apart:
+                               matmuls of amx rows or more, 0 none */
 } gact;
 
 typedef struct { float s[2], bias; int o; } sub_t;          /* a run of 32's float terms */
@@ -703,13 +704,13 @@ static inline int groups_up(int rows) { return (rows + TR - 1) / TR * TR; }
 static inline long gact_floats(int rows, int k) {
     const long P = groups_up(rows);
     return ((long)rows * k * 2 + P * k) / 4 + (long)rows * (k / 32 * 6 + k / 16) + P * (k / 32) * 4 + 16
-           + (long)(rows + 32) * k / 2 + 16;
+           + (long)(rows + 48) * k / 2 + 16;
 }
 
 /* the activations' layout in the scratch at `at` (gact_floats(rows, k) floats) */
 static gact gact_layout(float *at, int rows, int k, const float *x, int xstride) {
     gact a = { x, xstride, k, (int8_t *)at, NULL, NULL, NULL, rows, groups_up(rows), NULL, NULL, NULL, NULL, NULL, NULL,
-               NULL, 0 };
+               NULL, (rows + 47) / 16 * 16, 0 };
     a.d = (float *)(a.q + (size_t)rows * k);
     a.s = (int32_t *)(a.d + (size_t)rows * (k / 32));
     a.ds = (float *)(a.s + (size_t)rows * (k / 16));
@@ -719,7 +720,7 @@ static gact gact_layout(float *at, int rows, int k, const float *x, int xstride)
     a.ls = (int32_t *)(a.tq + (size_t)a.tstride * k);
     a.pq = (int8_t *)(a.ls + (size_t)rows * (k / 32) * 4);
     a.tls = (int16_t *)(a.pq + (size_t)rows * k);
-    a.xb = (uint16_t *)(((uintptr_t)(a.tls + (size_t)(k / 32) * a.tstride * 4) + 63) & ~(uintptr_t)63);
+    a.xb = (uint32_t *)(((uintptr_t)(a.tls + (size_t)(k / 32) * a.tstride * 4) + 63) & ~(uintptr_t)63);
     return a;
 }
 

@@ -1520,7 +1520,7 @@ static gact gact_from(const gact *a, int off) {
     if (off % TR) v.tq = NULL;                  /* not on a group: the rows one at a time */
     else if (v.tq) { v.tq += (size_t)off * 32; v.td += off; v.tds += off; v.tls += (size_t)off * 4; }
     v.rows -= off;
-    v.xb += (size_t)off * a->k;
+    v.xb += off;                                /* a column of the tiles' layout */
     return v;
 }
 
