@@ -60,6 +60,7 @@ def test_ngram_speculation_keeps_the_greedy_tokens(default_llm, default_prompts)
     assert spec.engine.kv.num_free_blocks == spec.num_blocks
 
 
+@pytest.mark.exhaustive        # the draft path's default lane: tests/core/test_draft.py (tiny models)
 def test_draft_speculation_keeps_the_greedy_tokens(default_llm, default_prompts):
     from twophase.backends.native import NativeBackend
 
