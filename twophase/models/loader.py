@@ -20,6 +20,7 @@ import torch
 
 from twophase.arch import ModelArch
 from twophase.contract import ModelSpec, WeightSource
+from twophase.device import cpu_flags
 from twophase.errors import ConfigError, ModelError
 from twophase.models import hf_repo, hub
 from twophase.models.families import read_config
@@ -60,13 +61,18 @@ def model_spec(m: ResolvedModel, cfg: ModelSource) -> ModelSpec:
     return spec
 
 
+# the CPU flags under which oneDNN runs a dtype's matmuls natively (AVX-512 or AMX tiles)
+NATIVE_MATMUL = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
+
+
 def resolve_dtype(name: str, device: str) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     dtype = DTYPES[name]
-    if torch.device(device).type == "cpu" and dtype != torch.float32:
-        log.warning("%s on CPU: without native support a %s matmul can be ~100x slower than "
-                    "float32 here", name, name)
+    if torch.device(device).type == "cpu" and dtype != torch.float32 \
+            and not set(NATIVE_MATMUL.get(dtype, ())) & cpu_flags():
+        log.warning("%s on CPU: this CPU has no %s matmul instructions (%s), so a %s matmul can be "
+                    "~100x slower than float32 here", name, name, " or ".join(NATIVE_MATMUL.get(dtype, ())), name)
     return dtype
 
 
