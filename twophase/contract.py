@@ -599,6 +599,12 @@ class Backend(ABC):
         Only for a backend with ``Capabilities.adapters``."""
         raise NotImplementedError(f"the {self.name} backend does not apply LoRA adapters")
 
+    def compute_dtype(self, phase: str) -> torch.dtype | None:
+        """The arithmetic ``phase``'s ("prefill" or "decode") matmuls run in where it is not the
+        model's dtype (int8 dots on 4-bit weights, bf16 tiles): the roofline takes that engine's
+        ceiling (``twophase calibrate``). None: the model's dtype."""
+        return None
+
     def read_kv_pool(self) -> torch.Tensor | None:
         """A copy of the pool a backend keeps itself (``shares_kv_pool = False``), for tests and
         the conformance kit; ``None`` for a backend that writes core's pool."""

@@ -136,3 +136,21 @@ def test_a_busy_machine_is_named_and_a_quiet_one_is_not(record, reason):
     assert any(reason in r for r in machine.busy_reasons(record))
     assert machine.busy_reasons({"load_before": 0.9, "load_after": 2.0, "cores": 2,
                                  "others_cpu_fraction": 0.2, "steal_fraction": 0.01}) == []
+
+
+@pytest.mark.parametrize("flags, want", [
+    ({"avx2", "fma"}, {torch.float32: ["avx2"], torch.int8: ["avx2"]}),
+    ({"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "avx512_fp16"},
+     {torch.float32: ["avx2", "avx512f"], torch.int8: ["avx2", "avx512_vnni", "amx_int8"],
+      torch.bfloat16: ["avx512_bf16", "amx_bf16"], torch.float16: ["avx512_fp16"]}),
+])
+def test_the_engines_are_those_the_cpus_flags_name(monkeypatch, flags, want):
+    monkeypatch.setattr(calibrate, "cpu_flags", lambda: frozenset(flags))
+    assert calibrate.cpu_engines() == want
+
+
+def test_an_int8_ceiling_times_int8_dots(own_cache):
+    settle = calibrate.Settle(min_runs=2, min_s=0.0, cap_s=0.2)
+    c = calibrate.ceilings("cpu", torch.int8, settle=settle)
+    assert c.dtype == "int8" and c.peak_flops > 0
+    assert calibrate.ceilings("cpu", torch.float32, settle=settle).dtype == "float32"   # its own entry

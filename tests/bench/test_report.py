@@ -232,3 +232,14 @@ def test_results_saved_by_an_older_bench_still_render(tmp_path):
     files = report.write_all(res, tmp_path)
     assert len(files) == 6
     assert "no date or load record" in (tmp_path / "report.md").read_text()
+
+
+def test_a_prefill_on_another_engine_names_its_ceiling():
+    """Native prefill on bf16 tiles beside int8 decode dots: the headline names both engines and
+    the prefill peak its roofline took; one engine for both says nothing more."""
+    res = results()
+    assert not any("prefill's in" in line for line in report.headline(res))
+    res["ceilings"] = {**res["ceilings"], "dtype": "int8"}
+    res["prefill_ceilings"] = {**res["ceilings"], "dtype": "bfloat16", "peak_flops": 1.5e12}
+    said = [line for line in report.headline(res) if "prefill's in" in line]
+    assert said and "int8" in said[0] and "bfloat16" in said[0] and "1.5 TFLOP/s" in said[0], said

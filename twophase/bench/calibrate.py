@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from twophase import large_pages
-from twophase.device import cpu_name
+from twophase.device import cpu_flags, cpu_name
 from twophase.measure import machine
 from twophase.paths import cache_dir
 
@@ -70,6 +70,24 @@ class Settle:
     min_runs: int = 5
     min_s: float = 2.0
     cap_s: float = 20.0
+
+
+# a CPU's matmul engines: the flags of the instructions each runs on, widest last (int8 and
+# float32 run everywhere torch does: AVX2's madd and FMA at least)
+CPU_ENGINES: dict[torch.dtype, tuple[str, ...]] = {
+    torch.float32: ("avx2", "avx512f"),
+    torch.bfloat16: ("avx512_bf16", "amx_bf16"),
+    torch.float16: ("avx512_fp16", "amx_fp16"),
+    torch.int8: ("avx2", "avx_vnni", "avx512_vnni", "amx_int8"),
+}
+ALWAYS = (torch.float32, torch.int8)
+
+
+def cpu_engines() -> dict[torch.dtype, list[str]]:
+    """The engines this CPU runs natively, each with the instruction sets it has for it."""
+    have = cpu_flags()
+    found = {d: [f for f in flags if f in have] for d, flags in CPU_ENGINES.items()}
+    return {d: f for d, f in found.items() if f or d in ALWAYS}
 
 
 def device_name(device: torch.device) -> str:
@@ -194,10 +212,15 @@ def _peak(device: torch.device, dtype: torch.dtype, settle: Settle) -> tuple[flo
     sizes = (8192, 16384) if device.type == "cuda" else (1024, 2048)
     best, best_spread = 0.0, float("inf")
     for n in sizes:
-        a = torch.randn(n, n, device=device).to(dtype)
-        b = torch.randn(n, n, device=device).to(dtype)
-        _once(lambda a=a, b=b: a @ b, device)                         # warm-up
-        t, s = settled(lambda a=a, b=b: _once(lambda: a @ b, device), settle)
+        if dtype == torch.int8:                 # int8 dots (VNNI, AMX): int32 sums, as oneDNN runs them
+            a = torch.randint(-127, 128, (n, n), dtype=dtype, device=device)
+            b = torch.randint(-127, 128, (n, n), dtype=dtype, device=device)
+        else:
+            a = torch.randn(n, n, device=device).to(dtype)
+            b = torch.randn(n, n, device=device).to(dtype)
+        mm = torch._int_mm if dtype == torch.int8 else torch.matmul
+        _once(lambda a=a, b=b, mm=mm: mm(a, b), device)               # warm-up
+        t, s = settled(lambda a=a, b=b, mm=mm: _once(lambda: mm(a, b), device), settle)
         if 2 * n ** 3 / t > best:
             best, best_spread = 2 * n ** 3 / t, s
     return best, best_spread

@@ -109,6 +109,17 @@ def _calibration_note(c: dict[str, Any]) -> str:
         f"calibrated {when}"
 
 
+def _prefill_engine(res: dict[str, Any]) -> list[str]:
+    """A sentence where prefill's matmuls ran on another engine than decode's (bf16 tiles
+    beside int8 dots, say), whose ceiling its roofline takes."""
+    p, c = res.get("prefill_ceilings"), res["ceilings"]
+    if not p or p.get("dtype") == c.get("dtype"):
+        return []
+    return [f"Decode's matmuls ran in {c['dtype']}, prefill's in {p['dtype']}: prefill's roofline takes "
+            f"that engine's {_si(p['peak_flops'])}{'OP' if p['dtype'] == 'int8' else 'FLOP'}/s peak "
+            f"({_calibration_note(p)})."]
+
+
 def headline(res: dict[str, Any]) -> list[str]:
     c, rf = res["ceilings"], res["roofline"]
     cross = rf["decode_crossover_batch"]
@@ -124,6 +135,7 @@ def headline(res: dict[str, Any]) -> list[str]:
         f"calibrate`: {_si(c['peak_flops'])}FLOP/s matmul peak, {_si(c['bandwidth'])}B/s "
         f"memory bandwidth (ridge {c['peak_flops'] / c['bandwidth']:.1f} FLOP/byte; "
         f"{_calibration_note(c)}).",
+        *_prefill_engine(res),
         f"Arithmetic intensity: prefill {rf['prefill_intensity']:.0f} FLOP/byte at "
         f"{rf['prefill_intensity_at']} tokens, decode {rf['decode_intensity_b1']:.2f} at batch 1 "
         f"(context {res['decode_context']}); decode turns compute-bound at batch "

@@ -260,7 +260,8 @@ def _run(cfg: Config, b, names: list[str], llms: dict[str, Any], before, compare
     arch, dtype = first.model.arch, first.model.dtype
     cost = CostModel(arch, dtype.itemsize, first.kv_cache.pool.dtype.itemsize)
     _threads_for_size(cfg, device, cost)
-    ceil = calibrate.ceilings(device, dtype)
+    ceil = calibrate.ceilings(device, first.decode_backend.compute_dtype("decode") or dtype)
+    pceil = calibrate.ceilings(device, first.prefill_backend.compute_dtype("prefill") or dtype)
     lines: dict[str, Any] = dict(llms)
     hf, no_baseline = _baseline(b, first)
     if hf is not None:
@@ -280,10 +281,11 @@ def _run(cfg: Config, b, names: list[str], llms: dict[str, Any], before, compare
         "dtype": str(dtype).removeprefix("torch."), "lines": list(lines), "repeats": b.repeats,
         "repeats_requested": cfg.bench.repeats, "warmup_rounds": 1, "torch_threads": torch.get_num_threads(),
         "decode_context": b.decode_context, "cache_depth": b.cache_depth,
-        "ceilings": dataclasses.asdict(ceil),
+        "ceilings": dataclasses.asdict(ceil),              # decode's engine
+        "prefill_ceilings": dataclasses.asdict(pceil),     # prefill's, where its matmuls run otherwise
         "machine": machine.between(before, machine.sample()),
         "shapes": {"prefill": b.prompt_lens, "decode": b.batch_sizes},
-        "prefill": {line: {str(n): _measured(v, n, cost.prefill(n, b.cache_depth), ceil)
+        "prefill": {line: {str(n): _measured(v, n, cost.prefill(n, b.cache_depth), pceil)
                            for n, v in times["prefill"][line].items()} for line in lines},
         "decode": {line: {str(x): _measured(v, x, cost.decode(x, b.decode_context), ceil)
                           for x, v in times["decode"][line].items()} for line in lines},
@@ -295,15 +297,16 @@ def _run(cfg: Config, b, names: list[str], llms: dict[str, Any], before, compare
                               f"new shape allocated" for n, llm in llms.items() if isinstance(llm, IsolatedLine)],
         "baseline_missing": no_baseline,
     }
-    res["roofline"] = _roofline(cost, b, ceil, served)
+    res["roofline"] = _roofline(cost, b, pceil, ceil, served)
     if chunked:
         res["chunked"] = chunked
         res["chunked_long_prompt"] = max(b.prompt_lens)
     return res
 
 
-def _roofline(cost, b, ceil, served: dict[str, Any]) -> dict[str, Any]:
-    """Each phase's arithmetic intensity and bound, and what speculation did to decode's."""
+def _roofline(cost, b, pceil, ceil, served: dict[str, Any]) -> dict[str, Any]:
+    """Each phase's arithmetic intensity and bound (on the ceilings of the engine it ran on:
+    pceil prefill's, ceil decode's), and what speculation did to decode's."""
     big = max(b.prompt_lens)
     out = {
         "prefill_intensity": cost.prefill(big, b.cache_depth).intensity, "prefill_intensity_at": big,
@@ -311,7 +314,7 @@ def _roofline(cost, b, ceil, served: dict[str, Any]) -> dict[str, Any]:
         "decode_intensity": {str(x): cost.decode(x, b.decode_context).intensity for x in b.batch_sizes},
         "decode_crossover_batch": cost.decode_crossover(b.decode_context, ceil.peak_flops, ceil.bandwidth),
         "prefill_bound_tokens_per_s": {str(n): n / cost.prefill(n, b.cache_depth).bound_s(
-            ceil.peak_flops, ceil.bandwidth) for n in b.prompt_lens},
+            pceil.peak_flops, pceil.bandwidth) for n in b.prompt_lens},
         "decode_bound_tokens_per_s": {str(x): x / cost.decode(x, b.decode_context).bound_s(
             ceil.peak_flops, ceil.bandwidth) for x in b.batch_sizes},
     }

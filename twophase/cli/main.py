@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     cal = sub.add_parser("calibrate", help="measure (and cache) this device's matmul peak and "
                                            "memory bandwidth, the roofline's ceilings")
     cal.add_argument("--device", default="cpu")
-    cal.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    cal.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "int8"],
+                     help="one engine (default: on a CPU every one it has, float32 on CUDA)")
     cal.add_argument("--force", action="store_true", help="measure again even if cached")
     plan = sub.add_parser("plan", help="what a config needs in memory on a device, before anything "
                                        "loads: weights, KV cache, activations...; users that fit")
@@ -333,13 +334,20 @@ def cmd_calibrate(args) -> int:
         raise ConfigError("--device", f"{args.device!r}: torch {torch.__version__} sees no CUDA device")
     if device.type not in ("cpu", "cuda"):
         raise ConfigError("--device", f"calibration measures cpu or cuda devices, not {args.device!r}")
-    c = ceilings(device, getattr(torch, args.dtype), force=args.force)
-    print(f"{c.device} ({c.dtype}, {c.threads or 'all'} threads): matmul peak "
-          f"{c.peak_flops / 1e9:.1f} GFLOP/s, memory bandwidth {c.bandwidth / 1e9:.1f} GB/s, "
-          f"ridge {c.ridge:.1f} FLOP/byte")
-    print(f"measured {c.measured_at}; best runs within {100 * max(c.peak_spread, c.bandwidth_spread):.1f}%")
-    for why in c.busy:
-        print(f"warning: the machine was not quiet while calibrating: {why}")
+    from twophase.bench.calibrate import cpu_engines
+
+    engines = cpu_engines() if device.type == "cpu" else {}
+    dtypes = [getattr(torch, args.dtype)] if args.dtype else list(engines) or [torch.float32]
+    for dtype in dtypes:
+        c = ceilings(device, dtype, force=args.force)
+        unit = "GOP/s" if dtype == torch.int8 else "GFLOP/s"
+        isa = f" on {', '.join(engines[dtype])}" if engines.get(dtype) else ""
+        print(f"{c.device} ({c.dtype}{isa}, {c.threads or 'all'} threads): matmul peak "
+              f"{c.peak_flops / 1e9:.1f} {unit}, memory bandwidth {c.bandwidth / 1e9:.1f} GB/s, "
+              f"ridge {c.ridge:.1f} {'OP' if dtype == torch.int8 else 'FLOP'}/byte")
+        print(f"  measured {c.measured_at}; best runs within {100 * max(c.peak_spread, c.bandwidth_spread):.1f}%")
+        for why in c.busy:
+            print(f"  warning: the machine was not quiet while calibrating: {why}")
     return 0
 
 

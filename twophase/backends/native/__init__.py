@@ -157,6 +157,10 @@ class NativeBackend(Backend):
             log.info("native prefill: no AMX tiles, %s", AMX_OFF.get(got, f"answer {got}"))
         return rows if got == 1 and quantization == "gguf" else 0
 
+    def compute_dtype(self, phase: str) -> torch.dtype | None:
+        """bf16 tiles for a prefill where AMX takes it (a long one), else int8 dots."""
+        return torch.bfloat16 if phase == "prefill" and self.amx else torch.int8
+
     def kv_cache_spec(self) -> KVCacheSpec:
         a = self.arch
         return KVCacheSpec(a.num_layers, a.num_kv_heads, a.head_dim, torch.float32, torch.device("cpu"))
