@@ -68,6 +68,19 @@ def test_the_count_comes_back_when_the_neighbour_leaves_and_is_read_at_most_ever
     assert g.threads() == 4
 
 
+def test_what_others_did_while_this_process_sat_idle_is_not_held_against_it():
+    """Another engine's burst during a pause (two engines taking turns, say) is over when the
+    next step comes; a neighbour still there is read within the next interval."""
+    m = Machine(2)
+    g = governor(m, 2)
+    m.run(0.5, others=1.0, own=1.0)
+    assert g.threads() == 1                   # stepping beside a neighbour
+    m.run(3.0, others=2.0, own=0.0)           # idle while another process ran on both cores
+    assert g.threads() == 2
+    m.run(0.3, others=1.0, own=1.0)
+    assert g.threads() == 1
+
+
 def test_others_outside_the_process_mask_leave_its_cores_alone():
     m = Machine(8)
     g = governor(m, 2, usable=2)              # two of eight CPUs are ours
