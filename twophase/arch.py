@@ -249,7 +249,10 @@ class ModelArch:
 
     @property
     def scale(self) -> float:
-        return self.query_scale if self.query_scale is not None else self.head_dim ** -0.5
+        """q.k's scale: the family's (1/sqrt(head_dim) by default) times YaRN's attention
+        factor squared, which cos and sin carry to both q and k where every dimension turns."""
+        base = self.query_scale if self.query_scale is not None else self.head_dim ** -0.5
+        return base * (self.rope_scaling or {}).get("attention_factor", 1.0) ** 2
 
     def features(self) -> frozenset[str]:
         """The keys of ``FEATURES`` this architecture uses."""

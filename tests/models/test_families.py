@@ -120,8 +120,8 @@ def test_an_unknown_family_names_the_ones_that_load(tmp_path):
 def test_an_unimplemented_rope_scaling_is_refused_not_ignored():
     from twophase.models.families import by_model_type
 
-    cfg = {**BASE, "model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
-    with pytest.raises(ModelError, match="RoPE scaling 'yarn' is not implemented"):
+    cfg = {**BASE, "model_type": "llama", "rope_scaling": {"rope_type": "longrope", "factor": 4.0}}
+    with pytest.raises(ModelError, match="RoPE scaling 'longrope' is not implemented"):
         by_model_type("llama", "here").arch_from_hf(cfg)
 
 

@@ -15,6 +15,7 @@ from torch import nn
 
 from twophase.arch import LayerSpec, ModelArch
 from twophase.contract import KVGroups
+from twophase.errors import ModelError
 from twophase.models.graph_attention import GraphMeta
 from twophase.models.layers.attention import Attention, AttnMeta
 from twophase.models.layers.deltanet import GatedDeltaNet
@@ -22,7 +23,7 @@ from twophase.models.layers.mamba2 import Mamba2
 from twophase.models.layers.mlp import GatedMLP
 from twophase.models.layers.moe import MoE
 from twophase.models.layers.norm import RMSNorm
-from twophase.models.layers.rotary import cos_sin, inv_freq
+from twophase.models.layers.rotary import attention_factor, cos_sin, inv_freq
 from twophase.models.layers.short_conv import ShortConv
 from twophase.models.layers.state import StateMeta
 
@@ -41,6 +42,9 @@ def rope_thetas(arch: ModelArch) -> list[float]:
 def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
     """``[bases, rotary_dim / 2]``: each RoPE base's frequencies (float32, on the CPU)."""
     rot = arch.rotary_dim or arch.head_dim
+    if attention_factor(arch.rope_scaling) != 1.0 and rot != arch.head_dim:
+        raise ModelError(f"YaRN's attention factor with partial rotary ({rot} of {arch.head_dim} dimensions) "
+                         f"is not implemented (it is folded into the query scale, which every dimension takes)")
     return torch.stack([inv_freq(rot, t, arch.rope_scaling) for t in rope_thetas(arch)])
 
 

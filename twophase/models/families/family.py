@@ -101,7 +101,7 @@ def common_fields(c: dict[str, Any], tie_default: bool = False) -> dict[str, Any
         "max_position_embeddings": c.get("max_position_embeddings", 8192),
         "rms_norm_eps": float(c.get("rms_norm_eps", 1e-5)),
         "tie_word_embeddings": bool(c.get("tie_word_embeddings", tie_default)),
-        "rope_scaling": check_scaling(c.get("rope_scaling") or params),
+        "rope_scaling": check_scaling(c.get("rope_scaling") or params, c.get("max_position_embeddings")),
         "bos_token_id": c.get("bos_token_id"),
         "eos_token_ids": eos_ids,
     }

@@ -21,14 +21,22 @@ GEMMA_LAYER: LayerNames = {
 }
 
 
+def _plain(scaling: dict[str, Any] | None) -> None:
+    """Gemma's layer types run plain RoPE here: a scaling the kit computes elsewhere is still
+    refused by name, not dropped."""
+    if check_scaling(scaling) is not None:
+        raise ModelError(f"RoPE scaling {scaling.get('rope_type', scaling.get('type'))!r} on Gemma's "  # type: ignore[union-attr]
+                         f"layers is not implemented")
+
+
 def _thetas(c: dict[str, Any]) -> dict[str, float]:
     """The RoPE base of each layer type; a scaling other than plain is refused by name."""
     params = c.get("rope_parameters") or {}
     if "full_attention" in params:              # transformers 5: one entry a layer type
         for p in params.values():
-            check_scaling(p)
+            _plain(p)
         return {t: float(p["rope_theta"]) for t, p in params.items()}
-    check_scaling(c.get("rope_scaling") or params)
+    _plain(c.get("rope_scaling") or params)
     full = float(c.get("rope_theta", params.get("rope_theta", 10000.0)))
     return {"full_attention": full, "sliding_attention": float(c.get("rope_local_base_freq", full))}
 
