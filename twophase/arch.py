@@ -8,6 +8,7 @@ refuses the model by the feature's name rather than computing another model with
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, ClassVar, Literal
 
@@ -35,6 +36,7 @@ FEATURES: dict[str, str] = {
     "no_rope": "attention without RoPE",
     "residual_scale": "a scaled residual branch",
     "logit_divisor": "divided logits",
+    "rope_yarn": "YaRN RoPE scaling",
 }
 
 
@@ -271,6 +273,7 @@ class ModelArch:
             "attn_output_gate": self.attn_output_gate,
             "no_rope": self.no_rope,
             "residual_scale": self.residual_scale != 1.0,
+            "rope_yarn": (self.rope_scaling or {}).get("rope_type") == "yarn",
             "logit_divisor": self.logit_divisor != 1.0,
         }
         kinds = {s.mixer.kind for s in self.layers if s.mixer is not None}
@@ -327,6 +330,9 @@ def with_feature(arch: ModelArch, key: str) -> ModelArch:
         "query_scale": {"query_scale": 0.5 * hd ** -0.5}, "partial_rotary": {"rotary_dim": hd // 2},
         "attn_output_gate": {"attn_output_gate": True}, "no_rope": {"no_rope": True},
         "residual_scale": {"residual_scale": 0.5}, "logit_divisor": {"logit_divisor": 4.0},
+        "rope_yarn": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                                       "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True,
+                                       "attention_factor": 0.1 * math.log(4.0) + 1.0}},
     }
     if key in simple:
         return replace(arch, **simple[key])

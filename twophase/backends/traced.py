@@ -7,6 +7,7 @@ traced from the decoder (``twophase.models.graph_attention``), so they claim one
 TRACED_FEATURES = frozenset({
     "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "norm_offset", "post_norms", "gelu_tanh", "embed_scale",
     "attn_softcap", "final_softcap", "query_scale", "partial_rotary", "rope_per_layer", "sliding_window",
+    "rope_yarn",
 })
 
 # the kinds of state layer whose one step the step graph traces (``models/layers/state.py``):
