@@ -159,15 +159,15 @@ def _kit_runs(with_default_model: tuple[tuple[str, str], ...]):
     return [(n, o, q, (n, o) in with_default_model) for n, o, q in runs]
 
 
-@pytest.mark.slow              # the kit's default-model check, on torch
+@pytest.mark.slow
 def test_conformance_kit_passes_the_builtin_backends(tmp_path):
     """From a directory outside the repository, as a plugin author would run it. The iree
     modules come from the cache the iree tests filled; tensorrt cannot run here and is skipped
     with its reason. iree runs twice: over the engine's pool, and keeping its own; the q4
-    backends (int8 activations) in the kit's tolerance mode. The default-model check runs on
-    torch; on iree in the exhaustive lane; the others have their own (test_onnxruntime,
-    test_native, test_quant: CI time)."""
-    _run_kit(tmp_path, [r for r in _kit_runs(with_default_model=(("torch", "{}"),)) if r[:3] not in VARIANTS])
+    backends (int8 activations) in the kit's tolerance mode. The kit's default-model check runs
+    in the exhaustive lane (on torch and iree); each backend has its own default-model test
+    (test_default_model, test_onnxruntime, test_native, test_quant: CI time)."""
+    _run_kit(tmp_path, [r for r in _kit_runs(with_default_model=()) if r[:3] not in VARIANTS])
     run = _run(sys.executable, *KIT, "--backend", "tensorrt", "-rs", cwd=tmp_path)
     assert run.returncode == 0 and "1 passed, 10 skipped" in run.stdout and "TensorRT" in run.stdout
 
@@ -185,6 +185,11 @@ def test_conformance_kit_passes_the_builtin_backends_second_settings(tmp_path):
 @pytest.mark.exhaustive        # compiles the default model's 30 layers for IREE
 def test_conformance_kit_runs_the_default_model_on_iree(tmp_path):
     _run_kit(tmp_path, [("iree", "{}", "none", True)])
+
+
+@pytest.mark.exhaustive
+def test_conformance_kit_runs_the_default_model_on_torch(tmp_path):
+    _run_kit(tmp_path, [("torch", "{}", "none", True)])
 
 
 def _run_kit(tmp_path, runs) -> None:
