@@ -36,6 +36,7 @@ def _prompts(llm: LLM, chat_prompts: list[str]) -> list[str]:
     ]
 
 
+@pytest.mark.exhaustive        # n-gram speculation's default lane: tests/core/test_speculative.py (tiny models)
 def test_ngram_speculation_keeps_the_greedy_tokens(default_llm, default_prompts):
     spec = LLM.from_config({"model": {"name": "smollm2-135m-instruct"},
                             "cache": {"num_blocks": 24},

@@ -88,6 +88,7 @@ def test_logits_match_torch_on_the_same_pool(case, pool):
         assert torch.equal(before, passed)        # the module wrote its own pool, not this one
 
 
+@pytest.mark.exhaustive        # a second compile; the cache's damage path stays in the default lane below
 def test_module_is_cached_by_manifest_and_seen_stale():
     from twophase.exporters import mlir
     from twophase.exporters.cache import is_fresh

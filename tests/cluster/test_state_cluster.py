@@ -58,6 +58,7 @@ def served(folder, **cluster):
         c.shutdown()
 
 
+@pytest.mark.exhaustive        # a Ray cluster of its own; disaggregation's default lane: test_cluster.py
 def test_a_hybrid_served_disaggregated_gives_one_engines_text(ray_cluster, hybrid_folder):
     prompts = ["The lighthouse keeper counted the ships that passed", "Once upon a time", "a b c d e f g"]
     one = LLM.from_config({"model": {"path": str(hybrid_folder)}, "cache": {"num_blocks": 256}})
