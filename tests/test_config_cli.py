@@ -730,3 +730,17 @@ def test_lora_flags_join_the_configs_adapters():
     assert [(a.name, a.path) for a in cfg.lora] == [("sql", "adapters/sql"), ("chat", "/a/chat"), ("x", "y")]
     with pytest.raises(SystemExit):
         p.parse_args(["--lora", "no-path"])
+
+
+@pytest.mark.parametrize("flags, says", [
+    ({"avx2", "fma", "f16c"}, "AVX2 int8 dots"),
+    ({"avx2", "avx512f", "avx512_vnni"}, "AVX-512 VNNI int8 dots"),
+    ({"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16"}, "on AMX bf16 tiles"),
+])
+def test_the_native_backend_says_what_it_computes_with_on_this_cpu(monkeypatch, flags, says):
+    """What ``twophase backends`` prints beside "yes", from the CPU's flags alone."""
+    import twophase.backends.native as native
+
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset(flags))
+    got = native.NativeBackend.engines_here("cpu")
+    assert got is not None and says in got and ("AMX" in got) == ("amx_tile" in flags)

@@ -599,6 +599,13 @@ class Backend(ABC):
         Only for a backend with ``Capabilities.adapters``."""
         raise NotImplementedError(f"the {self.name} backend does not apply LoRA adapters")
 
+    @classmethod
+    def engines_here(cls, device: str = "cpu") -> str | None:
+        """What it computes with on this machine's ``device`` where that depends on the machine
+        (an instruction set, a matrix engine), for ``twophase backends``; None: nothing to say.
+        Read from the machine's description, nothing loaded or compiled."""
+        return None
+
     def compute_dtype(self, phase: str) -> torch.dtype | None:
         """The arithmetic ``phase``'s ("prefill" or "decode") matmuls run in where it is not the
         model's dtype (int8 dots on 4-bit weights, bf16 tiles): the roofline takes that engine's

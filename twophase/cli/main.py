@@ -365,7 +365,9 @@ def cmd_backends(args) -> int:
         for device in ("cpu", "cuda"):
             why = reg.availability(name, device)
             yes, no = ("yes", "green"), ("no", "red")
-            cells.append(terminal.styled(yes) if why is None else terminal.styled(no, ": ", why))
+            here = info.cls.engines_here(device) if why is None else None
+            cells.append(terminal.styled(yes, *([f": {here}"] if here else [])) if why is None
+                         else terminal.styled(no, ": ", why))
         try:
             caps = info.cls().capabilities()     # the class's own statement: nothing is loaded
             kv = ", ".join(dict.fromkeys([str(d).removeprefix("torch.") for d in caps.dtypes] + list(caps.kv_formats)))

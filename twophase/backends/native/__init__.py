@@ -41,7 +41,7 @@ from twophase.contract import (
     PrefillBatch,
     parse_device,
 )
-from twophase.device import threads_option
+from twophase.device import cpu_flags, threads_option
 from twophase.errors import ConfigError
 from twophase.kv_formats import KV_FORMATS
 from twophase.measure.thread_governor import ThreadGovernor
@@ -157,6 +157,15 @@ class NativeBackend(Backend):
         elif got != 1:
             log.info("native prefill: no AMX tiles, %s", AMX_OFF.get(got, f"answer {got}"))
         return rows if got == 1 and quantization == "gguf" else 0
+
+    @classmethod
+    def engines_here(cls, device: str = "cpu") -> str | None:
+        flags = cpu_flags()
+        dots = ("AVX-512 VNNI" if {"avx512f", "avx512_vnni"} <= flags else
+                "AVX-VNNI" if "avx_vnni" in flags else "AVX2") + " int8 dots"
+        if {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags:
+            return f"{dots}; gguf steps of {AMX_ROWS}+ tokens on AMX bf16 tiles"
+        return dots
 
     def compute_dtype(self, phase: str) -> torch.dtype | None:
         """bf16 tiles for a prefill where AMX takes it (a long one), else int8 dots."""
