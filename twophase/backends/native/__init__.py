@@ -154,7 +154,10 @@ class NativeBackend(Backend):
         got = self.lib.amx_request()
         if got == 1 and quantization == "gguf":
             log.info("native prefill: AMX bf16 tiles for steps of %d tokens or more", rows)
-        elif got != 1:
+        elif got == 1:
+            log.info("native prefill: this CPU has AMX tiles, which run quantization = \"gguf\" (the file's "
+                     "blocks as stored); %r keeps the int8 paths", quantization)
+        else:
             log.info("native prefill: no AMX tiles, %s", AMX_OFF.get(got, f"answer {got}"))
         return rows if got == 1 and quantization == "gguf" else 0
 
