@@ -154,3 +154,37 @@ def test_an_int8_ceiling_times_int8_dots(own_cache):
     c = calibrate.ceilings("cpu", torch.int8, settle=settle)
     assert c.dtype == "int8" and c.peak_flops > 0
     assert calibrate.ceilings("cpu", torch.float32, settle=settle).dtype == "float32"   # its own entry
+
+
+def test_an_engine_this_torch_cannot_time_falls_back_to_the_models_dtype(monkeypatch, own_cache, caplog):
+    real = calibrate.measure
+
+    def measure(device, dtype, settle=None):
+        if dtype == torch.int8:
+            raise RuntimeError("_int_mm: not implemented for this CPU")
+        return real(device, dtype, calibrate.Settle(min_runs=2, min_s=0.0, cap_s=0.2))
+
+    monkeypatch.setattr(calibrate, "measure", measure)
+    with caplog.at_level(logging.WARNING):
+        c = calibrate.engine_ceilings("cpu", torch.int8, torch.float32)
+    assert c.dtype == "float32" and "no torch.int8 ceiling here" in caplog.text
+
+
+def test_each_phases_roofline_takes_the_ceiling_of_the_engine_it_ran_on():
+    """Prefill on bf16 tiles beside int8 decode dots: the prefill bound follows prefill's peak,
+    decode's bound and crossover decode's."""
+    from types import SimpleNamespace
+
+    from twophase.bench.roofline import CostModel
+    from twophase.bench.run import _roofline
+    from twophase.models.shapes import named_shape
+
+    cost = CostModel(named_shape("smollm2-135m"), 0.5625, 4)
+    b = SimpleNamespace(prompt_lens=[512], cache_depth=0, decode_context=128, batch_sizes=[1, 32])
+    slow = SimpleNamespace(peak_flops=1e11, bandwidth=2e10)
+    fast = SimpleNamespace(peak_flops=2e12, bandwidth=2e10)
+    same = _roofline(cost, b, slow, slow, {})
+    tiles = _roofline(cost, b, fast, slow, {})
+    assert tiles["prefill_bound_tokens_per_s"]["512"] > 5 * same["prefill_bound_tokens_per_s"]["512"]
+    assert tiles["decode_bound_tokens_per_s"] == same["decode_bound_tokens_per_s"]
+    assert tiles["decode_crossover_batch"] == same["decode_crossover_batch"]

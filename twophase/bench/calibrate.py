@@ -154,6 +154,16 @@ def ceilings(device: str | torch.device = "cpu", dtype: torch.dtype = torch.floa
     return c
 
 
+def engine_ceilings(device: str | torch.device, dtype: torch.dtype, fallback: torch.dtype) -> Ceilings:
+    """The ceilings of the engine a phase ran on (``dtype``), or ``fallback``'s (the model's
+    dtype) where this torch cannot time that engine (``torch._int_mm`` on an older CPU build)."""
+    try:
+        return ceilings(device, dtype)
+    except (RuntimeError, NotImplementedError) as exc:
+        log.warning("no %s ceiling here (%s): the roofline takes %s's", dtype, exc, fallback)
+        return ceilings(device, fallback)
+
+
 def measure(device: torch.device, dtype: torch.dtype, settle: Settle | None = None) -> Ceilings:
     """Both ceilings, with the records of how they were taken."""
     settle = settle or Settle()

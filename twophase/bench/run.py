@@ -260,8 +260,8 @@ def _run(cfg: Config, b, names: list[str], llms: dict[str, Any], before, compare
     arch, dtype = first.model.arch, first.model.dtype
     cost = CostModel(arch, dtype.itemsize, first.kv_cache.pool.dtype.itemsize)
     _threads_for_size(cfg, device, cost)
-    ceil = calibrate.ceilings(device, first.decode_backend.compute_dtype("decode") or dtype)
-    pceil = calibrate.ceilings(device, first.prefill_backend.compute_dtype("prefill") or dtype)
+    ceil = calibrate.engine_ceilings(device, first.decode_backend.compute_dtype("decode") or dtype, dtype)
+    pceil = calibrate.engine_ceilings(device, first.prefill_backend.compute_dtype("prefill") or dtype, dtype)
     lines: dict[str, Any] = dict(llms)
     hf, no_baseline = _baseline(b, first)
     if hf is not None:

@@ -339,7 +339,11 @@ def cmd_calibrate(args) -> int:
     engines = cpu_engines() if device.type == "cpu" else {}
     dtypes = [getattr(torch, args.dtype)] if args.dtype else list(engines) or [torch.float32]
     for dtype in dtypes:
-        c = ceilings(device, dtype, force=args.force)
+        try:
+            c = ceilings(device, dtype, force=args.force)
+        except (RuntimeError, NotImplementedError) as exc:     # an engine this torch cannot time
+            print(f"{str(dtype).removeprefix('torch.')}: not measured (torch {torch.__version__}: {exc})")
+            continue
         unit = "GOP/s" if dtype == torch.int8 else "GFLOP/s"
         isa = f" on {', '.join(engines[dtype])}" if engines.get(dtype) else ""
         print(f"{c.device} ({c.dtype}{isa}, {c.threads or 'all'} threads): matmul peak "
@@ -365,7 +369,10 @@ def cmd_backends(args) -> int:
         for device in ("cpu", "cuda"):
             why = reg.availability(name, device)
             yes, no = ("yes", "green"), ("no", "red")
-            here = info.cls.engines_here(device) if why is None else None
+            try:                                 # a plugin's statement is its own business
+                here = info.cls.engines_here(device) if why is None else None
+            except Exception as exc:
+                here = f"? ({type(exc).__name__})"
             cells.append(terminal.styled(yes, *([f": {here}"] if here else [])) if why is None
                          else terminal.styled(no, ": ", why))
         try:

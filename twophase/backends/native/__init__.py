@@ -171,7 +171,8 @@ class NativeBackend(Backend):
         return dots
 
     def compute_dtype(self, phase: str) -> torch.dtype | None:
-        """bf16 tiles for a prefill where AMX takes it (a long one), else int8 dots."""
+        """bf16 tiles for a prefill where AMX takes it (a long one), else int8 dots (a decode
+        batch of ``self.amx`` sequences or more takes the tiles too: its roof is then bf16's)."""
         return torch.bfloat16 if phase == "prefill" and self.amx else torch.int8
 
     def kv_cache_spec(self) -> KVCacheSpec:
