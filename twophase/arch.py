@@ -37,6 +37,9 @@ FEATURES: dict[str, str] = {
     "residual_scale": "a scaled residual branch",
     "logit_divisor": "divided logits",
     "rope_yarn": "YaRN RoPE scaling",
+    "attn_sinks": "attention sinks (a learned logit a head in every softmax's denominator)",
+    "moe_bias": "router and expert biases",
+    "clamped_swiglu": "the clamped SwiGLU (gpt-oss)",
 }
 
 
@@ -211,7 +214,11 @@ class ModelArch:
     qk_norm: bool = False            # RMSNorm over each head of q and k, before RoPE
     norm_offset: float = 0.0         # RMSNorm scales by (offset + w): Gemma's 1
     post_norms: bool = False         # Gemma: a norm on the attention's and the MLP's output too
-    activation: Literal["silu", "gelu_tanh"] = "silu"
+    # the MLP's gate: SwiGLU, Gemma's tanh-GELU, or gpt-oss's clamped SwiGLU
+    # (min(g, limit) * sigmoid(alpha * min(g, limit)) * (clamp(u, -limit, limit) + 1))
+    activation: Literal["silu", "gelu_tanh", "clamped_swiglu"] = "silu"
+    swiglu_alpha: float = 1.702           # clamped_swiglu's
+    swiglu_limit: float = 7.0
     embed_scale: float = 1.0         # Gemma: sqrt(hidden_size)
     attn_softcap: float | None = None     # scores -> cap * tanh(scores / cap)
     final_softcap: float | None = None    # logits -> cap * tanh(logits / cap)
@@ -221,6 +228,7 @@ class ModelArch:
     no_rope: bool = False                 # Granite 4 (hybrid): attention without rotary embeddings
     residual_scale: float = 1.0           # Granite: x + scale * block(x), attention's and MLP's
     logit_divisor: float = 1.0            # Granite: logits / divisor
+    attn_sinks: bool = False              # gpt-oss: a learned logit a head joins each softmax's sum
     # Llama-3 RoPE scaling: {"factor", "low_freq_factor", "high_freq_factor",
     # "original_max_position_embeddings"}; None for plain RoPE.
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
@@ -258,10 +266,15 @@ class ModelArch:
 
     def features(self) -> frozenset[str]:
         """The keys of ``FEATURES`` this architecture uses."""
-        on = {k for k in ("qkv_bias", "o_bias", "mlp_bias", "qk_norm", "post_norms") if getattr(self, k)}
+        on = {k for k in ("qkv_bias", "o_bias", "qk_norm", "post_norms", "attn_sinks") if getattr(self, k)}
+        moe = [bool(s.mlp.num_experts) for s in self.layers]
         checks = {
             "norm_offset": self.norm_offset != 0.0,
             "gelu_tanh": self.activation == "gelu_tanh",
+            "clamped_swiglu": self.activation == "clamped_swiglu",
+            # one flag, named by where it applies: dense MLPs' biases, or the router's and experts'
+            "mlp_bias": self.mlp_bias and not all(moe),
+            "moe_bias": self.mlp_bias and any(moe),
             "embed_scale": self.embed_scale != 1.0,
             "attn_softcap": self.attn_softcap is not None,
             "final_softcap": self.final_softcap is not None,
@@ -269,7 +282,7 @@ class ModelArch:
             "partial_rotary": self.rotary_dim is not None and self.rotary_dim != self.head_dim,
             "rope_per_layer": len({s.attention.rope_theta for s in self.layers}) > 1,
             "sliding_window": any(s.attention.window for s in self.layers),
-            "moe": any(s.mlp.num_experts for s in self.layers),
+            "moe": any(moe),
             "attn_output_gate": self.attn_output_gate,
             "no_rope": self.no_rope,
             "residual_scale": self.residual_scale != 1.0,
@@ -330,6 +343,7 @@ def with_feature(arch: ModelArch, key: str) -> ModelArch:
         "query_scale": {"query_scale": 0.5 * hd ** -0.5}, "partial_rotary": {"rotary_dim": hd // 2},
         "attn_output_gate": {"attn_output_gate": True}, "no_rope": {"no_rope": True},
         "residual_scale": {"residual_scale": 0.5}, "logit_divisor": {"logit_divisor": 4.0},
+        "attn_sinks": {"attn_sinks": True}, "clamped_swiglu": {"activation": "clamped_swiglu"},
         "rope_yarn": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
                                        "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True,
                                        "attention_factor": 0.1 * math.log(4.0) + 1.0}},
@@ -342,7 +356,7 @@ def with_feature(arch: ModelArch, key: str) -> ModelArch:
             layers[i] = replace(s, attention=replace(s.attention, rope_theta=s.attention.rope_theta * 10))
         elif key == "sliding_window":
             layers[i] = replace(s, attention=replace(s.attention, window=16))
-        elif key == "moe":
+        elif key in ("moe", "moe_bias"):
             layers[i] = replace(s, mlp=MLPSpec(f, num_experts=4, top_k=2))
         elif key == "gated_deltanet" and i % 4 != 3:        # Qwen3-Next's three in four
             layers[i] = replace(s, mixer=DeltaNetSpec(2, 4, hd, hd))
@@ -352,4 +366,4 @@ def with_feature(arch: ModelArch, key: str) -> ModelArch:
             layers[i] = replace(s, mixer=Mamba2Spec(4, hd, 16))
     if key not in FEATURES:
         raise KeyError(key)
-    return replace(arch, layers=tuple(layers))
+    return replace(arch, layers=tuple(layers), **({"mlp_bias": True} if key == "moe_bias" else {}))

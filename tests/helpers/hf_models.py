@@ -15,6 +15,9 @@ BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_lay
 GEMMA3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                "full_attention": {"rope_type": "default", "rope_theta": 1e6}}
 
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0,
+                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
+
 
 def hf_config(family: str):
     import transformers as t
@@ -37,6 +40,11 @@ def hf_config(family: str):
         "qwen3_moe": lambda: t.Qwen3MoeConfig(**BASE, num_experts=6, num_experts_per_tok=2,
                                               moe_intermediate_size=32, norm_topk_prob=True,
                                               mlp_only_layers=[1]),
+        # sliding (24) and full layers alternating, YaRN past an original context of 32, sinks,
+        # four experts of which two a token, every weight biased
+        "gpt_oss": lambda: t.GptOssConfig(**{**BASE, "intermediate_size": 32, "max_position_embeddings": 128},
+                                          num_local_experts=4, num_experts_per_tok=2, sliding_window=24,
+                                          rope_parameters=GPT_OSS_ROPE),
         "qwen3_next": lambda: t.Qwen3NextConfig(**{**BASE, "num_hidden_layers": 4}, **DELTANET, num_experts=4,
                                                 num_experts_per_tok=2, moe_intermediate_size=32,
                                                 shared_expert_intermediate_size=48, mlp_only_layers=[1]),
@@ -70,7 +78,7 @@ MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups
               mamba_expand=2, mamba_chunk_size=16)
 STATE_FAMILIES = ("granitemoehybrid", "lfm2", "qwen3_5", "qwen3_next")     # their cache is (mostly) a state a sequence
 
-FAMILIES = ("gemma2", "gemma3", "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe")
+FAMILIES = ("gemma2", "gemma3", "gpt_oss", "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe")
 
 
 def tiny_hf_model(family: str, folder: Path):

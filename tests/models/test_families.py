@@ -37,6 +37,8 @@ def test_the_family_loads_as_itself(hf_model):
     want = {"llama": {"qkv_bias", "o_bias"}, "qwen2": {"qkv_bias"}, "qwen3": {"qk_norm"},
             "mistral": {"sliding_window"}, "mixtral": {"moe"}, "phi3": {"partial_rotary"},
             "qwen3_moe": {"qk_norm", "moe"},
+            "gpt_oss": {"qkv_bias", "o_bias", "attn_sinks", "moe", "moe_bias", "clamped_swiglu", "sliding_window",
+                        "rope_yarn"},
             "gemma2": GEMMA | {"attn_softcap", "final_softcap"}, "gemma3": GEMMA | {"qk_norm", "rope_per_layer"}}[name]
     assert arch.features() == want
 

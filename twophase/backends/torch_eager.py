@@ -43,7 +43,7 @@ TORCH_FEATURES = frozenset({
     "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "norm_offset", "post_norms", "gelu_tanh", "embed_scale",
     "attn_softcap", "final_softcap", "query_scale", "partial_rotary", "rope_per_layer", "sliding_window", "moe",
     "gated_deltanet", "attn_output_gate", "short_conv", "mamba2", "no_rope", "residual_scale", "logit_divisor",
-    "rope_yarn",
+    "rope_yarn", "attn_sinks", "moe_bias", "clamped_swiglu",
 })
 OPTIONS = {"threads", "cuda_graphs", "keep_freed_memory"}
 

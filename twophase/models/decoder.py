@@ -20,7 +20,7 @@ from twophase.models.graph_attention import GraphMeta
 from twophase.models.layers.attention import Attention, AttnMeta
 from twophase.models.layers.deltanet import GatedDeltaNet
 from twophase.models.layers.mamba2 import Mamba2
-from twophase.models.layers.mlp import GatedMLP
+from twophase.models.layers.mlp import GatedMLP, Glu
 from twophase.models.layers.moe import MoE
 from twophase.models.layers.norm import RMSNorm
 from twophase.models.layers.rotary import attention_factor, cos_sin, inv_freq
@@ -59,8 +59,9 @@ class Block(nn.Module):
         else:                                  # a state layer in the attention's place
             self.mixer = STATE_LAYERS[spec.mixer.kind](arch, spec.mixer)
         self.mlp_norm = RMSNorm(h, eps, off)
-        self.mlp: nn.Module = (MoE(h, spec.mlp, arch.activation) if spec.mlp.num_experts else
-                               GatedMLP(h, spec.mlp.intermediate_size, arch.mlp_bias, arch.activation))
+        glu = Glu.of(arch)
+        self.mlp: nn.Module = (MoE(h, spec.mlp, glu, arch.mlp_bias) if spec.mlp.num_experts else
+                               GatedMLP(h, spec.mlp.intermediate_size, arch.mlp_bias, glu))
         self.post_norms = arch.post_norms
         self.residual_scale = arch.residual_scale
         if arch.post_norms:

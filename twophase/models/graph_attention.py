@@ -82,8 +82,9 @@ class Scores:
 
 
 def graph_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor,
-                    m: GraphMeta, scale: Scores) -> torch.Tensor:
-    """q: [T, H, hd]; k, v: [T, KVH, hd]; pool: [S, 2, NB, KVH, BS, hd] → [T, H, hd]."""
+                    m: GraphMeta, scale: Scores, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [T, H, hd]; k, v: [T, KVH, hd]; pool: [S, 2, NB, KVH, BS, hd] → [T, H, hd]; ``sinks
+    [H]``: each head's logit in every softmax's denominator (gpt-oss), or None."""
     T, H, hd = q.shape
     kvh = pool.shape[3]
     # one zero row at index T: where chunk padding slots read from and write to
@@ -92,13 +93,13 @@ def graph_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: tor
     v1 = torch.cat([v, v.new_zeros(1, kvh, hd)])
     out = q.new_zeros(T + 1, H, hd)
     if m.dec_index is not None:
-        out = out.index_copy(0, m.dec_index, _decodes(q1, k1, v1, pool, m, scale))
+        out = out.index_copy(0, m.dec_index, _decodes(q1, k1, v1, pool, m, scale, sinks))
     if m.chunk_index is not None:
-        out = out.index_copy(0, m.chunk_index.reshape(-1), _chunks(q1, k1, v1, pool, m, scale))
+        out = out.index_copy(0, m.chunk_index.reshape(-1), _chunks(q1, k1, v1, pool, m, scale, sinks))
     return out[:T]
 
 
-def _decodes(q1, k1, v1, pool, m: GraphMeta, scale: Scores) -> torch.Tensor:
+def _decodes(q1, k1, v1, pool, m: GraphMeta, scale: Scores, sinks: torch.Tensor | None) -> torch.Tensor:
     """One query per sequence: cached blocks, block by block, plus the token's own new key."""
     H, hd = q1.shape[1:]
     kvh, bs = pool.shape[3], pool.shape[4]
@@ -114,9 +115,14 @@ def _decodes(q1, k1, v1, pool, m: GraphMeta, scale: Scores) -> torch.Tensor:
     v_self = v1.index_select(0, m.dec_index).reshape(D, kvh, 1, hd)
     s_self = scale((qd.reshape(D, kvh, g, hd) * k_self).float().sum(-1))     # [D, KVH, g]
     mx = torch.maximum(s.amax(dim=(1, 4)), s_self)
+    if sinks is not None:
+        sink = sinks.float().reshape(1, kvh, g)
+        mx = torch.maximum(mx, sink)
     p = (s - mx.reshape(D, 1, kvh, g, 1)).exp()
     p_self = (s_self - mx).exp()
     den = p.sum(dim=(1, 4)) + p_self
+    if sinks is not None:
+        den = den + (sink - mx).exp()
     o = (p.to(q1.dtype) @ vd).sum(1).float() + p_self.unsqueeze(-1) * v_self.float()
     return (o / den.unsqueeze(-1)).to(q1.dtype).reshape(D, H, hd)
 
@@ -133,7 +139,7 @@ def _dec_invalid(m: GraphMeta, Wd: int, bs: int, window: int | None, device) -> 
     return out
 
 
-def _chunks(q1, k1, v1, pool, m: GraphMeta, scale: Scores) -> torch.Tensor:
+def _chunks(q1, k1, v1, pool, m: GraphMeta, scale: Scores, sinks: torch.Tensor | None) -> torch.Tensor:
     """Padded queries over [cached tokens from the pool | the chunk's own new keys]."""
     H, hd = q1.shape[1:]
     kvh, bs = pool.shape[3], pool.shape[4]
@@ -153,7 +159,11 @@ def _chunks(q1, k1, v1, pool, m: GraphMeta, scale: Scores) -> torch.Tensor:
     hidden = m.shared(f"chunk_hidden_{scale.window}",
                       lambda: ~_chunk_visible(m, Wc * bs, Q, q1.device, scale.window))
     s = s.masked_fill(hidden, minf)
-    p = torch.softmax(s, dim=-1).to(q1.dtype)
+    if sinks is not None:                 # a column of each head's sink, dropped after the softmax
+        sink = sinks.float().reshape(1, kvh, g, 1, 1).expand(C, kvh, g, Q, 1)
+        p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1].to(q1.dtype)
+    else:
+        p = torch.softmax(s, dim=-1).to(q1.dtype)
     return (p @ vals).permute(0, 3, 1, 2, 4).reshape(C * Q, H, hd)
 
 

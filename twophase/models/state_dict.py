@@ -52,11 +52,12 @@ def dotted(*parts: str) -> str:
 def from_hf_state_dict(hf: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, torch.Tensor]:
     """HF names → ours, by the family's table; parts of a fused matrix concatenated."""
     out: dict[str, torch.Tensor] = {}
-    for ours, name in family(arch.family).hf_top_names.items():
+    fam = family(arch.family)
+    for ours, name in fam.hf_top_names.items():
         if f"{name}.weight" in hf and not (ours == "lm_head" and arch.tie_word_embeddings):
             out[f"{ours}.weight"] = hf[f"{name}.weight"]
     for i, spec in enumerate(arch.layers):
-        for ours, (parts, _) in family(arch.family).layer_names.items():
+        for ours, (parts, _) in fam.layer_names.items():
             for kind in kinds(ours):
                 if "{e}" not in parts[0]:
                     t = _fused(hf, [dotted(f"model.layers.{i}.{p}", kind) for p in parts])
@@ -65,7 +66,8 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], arch: ModelArch) -> dict[str
                             for e in range(spec.mlp.num_experts)]
                     t = torch.stack(each) if each and all(x is not None for x in each) else None
                 if t is not None:
-                    out[dotted(f"layers.{i}.{ours}", kind)] = t
+                    layout = fam.hf_layouts.get(dotted(ours, kind))
+                    out[dotted(f"layers.{i}.{ours}", kind)] = layout[0](t) if layout else t
     return out
 
 
@@ -77,6 +79,8 @@ def text_model_names(names: Iterable[str], arch: ModelArch, folder: Path) -> dic
     embedding models ship: ``layers.0...``, no ``model.``) gets the prefix; any other checkpoint's
     names are kept as they are."""
     names = list(names)
+    if family(arch.family).hf_stored_names:
+        return {n: _table_name(n, arch) for n in names}
     if any(n.startswith("layers.") for n in names) and not any(n.startswith("model.") for n in names):
         return {n: n if n.startswith("lm_head.") else "model." + n for n in names}
     if not family(arch.family).hf_multimodal_type or not any(n.startswith(LANGUAGE_MODEL) for n in names):
@@ -89,6 +93,14 @@ def text_model_names(names: Iterable[str], arch: ModelArch, folder: Path) -> dic
     return kept
 
 
+def _table_name(name: str, arch: ModelArch) -> str:
+    """A layer's tensor as the family's table names it where its checkpoints store it under
+    another name (gpt-oss: ``model.layers.3.mlp.experts.down_proj_bias`` is ``...down_proj.bias``)."""
+    stored = {theirs: table for table, theirs in family(arch.family).hf_stored_names.items()}
+    model, layers, i, rest = (name.split(".", 3) + ["", "", ""])[:4]
+    return f"{model}.{layers}.{i}.{stored[rest]}" if layers == "layers" and rest in stored else name
+
+
 def _fused(hf: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor | None:
     """The parts concatenated along rows (None unless all are there)."""
     if not all(n in hf for n in names):
@@ -97,20 +109,26 @@ def _fused(hf: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor | None
 
 
 def to_hf_state_dict(sd: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, torch.Tensor]:
-    """Ours → HF names: the inverse of ``from_hf_state_dict`` (fused matrices split)."""
-    out = {f"{name}.weight": sd[f"{ours}.weight"] for ours, name in family(arch.family).hf_top_names.items()
+    """Ours → HF names: the inverse of ``from_hf_state_dict`` (fused matrices split; names and
+    layouts as the family's checkpoints store them)."""
+    fam = family(arch.family)
+    out = {f"{name}.weight": sd[f"{ours}.weight"] for ours, name in fam.hf_top_names.items()
            if not (ours == "lm_head" and arch.tie_word_embeddings)}
     for i, spec in enumerate(arch.layers):
-        for ours, (parts, _) in family(arch.family).layer_names.items():
+        for ours, (parts, _) in fam.layer_names.items():
             for kind in kinds(ours):
                 t = sd.get(dotted(f"layers.{i}.{ours}", kind))
                 if t is None:
                     continue
+                layout = fam.hf_layouts.get(dotted(ours, kind))
+                if layout:
+                    t = layout[1](t)
                 rows = part_rows(ours, arch, len(parts), spec)
                 stacked = "{e}" in parts[0]
                 for e, te in enumerate(t if stacked else [t]):
                     for name, piece in zip(parts, torch.split(te, rows) if rows else [te]):
-                        out[dotted(f"model.layers.{i}.{name.format(e=e) if stacked else name}", kind)] = piece
+                        table = dotted(name.format(e=e) if stacked else name, kind)
+                        out[f"model.layers.{i}.{fam.hf_stored_names.get(table, table)}"] = piece
     return out
 
 

@@ -10,12 +10,25 @@ from pathlib import Path
 
 from twophase.arch import ModelArch
 from twophase.errors import ModelError
-from twophase.models.families import gemma, granite, lfm2, llama, mistral, moe, phi3, qwen2, qwen3, qwen3_next
+from twophase.models.families import (
+    gemma,
+    gpt_oss,
+    granite,
+    lfm2,
+    llama,
+    mistral,
+    moe,
+    phi3,
+    qwen2,
+    qwen3,
+    qwen3_next,
+)
 from twophase.models.families.family import Family
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, mistral.FAMILY, phi3.FAMILY, gemma.GEMMA2, gemma.GEMMA3,
-    moe.MIXTRAL, moe.QWEN3_MOE, qwen3_next.QWEN3_NEXT, qwen3_next.QWEN3_5, lfm2.FAMILY, granite.FAMILY)}
+    moe.MIXTRAL, moe.QWEN3_MOE, qwen3_next.QWEN3_NEXT, qwen3_next.QWEN3_5, lfm2.FAMILY, granite.FAMILY,
+    gpt_oss.FAMILY)}
 
 
 def _known() -> str:

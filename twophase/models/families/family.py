@@ -27,8 +27,11 @@ TOP_NAMES = {"embed": ("model.embed_tokens", "token_embd"), "norm": ("model.norm
 # (``model.language_model.layers.{i}.``, ``model.language_model.embed_tokens``; ``lm_head`` as it is)
 LANGUAGE_MODEL = "model.language_model."
 
-# our parameters stored without a ``.weight``/``.bias`` suffix, in both namings (state layers' own)
-BARE = {"A_log", "dt_bias", "D"}
+# our parameters stored without a ``.weight``/``.bias`` suffix, in both namings (state layers'
+# own, attention sinks)
+BARE = {"A_log", "dt_bias", "D", "sinks"}
+# a tensor kept in another layout in a family's checkpoints than ours: (to ours, to theirs)
+Layout = tuple[Callable[[Any], Any], Callable[[Any], Any]]
 
 LLAMA_LAYER: LayerNames = {
     "attn_norm": (("input_layernorm",), ("attn_norm",)),
@@ -74,6 +77,12 @@ class Family:
     # its config.json holds the text model's keys under ``text_config``, its weights hold the text
     # model's under ``LANGUAGE_MODEL``; it loads as its text model, the images part left out
     hf_multimodal_type: str | None = None
+    # the table's HF names (``mlp.experts.gate_up_proj.bias``, under ``model.layers.{i}.``) that
+    # this family's checkpoints store under another one (gpt-oss's ``..._bias``): table -> stored
+    hf_stored_names: dict[str, str] = field(default_factory=dict, hash=False)
+    # our tensors (``mlp.experts_gate_up.weight``) that its checkpoints hold in another layout
+    # (gpt-oss's experts transposed, gate and up interleaved): how each converts both ways
+    hf_layouts: dict[str, Layout] = field(default_factory=dict, hash=False)
 
 
 def stated(get: Callable[..., Any], key: str) -> Any:

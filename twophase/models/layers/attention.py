@@ -1,5 +1,6 @@
 """Attention over core's paged KV pool, with what the families add: q/k/v and output
-biases, per-head QK-norm, a query scale, logit soft-capping and sliding windows.
+biases, per-head QK-norm, a query scale, logit soft-capping, sliding windows and sinks (a
+learned logit a head that joins every softmax's denominator and takes no value: gpt-oss).
 
 The pool is ``[layers, 2, num_blocks, kv_heads, block_size, row]``, a row being one head's vector
 as ``cache.dtype`` stores it (``twophase/kv_formats.py``: the values, or int8 codes and scales),
@@ -59,6 +60,7 @@ class Attention(nn.Module):
         self.softcap = arch.attn_softcap
         self.window = spec.window
         self.rope = not arch.no_rope
+        self.sinks = nn.Parameter(torch.empty(self.h)) if arch.attn_sinks else None
 
     def forward(self, x, cos, sin, kv_layer: torch.Tensor, meta: AttnMeta | GraphMeta) -> torch.Tensor:
         T = x.shape[0]
@@ -77,7 +79,7 @@ class Attention(nn.Module):
         if isinstance(meta, GraphMeta):        # traced for export: K/V are outputs, not writes
             meta.new_kv.append((k, v))
             scores = Scores(self.scale, self.softcap, self.window)
-            return self._out(graph_attention(q, k, v, kv_layer, meta, scores).reshape(T, -1), gate)
+            return self._out(graph_attention(q, k, v, kv_layer, meta, scores, self.sinks).reshape(T, -1), gate)
         write_kv(kv_layer, k, v, meta.slot_mapping)
 
         out = torch.empty_like(q)
@@ -109,7 +111,8 @@ class Attention(nn.Module):
         n, S = q.shape[0], k.shape[0]
         dt = q.dtype
         q, k, v = (t.transpose(0, 1).unsqueeze(0).to(dt) for t in (q, k, v))
-        if start == 0 and self.window is None and self.softcap is None:
+        plain = self.softcap is None and self.sinks is None
+        if start == 0 and self.window is None and plain:
             # plain causal, so fused kernels apply
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
                                                enable_gqa=True)
@@ -119,15 +122,19 @@ class Attention(nn.Module):
         mask = kpos <= qpos                                                      # [n, S]
         if self.window is not None:
             mask = mask & (kpos > qpos - self.window)
-        if self.softcap is None:
+        if plain:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
                                                enable_gqa=True)
             return o[0].transpose(0, 1)
         g = self.h // self.kvh
         k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
         s = self._scores(q @ k.transpose(-1, -2)).masked_fill(~mask, torch.finfo(torch.float32).min)
-        o = torch.softmax(s, dim=-1).to(dt) @ v
-        return o[0].transpose(0, 1)
+        if self.sinks is not None:           # [1, H, n, S] and each head's sink: dropped after the softmax
+            sink = self.sinks.float().view(1, -1, 1, 1).expand(*s.shape[:-1], 1)
+            p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            p = torch.softmax(s, dim=-1)
+        return (p.to(dt) @ v)[0].transpose(0, 1)
 
     def _decode(self, q, kv_layer, meta: AttnMeta) -> torch.Tensor:
         """q: [B, H, hd], one query per sequence at the end of its context.
@@ -158,8 +165,14 @@ class Attention(nn.Module):
         if self.window is not None:          # the query sits at lens - 1
             hidden = hidden | (pos <= lens.view(B, 1, 1, 1, 1) - 1 - self.window)
         s = s.masked_fill(hidden, torch.finfo(s.dtype).min)
-        p = (s - s.amax(dim=(1, 4), keepdim=True)).exp()
+        mx = s.amax(dim=(1, 4), keepdim=True)                            # [B, 1, KVH, g, 1]
+        if self.sinks is not None:
+            sink = self.sinks.float().view(1, 1, kvh, -1, 1)
+            mx = torch.maximum(mx, sink)
+        p = (s - mx).exp()
         den = p.sum(dim=(1, 4)).unsqueeze(-1)                            # [B, KVH, g, 1]
+        if self.sinks is not None:
+            den = den + (sink - mx)[:, 0].exp()
         o = (p.to(kv.dtype) @ kv[1]).sum(1).float() / den                # [B, KVH, g, hd]
         return o.to(q.dtype).reshape(B, self.h, hd)
 

@@ -1,6 +1,8 @@
 """A mixture-of-experts MLP: a router picks ``top_k`` experts a token (softmax over all
 experts, then the top k, renormalised or not), an optional shared expert runs for every token
-(its output gated by ``sigmoid`` of a gate of its own, or added as it is).
+(its output gated by ``sigmoid`` of a gate of its own, or added as it is). gpt-oss adds biases
+to the router and every expert (``bias``); its softmax over the top k logits is the
+renormalised top k of the softmax over all.
 
 Experts' weights are stacked (``[E, 2f, h]`` and ``[E, h, f]``), so a GGUF's ``*_exps`` tensors
 map onto them as stored. Eagerly each expert reads its weights once for all the tokens routed to
@@ -13,29 +15,36 @@ import torch
 from torch import nn
 
 from twophase.arch import MLPSpec
-from twophase.models.layers.mlp import GatedMLP, activation
+from twophase.models.layers.mlp import SWIGLU, GatedMLP, Glu
 
 
 class Experts(nn.Module):
-    """``weight [E, out, in]``: every expert's matrix, stacked."""
+    """``weight [E, out, in]``: every expert's matrix, stacked (``bias [E, out]`` where the
+    family has them)."""
 
-    def __init__(self, experts: int, out: int, inp: int):
+    def __init__(self, experts: int, out: int, inp: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(experts, out, inp))
+        self.bias = nn.Parameter(torch.empty(experts, out)) if bias else None
+
+    def matmul(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``e``'s matrix on rows ``x``."""
+        y = x @ self.weight[e].T
+        return y if self.bias is None else y + self.bias[e]
 
 
 class MoE(nn.Module):
-    def __init__(self, hidden: int, spec: MLPSpec, act: str = "silu"):
+    def __init__(self, hidden: int, spec: MLPSpec, glu: Glu = SWIGLU, bias: bool = False):
         super().__init__()
         E, f = spec.num_experts, spec.intermediate_size
-        self.top_k, self.norm_topk, self.f, self.act = spec.top_k, spec.norm_topk_prob, f, act
-        self.router = nn.Linear(hidden, E, bias=False)
-        self.experts_gate_up = Experts(E, 2 * f, hidden)
-        self.experts_down = Experts(E, hidden, f)
+        self.top_k, self.norm_topk, self.f, self.glu = spec.top_k, spec.norm_topk_prob, f, glu
+        self.router = nn.Linear(hidden, E, bias=bias)
+        self.experts_gate_up = Experts(E, 2 * f, hidden, bias)
+        self.experts_down = Experts(E, hidden, f, bias)
         self.shared: GatedMLP | None = None
         self.shared_gated = spec.shared_gated
         if spec.shared_intermediate_size:
-            self.shared = GatedMLP(hidden, spec.shared_intermediate_size, act=act)
+            self.shared = GatedMLP(hidden, spec.shared_intermediate_size, glu=glu)
             if spec.shared_gated:
                 self.shared_gate = nn.Linear(hidden, 1, bias=False)
 
@@ -47,9 +56,8 @@ class MoE(nn.Module):
         out = torch.zeros_like(x)
         for e in experts.unique().tolist():
             rows, slot = (experts == e).nonzero(as_tuple=True)
-            gate_up = x[rows] @ self.experts_gate_up.weight[e].T
-            h = activation(self.act, gate_up[:, :self.f]) * gate_up[:, self.f:]
-            out.index_add_(0, rows, (h @ self.experts_down.weight[e].T) * weights[rows, slot, None].to(x.dtype))
+            h = self.glu(self.experts_gate_up.matmul(e, x[rows]), self.f)
+            out.index_add_(0, rows, self.experts_down.matmul(e, h) * weights[rows, slot, None].to(x.dtype))
         if self.shared is not None:
             shared = self.shared(x)
             out = out + (torch.sigmoid(self.shared_gate(x)) * shared if self.shared_gated else shared)

@@ -1,0 +1,72 @@
+"""gpt-oss: a mixture of experts (top k over a biased router, every expert biased, a clamped
+SwiGLU) under attention with q/k/v and output biases and sinks, sliding (128) and full layers
+alternating, YaRN RoPE.
+
+Its checkpoints store each layer's experts as one stacked tensor a matrix, transposed against
+ours (``[E, in, out]``) with gate and up interleaved column by column, and the biases beside them
+as ``*_bias``: the layouts below turn them into ours and back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from twophase.arch import AttentionSpec, LayerSpec, MLPSpec, ModelArch
+from twophase.errors import ModelError
+from twophase.models.families.family import LLAMA_LAYER, Family, LayerNames, Layout, common_fields, rope_theta
+
+GPT_OSS_LAYER: LayerNames = {
+    **{k: v for k, v in LLAMA_LAYER.items() if k in ("attn_norm", "mlp_norm", "attn.qkv", "attn.o")},
+    "attn.sinks": (("self_attn.sinks",), ("attn_sinks",)),
+    "mlp.router": (("mlp.router",), ("ffn_gate_inp",)),
+    "mlp.experts_gate_up": (("mlp.experts.gate_up_proj",), ("ffn_gate_exps", "ffn_up_exps")),
+    "mlp.experts_down": (("mlp.experts.down_proj",), ("ffn_down_exps",)),
+}
+
+_STORED = {f"mlp.experts.{m}.{k}": f"mlp.experts.{m}" + ("_bias" if k == "bias" else "")
+           for m in ("gate_up_proj", "down_proj") for k in ("weight", "bias")}
+
+
+def _split_pairs(t: torch.Tensor) -> torch.Tensor:
+    """Interleaved gate and up (``g0 u0 g1 u1 ...`` along the last axis) → gate's then up's."""
+    return torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)
+
+
+def _interleave(t: torch.Tensor) -> torch.Tensor:
+    f = t.shape[-1] // 2
+    return torch.stack([t[..., :f], t[..., f:]], dim=-1).flatten(-2)
+
+
+def _t(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(-1, -2).contiguous()
+
+
+_LAYOUTS: dict[str, Layout] = {
+    # [E, h, 2f] interleaved -> [E, 2f, h], gate's rows then up's
+    "mlp.experts_gate_up.weight": (lambda t: _t(_split_pairs(t)), lambda t: _interleave(_t(t))),
+    "mlp.experts_gate_up.bias": (_split_pairs, _interleave),
+    "mlp.experts_down.weight": (_t, _t),                   # [E, f, h] -> [E, h, f]
+}
+
+
+def arch_from_hf(c: dict[str, Any]) -> ModelArch:
+    if c.get("quantization_config"):
+        method = (c["quantization_config"] or {}).get("quant_method", "?")
+        raise ModelError(f"gpt-oss checkpoints quantized with {method!r} are not read here: load its "
+                         f"dequantized (bf16) form, or its GGUF")
+    n, window = c["num_hidden_layers"], c.get("sliding_window") or 128
+    types = c.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    mlp = MLPSpec(c["intermediate_size"], c["num_local_experts"], c["num_experts_per_tok"], True)
+    layers = tuple(LayerSpec(AttentionSpec(window if t == "sliding_attention" else None, rope_theta(c, 150000.0)),
+                             mlp) for t in types[:n])
+    bias = bool(c.get("attention_bias", True))
+    return ModelArch("gpt_oss", layers=layers, qkv_bias=bias, o_bias=bias, mlp_bias=True, attn_sinks=True,
+                     activation="clamped_swiglu", swiglu_alpha=float(c.get("swiglu_alpha", 1.702)),
+                     swiglu_limit=float(c.get("swiglu_limit", 7.0)), **common_fields(c))
+
+
+FAMILY = Family("gpt_oss", ("gpt_oss",), (), arch_from_hf, GPT_OSS_LAYER,
+                hf_architecture="GptOssForCausalLM", gguf_experts=True,
+                hf_stored_names=_STORED, hf_layouts=_LAYOUTS)
