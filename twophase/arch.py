@@ -366,4 +366,4 @@ def with_feature(arch: ModelArch, key: str) -> ModelArch:
             layers[i] = replace(s, mixer=Mamba2Spec(4, hd, 16))
     if key not in FEATURES:
         raise KeyError(key)
-    return replace(arch, layers=tuple(layers), **({"mlp_bias": True} if key == "moe_bias" else {}))
+    return replace(arch, layers=tuple(layers), mlp_bias=arch.mlp_bias or key == "moe_bias")
