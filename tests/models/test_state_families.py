@@ -220,20 +220,20 @@ def test_what_state_layers_do_not_do_yet_is_said(hf, caplog):
 
 @pytest.mark.parametrize("backend", ["onnxruntime", "iree", "native"])
 def test_a_backend_without_state_layers_refuses_them_by_name(hf, backend):
-    """native computes none; onnxruntime and iree decode them only (and no experts)."""
+    """native computes none; onnxruntime and iree decode them only."""
     from twophase.errors import TwophaseError
 
     folder, _, name = hf
     want = REFUSED_AS[name]
     if backend in ("onnxruntime", "iree"):
-        want = "mixture-of-experts" if name in ("qwen3_next", "granitemoehybrid") else f"{want}.* in prefill"
+        want = f"{want}.* in prefill"
     with pytest.raises(TwophaseError, match=want):
         _llm(folder, backend={"name": backend})
 
 
-# the state families whose decodes the graph backends compute (Qwen3-Next's experts, and the
-# tiny Granite 4's, are not traced; a Granite 4 without experts is)
-GRAPH_DECODES = ("granitemoehybrid_dense", "lfm2", "qwen3_5")
+# the state families whose decodes the graph backends compute: every one, Qwen3-Next's and
+# Granite 4's experts (with their shared expert) traced too, and a Granite 4 without experts
+GRAPH_DECODES = ("granitemoehybrid", "granitemoehybrid_dense", "lfm2", "qwen3_5", "qwen3_next")
 # each graph backend and the module it needs
 GRAPH_BACKENDS = {"onnxruntime": "onnxruntime", "iree": "iree.turbine"}
 

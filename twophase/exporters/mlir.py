@@ -54,10 +54,11 @@ from twophase.exporters.onnx import PagedStep, example_groups, quiet_exporter_lo
 from twophase.graph.inputs import kv_rows, layer_blocks, write_rows
 from twophase.graph.signature import DECODE, PREFILL
 from twophase.models.graph_attention import GraphMeta
+from twophase.models.layers.moe import traced_as
 from twophase.models.q4_weights import cpu_model
 
-FORMAT = "twophase-mlir/5"      # 3: write_kv and clear_kv entry points; 4: layers' block indices;
-                                # 5: the decodes' states
+FORMAT = "twophase-mlir/6"      # 3: write_kv and clear_kv entry points; 4: layers' block indices;
+                                # 5: the decodes' states; 6: experts (top k without topk)
 log = logging.getLogger(__name__)
 
 
@@ -142,20 +143,24 @@ def _compile_to(model: ModelSpec, device: str, block_size: int, folder: Path) ->
         stages.set_postfix_str("tracing prefill")
 
         # turbine inspects these functions' signatures: the arguments must be spelled out
+        # experts: every one on every token in prefill, each token's own gathered in decode
+        # (``models/layers/moe_graph.py``)
         if not arch.state_layers:                 # state layers: decode only
-            @fxb.export_program(name="prefill", args=pre_args, dynamic_shapes=pre_dyn, strict=False)
-            def prefill(module, input_ids, positions, kv_pool, chunk_index, chunk_blocks,
-                        chunk_cached, chunk_lens, logits_index):
-                return module.prefill(input_ids, positions, kv_pool, chunk_index, chunk_blocks,
-                                      chunk_cached, chunk_lens, logits_index)
+            with traced_as(steps, "dense"):
+                @fxb.export_program(name="prefill", args=pre_args, dynamic_shapes=pre_dyn, strict=False)
+                def prefill(module, input_ids, positions, kv_pool, chunk_index, chunk_blocks,
+                            chunk_cached, chunk_lens, logits_index):
+                    return module.prefill(input_ids, positions, kv_pool, chunk_index, chunk_blocks,
+                                          chunk_cached, chunk_lens, logits_index)
 
         stages.update()
         stages.set_postfix_str("tracing decode")
 
         # ``states``: a model with state layers' decodes' states (a tuple, flattened by the export)
-        @fxb.export_program(name="decode", args=dec_args, dynamic_shapes=dec_dyn, strict=False)
-        def decode(module, input_ids, positions, kv_pool, dec_blocks, dec_cached, states):
-            return module.decode(input_ids, positions, kv_pool, dec_blocks, dec_cached, states)
+        with traced_as(steps, "gathered"):
+            @fxb.export_program(name="decode", args=dec_args, dynamic_shapes=dec_dyn, strict=False)
+            def decode(module, input_ids, positions, kv_pool, dec_blocks, dec_cached, states):
+                return module.decode(input_ids, positions, kv_pool, dec_blocks, dec_cached, states)
 
         pool, new_k, new_v, rows = _pool_examples(steps.step.model.arch, model.dtype, block_size)
         t, nb, sl = Dim("T"), Dim("NB"), Dim("S")

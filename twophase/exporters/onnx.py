@@ -27,13 +27,14 @@ import torch
 from torch import nn
 
 from twophase.contract import KVGroups, ModelSpec
-from twophase.exporters import decode_graph
+from twophase.exporters import decode_graph, onnx_moe
 from twophase.exporters.cache import build_cached, cache_folder, weights_digest
 from twophase.exporters.shared_weights import share_weights
 from twophase.graph.inputs import layer_blocks
 from twophase.graph.signature import STEP, GraphSignature, with_states
 from twophase.models.decoder import Decoder
 from twophase.models.graph_attention import GraphMeta
+from twophase.models.layers.moe import traced_as
 from twophase.models.q4_weights import (
     calibration_digest,
     calibration_ids,
@@ -142,9 +143,10 @@ def _export_to(model: ModelSpec, folder: Path) -> None:
     args, dynamic = _example(step.model.arch, model.dtype)
     sig = signature(step.model.arch)
     log.info("tracing the step graph (model.onnx)")
-    with quiet_exporter_logs(), warnings.catch_warnings():
+    with quiet_exporter_logs(), warnings.catch_warnings(), traced_as(step, "op"):
         warnings.simplefilter("ignore")
         torch.onnx.export(step, args, str(folder / "model.onnx"), dynamo=True,
+                          custom_translation_table=onnx_moe.translations(),
                           input_names=sig.names, output_names=list(sig.outputs), dynamic_shapes=dynamic,
                           opset_version=OPSET, external_data=True, verbose=False,
                           optimize=False)   # ORT optimises at load; onnxscript's pass took minutes

@@ -11,11 +11,15 @@ it, and experts no token chose are not read at all.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
 from twophase.arch import MLPSpec
 from twophase.models.layers.mlp import SWIGLU, GatedMLP, Glu
+from twophase.models.layers.moe_graph import FORMS
 
 
 class Experts(nn.Module):
@@ -43,12 +47,21 @@ class MoE(nn.Module):
         self.experts_down = Experts(E, hidden, f, bias)
         self.shared: GatedMLP | None = None
         self.shared_gated = spec.shared_gated
+        self.graph_form: str | None = None     # set while an exporter traces (``traced_as``)
         if spec.shared_intermediate_size:
             self.shared = GatedMLP(hidden, spec.shared_intermediate_size, glu=glu)
             if spec.shared_gated:
                 self.shared_gate = nn.Linear(hidden, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.routed(x) if self.graph_form is None else FORMS[self.graph_form](self, x)
+        if self.shared is not None:
+            shared = self.shared(x)
+            out = out + (torch.sigmoid(self.shared_gate(x)) * shared if self.shared_gated else shared)
+        return out
+
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """Eagerly: each expert reads its weights once for the tokens routed to it."""
         probs = torch.softmax(self.router(x).float(), dim=-1)
         weights, experts = probs.topk(self.top_k, dim=-1)           # [T, k]
         if self.norm_topk:
@@ -58,7 +71,18 @@ class MoE(nn.Module):
             rows, slot = (experts == e).nonzero(as_tuple=True)
             h = self.glu(self.experts_gate_up.matmul(e, x[rows]), self.f)
             out.index_add_(0, rows, self.experts_down.matmul(e, h) * weights[rows, slot, None].to(x.dtype))
-        if self.shared is not None:
-            shared = self.shared(x)
-            out = out + (torch.sigmoid(self.shared_gate(x)) * shared if self.shared_gated else shared)
         return out
+
+
+@contextmanager
+def traced_as(model: nn.Module, form: str) -> Iterator[None]:
+    """Every MoE in ``model`` computes in the static ``form`` (``moe_graph.FORMS``) while an
+    exporter traces it."""
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    for m in moes:
+        m.graph_form = form
+    try:
+        yield
+    finally:
+        for m in moes:
+            m.graph_form = None

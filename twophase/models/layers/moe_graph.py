@@ -1,0 +1,113 @@
+"""The mixture-of-experts MLP as a static graph: what the exporters trace in place of the eager
+loop over the experts tokens chose (its ``.tolist()`` is data a graph cannot branch on).
+
+Three forms, each the eager loop's numbers:
+
+- ``op``: one call of ``twophase::moe``, which the ONNX exporter writes as ONNX Runtime's fused
+  ``com.microsoft::MoE`` (softmax routing, top k, each expert on its own tokens: the eager
+  loop's weight reads and FLOPs, in one kernel). Its gate and up are interleaved row by row,
+  the layout that operator's CPU kernel reads.
+- ``dense``: every expert on every token, weighted by a ``[T, E]`` matrix that is zero off each
+  token's top k: every weight read once, ``E / k`` times the FLOPs (IREE's prefill).
+- ``gathered``: each token's k experts' matrices gathered and applied: ``T * k`` expert reads
+  and no FLOP wasted, right for a decode batch (IREE's decode), ruinous for a long prefill.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from twophase.errors import ModelError
+
+
+def route(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's top k experts and their weights: softmax over all, the top k, renormalised
+    where ``norm`` (as the eager loop routes). The top k are taken one maximum at a time, not by
+    ``topk``: IREE 3.x gave a second layer's ``topk`` the first one's indices."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    picked = []
+    for _ in range(top_k):
+        picked.append(probs.max(dim=-1))
+        probs = probs.masked_fill(torch.nn.functional.one_hot(picked[-1].indices, probs.shape[-1]).bool(), -1.0)
+    weights = torch.stack([p.values for p in picked], dim=-1)
+    experts = torch.stack([p.indices for p in picked], dim=-1)
+    if norm:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, experts
+
+
+def spread(weights: torch.Tensor, experts: torch.Tensor, E: int) -> torch.Tensor:
+    """``[T, E]``: each token's top-k weights at its experts, zero elsewhere."""
+    return (torch.nn.functional.one_hot(experts, E).to(weights.dtype) * weights.unsqueeze(-1)).sum(1)
+
+
+def dense(moe: Any, x: torch.Tensor) -> torch.Tensor:
+    T, f = x.shape[0], moe.f
+    E = moe.experts_gate_up.weight.shape[0]
+    weights, experts = route(moe.router(x), moe.top_k, moe.norm_topk)
+    gu = torch.einsum("th,eoh->teo", x, moe.experts_gate_up.weight)
+    if moe.experts_gate_up.bias is not None:
+        gu = gu + moe.experts_gate_up.bias
+    h = moe.glu(gu.reshape(T * E, 2 * f), f).reshape(T, E, f)
+    y = torch.einsum("tef,ehf->teh", h, moe.experts_down.weight)
+    if moe.experts_down.bias is not None:
+        y = y + moe.experts_down.bias
+    return torch.einsum("te,teh->th", spread(weights, experts, E).to(x.dtype), y)
+
+
+def gathered(moe: Any, x: torch.Tensor) -> torch.Tensor:
+    T, f = x.shape[0], moe.f
+    k = moe.top_k
+    weights, experts = route(moe.router(x), k, moe.norm_topk)
+    gu = torch.einsum("th,tkoh->tko", x, moe.experts_gate_up.weight[experts])
+    if moe.experts_gate_up.bias is not None:
+        gu = gu + moe.experts_gate_up.bias[experts]
+    h = moe.glu(gu.reshape(T * k, 2 * f), f).reshape(T, k, f)
+    y = torch.einsum("tkf,tkhf->tkh", h, moe.experts_down.weight[experts])
+    if moe.experts_down.bias is not None:
+        y = y + moe.experts_down.bias[experts]
+    return torch.einsum("tk,tkh->th", weights.to(x.dtype), y)
+
+
+@torch.library.custom_op("twophase::moe", mutates_args=())
+def moe_op(x: torch.Tensor, logits: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
+           b2: torch.Tensor, k: int, normalize: bool, alpha: float, beta: float, limit: float) -> torch.Tensor:
+    """ONNX Runtime's ``MoE`` (``swiglu_fusion = 1``): ``w1 [E, 2f, h]`` with gate and up rows
+    interleaved, ``g * sigmoid(alpha * g) * (u + beta)`` with g clamped above and u both ways at
+    ``limit``. Run eagerly (a test's reference), every expert on every token."""
+    weights, experts = route(logits, k, normalize)
+    gu = torch.einsum("th,eoh->teo", x, w1) + b1
+    g, u = gu[..., 0::2].clamp(max=limit), gu[..., 1::2].clamp(-limit, limit)
+    y = torch.einsum("tef,ehf->teh", g * torch.sigmoid(alpha * g) * (u + beta), w2) + b2
+    every = torch.zeros(logits.shape, dtype=weights.dtype, device=x.device).scatter(1, experts, weights)
+    return torch.einsum("te,teh->th", every.to(x.dtype), y)
+
+
+@moe_op.register_fake
+def _(x, logits, w1, b1, w2, b2, k, normalize, alpha, beta, limit):
+    return torch.empty_like(x)
+
+
+def op(moe: Any, x: torch.Tensor) -> torch.Tensor:
+    E, two_f, hidden = moe.experts_gate_up.weight.shape
+    f = two_f // 2
+    glu = moe.glu
+    if glu.act == "silu":
+        alpha, beta, limit = 1.0, 0.0, float("inf")
+    elif glu.act == "clamped_swiglu":
+        alpha, beta, limit = glu.alpha, 1.0, glu.limit
+    else:
+        raise ModelError(f"experts with the {glu.act} gate have no fused MoE operator here")
+    w = moe.experts_gate_up.weight
+    w1 = torch.stack([w[:, :f], w[:, f:]], dim=2).reshape(E, two_f, hidden)
+    b = moe.experts_gate_up.bias
+    b1 = (torch.stack([b[:, :f], b[:, f:]], dim=2).reshape(E, two_f) if b is not None
+          else torch.zeros(E, two_f, dtype=x.dtype))
+    b2 = moe.experts_down.bias if moe.experts_down.bias is not None else torch.zeros(E, hidden, dtype=x.dtype)
+    return moe_op(x, moe.router(x), w1, b1, moe.experts_down.weight, b2, moe.top_k, moe.norm_topk,
+                  alpha, beta, limit)
+
+
+FORMS = {"op": op, "dense": dense, "gathered": gathered}
