@@ -395,3 +395,20 @@ def test_cli_plans_a_hybrids_state_beside_the_attention_layers_kv(tmp_path, shap
     assert state["bytes"] == d["state_slots"] * d["state_bytes_per_sequence"]
     assert d["max_concurrency"] >= gain * d["full_attention_concurrency"] > 0
     assert f"in the {attending} attention layers" in r.stdout and f"{state_layers} state layers" in r.stdout
+
+
+@pytest.mark.parametrize("shape, active_b, total_b, share", [
+    ("gpt-oss-120b", 5.13, 116.83, (0.035, 0.05)),      # its model card: 5.1B of 117B
+    ("qwen3-30b-a3b", 3.04, 30.53, (0.08, 0.12)),       # its card: 3.3B, the embedding counted whole (+0.31B)
+])
+def test_cli_names_a_mixture_of_experts_active_weights_against_total(tmp_path, shape, active_b, total_b, share):
+    """Active parameters as the model cards count them (top k of each layer's experts, the rest
+    whole, the embedding one row), and the bytes a token reads against the weights held."""
+    r = _plan_cli("--model", shape, "--device", "h200", "--quantization", "q4", "--json", "p.json", "--plot", "",
+                  cwd=tmp_path)
+    assert r.returncode in (0, 1), r.stderr
+    d = json.loads((tmp_path / "p.json").read_text())
+    assert share[0] < d["active_weight_bytes"] / d["totals"]["weights"] < share[1]
+    assert f"{active_b:.2f}B of {total_b:.2f}B parameters" in " ".join(r.stdout.split())
+    dense = _plan_cli("--model", "llama3-8b", "--json", "q.json", "--plot", "", cwd=tmp_path)
+    assert "active weights" not in dense.stdout and "active_weight_bytes" not in (tmp_path / "q.json").read_text()

@@ -107,6 +107,8 @@ def test_backends_command_shows_the_table_it_chose_from(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "tokens/s here" in r.stdout and "left out: native: does not run 'none' weights" in r.stdout
     assert "auto: prefill on " in r.stdout
+    # how each graph backend computes experts, below the table
+    assert "onnxruntime: mixture-of-experts MLPs: ONNX Runtime's fused MoE operator" in " ".join(r.stdout.split())
 
 
 SMALL = {"max_num_seqs": 4, "max_num_batched_tokens": 64}

@@ -272,6 +272,9 @@ class Capabilities:
     # where it computes fewer features in one phase: "prefill" (whose batches may carry decodes
     # too) or "decode" -> those it computes in that phase (see ``Backend.supports_phase``)
     features_in: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    # how it computes a feature where that differs from the eager layers and costs otherwise
+    # (feature -> a sentence; ``twophase backends`` prints them): experts traced in a static form
+    computes: Mapping[str, str] = field(default_factory=dict)
     # the K/V formats (``twophase.kv_formats``) it reads and writes besides its model's dtype
     kv_formats: tuple[str, ...] = ()
     # does it apply LoRA adapters unmerged, each sequence its own (``PrefillBatch.lora_slots``)?

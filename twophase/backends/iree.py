@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from twophase.backends.hookspecs import hookimpl
-from twophase.backends.traced import GRAPH_FEATURES, STATE_DECODE
+from twophase.backends.traced import GRAPH_FEATURES, MOE_IREE, STATE_DECODE
 from twophase.contract import (
     CONTRACT_VERSION,
     Backend,
@@ -98,7 +98,8 @@ class IreeBackend(Backend):
         # state layers in decode only (their prefill, the chunked form, is not traced)
         return Capabilities(features=GRAPH_FEATURES, devices=tuple(DRIVERS), dtypes=(torch.float32,),
                             shares_kv_pool=not owned, own_threads=True, kv_groups=True,
-                            features_in={"prefill": GRAPH_FEATURES - STATE_DECODE})
+                            features_in={"prefill": GRAPH_FEATURES - STATE_DECODE},
+                            computes={"moe": MOE_IREE})
 
     def load(self, model: ModelSpec, cfg: BackendConfig) -> None:
         self.check_available(cfg.device)

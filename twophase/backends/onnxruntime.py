@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from twophase.backends.hookspecs import hookimpl
-from twophase.backends.traced import GRAPH_FEATURES, STATE_DECODE, TRACED_FEATURES
+from twophase.backends.traced import GRAPH_FEATURES, MOE_ONNXRUNTIME, STATE_DECODE, TRACED_FEATURES
 from twophase.contract import (
     CONTRACT_VERSION,
     Backend,
@@ -142,7 +142,8 @@ class OnnxRuntimeBackend(Backend):
         return Capabilities(features=GRAPH_FEATURES, devices=("cpu", "cuda"), dtypes=dtypes,
                             own_threads=True, max_pool_elements=GATHER_LIMIT if old_gather else None,
                             kv_groups=True, features_on={"q4": TRACED_FEATURES},
-                            features_in={"prefill": GRAPH_FEATURES - STATE_DECODE})
+                            features_in={"prefill": GRAPH_FEATURES - STATE_DECODE},
+                            computes={"moe": MOE_ONNXRUNTIME})
 
     def load(self, model: ModelSpec, cfg: BackendConfig) -> None:
         self.check_available(cfg.device)

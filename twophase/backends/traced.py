@@ -21,3 +21,11 @@ MOE = frozenset({"moe", "moe_bias", "clamped_swiglu"})
 # decode, experts, and what the families that have them add (the decoder's own code, traced as the rest)
 GRAPH_FEATURES = (TRACED_FEATURES | STATE_DECODE | MOE
                   | {"attn_output_gate", "no_rope", "residual_scale", "logit_divisor"})
+
+# how each graph backend computes experts (``Capabilities.computes``), and at what cost against
+# torch's routed loop: ``benchmarks/moe_graph.py``, docs/measurements.md
+MOE_ONNXRUNTIME = ("ONNX Runtime's fused MoE operator: each expert on the tokens routed to it, the routed "
+                   "loop's reads and FLOPs in one kernel")
+MOE_IREE = ("static forms: prefill runs every expert on every token (experts / top-k times the routed FLOPs), "
+            "decode gathers each token's experts (top-k expert reads a token): far slower than torch's "
+            "routed loop past a few tokens")

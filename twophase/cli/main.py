@@ -358,9 +358,11 @@ def cmd_calibrate(args) -> int:
 def cmd_backends(args) -> int:
     from rich.table import Table
 
+    from twophase.arch import FEATURES
     from twophase.backends.registry import Registry
 
     reg = Registry()
+    notes: list[str] = []
     table = Table(title="twophase backends")
     for col in ("name", "source", "weights", "K/V", "cpu", "cuda"):
         table.add_column(col)
@@ -378,6 +380,7 @@ def cmd_backends(args) -> int:
         try:
             caps = info.cls().capabilities()     # the class's own statement: nothing is loaded
             kv = ", ".join(dict.fromkeys([str(d).removeprefix("torch.") for d in caps.dtypes] + list(caps.kv_formats)))
+            notes += [f"{name}: {FEATURES.get(f, f)}: {how}" for f, how in caps.computes.items()]
         except Exception as exc:                 # a plugin's constructor is its own business
             kv = f"? ({type(exc).__name__})"
         table.add_row(name, info.source, ", ".join(info.cls.quantizations), kv, *cells)
@@ -385,6 +388,8 @@ def cmd_backends(args) -> int:
         table.add_row(info.name, info.source, "", "", terminal.styled(("failed to load", "red"), ": ", info.error), "")
     console = terminal.console()
     console.print(table)
+    for note in notes:                           # how a backend computes what it claims, where that costs
+        console.print(note)
     if args.config or args.model or args.quantization:
         _print_routing(console, reg, args)
     return 0

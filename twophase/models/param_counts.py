@@ -86,6 +86,21 @@ def active_layer_params(arch: ModelArch) -> float:
     return total / arch.num_layers
 
 
+def active_group_params(arch: ModelArch) -> dict[str, float]:
+    """``group_params`` as one token reads them: a MoE layer's stacked experts at ``top_k /
+    num_experts`` of their size, the embedding one row (the head whole)."""
+    out = dict.fromkeys(GROUPS, 0.0)
+    for name, s in shapes(arch).items():
+        n: float = _numel(s)
+        if stacked(name):
+            spec = arch.layers[int(name.split(".")[1])].mlp
+            n = n * spec.top_k / spec.num_experts
+        elif name.startswith("embed."):
+            n = s[-1]
+        out[group(name)] += n
+    return out
+
+
 def _numel(s: tuple[int, ...]) -> int:
     n = 1
     for d in s:

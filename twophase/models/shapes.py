@@ -60,6 +60,14 @@ SHAPES.update({
                          norm_topk_prob=True, num_hidden_layers=48, num_attention_heads=32,
                          num_key_value_heads=4, head_dim=128, max_position_embeddings=40960,
                          rope_theta=1e6, eos_token_id=151645),
+    # gpt-oss: GptOssConfig's defaults are the 120b; the 20b has 24 layers of 32 experts
+    **{name: _hf("gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=layers,
+                 num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=experts,
+                 num_experts_per_tok=4, sliding_window=128, max_position_embeddings=131072,
+                 rope_parameters={"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                                  "rope_theta": 150000.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False},
+                 bos_token_id=199998, eos_token_id=[200002, 199999, 200012])
+       for name, layers, experts in (("gpt-oss-120b", 36, 128), ("gpt-oss-20b", 24, 32))},
     "mistral-7b": _hf("mistral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                       max_position_embeddings=32768, sliding_window=4096, eos_token_id=2),

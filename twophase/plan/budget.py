@@ -128,6 +128,19 @@ class Plan:
         return sum(i.bytes for i in self.items if (kind is None or i.kind == kind)
                    and (i.resident or not resident))
 
+    def active_weights(self) -> tuple[int, int] | None:
+        """A mixture of experts' weight bytes one token reads, and those held: each group's
+        weight items scaled by the share of its parameters a token multiplies (None: no experts)."""
+        from twophase.models import param_counts
+
+        arch = self.model.arch
+        if not any(s.mlp.num_experts for s in arch.layers):
+            return None
+        total, active = param_counts.group_params(arch), param_counts.active_group_params(arch)
+        weights = [(i.bytes, i.name.split(" ")[0]) for i in self.items if i.kind == "weights"]
+        read = sum(b * active[g] / total[g] for b, g in weights if total.get(g))
+        return int(read), sum(b for b, _ in weights)
+
     def to_dict(self) -> dict:
         conc = self.concurrency(self.context)
         out = {"model": self.model.model_id, "model_source": self.model.source,
@@ -143,6 +156,8 @@ class Plan:
             out |= {"state_bytes_per_sequence": self.pool.state.bytes_per_sequence(),
                     "state_layers": self.pool.state.num_layers, "state_slots": self.pool.state_slots,
                     "full_attention_concurrency": self.full_attention_concurrency(self.context)}
+        if (active := self.active_weights()) is not None:
+            out |= {"active_weight_bytes": active[0]}
         if self.users is not None:
             out |= {"users": self.users, "users_fit": self.users <= conc,
                     "users_waiting": max(0, self.users - conc)}

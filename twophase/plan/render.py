@@ -7,6 +7,7 @@ from pathlib import Path
 
 from rich.table import Table
 
+from twophase.models import param_counts
 from twophase.plan.budget import GiB, MiB, Plan
 
 COLORS = {"weights": "#4c72b0", "kv cache": "#55a868", "activations": "#c44e52", "logits": "#dd8452",
@@ -53,6 +54,7 @@ def summary(p: Plan) -> list[str]:
                   f"(cache.state_snapshots) = {human(p.pool.state_bytes)}",
                   f"a full-attention model of the same width ({p.model.arch.num_layers} layers of K/V) "
                   f"would hold {p.full_attention_concurrency(p.context):,} at {p.context:,} tokens in the same memory"]
+    lines += _active(p)
     if p.users is not None:
         conc = p.concurrency(p.context)
         lines.append(f"{p.users} users at {p.context:,} tokens: " + (
@@ -60,6 +62,20 @@ def summary(p: Plan) -> list[str]:
             f"{conc} run at once; {p.users - conc} wait in the queue (or, admitted while the others "
             f"grow, are preempted and recomputed)"))
     return lines + [f"note: {n}" for n in p.notes]
+
+
+def _active(p: Plan) -> list[str]:
+    """A mixture of experts' weights a token reads against those it holds."""
+    active = p.active_weights()
+    if active is None:
+        return []
+    read, held = active
+    arch = p.model.arch
+    moe = [s.mlp for s in arch.layers if s.mlp.num_experts]
+    n_active, n_total = sum(param_counts.active_group_params(arch).values()), param_counts.num_params(arch)
+    return [f"active weights: {human(read)} of {human(held)} a token reads ({100 * read / held:.1f}%): "
+            f"{moe[0].top_k} of {moe[0].num_experts} experts in {len(moe)} layers, attention, norms and the "
+            f"head whole, the embedding's one row; {n_active / 1e9:.2f}B of {n_total / 1e9:.2f}B parameters"]
 
 
 def _layers(p: Plan) -> str:

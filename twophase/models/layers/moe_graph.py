@@ -47,28 +47,30 @@ def dense(moe: Any, x: torch.Tensor) -> torch.Tensor:
     T, f = x.shape[0], moe.f
     E = moe.experts_gate_up.weight.shape[0]
     weights, experts = route(moe.router(x), moe.top_k, moe.norm_topk)
-    gu = torch.einsum("th,eoh->teo", x, moe.experts_gate_up.weight)
+    gu = torch.bmm(x.unsqueeze(0).expand(E, T, x.shape[1]), moe.experts_gate_up.weight.transpose(1, 2))  # [E, T, 2f]
     if moe.experts_gate_up.bias is not None:
-        gu = gu + moe.experts_gate_up.bias
-    h = moe.glu(gu.reshape(T * E, 2 * f), f).reshape(T, E, f)
-    y = torch.einsum("tef,ehf->teh", h, moe.experts_down.weight)
+        gu = gu + moe.experts_gate_up.bias.unsqueeze(1)
+    h = moe.glu(gu.reshape(E * T, 2 * f), f).reshape(E, T, f)
+    y = torch.bmm(h, moe.experts_down.weight.transpose(1, 2))                 # [E, T, hidden]
     if moe.experts_down.bias is not None:
-        y = y + moe.experts_down.bias
-    return torch.einsum("te,teh->th", spread(weights, experts, E).to(x.dtype), y)
+        y = y + moe.experts_down.bias.unsqueeze(1)
+    return (y * spread(weights, experts, E).to(x.dtype).T.unsqueeze(-1)).sum(0)
 
 
 def gathered(moe: Any, x: torch.Tensor) -> torch.Tensor:
     T, f = x.shape[0], moe.f
     k = moe.top_k
     weights, experts = route(moe.router(x), k, moe.norm_topk)
-    gu = torch.einsum("th,tkoh->tko", x, moe.experts_gate_up.weight[experts])
+    w1 = moe.experts_gate_up.weight.index_select(0, experts.reshape(-1))      # [T k, 2f, h]
+    gu = torch.bmm(w1, x.repeat_interleave(k, dim=0).unsqueeze(-1)).squeeze(-1)   # [T k, 2f]
     if moe.experts_gate_up.bias is not None:
-        gu = gu + moe.experts_gate_up.bias[experts]
-    h = moe.glu(gu.reshape(T * k, 2 * f), f).reshape(T, k, f)
-    y = torch.einsum("tkf,tkhf->tkh", h, moe.experts_down.weight[experts])
+        gu = gu + moe.experts_gate_up.bias.index_select(0, experts.reshape(-1))
+    h = moe.glu(gu, f)                                                         # [T k, f]
+    w2 = moe.experts_down.weight.index_select(0, experts.reshape(-1))         # [T k, h, f]
+    y = torch.bmm(w2, h.unsqueeze(-1)).squeeze(-1)                             # [T k, h]
     if moe.experts_down.bias is not None:
-        y = y + moe.experts_down.bias[experts]
-    return torch.einsum("tk,tkh->th", weights.to(x.dtype), y)
+        y = y + moe.experts_down.bias.index_select(0, experts.reshape(-1))
+    return (y.reshape(T, k, -1) * weights.to(x.dtype).unsqueeze(-1)).sum(1)
 
 
 @torch.library.custom_op("twophase::moe", mutates_args=())
