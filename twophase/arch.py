@@ -40,6 +40,8 @@ FEATURES: dict[str, str] = {
     "attn_sinks": "attention sinks (a learned logit a head in every softmax's denominator)",
     "moe_bias": "router and expert biases",
     "clamped_swiglu": "the clamped SwiGLU (gpt-oss)",
+    "mla": "multi-head latent attention (a latent a token shared by every head)",
+    "moe_routing": "DeepSeek's expert routing (sigmoid scores, a choosing bias, groups, scaled weights)",
 }
 
 
@@ -65,10 +67,47 @@ class MLPSpec:
     norm_topk_prob: bool = True      # renormalise the top-k router weights to sum to 1
     shared_intermediate_size: int = 0   # an always-on shared expert's width (0: none)
     shared_gated: bool = True        # the shared expert's output times sigmoid(a gate); Granite's is not
+    # DeepSeek's routing: scores by softmax or sigmoid; a bias added to choose (not to weigh);
+    # experts in ``groups``, only the ``topk_groups`` best groups (by their best score, or the
+    # sum of their best two) chosen from; the chosen weights times ``routed_scale``
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    score_bias: bool = False
+    groups: int = 1
+    topk_groups: int = 1
+    group_score: Literal["max", "top2"] = "max"
+    routed_scale: float = 1.0
+
+    @property
+    def routing_is_plain(self) -> bool:
+        """Softmax over every expert, the top k, no groups, bias or scale."""
+        return (self.scoring == "softmax" and not self.score_bias and self.groups == 1
+                and self.routed_scale == 1.0)
 
     @property
     def kind(self) -> Literal["dense", "moe"]:
         return "moe" if self.num_experts else "dense"
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """Multi-head latent attention (DeepSeek V2/V3): a token's keys and values for every head
+    come from one latent of ``kv_lora_rank`` values (RMS-normed) through ``kv_b``, beside one
+    rotary key of ``qk_rope_head_dim`` that every head shares. The cache holds those two, a
+    token a layer, no heads. A head's query is ``qk_nope_head_dim`` plain values and
+    ``qk_rope_head_dim`` rotated ones (from ``q_lora_rank`` through a norm, or straight from the
+    hidden state where it is None); its value has ``v_head_dim``."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    rope_interleaved: bool = True     # rotary dimensions in pairs (x0, x1), (x2, x3), ...
+
+    @property
+    def latent_dim(self) -> int:
+        """Values the cache holds a token a layer."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -229,6 +268,7 @@ class ModelArch:
     residual_scale: float = 1.0           # Granite: x + scale * block(x), attention's and MLP's
     logit_divisor: float = 1.0            # Granite: logits / divisor
     attn_sinks: bool = False              # gpt-oss: a learned logit a head joins each softmax's sum
+    mla: MLASpec | None = None            # DeepSeek: latent attention (head_dim is q.k's: nope + rope)
     # Llama-3 RoPE scaling: {"factor", "low_freq_factor", "high_freq_factor",
     # "original_max_position_embeddings"}; None for plain RoPE.
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
@@ -283,6 +323,8 @@ class ModelArch:
             "rope_per_layer": len({s.attention.rope_theta for s in self.layers}) > 1,
             "sliding_window": any(s.attention.window for s in self.layers),
             "moe": any(moe),
+            "mla": self.mla is not None,
+            "moe_routing": any(not s.mlp.routing_is_plain for s in self.layers if s.mlp.num_experts),
             "attn_output_gate": self.attn_output_gate,
             "no_rope": self.no_rope,
             "residual_scale": self.residual_scale != 1.0,
@@ -307,6 +349,8 @@ class ModelArch:
                                       state_layer_spec(s["mixer"]) if s.get("mixer") else None)
                             for s in d["layers"])
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+        if d.get("mla"):
+            d["mla"] = MLASpec(**d["mla"])
         return cls(**d)
 
 
@@ -350,6 +394,9 @@ def with_feature(arch: ModelArch, key: str) -> ModelArch:
     }
     if key in simple:
         return replace(arch, **simple[key])
+    if key == "mla":             # every head its own query, keys and values from one latent
+        return replace(arch, num_kv_heads=arch.num_heads, rotary_dim=hd // 2,
+                       mla=MLASpec(2 * hd, hd // 2, hd // 2, hd))
     layers = list(arch.layers)
     for i, s in enumerate(layers):
         if key == "rope_per_layer" and i % 2:
@@ -358,6 +405,9 @@ def with_feature(arch: ModelArch, key: str) -> ModelArch:
             layers[i] = replace(s, attention=replace(s.attention, window=16))
         elif key in ("moe", "moe_bias"):
             layers[i] = replace(s, mlp=MLPSpec(f, num_experts=4, top_k=2))
+        elif key == "moe_routing":
+            layers[i] = replace(s, mlp=MLPSpec(f, num_experts=4, top_k=2, scoring="sigmoid", score_bias=True,
+                                               groups=2, group_score="top2", routed_scale=2.5))
         elif key == "gated_deltanet" and i % 4 != 3:        # Qwen3-Next's three in four
             layers[i] = replace(s, mixer=DeltaNetSpec(2, 4, hd, hd))
         elif key == "short_conv" and i % 2 == 0:            # LFM2 mixes them with attention

@@ -347,11 +347,14 @@ class KVCacheSpec:
     # extra blocks at the end of the pool that core never hands out: a backend that must write
     # somewhere for padding rows (CUDA graphs replay a fixed batch size) writes there
     scratch_blocks: int = 0
+    # the pool's second axis: K and V (2), or one latent a token shared by every head (1: MLA,
+    # with ``num_kv_heads`` 1 and ``head_dim`` the latent's width)
+    planes: int = 2
 
     def bytes_per_block(self, block_size: int) -> int:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         row = kv_format_of(self.dtype).row(self.head_dim)
-        return self.num_layers * 2 * self.num_kv_heads * block_size * row * itemsize
+        return self.num_layers * self.planes * self.num_kv_heads * block_size * row * itemsize
 
 
 @dataclass(frozen=True)

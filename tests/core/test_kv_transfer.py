@@ -138,7 +138,7 @@ def test_the_transfer_parameters_say_what_moves():
     assert t["do_remote_prefill"] and t["num_tokens"] == 16 and len(t["remote_block_ids"]) == 4
     assert t["remote_engine_id"] == pair.p.engine.connector.engine_id
     assert t["layout"] == {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "block_size": 4,
-                           "dtype": "float32", "state_bytes": 0}
+                           "dtype": "float32", "state_bytes": 0, "planes": 2}
     assert pair.used()[0] == 4, "the lease holds the prompt's full blocks"
 
 

@@ -45,6 +45,8 @@ def hf_config(family: str):
         "gpt_oss": lambda: t.GptOssConfig(**{**BASE, "intermediate_size": 32, "max_position_embeddings": 128},
                                           num_local_experts=4, num_experts_per_tok=2, sliding_window=24,
                                           rope_parameters=GPT_OSS_ROPE),
+        "deepseek_v2": lambda: deepseek_config("deepseek_v2"),
+        "deepseek_v3": lambda: deepseek_config("deepseek_v3"),
         "qwen3_next": lambda: t.Qwen3NextConfig(**{**BASE, "num_hidden_layers": 4}, **DELTANET, num_experts=4,
                                                 num_experts_per_tok=2, moe_intermediate_size=32,
                                                 shared_expert_intermediate_size=48, mlp_only_layers=[1]),
@@ -78,7 +80,8 @@ MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups
               mamba_expand=2, mamba_chunk_size=16)
 STATE_FAMILIES = ("granitemoehybrid", "lfm2", "qwen3_5", "qwen3_next")     # their cache is (mostly) a state a sequence
 
-FAMILIES = ("gemma2", "gemma3", "gpt_oss", "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe")
+FAMILIES = ("deepseek_v2", "deepseek_v3", "gemma2", "gemma3", "gpt_oss", "llama", "mistral", "mixtral", "phi3", "qwen2",
+            "qwen3", "qwen3_moe")
 
 
 def tiny_hf_model(family: str, folder: Path):
@@ -90,6 +93,9 @@ def tiny_hf_model(family: str, folder: Path):
     with torch.no_grad():                     # larger weights: sharper logits, fewer near-ties
         for p in model.parameters():
             p.mul_(4.0) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
+        for name, b in model.named_buffers():     # DeepSeek V3's choosing bias (zeros as initialised)
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.1)
     model.save_pretrained(folder)
     return model
 
@@ -121,3 +127,21 @@ def hf_pooled(base, ids: list[int], pooling: str, normalize: bool) -> torch.Tens
         h = base(torch.tensor([ids])).last_hidden_state[0].float()
     v = {"last": h[-1], "mean": h.mean(0), "cls": h[0]}[pooling]
     return torch.nn.functional.normalize(v, dim=0) if normalize else v
+
+
+# DeepSeek: latents of 32 (and q's of 24 in V3), 4 heads of 16 + 8 rotated query/key values and
+# 12 value values; 8 experts of 32 in 4 groups (2 chosen from), top 2, shared experts; the first
+# layer dense
+MLA = dict(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, n_routed_experts=8,
+           num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=32, first_k_dense_replace=1,
+           rms_norm_eps=1e-6)
+
+
+def deepseek_config(family: str):
+    import transformers as t
+
+    base = {**BASE, "num_key_value_heads": 4, "head_dim": 8}
+    if family == "deepseek_v3":
+        return t.DeepseekV3Config(**base, **MLA, q_lora_rank=24, n_shared_experts=1)
+    return t.DeepseekV2Config(**base, **MLA, q_lora_rank=None, n_shared_experts=2, topk_method="group_limited_greedy",
+                              routed_scaling_factor=1.5)

@@ -15,6 +15,7 @@ from twophase.errors import ModelError
 transformers = pytest.importorskip("transformers")
 
 GEMMA = {"norm_offset", "post_norms", "gelu_tanh", "embed_scale", "query_scale", "sliding_window"}
+DEEPSEEK = {"mla", "partial_rotary", "moe", "moe_routing"}
 PROMPT = 80           # longer than Mistral's window, so the window shows
 
 
@@ -37,6 +38,7 @@ def test_the_family_loads_as_itself(hf_model):
     want = {"llama": {"qkv_bias", "o_bias"}, "qwen2": {"qkv_bias"}, "qwen3": {"qk_norm"},
             "mistral": {"sliding_window"}, "mixtral": {"moe"}, "phi3": {"partial_rotary"},
             "qwen3_moe": {"qk_norm", "moe"},
+            "deepseek_v2": DEEPSEEK, "deepseek_v3": DEEPSEEK,
             "gpt_oss": {"qkv_bias", "o_bias", "attn_sinks", "moe", "moe_bias", "clamped_swiglu", "sliding_window",
                         "rope_yarn"},
             "gemma2": GEMMA | {"attn_softcap", "final_softcap"}, "gemma3": GEMMA | {"qk_norm", "rope_per_layer"}}[name]

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from twophase.backends.hookspecs import hookimpl
+from twophase.cache.layout import KVHeads
 from twophase.contract import (
     CONTRACT_VERSION,
     Backend,
@@ -43,7 +44,7 @@ TORCH_FEATURES = frozenset({
     "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "norm_offset", "post_norms", "gelu_tanh", "embed_scale",
     "attn_softcap", "final_softcap", "query_scale", "partial_rotary", "rope_per_layer", "sliding_window", "moe",
     "gated_deltanet", "attn_output_gate", "short_conv", "mamba2", "no_rope", "residual_scale", "logit_divisor",
-    "rope_yarn", "attn_sinks", "moe_bias", "clamped_swiglu",
+    "rope_yarn", "attn_sinks", "moe_bias", "clamped_swiglu", "mla", "moe_routing",
 })
 OPTIONS = {"threads", "cuda_graphs", "keep_freed_memory"}
 
@@ -96,8 +97,9 @@ class TorchBackend(Backend):
         self.use_graphs = self.device.type == "cuda" and bool(cfg.options.get("cuda_graphs", True))
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        return KVCacheSpec(len(self.arch.attention_layers), self.arch.num_kv_heads, self.arch.head_dim,
-                           self.dtype, self.device, scratch_blocks=1 if self.use_graphs else 0)
+        kv = KVHeads.of(self.arch)           # heads' K and V, or one latent (MLA)
+        return KVCacheSpec(len(self.arch.attention_layers), kv.num_kv_heads, kv.head_dim, self.dtype, self.device,
+                           scratch_blocks=1 if self.use_graphs else 0, planes=kv.planes)
 
     def bind_kv_cache(self, kv: KVCache) -> None:
         self.kv = kv

@@ -81,9 +81,14 @@ def check_kv_format(name: str, arch: ModelArch, backend: Backend, native: torch.
         return
     fmt = kv_format(name)
     try:
-        fmt.check(arch.head_dim)
+        fmt.check(arch.mla.latent_dim if arch.mla else arch.head_dim)
     except ValueError as exc:
-        raise ConfigError("cache.dtype", str(exc)) from None
+        why = str(exc)
+        if arch.mla:                 # the cache's row is the latent, not a head
+            m = arch.mla
+            why = why.replace(f"head_dim is {m.latent_dim}", f"latent is {m.latent_dim} values a token "
+                              f"(kv_lora_rank {m.kv_lora_rank} + qk_rope_head_dim {m.qk_rope_head_dim})")
+        raise ConfigError("cache.dtype", why) from None
     reads = backend.capabilities().kv_formats
     if fmt.storage != native and name not in reads:
         names = dict.fromkeys([str(native).removeprefix("torch."), *reads])

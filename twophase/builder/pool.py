@@ -34,9 +34,9 @@ def lay_out(arch: ModelArch, settings: PoolSettings, backends: Backends, device:
     if settings.num_blocks is None and settings.memory_bytes is None and torch.device(device).type == "cuda":
         free, extra = cuda_pool_bytes(plan, free, backends.prefill.capabilities().shares_kv_pool), \
             plan.draft_bytes_per_block
-    layout = lay_out_pool(arch, settings, prefill, others, free, kv=KVHeads(spec.num_kv_heads, spec.head_dim),
-                          may_group=may_group, scratch_blocks=scratch, extra_bytes_per_block=extra,
-                          minimum_blocks=1)
+    kv = KVHeads(spec.num_kv_heads, spec.head_dim, spec.planes)
+    layout = lay_out_pool(arch, settings, prefill, others, free, kv=kv, may_group=may_group, scratch_blocks=scratch,
+                          extra_bytes_per_block=extra, minimum_blocks=1)
     if layout.groups.num_groups == 1 and len(set(s.attention.window for s in arch.layers)) > 1:
         unable = sorted({b.name for b in backends.distinct() if not b.capabilities().kv_groups})
         why = f"the {', '.join(unable)} backend reads one block table" if unable else \
@@ -78,12 +78,13 @@ def fit_context(layout: PoolLayout, explicit: bool) -> None:
 
 def allocate(layout: PoolLayout, dtype: torch.dtype, device: torch.device, shared: bool, device_name: str,
              prefault_pages: bool) -> KVCache:
-    """The pool, zero-filled: ``[slots, 2, blocks + scratch, kv_heads, block_size, row]``. A
-    backend that keeps its own pool gets a shape without memory (see ``bind_kv_cache``)."""
+    """The pool, zero-filled: ``[slots, planes, blocks + scratch, kv_heads, block_size, row]``
+    (planes: K and V, or one latent). A backend that keeps its own pool gets a shape without
+    memory (see ``bind_kv_cache``)."""
     check_pool_memory(layout.num_blocks, layout.pool_bytes, device_name)
     spec = layout.specs[0]
-    heads, hd = spec.num_kv_heads, spec.head_dim        # type: ignore[attr-defined]
-    shape = (layout.groups.num_slots, 2, layout.num_blocks + layout.scratch_blocks, heads, layout.block_size,
+    heads, hd, planes = spec.num_kv_heads, spec.head_dim, spec.planes        # type: ignore[attr-defined]
+    shape = (layout.groups.num_slots, planes, layout.num_blocks + layout.scratch_blocks, heads, layout.block_size,
              kv_format_of(dtype).row(hd))
     pool = zeros(shape, dtype, device if shared else torch.device("meta"))
     if prefault_pages:

@@ -47,13 +47,17 @@ class PoolSettings:
 
 @dataclass(frozen=True)
 class KVHeads:
-    """The K/V an attention layer keeps a token, as the backends hold it."""
+    """The K/V an attention layer keeps a token, as the backends hold it: ``planes`` (K and V,
+    or one latent) of ``num_kv_heads`` rows of ``head_dim``."""
 
     num_kv_heads: int
     head_dim: int
+    planes: int = 2
 
     @classmethod
     def of(cls, arch: ModelArch) -> KVHeads:
+        if arch.mla is not None:          # one latent a token, shared by every head
+            return cls(1, arch.mla.latent_dim, 1)
         return cls(arch.num_kv_heads, arch.head_dim)
 
 
@@ -169,7 +173,7 @@ def token_budget(settings: PoolSettings, length: int, chunked: bool) -> int:
 
 
 def group_specs(groups: KVGroups, kv: KVHeads, format: str) -> tuple[CacheSpec, ...]:
-    return tuple(attention_spec(w, kv.num_kv_heads, kv.head_dim, format) for w in groups.windows)
+    return tuple(attention_spec(w, kv.num_kv_heads, kv.head_dim, format, kv.planes) for w in groups.windows)
 
 
 def pool_groups(arch: ModelArch, backends: Sequence[Capabilities], may_group: bool) -> KVGroups:
@@ -184,7 +188,7 @@ def pool_groups(arch: ModelArch, backends: Sequence[Capabilities], may_group: bo
 def index_limit(backends: Sequence[Capabilities], groups: KVGroups, kv: KVHeads, block_size: int,
                 scratch_blocks: int) -> int | None:
     """The most blocks every backend can index (``Capabilities.max_pool_elements``)."""
-    per_block = groups.num_slots * 2 * kv.num_kv_heads * block_size * kv.head_dim
+    per_block = groups.num_slots * kv.planes * kv.num_kv_heads * block_size * kv.head_dim
     known = [c.max_pool_elements // per_block - scratch_blocks for c in backends if c.max_pool_elements]
     return min(known) if known else None
 

@@ -70,6 +70,7 @@ class FullAttentionSpec(CacheSpec):
     format: str                       # the K/V format's name (``twophase.kv_formats``)
 
     kind: ClassVar[str] = "full attention"
+    planes: ClassVar[int] = 2         # K and V (the pool's second axis)
     freed: ClassVar[str] = "at the end of the request"
     prefix_hit: ClassVar[str] = "the prefix's blocks"
     rollback: ClassVar[str] = "the blocks wholly past the kept tokens"
@@ -81,7 +82,17 @@ class FullAttentionSpec(CacheSpec):
         return fmt.row(self.head_dim) * torch.empty((), dtype=fmt.storage).element_size()
 
     def bytes_per_token(self) -> int:
-        return 2 * self.num_kv_heads * self.row_bytes()
+        return self.planes * self.num_kv_heads * self.row_bytes()
+
+
+@dataclass(frozen=True)
+class LatentSpec(FullAttentionSpec):
+    """Multi-head latent attention's cache: one latent a token a layer (``head_dim`` values: the
+    compressed keys and values and the shared rotary key), read by every head; no heads, no
+    second plane. Kept, freed, restored and moved as full attention's blocks are."""
+
+    kind: ClassVar[str] = "latent"
+    planes: ClassVar[int] = 1
 
 
 @dataclass(frozen=True)
@@ -135,8 +146,13 @@ class StateSpec(CacheSpec):
         return 0
 
 
-def attention_spec(window: int | None, num_kv_heads: int, head_dim: int, format: str) -> FullAttentionSpec:
-    """The spec of an attention layer with ``window`` (None: full)."""
+def attention_spec(window: int | None, num_kv_heads: int, head_dim: int, format: str,
+                   planes: int = 2) -> FullAttentionSpec:
+    """The spec of an attention layer with ``window`` (None: full); one plane: a latent."""
+    if planes == 1:
+        if window is not None:
+            raise ValueError("a latent cache with a sliding window is not implemented")
+        return LatentSpec(num_kv_heads, head_dim, format)
     if window is None:
         return FullAttentionSpec(num_kv_heads, head_dim, format)
     return SlidingWindowSpec(num_kv_heads, head_dim, format, window)

@@ -26,12 +26,13 @@ class KVLayout:
     block_size: int
     dtype: str                  # the K/V format's name (twophase/kv_formats.py)
     state_bytes: int = 0        # one sequence's state in every state layer (float32), 0: none
+    planes: int = 2             # K and V, or one latent a token (MLA)
 
     def blocks_from_bytes(self, raw: torch.Tensor, n: int) -> torch.Tensor:
         """``n`` blocks sent as bytes (``blocks.view(torch.uint8)``: numpy has no bfloat16 or
-        float8) as the pool's ``[layers, 2, n, kv_heads, block_size, row]``."""
+        float8) as the pool's ``[layers, planes, n, kv_heads, block_size, row]``."""
         fmt = kv_format(self.dtype)
-        shape = (self.num_layers, 2, n, self.num_kv_heads, self.block_size, fmt.row(self.head_dim))
+        shape = (self.num_layers, self.planes, n, self.num_kv_heads, self.block_size, fmt.row(self.head_dim))
         return raw.view(fmt.storage).view(shape)
 
     def pack(self, blocks: torch.Tensor, state: torch.Tensor | None) -> torch.Tensor:
@@ -46,7 +47,7 @@ class KVLayout:
         raw = raw.flatten()
         want = len(raw) - self.state_bytes
         fmt = kv_format(self.dtype)
-        block_bytes = (self.num_layers * 2 * n * self.num_kv_heads * self.block_size * fmt.row(self.head_dim)
+        block_bytes = (self.num_layers * self.planes * n * self.num_kv_heads * self.block_size * fmt.row(self.head_dim)
                        * torch.empty((), dtype=fmt.storage).element_size())
         if want != block_bytes:
             raise ValueError(f"the peer sent {len(raw)} bytes; {n} blocks and the state are "

@@ -264,7 +264,7 @@ class KVConnector:
         self.sleep(seconds)
 
     def _check(self, blocks: torch.Tensor, n: int) -> str | None:
-        want = (self.layout.num_layers, 2, n, self.layout.num_kv_heads, self.layout.block_size,
+        want = (self.layout.num_layers, self.layout.planes, n, self.layout.num_kv_heads, self.layout.block_size,
                 tuple(self.pool.shape)[-1])
         if tuple(blocks.shape) != want:
             return f"the peer sent K/V of shape {tuple(blocks.shape)}, expected {want}"
@@ -294,12 +294,12 @@ class KVConnector:
 
 
 def layout_of(pool: torch.Tensor, states: tuple[tuple[torch.Tensor, ...], ...] = ()) -> KVLayout:
-    """The layout of a pool ``[layers, 2, num_blocks, kv_heads, block_size, head_dim]`` and of
-    the state layers' tensors beside it (a row a slot)."""
-    layers, _, _, heads, block_size, row = pool.shape
+    """The layout of a pool ``[layers, planes, num_blocks, kv_heads, block_size, head_dim]`` and
+    of the state layers' tensors beside it (a row a slot)."""
+    layers, planes, _, heads, block_size, row = pool.shape
     fmt = kv_format_of(pool.dtype)
     state = sum(t[0].numel() * 4 for layer in states for t in layer)
-    return KVLayout(layers, heads, fmt.head_dim(row), block_size, fmt.name, state)
+    return KVLayout(layers, heads, fmt.head_dim(row), block_size, fmt.name, state, planes)
 
 
 class LocalTransport:

@@ -20,6 +20,7 @@ from twophase.models.graph_attention import GraphMeta
 from twophase.models.layers.attention import Attention, AttnMeta
 from twophase.models.layers.deltanet import GatedDeltaNet
 from twophase.models.layers.mamba2 import Mamba2
+from twophase.models.layers.mla import LatentAttention
 from twophase.models.layers.mlp import GatedMLP, Glu
 from twophase.models.layers.moe import MoE
 from twophase.models.layers.norm import RMSNorm
@@ -55,7 +56,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(h, eps, off)
         self.attends = spec.mixer is None
         if spec.mixer is None:
-            self.attn = Attention(arch, spec.attention)
+            self.attn = LatentAttention(arch) if arch.mla else Attention(arch, spec.attention)
         else:                                  # a state layer in the attention's place
             self.mixer = STATE_LAYERS[spec.mixer.kind](arch, spec.mixer)
         self.mlp_norm = RMSNorm(h, eps, off)

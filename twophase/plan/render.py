@@ -54,7 +54,7 @@ def summary(p: Plan) -> list[str]:
                   f"(cache.state_snapshots) = {human(p.pool.state_bytes)}",
                   f"a full-attention model of the same width ({p.model.arch.num_layers} layers of K/V) "
                   f"would hold {p.full_attention_concurrency(p.context):,} at {p.context:,} tokens in the same memory"]
-    lines += _active(p)
+    lines += _active(p) + _latent(p)
     if p.users is not None:
         conc = p.concurrency(p.context)
         lines.append(f"{p.users} users at {p.context:,} tokens: " + (
@@ -62,6 +62,20 @@ def summary(p: Plan) -> list[str]:
             f"{conc} run at once; {p.users - conc} wait in the queue (or, admitted while the others "
             f"grow, are preempted and recomputed)"))
     return lines + [f"note: {n}" for n in p.notes]
+
+
+def _latent(p: Plan) -> list[str]:
+    """Multi-head latent attention's cache beside the per-head K and V it stands for."""
+    arch = p.model.arch
+    m = arch.mla
+    if m is None:
+        return []
+    per_head = len(arch.attention_layers) * arch.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
+    value_bytes = p.kv_bytes_per_token / (len(arch.attention_layers) * m.latent_dim)
+    return [f"latent cache: {m.latent_dim} values a token a layer (kv_lora_rank {m.kv_lora_rank} + rotary key "
+            f"{m.qk_rope_head_dim}) shared by {arch.num_heads} heads: {p.kv_bytes_per_token:,} B a token, where "
+            f"each head's K and V would take {int(per_head * value_bytes):,} B "
+            f"(x{per_head / (len(arch.attention_layers) * m.latent_dim):.0f})"]
 
 
 def _active(p: Plan) -> list[str]:

@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 from twophase.core.outputs import Delta, RequestOutput
 from twophase.core.sampling_params import SamplingParams
 from twophase.errors import InvalidSamplingParam
+from twophase.server import harmony as H
 from twophase.server import protocol as P
 from twophase.server import tools as T
 from twophase.server.state import ServerState, state_of
@@ -27,6 +28,16 @@ class ChatFormat:
         self.role_sent: set[int] = set()
         self.calls: dict[int, T.CallStream] = {}
         self.held: dict[int, T.HeldText] = {}
+        # gpt-oss's harmony replies: reasoning, answer and calls read from the markers (not
+        # where a call is forced: that reply is the constrained JSON)
+        tok = server.tokenizer
+        self.harmony = (tok is not None and H.is_harmony(tok.chat_template) and tools.mode in ("none", "auto"))
+        self.names = tools.names if tools.mode == "auto" else ()
+        self.streams: dict[int, H.HarmonyStream] = {}
+
+    def _harmony(self, output: RequestOutput) -> H.Reply:
+        assert self.server.tokenizer is not None
+        return H.parse(self.server.tokenizer.decode(list(output.token_ids), skip_special_tokens=False), self.names)
 
     def _logprobs(self, token_ids, logprobs) -> dict[str, Any] | None:
         if not self.body.logprobs:
@@ -40,8 +51,14 @@ class ChatFormat:
     def whole(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         choices = []
         for i, output in enumerate(outputs):
-            content, calls = T.parse(self.tools, T.with_marker(self.tools, output.text, output.token_ids))
+            if self.harmony:
+                reply = self._harmony(output)
+                content, calls = reply.content, reply.calls
+            else:
+                content, calls = T.parse(self.tools, T.with_marker(self.tools, output.text, output.token_ids))
             message: dict[str, Any] = {"role": "assistant", "content": content}
+            if self.harmony:
+                message["reasoning_content"] = reply.reasoning
             if calls:
                 message["tool_calls"] = calls
             choices.append({"index": i, "message": message,
@@ -67,7 +84,14 @@ class ChatFormat:
     def chunk(self, delta: Delta, index: int) -> dict[str, Any] | None:
         calls, held = self._stream_state(index)
         content: dict[str, Any] = {"content": delta.text}
-        if calls is not None:
+        if self.harmony:
+            if index not in self.streams:
+                tok = self.server.tokenizer
+                assert tok is not None
+                self.streams[index] = H.HarmonyStream(lambda ids: tok.decode(ids, skip_special_tokens=False),
+                                                      self.names)
+            content = self.streams[index].feed(list(delta.token_ids))
+        elif calls is not None:
             content = {k: v for k, v in {"tool_calls": calls.feed(delta.text)}.items() if v}
         elif held is not None:
             content = {"content": held.feed(delta.text)}
@@ -84,7 +108,9 @@ class ChatFormat:
         calls, held = self._stream_state(index)
         delta: dict[str, Any] = {}
         called = bool(calls and calls.sent)
-        if held is not None:                        # auto: the held text, read for calls
+        if self.harmony:
+            called = bool(self.streams.get(index) and self.streams[index].sent_calls)
+        elif held is not None:                      # auto: the held text, read for calls
             content, parsed = T.parse(self.tools, T.with_marker(self.tools, output.text, output.token_ids))
             rest = held.rest() if not parsed else None
             delta = {k: v for k, v in {"content": rest, "tool_calls": [
@@ -128,7 +154,8 @@ def prepare(server: ServerState, body: P.ChatCompletionRequest) -> tuple[str, Sa
             params = dataclasses.replace(params, structured=tools.structured)
         except InvalidSamplingParam as exc:          # min_tokens or stop beside a forced call
             raise P.ApiError(400, f"{exc.name} {exc.message}", exc.name) from None
-    return render(server, body, tools), params, tools
+    effort = {"reasoning_effort": body.reasoning_effort} if body.reasoning_effort else {}
+    return render(server, body, tools, **effort), params, tools
 
 
 def plan_tools(server: ServerState, body: P.ChatCompletionRequest) -> T.ToolPlan:

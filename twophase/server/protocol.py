@@ -316,6 +316,8 @@ class ChatCompletionRequest(_Common):
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # how much a reasoning model thinks, where its chat template reads it (gpt-oss's does)
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
 
     def max_tokens_field(self) -> str:
         # OpenAI's newer name for max_tokens; where both are sent, it wins

@@ -96,9 +96,9 @@ class SimulatedLLM(LLM):
                               prefill.capabilities(), [backends.decode.capabilities()], 0)
         layout = dataclasses.replace(layout, model_len=model_len(planned.arch, settings))
         fit_context(layout, explicit=config.model.max_model_len is not None)
-        a = planned.arch
-        shape = (layout.groups.num_slots, 2, layout.num_blocks, a.num_kv_heads, layout.block_size,
-                 kv_format(settings.format).row(a.head_dim))
+        kv = layout.specs[0]              # K/V of heads, or a latent
+        shape = (layout.groups.num_slots, kv.planes, layout.num_blocks, kv.num_kv_heads,  # type: ignore[attr-defined]
+                 layout.block_size, kv_format(settings.format).row(kv.head_dim))  # type: ignore[attr-defined]
         kv_cache = KVCache(torch.empty(shape, dtype=kv_format(settings.format).storage, device="meta"),
                            layout.block_size, layout.groups)
         for b in backends.distinct():

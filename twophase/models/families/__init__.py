@@ -11,6 +11,7 @@ from pathlib import Path
 from twophase.arch import ModelArch
 from twophase.errors import ModelError
 from twophase.models.families import (
+    deepseek,
     gemma,
     gpt_oss,
     granite,
@@ -28,7 +29,7 @@ from twophase.models.families.family import Family
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, mistral.FAMILY, phi3.FAMILY, gemma.GEMMA2, gemma.GEMMA3,
     moe.MIXTRAL, moe.QWEN3_MOE, qwen3_next.QWEN3_NEXT, qwen3_next.QWEN3_5, lfm2.FAMILY, granite.FAMILY,
-    gpt_oss.FAMILY)}
+    gpt_oss.FAMILY, deepseek.DEEPSEEK_V2, deepseek.DEEPSEEK_V3)}
 
 
 def _known() -> str:

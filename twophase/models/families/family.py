@@ -29,7 +29,7 @@ LANGUAGE_MODEL = "model.language_model."
 
 # our parameters stored without a ``.weight``/``.bias`` suffix, in both namings (state layers'
 # own, attention sinks)
-BARE = {"A_log", "dt_bias", "D", "sinks"}
+BARE = {"A_log", "dt_bias", "D", "sinks", "score_bias"}
 # a tensor kept in another layout in a family's checkpoints than ours: (to ours, to theirs)
 Layout = tuple[Callable[[Any], Any], Callable[[Any], Any]]
 

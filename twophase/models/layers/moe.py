@@ -42,7 +42,10 @@ class MoE(nn.Module):
         super().__init__()
         E, f = spec.num_experts, spec.intermediate_size
         self.top_k, self.norm_topk, self.f, self.glu = spec.top_k, spec.norm_topk_prob, f, glu
+        self.spec = spec
         self.router = nn.Linear(hidden, E, bias=bias)
+        if spec.score_bias:                     # DeepSeek V3's: added to choose, not to weigh
+            self.score_bias = nn.Parameter(torch.zeros(E))
         self.experts_gate_up = Experts(E, 2 * f, hidden, bias)
         self.experts_down = Experts(E, hidden, f, bias)
         self.shared: GatedMLP | None = None
@@ -60,12 +63,27 @@ class MoE(nn.Module):
             out = out + (torch.sigmoid(self.shared_gate(x)) * shared if self.shared_gated else shared)
         return out
 
+    def choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's ``top_k`` experts and their weights, as ``spec`` routes: scores (softmax
+        or sigmoid), a bias for choosing, only the best groups' experts, the chosen scores
+        renormalised where asked and scaled."""
+        spec = self.spec
+        scores = torch.softmax(logits, dim=-1) if spec.scoring == "softmax" else torch.sigmoid(logits)
+        pick = scores + self.score_bias.float() if spec.score_bias else scores
+        if spec.groups > 1:
+            grouped = pick.view(pick.shape[0], spec.groups, -1)
+            best = grouped.amax(-1) if spec.group_score == "max" else grouped.topk(2, dim=-1).values.sum(-1)
+            kept = torch.zeros_like(best).scatter_(1, best.topk(spec.topk_groups, dim=-1).indices, 1.0)
+            pick = pick.masked_fill(kept.repeat_interleave(grouped.shape[-1], dim=1) == 0, float("-inf"))
+        experts = pick.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, experts)
+        if self.norm_topk:
+            weights = weights / (weights.sum(-1, keepdim=True) + (1e-20 if spec.scoring == "sigmoid" else 0.0))
+        return weights * spec.routed_scale, experts
+
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         """Eagerly: each expert reads its weights once for the tokens routed to it."""
-        probs = torch.softmax(self.router(x).float(), dim=-1)
-        weights, experts = probs.topk(self.top_k, dim=-1)           # [T, k]
-        if self.norm_topk:
-            weights = weights / weights.sum(-1, keepdim=True)
+        weights, experts = self.choose(self.router(x).float())       # [T, k]
         out = torch.zeros_like(x)
         for e in experts.unique().tolist():
             rows, slot = (experts == e).nonzero(as_tuple=True)

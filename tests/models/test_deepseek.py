@@ -1,0 +1,110 @@
+"""DeepSeek V2/V3 beyond ``test_families`` (which checks both against transformers, whole, in
+chunks, served): the decode form (attention over the latents with ``kv_b`` absorbed) against the
+prefill form on the same cache; the pool holding one latent a token; what is refused by name."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers.hf_models import tiny_hf_model
+
+from twophase import LLM
+from twophase.arch import AttentionSpec, LayerSpec, MLASpec, MLPSpec, ModelArch
+from twophase.errors import ConfigError, ModelError
+from twophase.models.layers.mla import LatentAttention, gather_latents, write_latent
+
+pytest.importorskip("transformers")
+
+MLA = MLASpec(kv_lora_rank=64, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12)
+ARCH = ModelArch("deepseek_v3", vocab_size=16, hidden_size=32, num_heads=4, num_kv_heads=4, head_dim=24,
+                 layers=(LayerSpec(AttentionSpec(), MLPSpec(16)),), mla=MLA, rotary_dim=8)
+
+
+def test_absorbed_decode_equals_the_expanded_form_on_a_paged_cache():
+    """Two sequences of 37 and 100 tokens in blocks of 8 taken out of order: each decode query
+    over its latents with ``kv_b`` folded in gives what making every head's keys and values
+    from them gives."""
+    torch.manual_seed(0)
+    layer = LatentAttention(ARCH).eval().requires_grad_(False)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, 0.0, 0.3)
+    pool = torch.zeros(1, 40, 1, 8, MLA.latent_dim)
+    order = torch.randperm(40)
+    tables = torch.stack([order[:13], order[13:26]])
+    lens = torch.tensor([37, 100])
+    for b, n in enumerate(lens.tolist()):
+        pos = torch.arange(n)
+        write_latent(pool, torch.randn(n, MLA.latent_dim), tables[b][pos // 8] * 8 + pos % 8)
+    q_nope, q_pe = torch.randn(2, 4, 16), torch.randn(2, 4, 8)
+    got = layer.absorbed(q_nope, q_pe, pool, tables, lens)
+    ctx = gather_latents(pool, tables, torch.float32)
+    for b, n in enumerate(lens.tolist()):
+        want = layer.expanded(q_nope[b:b + 1], q_pe[b:b + 1], ctx[b, :n], n - 1)[0]
+        assert float((got[b] - want).abs().max() / want.abs().max()) < 1e-5
+
+
+@pytest.fixture(scope="module")
+def v3(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("deepseek_v3")
+    tiny_hf_model("deepseek_v3", folder)
+    return folder
+
+
+def test_the_pool_holds_one_latent_a_token_in_each_layer(v3):
+    llm = LLM.from_config({"model": {"path": str(v3)}, "cache": {"num_blocks": 32, "block_size": 8}})
+    pool = llm.kv_cache.pool
+    assert tuple(pool.shape) == (3, 1, 32, 1, 8, 32 + 8)          # layers, one plane, blocks, one row
+    assert [s.kind for s in llm.loaded.layout.specs] == ["latent"]
+    assert llm.loaded.layout.slot_bytes_per_token == 40 * 4
+
+
+def test_a_cache_format_that_cannot_hold_the_latent_names_it(v3):
+    with pytest.raises(ConfigError, match=r"runs of 32 values; this model's latent is 40 values a token "
+                                          r"\(kv_lora_rank 32 \+ qk_rope_head_dim 8\)"):
+        LLM.from_config({"model": {"path": str(v3)}, "cache": {"num_blocks": 32, "dtype": "int8"}})
+
+
+def test_a_routing_mode_not_implemented_is_named(v3):
+    from twophase.models.families import arch_from_config
+
+    config = json.loads((v3 / "config.json").read_text())
+    with pytest.raises(ModelError, match="DeepSeek V3 routing 'noaux_tc' with 'softmax' scores is not implemented"):
+        arch_from_config({**config, "scoring_func": "softmax"}, "config.json")
+    with pytest.raises(ModelError, match="DeepSeek V2 routing 'group_limited_top3' .* not implemented"):
+        arch_from_config({**config, "model_type": "deepseek_v2", "topk_method": "group_limited_top3"}, "config.json")
+
+
+def test_plan_gives_the_latent_beside_per_head_k_and_v(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "twophase", "plan", "--model", "deepseek-v3", "--device", "h200",
+                        "--quantization", "q4", "--json", "p.json", "--plot", ""],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    d = json.loads((tmp_path / "p.json").read_text())
+    assert d["kv_bytes_per_token"] == 61 * 576 * 2              # 61 layers of 576 bf16 values
+    out = " ".join(r.stdout.split())
+    assert "latent cache: 576 values a token a layer (kv_lora_rank 512 + rotary key 64) shared by 128 heads" in out
+    assert f"each head's K and V would take {61 * 128 * (192 + 128) * 2:,} B (x71)" in out
+    assert "36.63B of 671.03B parameters" in out                 # its card: 37B active of 671B
+
+
+def test_a_latent_pool_round_trips_through_the_host_tier(v3, tmp_path):
+    """A prefix the pool evicted comes back from host memory into a latent pool and gives the
+    tokens (and log-probabilities) computed from nothing."""
+    from twophase import SamplingParams
+
+    a, b, c = list(range(5, 60)), list(range(100, 160)), list(range(200, 260))
+    p = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=1)
+    cache = {"num_blocks": 24, "block_size": 4}
+    cold = LLM.from_config({"model": {"path": str(v3)}, "cache": cache}).generate([a], p)[0]
+    llm = LLM.from_config({"model": {"path": str(v3)}, "cache": {**cache, "offload": {"host_gib": 0.01}}})
+    llm.generate([a], p)
+    llm.generate([b], p)
+    llm.generate([c], p)                    # 24 blocks: a's are gone from the pool now
+    again = llm.generate([a], p)[0]
+    assert again.metrics["num_cached_tokens"] == 52 and llm.engine.kv.restored["host"] == 13
+    assert again.token_ids == cold.token_ids
+    assert [lp[t] for t, lp in zip(again.token_ids, again.logprobs)] == \
+        pytest.approx([lp[t] for t, lp in zip(cold.token_ids, cold.logprobs)], abs=1e-5)
