@@ -48,6 +48,7 @@ FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
     WeightFormat("Q4_K", 12, 256, 144),
     WeightFormat("Q5_K", 13, 256, 176),
     WeightFormat("Q6_K", 14, 256, 210),
+    WeightFormat("MXFP4", 39, 32, 17),   # gpt-oss's: FP4 (E2M1) codes under an E8M0 scale a block
 )}
 
 

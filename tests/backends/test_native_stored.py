@@ -16,7 +16,9 @@ from twophase.formats import FORMATS
 # where each block type keeps its fp16 scales (the other bytes are codes: any value is valid)
 F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
               "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
-STORED = (*F16_FIELDS, "F16", "BF16", "F32")
+# MXFP4 (gpt-oss's): its one scale an E8M0 byte (a power of two), kept small here
+E8M0_FIELDS = {"MXFP4": 0}
+STORED = (*F16_FIELDS, *E8M0_FIELDS, "F16", "BF16", "F32")
 
 
 @pytest.fixture(autouse=True)
@@ -35,8 +37,10 @@ def random_rows(rng: np.random.Generator, name: str, n: int, k: int) -> np.ndarr
         return (rng.normal(0, 0.05, (n, k)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
     nb = k // fmt.block
     raw = rng.integers(0, 256, (n, nb, fmt.block_bytes), dtype=np.uint8)
-    for at in F16_FIELDS[name]:
+    for at in F16_FIELDS.get(name, ()):
         raw[..., at:at + 2] = rng.uniform(0.001, 0.02, (n, nb)).astype(np.float16)[..., None].view(np.uint8)
+    if name in E8M0_FIELDS:            # 2^-10 .. 2^-3 (halved: the doubled codes' scale)
+        raw[..., E8M0_FIELDS[name]] = rng.integers(118, 125, (n, nb), dtype=np.uint8)
     return raw.reshape(n, nb * fmt.block_bytes)
 
 

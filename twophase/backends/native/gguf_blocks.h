@@ -5,13 +5,15 @@
  * Every block type is read 32 values at a time: its codes as unsigned bytes u (all below 64),
  * an offset o taken from each, a scale for each half of 16 values and a bias a 32 (the minimum of
  * Q4_1, Q5_1 and the K-quants), so that w = s_h * (u - o) + bias. Q8_0's codes are signed and
- * dot as they are. The reference takes each run's exact integer dot and its float terms in
+ * dot as they are; so are MXFP4's (gpt-oss's): each 4-bit code an FP4 (E2M1) value, read doubled
+ * as an int8 (0, 1, 2, 3, 4, 6, 8, 12 and their negatives), under a power-of-two scale a block
+ * (E8M0), halved. The reference takes each run's exact integer dot and its float terms in
  * order (run_term); the vector path sums the same products in other lanes, so the two agree up
  * to float rounding. F32, F16 and BF16 rows dot the float activations. Included by step.c.
  */
 
 enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
-       T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
+       T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30, T_MXFP4 = 39 };
 
 typedef struct { int type, n; const uint8_t *w; } part_t;   /* n rows of one type, as stored */
 #define PARTS_MAX 3
@@ -58,6 +60,7 @@ static inline size_t type_bytes(int t) {         /* bytes a block */
     case T_Q4_K: return 144;
     case T_Q5_K: return 176;
     case T_Q6_K: return 210;
+    case T_MXFP4: return 17;
     default: return 0;
     }
 }
@@ -73,6 +76,18 @@ static inline float bf16_of(const uint8_t *p) {
     return f;
 }
 
+/* MXFP4: a code's FP4 value doubled (exact in int8), and a block's E8M0 scale halved to match:
+   2^(e - 128), ggml's GGML_E8M0_TO_FP32_HALF (e 0 and 1: the subnormals 2^-128, 2^-127) */
+static const int8_t MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f; memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* the types whose codes are signed bytes, dotted as they are (no offset) */
+static inline int signed_codes(int t) { return t == T_Q8_0 || t == T_MXFP4; }
+
 /* the K-quants' 6-bit scale and minimum of run j (0-7), packed in 12 bytes */
 static inline void scale_min_k4(int j, const uint8_t *q, int *sc, int *mn) {
     if (j < 4) { *sc = q[j] & 63; *mn = q[j + 4] & 63; }
@@ -87,6 +102,7 @@ INLINE sub_t sub_terms(int t, const uint8_t *b, int j) {
     case T_Q4_0: r.s[0] = r.s[1] = f16_of(b); r.o = 8; break;
     case T_Q5_0: r.s[0] = r.s[1] = f16_of(b); r.o = 16; break;
     case T_Q8_0: r.s[0] = r.s[1] = f16_of(b); break;
+    case T_MXFP4: r.s[0] = r.s[1] = e8m0_half(b[0]); break;
     case T_Q4_1: case T_Q5_1: r.s[0] = r.s[1] = f16_of(b); r.bias = f16_of(b + 2); break;
     case T_Q4_K: case T_Q5_K:
         scale_min_k4(j, b + 4, &sc, &mn);
@@ -119,6 +135,7 @@ static void codes_ref(int t, const uint8_t *b, int j, uint8_t *u) {
             break;
         }
         case T_Q8_0: u[i] = b[2 + i]; break;
+        case T_MXFP4: u[i] = (uint8_t)MXFP4_VALUES[hi ? b[1 + e] >> 4 : b[1 + e] & 15]; break;
         case T_Q4_K: u[i] = j & 1 ? b[16 + 32 * (j / 2) + i] >> 4 : b[16 + 32 * (j / 2) + i] & 15; break;
         case T_Q5_K: {
             const uint8_t q = b[48 + 32 * (j / 2) + i];
@@ -156,6 +173,11 @@ static inline __m256i nibbles(__m128i q) {     /* 16 bytes' low nibbles, then th
     return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(15));
 }
 
+/* MXFP4_VALUES in both lanes: vpshufb turns nibbles into the codes' int8 values */
+static inline __m256i mxfp4_lut(void) {
+    return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)MXFP4_VALUES));
+}
+
 /* byte i: 0x10 where bit i of the 32 bits is set */
 static inline __m256i bits_to_16(uint32_t bits) {
 #if WIDE
@@ -180,6 +202,7 @@ INLINE __m256i codes_vec(int t, const uint8_t *b, int j) {
         memcpy(&qh, b + 4, 4);
         return _mm256_or_si256(nibbles(_mm_loadu_si128((const __m128i *)(b + 8))), bits_to_16(qh));
     case T_Q8_0: return _mm256_loadu_si256((const __m256i *)(b + 2));
+    case T_MXFP4: return _mm256_shuffle_epi8(mxfp4_lut(), nibbles(_mm_loadu_si128((const __m128i *)(b + 1))));
     case T_Q4_K: {
         const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * (j / 2)));
         return _mm256_and_si256(j & 1 ? _mm256_srli_epi16(q, 4) : q, m15);
@@ -231,7 +254,7 @@ static void row_dots_ref(int t, const uint8_t *w, const gact *a, int r0, int nr,
                 uint8_t u[32];
                 int I0, I1;
                 codes_ref(t, b, g % runs, u);
-                dots_ref(u, t == T_Q8_0, a->q + row * k + 32 * g, &I0, &I1);
+                dots_ref(u, signed_codes(t), a->q + row * k + 32 * g, &I0, &I1);
                 const int32_t *A = a->s + row * (k / 16) + 2 * g;
                 acc = run_term(&terms, I0, I1, A[0], A[1], a->d[row * (k / 32) + g], acc);
             }
@@ -314,6 +337,7 @@ INLINE void pair_codes(const int t, const uint8_t *b0, const int j0, const uint8
         return;
     }
     case T_Q4_0: qs = 2; break;
+    case T_MXFP4: qs = 1; break;
     case T_Q4_1: qs = 4; break;
     case T_Q5_0: qs = 6; memcpy(&h0, b0 + 2, 4); memcpy(&h1, b1 + 2, 4); break;
     default: qs = 8; memcpy(&h0, b0 + 4, 4); memcpy(&h1, b1 + 4, 4); break;     /* Q5_1 */
@@ -321,6 +345,10 @@ INLINE void pair_codes(const int t, const uint8_t *b0, const int j0, const uint8
     const __m256i q = _mm256_loadu2_m128i((const __m128i *)(b1 + (size_t)qs), (const __m128i *)(b0 + (size_t)qs));
     *lo = _mm256_and_si256(q, m15);
     *hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m15);
+    if (t == T_MXFP4) {              /* signed codes, as Q8_0's */
+        *lo = _mm256_shuffle_epi8(mxfp4_lut(), *lo);
+        *hi = _mm256_shuffle_epi8(mxfp4_lut(), *hi);
+    }
     if (t == T_Q5_0 || t == T_Q5_1) {
         *lo = _mm256_or_si256(*lo, bits_to_16((h0 & 0xFFFFu) | h1 << 16));
         *hi = _mm256_or_si256(*hi, bits_to_16(h0 >> 16 | (h1 & 0xFFFF0000u)));
@@ -379,21 +407,23 @@ INLINE void vec_pair(const int t, const int nr, const gact *a, int r0, int g, co
     if (pair && !two) {        /* both runs' folded lanes from the pair-ordered codes */
         __m256i lo, hi;
         pair_codes(t, b0, j0, b1, &lo, &hi);
-        const __m256i alo = t == T_Q8_0 ? _mm256_sign_epi8(lo, lo) : lo, ahi = t == T_Q8_0 ? _mm256_sign_epi8(hi, hi) : hi;
+        const int sg = signed_codes(t);
+        const __m256i alo = sg ? _mm256_sign_epi8(lo, lo) : lo, ahi = sg ? _mm256_sign_epi8(hi, hi) : hi;
         /* [s0, s1]: both blocks' fp16 scales (their first two bytes) in one conversion */
         const __m128 s2 = ks ? _mm_castpd_ps(_mm_load_sd((const double *)(ks + j0)))
+                        : t == T_MXFP4 ? _mm_setr_ps(e8m0_half(b0[0]), e8m0_half(b1[0]), 0.f, 0.f)
                              : _mm_cvtph_ps(_mm_insert_epi16(_mm_cvtsi32_si128(u16_of(b0)), u16_of(b1), 1));
         const __m256i two_of = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
         for (int r = 0; r < nr; r++) {
             const size_t row = (size_t)(r0 + r);
             const int8_t *xq = a->pq + row * k + 32 * g;
             __m256i xl = _mm256_loadu_si256((const __m256i *)xq), xh = _mm256_loadu_si256((const __m256i *)(xq + 32));
-            if (t == T_Q8_0) { xl = _mm256_sign_epi8(xl, lo); xh = _mm256_sign_epi8(xh, hi); }
+            if (sg) { xl = _mm256_sign_epi8(xl, lo); xh = _mm256_sign_epi8(xh, hi); }
             /* the offset's term first: -16 times the lane sums (-8 times: halved, exactly) */
             __m256i d = _mm256_setzero_si256();
             if (o) d = _mm256_loadu_si256((const __m256i *)(a->ls + (row * (k / 32) + g) * 4));
             if (o == 8) d = _mm256_srai_epi32(d, 1);
-            d = t == T_Q8_0 ? DPBUSD(DPBUSD(d, alo, xl), ahi, xh) : DPBUSD2(d, alo, xl, ahi, xh);
+            d = sg ? DPBUSD(DPBUSD(d, alo, xl), ahi, xh) : DPBUSD2(d, alo, xl, ahi, xh);
             /* [s0 * dy0, s1 * dy1] spread to four lanes each: the products rows_tiled takes */
             const __m128 p = _mm_mul_ps(s2, _mm_castpd_ps(_mm_load_sd((const double *)(a->d + row * (k / 32) + g))));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_permutevar8x32_ps(_mm256_castps128_ps256(p), two_of), acc[r]);
@@ -484,7 +514,7 @@ static inline void put_rows(float *y, int ystride, int n, const float *out, int 
         }                                                                                         \
     }
 ROWS_VEC(T_Q4_0) ROWS_VEC(T_Q4_1) ROWS_VEC(T_Q5_0) ROWS_VEC(T_Q5_1) ROWS_VEC(T_Q8_0)
-ROWS_VEC(T_Q4_K) ROWS_VEC(T_Q5_K) ROWS_VEC(T_Q6_K)
+ROWS_VEC(T_Q4_K) ROWS_VEC(T_Q5_K) ROWS_VEC(T_Q6_K) ROWS_VEC(T_MXFP4)
 
 /* The tiled path, for batches: a weight row's runs decoded once for TG groups of TR activation
    rows, each group's rows side by side in a vector (four 32-bit lanes a row, the run's bytes
@@ -503,16 +533,16 @@ typedef __m512 tacc;                        /* a group's four rows: four lanes e
    moved up by 128, from the offset's term on: the lane sums times -16, halved for Q4_0's 8,
    times 8 for Q8_0's 128. The same integers as the sign trick, without negating the rows'
    codes a group at a time. */
-INLINE int offset_free(const int t) { return t == T_Q4_0 || t == T_Q5_0 || t == T_Q8_0; }
+INLINE int offset_free(const int t) { return t == T_Q4_0 || t == T_Q5_0 || signed_codes(t); }
 
 INLINE void tiled_run_unsigned(const int t, const int ng, const gact *a, int grp, int g, const uint8_t *b,
                                const int j, tacc *acc) {
     const int groups = a->tstride / TR;
     __m256i u = codes_vec(t, b, j);
-    if (t == T_Q8_0) u = _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80));
+    if (signed_codes(t)) u = _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80));
     const __m512i ua = _mm512_broadcast_i32x4(_mm256_castsi256_si128(u));
     const __m512i ub = _mm512_broadcast_i32x4(_mm256_extracti128_si256(u, 1));
-    const __m512 sa = _mm512_set1_ps(f16_of(b));
+    const __m512 sa = _mm512_set1_ps(t == T_MXFP4 ? e8m0_half(b[0]) : f16_of(b));
     const int8_t *xg = a->tq + ((size_t)g * groups + grp) * 32 * TR;
     const int16_t *lg = a->tls + ((size_t)g * groups + grp) * 4 * TR;
     const float *dg = a->td + (size_t)g * a->tstride + grp * TR;
@@ -520,7 +550,7 @@ INLINE void tiled_run_unsigned(const int t, const int ng, const gact *a, int grp
     for (int q = 0; q < ng; q++) {
         __m512i d = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(lg + 4 * TR * q)));
         if (t == T_Q4_0) d = _mm512_srai_epi32(d, 1);
-        if (t == T_Q8_0) d = _mm512_slli_epi32(d, 3);
+        if (signed_codes(t)) d = _mm512_slli_epi32(d, 3);
         d = _mm512_dpbusd_epi32(d, ua, _mm512_loadu_si512((const void *)(xg + 32 * TR * q)));
         d = _mm512_dpbusd_epi32(d, ub, _mm512_loadu_si512((const void *)(xg + 32 * TR * q + 16 * TR)));
         const __m512 d4 = _mm512_permutexvar_ps(fours, _mm512_castps128_ps512(_mm_loadu_ps(dg + TR * q)));
@@ -595,7 +625,7 @@ INLINE void tiled_run(const int t, const int ng, const gact *a, int grp, int g, 
                 acc[q].h[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(da), _mm256_mul_ps(sa, d2), acc[q].h[h]);
                 acc2[q].h[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(db), _mm256_mul_ps(sb, d2), acc2[q].h[h]);
             } else {
-                const __m256i d = t == T_Q8_0 ? DPBUSD(DPBUSD(_mm256_setzero_si256(), ua, xa), ub, xb)
+                const __m256i d = signed_codes(t) ? DPBUSD(DPBUSD(_mm256_setzero_si256(), ua, xa), ub, xb)
                                               : DPBUSD2(_mm256_setzero_si256(), ua, xa, ub, xb);
                 acc[q].h[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(sa, d2), acc[q].h[h]);
             }
@@ -652,7 +682,7 @@ INLINE void rows_tiled(const int t, const int ng, const uint8_t *w, const gact *
         }                                                                                           \
     }
 ROWS_TILED(T_Q4_0) ROWS_TILED(T_Q4_1) ROWS_TILED(T_Q5_0) ROWS_TILED(T_Q5_1) ROWS_TILED(T_Q8_0)
-ROWS_TILED(T_Q4_K) ROWS_TILED(T_Q5_K) ROWS_TILED(T_Q6_K)
+ROWS_TILED(T_Q4_K) ROWS_TILED(T_Q5_K) ROWS_TILED(T_Q6_K) ROWS_TILED(T_MXFP4)
 
 /* y[TR * q + i] for groups grp .. grp + ng (at most TG) of a weight row w of type t; 0 where
    t has no tiled path (the float types) */
@@ -666,6 +696,7 @@ static int groups_dots(int t, const uint8_t *w, const gact *a, int grp, int ng, 
     case T_Q4_K: rows_tiled_T_Q4_K(w, a, grp, ng, y); return 1;
     case T_Q5_K: rows_tiled_T_Q5_K(w, a, grp, ng, y); return 1;
     case T_Q6_K: rows_tiled_T_Q6_K(w, a, grp, ng, y); return 1;
+    case T_MXFP4: rows_tiled_T_MXFP4(w, a, grp, ng, y); return 1;
     default: return 0;
     }
 }
@@ -684,6 +715,7 @@ static void span_dots(int t, const uint8_t *w, int nw, const gact *a, int r0, in
     case T_Q4_K: rows_vec_T_Q4_K(w, rs, nw, a, r0, rows, y, ystride, accumulate); return;
     case T_Q5_K: rows_vec_T_Q5_K(w, rs, nw, a, r0, rows, y, ystride, accumulate); return;
     case T_Q6_K: rows_vec_T_Q6_K(w, rs, nw, a, r0, rows, y, ystride, accumulate); return;
+    case T_MXFP4: rows_vec_T_MXFP4(w, rs, nw, a, r0, rows, y, ystride, accumulate); return;
     default:
         for (int i = 0; i < nw; i++)
             for (int r1 = r0; r1 < r0 + rows; r1 += G_ROWS) {

@@ -183,6 +183,8 @@ def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     so.check_matmul_stored.argtypes = [POINTER(ProjStored), c_int, c_void_p, c_void_p, c_void_p, c_void_p,
                                        c_void_p, c_int]
     so.check_matmul_stored.restype = None
+    so.run_matmul_stored.argtypes = [POINTER(ProjStored), c_int, c_void_p, c_void_p, c_void_p, c_int]
+    so.run_matmul_stored.restype = None
     so.check_matmul_amx.argtypes = [POINTER(ProjStored), c_int, c_void_p, c_void_p, c_void_p, c_void_p, c_int]
     so.check_matmul_amx.restype = c_int
     so.amx_request.argtypes = []

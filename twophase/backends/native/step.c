@@ -1763,6 +1763,15 @@ void check_matmul_stored(const proj_g *p, int rows, const float *x, float *fast,
     }
 }
 
+/* For benchmarks: y = W x ([rows][n]) as a step runs a projection on the int8 paths: the rows
+   rounded, then the vector path's dots on `threads` threads; scratch: act_floats(rows, k) */
+void run_matmul_stored(const proj_g *p, int rows, const float *x, float *y, float *scratch, int threads) {
+    const gact g = gact_layout(scratch, rows, p->k, x, p->k);
+    for (int r = 0; r < rows; r++) gquantize_row(&g, r);
+    #pragma omp parallel num_threads(threads)
+    matmul_g(p, rows, &g, y, p->n, 0, 1);
+}
+
 /* f rounded to the nearest bfloat16, ties to even (finite f) */
 static float bf16_round(float f) {
     uint32_t u;
@@ -1793,7 +1802,7 @@ int check_matmul_amx(const proj_g *p, int rows, const float *x, float *fast, flo
                     const sub_t st = sub_terms(t, b, g % runs);
                     uint8_t u[32];
                     codes_ref(t, b, g % runs, u);
-                    const int code = t == T_Q8_0 ? (int)(int8_t)u[i % 32] : (int)u[i % 32] - st.o;
+                    const int code = signed_codes(t) ? (int)(int8_t)u[i % 32] : (int)u[i % 32] - st.o;
                     v = fmaf(st.s[i % 32 / 16], (float)code, st.bias);
                 }
                 acc += (double)bf16_round(v) * (double)bf16_round(x[(size_t)r * K + i]);

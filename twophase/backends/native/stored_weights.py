@@ -21,7 +21,7 @@ from twophase.formats import by_ggml_type
 from twophase.models.q4_weights import PROJECTIONS
 
 # the tensor types gguf_blocks.h runs
-RUNS = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+RUNS = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
 FORMAT = "twophase-native-stored/2"     # 2: the families' arrays
 
 
