@@ -28,6 +28,7 @@ ARCHS = {
     "qwen3_5_text": (gguf.MODEL_ARCH.QWEN35, False, 1.0),
     "lfm2": (gguf.MODEL_ARCH.LFM2, False, 0.0),
     "granitemoehybrid": (gguf.MODEL_ARCH.GRANITE_HYBRID, True, 0.0),
+    "gpt_oss": (gguf.MODEL_ARCH.GPT_OSS, False, 0.0),
 }
 DELTANET = ("qwen3_next", "qwen3_5_text")
 SPECIALS = ["<pad>", "<s>", "</s>"]          # ids 0, 1, 2: pad, bos, eos in the tiny configs
@@ -110,6 +111,20 @@ def _metadata(w: gguf.GGUFWriter, model_type: str, c) -> None:
         w.add_expert_feed_forward_length(c.moe_intermediate_size)
     if model_type in DELTANET:
         _deltanet_metadata(w, model_type, c, head_dim or c.hidden_size // heads)
+    (_gpt_oss_metadata if model_type == "gpt_oss" else lambda w, c: None)(w, c)
+
+
+def _gpt_oss_metadata(w: gguf.GGUFWriter, c) -> None:
+    """GptOssModel's keys: the experts, the window, YaRN."""
+    w.add_expert_count(c.num_local_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_expert_feed_forward_length(c.intermediate_size)
+    w.add_sliding_window(c.sliding_window)
+    rope = c.rope_parameters or {}
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
 
 
 def _deltanet_metadata(w: gguf.GGUFWriter, model_type: str, c, head_dim: int) -> None:
@@ -181,6 +196,25 @@ def _granite(name: str, t: np.ndarray, c) -> dict[str, np.ndarray]:
         return {name: t.squeeze()}
     if name.endswith("mamba.norm.weight"):
         return {name: t.reshape(c.mamba_n_groups, -1)}
+    return {name: t}
+
+
+def _gpt_oss(name: str, t: np.ndarray) -> dict[str, np.ndarray]:
+    """GptOssModel's changes: the experts' interleaved gate-and-up split into gate's and up's,
+    each (and down) transposed to ``[experts, out, in]``, their biases split alike; the sinks
+    stored as a weight."""
+    base = name.rsplit(".", 1)[0]
+    if name.endswith("mlp.experts.gate_up_proj"):
+        return {f"{base}.gate_proj.weight": np.swapaxes(t[..., 0::2], -1, -2),
+                f"{base}.up_proj.weight": np.swapaxes(t[..., 1::2], -1, -2)}
+    if name.endswith("mlp.experts.gate_up_proj_bias"):
+        return {f"{base}.gate_proj.bias": t[..., 0::2], f"{base}.up_proj.bias": t[..., 1::2]}
+    if name.endswith("mlp.experts.down_proj"):
+        return {f"{base}.down_proj.weight": np.swapaxes(t, -1, -2)}
+    if name.endswith("mlp.experts.down_proj_bias"):
+        return {f"{base}.down_proj.bias": t}
+    if name.endswith("self_attn.sinks"):
+        return {name + ".weight": t}
     return {name: t}
 
 
@@ -278,8 +312,8 @@ def _tensors(folder: Path, c) -> dict[str, np.ndarray]:
         if model_type in DELTANET and ".linear_attn." in name:
             out.update(_deltanet(name, t, c))
             continue
-        if model_type == "granitemoehybrid":
-            out.update(_granite(name, t, c))
+        if model_type in ("granitemoehybrid", "gpt_oss"):
+            out.update(_granite(name, t, c) if model_type == "granitemoehybrid" else _gpt_oss(name, t))
             continue
         parts = name.split(".")
         if "experts" in parts and parts[parts.index("experts") + 1].isdigit():

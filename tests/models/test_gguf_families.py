@@ -56,7 +56,7 @@ TRANSFORMERS_OVERRIDES = {
     "phi3": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
     "qwen3_moe": {"moe_intermediate_size": 32},
 }
-FAMILIES = ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3_moe", "mixtral",
+FAMILIES = ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3_moe", "mixtral", "gpt_oss",
             *hf_models.STATE_FAMILIES]
 # our family of a test family whose name is HF's model_type
 OUR_FAMILY = {"granitemoehybrid": "granite"}

@@ -222,11 +222,14 @@ def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
 
     try:
         tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    except ValueError as exc:
-        if "is not supported" not in str(exc):
+    except (ValueError, TypeError) as exc:
+        if isinstance(exc, ValueError) and "is not supported" not in str(exc):
             raise
-        # an architecture transformers does not read (qwen3next): its tokenizer from the
-        # file's tokenizer keys alone, as transformers converts them for every architecture
+        # an architecture transformers does not read (qwen3next), or whose header its GGUF
+        # config reader trips on (gpt-oss: a TypeError): its tokenizer from the file's
+        # tokenizer keys alone, as transformers converts them for every architecture
+        log.info("transformers does not read %s's architecture (%s): its tokenizer from the file's "
+                 "tokenizer keys alone", gguf_path.name, type(exc).__name__)
         tok = PreTrainedTokenizerFast.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tok.save_pretrained(str(out_dir))
     # whether a prompt starts with BOS is the file's to say (Gemma's must: without it the model

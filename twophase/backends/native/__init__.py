@@ -61,7 +61,7 @@ LOGIT_BUFFER_BYTES = 64 << 20   # the largest kept (a batch of 64 of a 262144-to
 NATIVE_FEATURES = frozenset({
     "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "norm_offset", "post_norms", "gelu_tanh", "embed_scale",
     "attn_softcap", "final_softcap", "query_scale", "partial_rotary", "rope_per_layer", "sliding_window", "moe",
-    "rope_yarn",
+    "rope_yarn", "attn_sinks", "moe_bias", "clamped_swiglu",
 })
 # the formats step.c reads, in the order of its kv_type (KV_F32, KV_F16, KV_BF16, KV_Q8); not
 # fp8, which a CPU converts in software only

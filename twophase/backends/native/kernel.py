@@ -64,6 +64,8 @@ MODEL_FIELDS: tuple[tuple[str, type], ...] = (
     ("window", c_void_p), ("slot", c_void_p), ("group", c_void_p),
     ("experts", c_int), ("top_k", c_int), ("norm_topk", c_int), ("s_router", POINTER(ProjStored)),
     ("s_exp_gu", POINTER(ProjStored)), ("s_exp_dn", POINTER(ProjStored)),
+    ("sinks", c_void_p), ("router_bias", c_void_p), ("exp_gu_bias", c_void_p), ("exp_dn_bias", c_void_p),
+    ("glu_alpha", c_float), ("glu_limit", c_float),
 )
 
 

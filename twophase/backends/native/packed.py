@@ -15,7 +15,8 @@ from twophase.models.decoder import Decoder, rope_inv_freq, rope_thetas
 OPTIONAL = {"q_norm": "attn.q_norm.weight", "k_norm": "attn.k_norm.weight",
             "post_attn_norm": "post_attn_norm.weight", "post_mlp_norm": "post_mlp_norm.weight",
             "qkv_bias": "attn.qkv.bias", "o_bias": "attn.o.bias", "gate_up_bias": "mlp.gate_up.bias",
-            "down_bias": "mlp.down.bias"}
+            "down_bias": "mlp.down.bias", "sinks": "attn.sinks", "router_bias": "mlp.router.bias",
+            "exp_gu_bias": "mlp.experts_gate_up.bias", "exp_dn_bias": "mlp.experts_down.bias"}
 NORMS = {"attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm"}
 
 
@@ -64,7 +65,8 @@ def set_arch(model, arch, a: dict[str, np.ndarray]) -> None:
     model.embed_scale = arch.embed_scale
     model.attn_cap = arch.attn_softcap or 0.0
     model.final_cap = arch.final_softcap or 0.0
-    model.act = 1 if arch.activation == "gelu_tanh" else 0
+    model.act = {"silu": 0, "gelu_tanh": 1, "clamped_swiglu": 2}[arch.activation]
+    model.glu_alpha, model.glu_limit = arch.swiglu_alpha, arch.swiglu_limit
     a["window"] = np.array([s.attention.window or 0 for s in arch.layers], np.int32)
     model.window = a["window"].ctypes.data
     for name in OPTIONAL:

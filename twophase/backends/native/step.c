@@ -133,9 +133,14 @@ typedef struct {
        router [experts][dim], then each layer's experts' gate-and-up and down projections */
     int experts, top_k, norm_topk;
     const struct proj_g *s_router, *s_exp_gu, *s_exp_dn;   /* [layers]; [layers][experts] each */
+    /* gpt-oss: each head's sink logit in every softmax's denominator, [layers][heads]; the
+       router's and experts' biases, [layers][experts], [layers][experts][2 ffn] (gate's, then
+       up's) and [layers][experts][dim]; the clamped SwiGLU's alpha and limit (ACT_CLAMPED) */
+    const float *sinks, *router_bias, *exp_gu_bias, *exp_dn_bias;
+    float glu_alpha, glu_limit;
 } model_t;
 
-enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACT_CLAMPED = 2 };
 
 typedef struct {
     int rows;                 /* tokens in the step */
@@ -213,6 +218,15 @@ static void swiglu(const float *g, const float *u, float *y, int n) {
         _mm256_storeu_ps(y + i, _mm256_div_ps(_mm256_mul_ps(gv, _mm256_loadu_ps(u + i)), den));
     }
     for (; i < n; i++) y[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+}
+
+/* gpt-oss's gate: y = g * sigmoid(alpha g) * (u + 1), g clamped above at limit and u to
+   [-limit, limit] */
+static void clamped_swiglu(const float *g, const float *u, float *y, int n, float alpha, float limit) {
+    for (int i = 0; i < n; i++) {
+        const float gi = fminf(g[i], limit), ui = fminf(fmaxf(u[i], -limit), limit);
+        y[i] = gi / (1.f + expf(-alpha * gi)) * (ui + 1.f);
+    }
 }
 
 /* tanh(x) = 1 - 2 / (e^2x + 1), eight at a time (exp8 saturates, so |x| large gives +-1) */
@@ -1332,12 +1346,14 @@ static void attend_rows(const model_t *m, const step_t *s, const lay_t *ly, int 
     }
 }
 
-/* the np parts' results (in order) into the G heads' outputs (hd apart) */
-static void combine(const model_t *m, const float *res, int np, float *out) {
+/* the np parts' results (in order) into the G heads' outputs (hd apart); sink: the G heads'
+   sink logits (NULL: none), each one more term in its softmax's denominator */
+static void combine(const model_t *m, const float *res, int np, float *out, const float *sink) {
     const int hd = m->head_dim, G = m->heads / m->kv_heads, PF = part_floats(m);
     for (int g = 0; g < G; g++) {
-        float best = -INFINITY, total = 0.f;
+        float best = sink ? sink[g] : -INFINITY, total = sink ? 1.f : 0.f;
         for (int p = 0; p < np; p++) best = fmaxf(best, res[((size_t)p * G + g) * PF + hd]);
+        if (sink) total = expf(sink[g] - best);
         float *o = out + (size_t)g * hd;
         for (int c = 0; c < hd; c++) o[c] = 0.f;
         for (int p = 0; p < np; p++) {
@@ -1387,6 +1403,7 @@ static void attention(const model_t *m, const step_t *s, int layer, const float 
     #define Q_OF(r, kh) (wide + (size_t)(r) * W + (size_t)(kh) * G * hd)
     #define OUT_OF(r, kh) (attn + (size_t)(r) * QD + (size_t)(kh) * G * hd)
     #define PARTS(r) parts_of(m, s->ctx[r] - first_key(&ly, s, r))
+    #define SINK(kh) (m->sinks ? m->sinks + (size_t)layer * m->heads + (size_t)(kh) * G : NULL)
     if (split_parts(m, R, s->threads)) {
         #pragma omp for schedule(dynamic)
         for (int i = 0; i < R * KVH * NP; i++) {
@@ -1396,7 +1413,7 @@ static void attention(const model_t *m, const step_t *s, int layer, const float 
         }
         #pragma omp for
         for (int i = 0; i < R * KVH; i++)
-            combine(m, shared + (size_t)i * NP * G * PF, PARTS(i / KVH), OUT_OF(i / KVH, i % KVH));
+            combine(m, shared + (size_t)i * NP * G * PF, PARTS(i / KVH), OUT_OF(i / KVH, i % KVH), SINK(i % KVH));
     } else {
         /* blocks of AR rows; within one, each run of a sequence's consecutive rows together */
         const int NB = (R + AR - 1) / AR;
@@ -1406,13 +1423,15 @@ static void attention(const model_t *m, const step_t *s, int layer, const float 
             for (int a = r0, z; a < r1; a = z) {
                 for (z = a + 1; z < r1 && s->seq[z] == s->seq[a] && s->ctx[z] == s->ctx[z - 1] + 1; z++) {}
                 attend_rows(m, s, &ly, a, z, kh, wide, W, res, (size_t)NP * G * PF, sc, tile);
-                for (int r = a; r < z; r++) combine(m, res + (size_t)(r - a) * NP * G * PF, PARTS(r), OUT_OF(r, kh));
+                for (int r = a; r < z; r++)
+                    combine(m, res + (size_t)(r - a) * NP * G * PF, PARTS(r), OUT_OF(r, kh), SINK(kh));
             }
         }
     }
     #undef Q_OF
     #undef OUT_OF
     #undef PARTS
+    #undef SINK
 }
 
 /* row r (x, k wide) rounded for the projection p: into a (q4), or g (the stored formats) */
@@ -1527,6 +1546,7 @@ static gact gact_from(const gact *a, int off) {
 /* the gate: y = act(g) * u over F values */
 static void glu(const model_t *m, float *g, float *u, float *y, int F) {
     if (m->act == ACT_GELU_TANH) gelu_glu(g, u, y, F);
+    else if (m->act == ACT_CLAMPED) clamped_swiglu(g, u, y, F, m->glu_alpha, m->glu_limit);
     else swiglu(g, u, y, F);
 }
 
@@ -1542,7 +1562,9 @@ static void moe_mlp(const model_t *m, int l, int R, const float *h, const gact *
     matmul_g(m->s_router + l, R, gh, e.score, E, 0, 1);
     #pragma omp for
     for (int r = 0; r < R; r++) {                        /* softmax, then the top k */
-        float *p = e.score + (size_t)r * E, mx = p[0], sum = 0.f, kept = 0.f;
+        float *p = e.score + (size_t)r * E, mx, sum = 0.f, kept = 0.f;
+        if (m->router_bias) add_bias(p, m->router_bias + (size_t)l * E, E);
+        mx = p[0];
         for (int i = 1; i < E; i++) mx = fmaxf(mx, p[i]);
         for (int i = 0; i < E; i++) sum += (p[i] = expf(p[i] - mx));
         for (int j = 0; j < K; j++) {
@@ -1583,6 +1605,11 @@ static void moe_mlp(const model_t *m, int l, int R, const float *h, const gact *
         const gact v = gact_from(&ga, e.first[i]);
         matmul_g(m->s_exp_gu + (size_t)l * E + i, rows, &v, e.wide + (size_t)e.first[i] * 2 * F, 2 * F, 0, 1);
     }
+    if (m->exp_gu_bias) {                                /* each route's expert's biases */
+        #pragma omp for
+        for (int j = 0; j < n; j++)
+            add_bias(e.wide + (size_t)e.pos[j] * 2 * F, m->exp_gu_bias + ((size_t)l * E + e.expert[j]) * 2 * F, 2 * F);
+    }
     const gact gm = gact_layout(e.act, n, F, e.mlp, F);
     #pragma omp for
     for (int j = 0; j < n; j++) {
@@ -1595,6 +1622,11 @@ static void moe_mlp(const model_t *m, int l, int R, const float *h, const gact *
         if (!rows) continue;
         const gact v = gact_from(&gm, e.first[i]);
         matmul_g(m->s_exp_dn + (size_t)l * E + i, rows, &v, e.out + (size_t)e.first[i] * D, D, 0, 1);
+    }
+    if (m->exp_dn_bias) {
+        #pragma omp for
+        for (int j = 0; j < n; j++)
+            add_bias(e.out + (size_t)e.pos[j] * D, m->exp_dn_bias + ((size_t)l * E + e.expert[j]) * D, D);
     }
     #pragma omp for
     for (int r = 0; r < R; r++) {
@@ -1866,7 +1898,8 @@ static const field_t model_fields[] = {
     M(s_o), M(s_gate_up), M(s_down), M(s_head), M(rot_dim), M(scale), M(embed_scale), M(attn_cap),
     M(final_cap), M(act), M(q_norm), M(k_norm), M(post_attn_norm), M(post_mlp_norm), M(qkv_bias), M(o_bias),
     M(gate_up_bias), M(down_bias), M(window), M(slot), M(group), M(experts), M(top_k), M(norm_topk),
-    M(s_router), M(s_exp_gu), M(s_exp_dn), END(model_t)};
+    M(s_router), M(s_exp_gu), M(s_exp_dn), M(sinks), M(router_bias), M(exp_gu_bias), M(exp_dn_bias),
+    M(glu_alpha), M(glu_limit), END(model_t)};
 #define S(f) FIELD(step_t, f)
 static const field_t step_fields[] = {
     S(rows), S(tokens), S(positions), S(slots), S(tables), S(width), S(seqs), S(seq), S(ctx), S(n_logits),

@@ -67,7 +67,9 @@ def stored_tensors(spec: ModelSpec) -> dict[str, list[tuple[str, np.ndarray]]]:
         return kind, rows
 
     rope_heads = {"attn_q": arch.num_heads, "attn_k": arch.num_kv_heads}
-    out = {f"layers.{i}.{ours}": [tensor(f"blk.{i}.{g}.weight", rope_heads.get(g)) for g in fam.layer_names[ours][1]]
+    # a GGUF name "a+b": one of our matrices that llama.cpp stores as two tensors, a part each
+    out = {f"layers.{i}.{ours}": [tensor(f"blk.{i}.{g}.weight", rope_heads.get(g))
+                                  for part in fam.layer_names[ours][1] for g in part.split("+")]
            for i, layer in enumerate(arch.layers) for ours in projections(layer.mlp.num_experts > 0)}
     out["lm_head"] = [tensor("output.weight" if "output.weight" in header.tensors else "token_embd.weight")]
     return out

@@ -9,19 +9,30 @@ as ``*_bias``: the layouts below turn them into ours and back.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from twophase.arch import AttentionSpec, LayerSpec, MLPSpec, ModelArch
 from twophase.errors import ModelError
-from twophase.models.families.family import LLAMA_LAYER, Family, LayerNames, Layout, common_fields, rope_theta
+from twophase.models.families.family import (
+    LLAMA_LAYER,
+    Family,
+    LayerNames,
+    Layout,
+    common_fields,
+    rope_theta,
+    stated,
+)
 
 GPT_OSS_LAYER: LayerNames = {
-    **{k: v for k, v in LLAMA_LAYER.items() if k in ("attn_norm", "mlp_norm", "attn.qkv", "attn.o")},
+    **{k: v for k, v in LLAMA_LAYER.items() if k in ("attn_norm", "attn.qkv", "attn.o")},
+    "mlp_norm": (("post_attention_layernorm",), ("post_attention_norm",)),
     "attn.sinks": (("self_attn.sinks",), ("attn_sinks",)),
     "mlp.router": (("mlp.router",), ("ffn_gate_inp",)),
-    "mlp.experts_gate_up": (("mlp.experts.gate_up_proj",), ("ffn_gate_exps", "ffn_up_exps")),
+    "mlp.experts_gate_up": (("mlp.experts.gate_up_proj",), ("ffn_gate_exps+ffn_up_exps",)),
     "mlp.experts_down": (("mlp.experts.down_proj",), ("ffn_down_exps",)),
 }
 
@@ -67,6 +78,42 @@ def arch_from_hf(c: dict[str, Any]) -> ModelArch:
                      swiglu_limit=float(c.get("swiglu_limit", 7.0)), **common_fields(c))
 
 
-FAMILY = Family("gpt_oss", ("gpt_oss",), (), arch_from_hf, GPT_OSS_LAYER,
-                hf_architecture="GptOssForCausalLM", gguf_experts=True,
-                hf_stored_names=_STORED, hf_layouts=_LAYOUTS)
+def gpt_oss_gguf(get: Callable[..., Any], p: str, tensors: frozenset[str]) -> dict[str, Any]:
+    """What llama.cpp's ``gpt-oss`` files state (the experts, the window, YaRN) and leave to the
+    architecture: sliding and full layers alternating, sliding first."""
+    n = int(stated(get, p + "block_count"))
+    out: dict[str, Any] = {
+        "num_local_experts": int(stated(get, p + "expert_count")),
+        "num_experts_per_tok": int(stated(get, p + "expert_used_count")),
+        "intermediate_size": int(get(p + "expert_feed_forward_length") or stated(get, p + "feed_forward_length")),
+        "sliding_window": int(get(p + "attention.sliding_window", 128)),
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)],
+        "attention_bias": "blk.0.attn_q.bias" in tensors}
+    if get(p + "rope.scaling.type") == "yarn":
+        out["rope_scaling"] = {"rope_type": "yarn", "factor": float(stated(get, p + "rope.scaling.factor")),
+                               "original_max_position_embeddings":
+                                   int(stated(get, p + "rope.scaling.original_context_length")),
+                               "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
+    return out
+
+
+def gpt_oss_tensors(name: str, hf: str, w: np.ndarray, read: Callable[[str], np.ndarray],
+                    get: Callable[..., Any]) -> dict[str, np.ndarray]:
+    """llama.cpp stores the experts' gate and up apart, each ``[E, f, h]`` (read back at the
+    gate's, interleaved and transposed as the checkpoints hold them), and down as ``[E, h, f]``."""
+    if ".ffn_up_exps." in name:
+        return {}
+    if ".ffn_gate_exps." in name:
+        up = read(name.replace(".ffn_gate_exps.", ".ffn_up_exps."))
+        pairs = np.stack([w, up], axis=-2 if name.endswith(".weight") else -1)     # [E, f, 2, h] / [E, f, 2]
+        joined = pairs.reshape(*w.shape[:-2], -1, w.shape[-1]) if name.endswith(".weight") else pairs.reshape(
+            w.shape[0], -1)
+        return {hf: np.swapaxes(joined, -1, -2) if name.endswith(".weight") else joined}
+    if ".ffn_down_exps.weight" in name:
+        return {hf: np.swapaxes(w, -1, -2)}
+    return {hf: w}
+
+
+FAMILY = Family("gpt_oss", ("gpt_oss",), ("gpt-oss",), arch_from_hf, GPT_OSS_LAYER,
+                hf_architecture="GptOssForCausalLM", gguf_config=gpt_oss_gguf, gguf_experts=True,
+                gguf_tensors=gpt_oss_tensors, hf_stored_names=_STORED, hf_layouts=_LAYOUTS)
