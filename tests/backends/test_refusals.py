@@ -40,7 +40,7 @@ def test_a_run_on_a_backend_without_the_feature_names_it(folders):
 
 def test_each_phase_is_asked(folders):
     cfg = _cfg(folders["gpt_oss"], "torch")
-    cfg["backend"] = {"prefill": {"name": "onnxruntime"}, "decode": {"name": "native"}}
+    cfg["backend"] = {"prefill": {"name": "torch"}, "decode": {"name": "native"}}
     with pytest.raises(BackendUnavailable, match="native: attention sinks"):
         LLM.from_config(cfg)
 

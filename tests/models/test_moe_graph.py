@@ -69,6 +69,7 @@ class _TwoLayers(torch.nn.Module):
         return self.b(x + self.a(x))
 
 
+@pytest.mark.exhaustive        # a compile; the families' IREE runs (exhaustive too) route through both forms
 def test_iree_s_dense_and_gathered_forms_route_each_layer_by_its_own_router(tmp_path):
     pytest.importorskip("iree.turbine")
     import iree.runtime as rt
