@@ -108,3 +108,15 @@ def test_a_latent_pool_round_trips_through_the_host_tier(v3, tmp_path):
     assert again.token_ids == cold.token_ids
     assert [lp[t] for t, lp in zip(again.token_ids, again.logprobs)] == \
         pytest.approx([lp[t] for t, lp in zip(cold.token_ids, cold.logprobs)], abs=1e-5)
+
+
+def test_the_roofline_reads_the_latent_not_per_head_k_and_v():
+    """``twophase bench``'s and the simulator's decode bytes: a cached token costs a layer its
+    576-value latent, not 128 heads' keys and values."""
+    from twophase.bench.roofline import CostModel
+    from twophase.models.shapes import SHAPES
+
+    cost = CostModel(SHAPES["deepseek-v3"], weight_bytes=2, kv_bytes=2)
+    assert cost.layer_kv_bytes == 576 * 2
+    few, many = cost.decode(1, 1024), cost.decode(1, 2048)
+    assert many.bytes - few.bytes == pytest.approx(1024 * 61 * 576 * 2)

@@ -82,8 +82,12 @@ class CostModel:
 
     @property
     def layer_kv_bytes(self) -> float:
-        a = self.arch
-        return 2 * a.num_kv_heads * a.head_dim * self.kv_bytes
+        """Bytes one cached token takes in one layer: each K/V head's K and V, or one latent
+        shared by every head (multi-head latent attention)."""
+        from twophase.cache.layout import KVHeads
+
+        kv = KVHeads.of(self.arch)
+        return kv.planes * kv.num_kv_heads * kv.head_dim * self.kv_bytes
 
     @cached_property
     def _windows(self) -> tuple[tuple[int, int], ...]:

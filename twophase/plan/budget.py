@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from twophase.arch import ModelArch
 from twophase.backends.registry import Registry
 from twophase.cache import layout
-from twophase.cache.layout import PoolLayout, PoolSettings, lay_out_pool, model_len, pool_groups
-from twophase.cache.spec import FullAttentionSpec
+from twophase.cache.layout import KVHeads, PoolLayout, PoolSettings, lay_out_pool, model_len, pool_groups
+from twophase.cache.spec import attention_spec
 from twophase.config import BackendSection, Config
 from twophase.contract import BackendMemory, Capabilities, EngineLimits, KVGroups, MemoryQuery
 from twophase.errors import ConfigError
@@ -411,9 +411,9 @@ def draft_model(config: Config, kind: str, registry: Registry) -> tuple[list[Ite
     context = model.arch.max_position_embeddings
     items = [dataclasses.replace(i, name=f"draft model: {i.name}", role="draft")
              for i in weight_items(cfg, model, kind, registry, min(cfg.model.max_model_len or context, context))]
-    a = model.arch                            # the draft's K/V a token, every layer
-    per_token = a.num_layers * FullAttentionSpec(a.num_kv_heads, a.head_dim,
-                                                 pool_settings(cfg, kind).format).bytes_per_token()
+    kv = KVHeads.of(model.arch)               # the draft's K/V (or latent) a token, every layer
+    per_token = model.arch.num_layers * attention_spec(None, kv.num_kv_heads, kv.head_dim,
+                                                       pool_settings(cfg, kind).format, kv.planes).bytes_per_token()
     if cfg.cache.num_blocks != "auto":
         per = per_token * cfg.cache.block_size
         items.append(Item("kv cache", "draft model's KV pool", int(cfg.cache.num_blocks) * per,

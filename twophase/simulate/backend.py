@@ -77,8 +77,11 @@ class SimulatedBackend(Backend):
         self._logits = row
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        a = self.arch
-        return KVCacheSpec(a.num_layers, a.num_kv_heads, a.head_dim, self.dtype, torch.device("meta"))
+        from twophase.cache.layout import KVHeads
+
+        kv = KVHeads.of(self.arch)          # heads' K and V, or one latent
+        return KVCacheSpec(self.arch.num_layers, kv.num_kv_heads, kv.head_dim, self.dtype, torch.device("meta"),
+                           planes=kv.planes)
 
     def bind_kv_cache(self, kv: KVCache) -> None:
         self.kv = kv                                    # never read: nothing is computed
