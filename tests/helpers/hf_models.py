@@ -91,8 +91,8 @@ def tiny_hf_model(family: str, folder: Path):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(hf_config(family)).eval()
     with torch.no_grad():                     # larger weights: sharper logits, fewer near-ties
-        for p in model.parameters():
-            p.mul_(4.0) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
+        for name, p in model.named_parameters():     # biases (gpt-oss's experts' are [E, out]) drawn
+            p.add_(torch.randn_like(p) * 0.1) if p.dim() == 1 or name.endswith("_bias") else p.mul_(4.0)
         for name, b in model.named_buffers():     # DeepSeek V3's choosing bias (zeros as initialised)
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn_like(b) * 0.1)

@@ -1593,7 +1593,8 @@ static void moe_mlp(const model_t *m, int l, int R, const float *h, const gact *
         for (int i = E; i > 0; i--) e.first[i] = e.first[i - 1];
         e.first[0] = 0;
     }
-    const gact ga = gact_layout(e.act, n, D, e.h, D);
+    /* an expert with as many routed rows as the step's threshold takes the tiles (gh->amx) */
+    const gact ga = gact_tiles(gact_layout(e.act, n, D, e.h, D), gh->amx);
     #pragma omp for
     for (int j = 0; j < n; j++) {
         memcpy(e.h + (size_t)j * D, h + (size_t)e.src[j] * D, sizeof(float) * D);
@@ -1610,7 +1611,7 @@ static void moe_mlp(const model_t *m, int l, int R, const float *h, const gact *
         for (int j = 0; j < n; j++)
             add_bias(e.wide + (size_t)e.pos[j] * 2 * F, m->exp_gu_bias + ((size_t)l * E + e.expert[j]) * 2 * F, 2 * F);
     }
-    const gact gm = gact_layout(e.act, n, F, e.mlp, F);
+    const gact gm = gact_tiles(gact_layout(e.act, n, F, e.mlp, F), gh->amx);
     #pragma omp for
     for (int j = 0; j < n; j++) {
         float *g = e.wide + (size_t)j * 2 * F;
