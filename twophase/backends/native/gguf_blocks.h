@@ -5,9 +5,9 @@
  * Every block type is read 32 values at a time: its codes as unsigned bytes u (all below 64),
  * an offset o taken from each, a scale for each half of 16 values and a bias a 32 (the minimum of
  * Q4_1, Q5_1 and the K-quants), so that w = s_h * (u - o) + bias. Q8_0's codes are signed and
- * dot as they are; so are MXFP4's (gpt-oss's): each 4-bit code an FP4 (E2M1) value, read doubled
- * as an int8 (0, 1, 2, 3, 4, 6, 8, 12 and their negatives), under a power-of-two scale a block
- * (E8M0), halved. The reference takes each run's exact integer dot and its float terms in
+ * dot as they are. MXFP4 (gpt-oss's) fits the same form: each 4-bit code an FP4 (E2M1) value,
+ * read doubled (0, 1, 2, 3, 4, 6, 8, 12 and their negatives) plus an offset of 12, so u is
+ * 0..24 and o 12, under a power-of-two scale a block (E8M0), halved. The reference takes each run's exact integer dot and its float terms in
  * order (run_term); the vector path sums the same products in other lanes, so the two agree up
  * to float rounding. F32, F16 and BF16 rows dot the float activations. Included by step.c.
  */
@@ -76,9 +76,10 @@ static inline float bf16_of(const uint8_t *p) {
     return f;
 }
 
-/* MXFP4: a code's FP4 value doubled (exact in int8), and a block's E8M0 scale halved to match:
-   2^(e - 128), ggml's GGML_E8M0_TO_FP32_HALF (e 0 and 1: the subnormals 2^-128, 2^-127) */
-static const int8_t MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+/* MXFP4: a code's FP4 value doubled plus 12 (an unsigned code, offset 12, as Q4_0's carry 8),
+   and a block's E8M0 scale halved to match: 2^(e - 128), ggml's GGML_E8M0_TO_FP32_HALF (e 0
+   and 1: the subnormals 2^-128, 2^-127) */
+static const uint8_t MXFP4_CODES[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 static inline float e8m0_half(uint8_t e) {
     const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
     float f; memcpy(&f, &bits, 4);
@@ -86,7 +87,7 @@ static inline float e8m0_half(uint8_t e) {
 }
 
 /* the types whose codes are signed bytes, dotted as they are (no offset) */
-static inline int signed_codes(int t) { return t == T_Q8_0 || t == T_MXFP4; }
+static inline int signed_codes(int t) { return t == T_Q8_0; }
 
 /* the K-quants' 6-bit scale and minimum of run j (0-7), packed in 12 bytes */
 static inline void scale_min_k4(int j, const uint8_t *q, int *sc, int *mn) {
@@ -102,7 +103,7 @@ INLINE sub_t sub_terms(int t, const uint8_t *b, int j) {
     case T_Q4_0: r.s[0] = r.s[1] = f16_of(b); r.o = 8; break;
     case T_Q5_0: r.s[0] = r.s[1] = f16_of(b); r.o = 16; break;
     case T_Q8_0: r.s[0] = r.s[1] = f16_of(b); break;
-    case T_MXFP4: r.s[0] = r.s[1] = e8m0_half(b[0]); break;
+    case T_MXFP4: r.s[0] = r.s[1] = e8m0_half(b[0]); r.o = 12; break;
     case T_Q4_1: case T_Q5_1: r.s[0] = r.s[1] = f16_of(b); r.bias = f16_of(b + 2); break;
     case T_Q4_K: case T_Q5_K:
         scale_min_k4(j, b + 4, &sc, &mn);
@@ -135,7 +136,7 @@ static void codes_ref(int t, const uint8_t *b, int j, uint8_t *u) {
             break;
         }
         case T_Q8_0: u[i] = b[2 + i]; break;
-        case T_MXFP4: u[i] = (uint8_t)MXFP4_VALUES[hi ? b[1 + e] >> 4 : b[1 + e] & 15]; break;
+        case T_MXFP4: u[i] = MXFP4_CODES[hi ? b[1 + e] >> 4 : b[1 + e] & 15]; break;
         case T_Q4_K: u[i] = j & 1 ? b[16 + 32 * (j / 2) + i] >> 4 : b[16 + 32 * (j / 2) + i] & 15; break;
         case T_Q5_K: {
             const uint8_t q = b[48 + 32 * (j / 2) + i];
@@ -173,9 +174,9 @@ static inline __m256i nibbles(__m128i q) {     /* 16 bytes' low nibbles, then th
     return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(15));
 }
 
-/* MXFP4_VALUES in both lanes: vpshufb turns nibbles into the codes' int8 values */
+/* MXFP4_CODES in both lanes: vpshufb turns nibbles into the codes */
 static inline __m256i mxfp4_lut(void) {
-    return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)MXFP4_VALUES));
+    return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)MXFP4_CODES));
 }
 
 /* byte i: 0x10 where bit i of the 32 bits is set */
@@ -290,7 +291,7 @@ static inline float hsum4(__m128 r) {
 }
 
 /* the offset a type's codes carry (taken off as bytes, so the dot of w - o is one int8 dot) */
-INLINE int code_offset(int t) { return t == T_Q4_0 ? 8 : t == T_Q5_0 ? 16 : t == T_Q6_K ? 32 : 0; }
+INLINE int code_offset(int t) { return t == T_Q4_0 ? 8 : t == T_MXFP4 ? 12 : t == T_Q5_0 ? 16 : t == T_Q6_K ? 32 : 0; }
 
 /* a type whose codes less their offset are never negative (the others take the sign trick) */
 INLINE int plain_codes(int t) { return t == T_Q4_1 || t == T_Q5_1 || t == T_Q4_K || t == T_Q5_K; }
@@ -345,7 +346,7 @@ INLINE void pair_codes(const int t, const uint8_t *b0, const int j0, const uint8
     const __m256i q = _mm256_loadu2_m128i((const __m128i *)(b1 + (size_t)qs), (const __m128i *)(b0 + (size_t)qs));
     *lo = _mm256_and_si256(q, m15);
     *hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m15);
-    if (t == T_MXFP4) {              /* signed codes, as Q8_0's */
+    if (t == T_MXFP4) {              /* the codes through their table */
         *lo = _mm256_shuffle_epi8(mxfp4_lut(), *lo);
         *hi = _mm256_shuffle_epi8(mxfp4_lut(), *hi);
     }
@@ -423,6 +424,7 @@ INLINE void vec_pair(const int t, const int nr, const gact *a, int r0, int g, co
             __m256i d = _mm256_setzero_si256();
             if (o) d = _mm256_loadu_si256((const __m256i *)(a->ls + (row * (k / 32) + g) * 4));
             if (o == 8) d = _mm256_srai_epi32(d, 1);
+            if (o == 12) d = _mm256_add_epi32(_mm256_srai_epi32(d, 1), _mm256_srai_epi32(d, 2));   /* x 3/4 */
             d = sg ? DPBUSD(DPBUSD(d, alo, xl), ahi, xh) : DPBUSD2(d, alo, xl, ahi, xh);
             /* [s0 * dy0, s1 * dy1] spread to four lanes each: the products rows_tiled takes */
             const __m128 p = _mm_mul_ps(s2, _mm_castpd_ps(_mm_load_sd((const double *)(a->d + row * (k / 32) + g))));
@@ -529,11 +531,11 @@ ROWS_VEC(T_Q4_K) ROWS_VEC(T_Q5_K) ROWS_VEC(T_Q6_K) ROWS_VEC(T_MXFP4)
 #if WIDE
 typedef __m512 tacc;                        /* a group's four rows: four lanes each */
 
-/* Q4_0, Q5_0 and Q8_0 (one scale a run, an offset or a sign) dot their codes unsigned, Q8_0's
-   moved up by 128, from the offset's term on: the lane sums times -16, halved for Q4_0's 8,
-   times 8 for Q8_0's 128. The same integers as the sign trick, without negating the rows'
+/* Q4_0, MXFP4, Q5_0 and Q8_0 (one scale a run, an offset or a sign) dot their codes unsigned,
+   Q8_0's moved up by 128, from the offset's term on: the lane sums times -16, halved for Q4_0's
+   8, times 3/4 for MXFP4's 12, times 8 for Q8_0's 128. The same integers as the sign trick, without negating the rows'
    codes a group at a time. */
-INLINE int offset_free(const int t) { return t == T_Q4_0 || t == T_Q5_0 || signed_codes(t); }
+INLINE int offset_free(const int t) { return t == T_Q4_0 || t == T_MXFP4 || t == T_Q5_0 || signed_codes(t); }
 
 INLINE void tiled_run_unsigned(const int t, const int ng, const gact *a, int grp, int g, const uint8_t *b,
                                const int j, tacc *acc) {
@@ -550,6 +552,7 @@ INLINE void tiled_run_unsigned(const int t, const int ng, const gact *a, int grp
     for (int q = 0; q < ng; q++) {
         __m512i d = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(lg + 4 * TR * q)));
         if (t == T_Q4_0) d = _mm512_srai_epi32(d, 1);
+        if (t == T_MXFP4) d = _mm512_add_epi32(_mm512_srai_epi32(d, 1), _mm512_srai_epi32(d, 2));
         if (signed_codes(t)) d = _mm512_slli_epi32(d, 3);
         d = _mm512_dpbusd_epi32(d, ua, _mm512_loadu_si512((const void *)(xg + 32 * TR * q)));
         d = _mm512_dpbusd_epi32(d, ub, _mm512_loadu_si512((const void *)(xg + 32 * TR * q + 16 * TR)));
