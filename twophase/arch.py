@@ -368,6 +368,13 @@ def describe(features: frozenset[str] | set[str]) -> str:
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
+def verb_for(features: frozenset[str] | set[str]) -> str:
+    """"are" for several features or one named in the plural ("MLP biases", "attention sinks
+    (...)"), else "is": the verb after ``describe``."""
+    one = FEATURES.get(next(iter(features)), "") if len(features) == 1 else ""
+    return "is" if len(features) == 1 and not one.split(" (")[0].endswith("s") else "are"
+
+
 def uniform_layers(num_layers: int, intermediate_size: int, rope_theta: float = 10000.0,
                    window: int | None = None) -> tuple[LayerSpec, ...]:
     """``num_layers`` identical layers: the dense, full-attention case of most families."""

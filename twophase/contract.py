@@ -38,7 +38,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from twophase.arch import ModelArch, describe
+from twophase.arch import ModelArch, describe, verb_for
 from twophase.device import parse_device
 from twophase.errors import BackendUnavailable, ConfigError
 from twophase.kv_formats import kv_format_of
@@ -542,8 +542,7 @@ class Backend(ABC):
         missing = arch.features() - self.capabilities().features
         if not missing:
             return None
-        what = describe(missing)
-        return f"{self.name}: {what} {'are' if what.endswith('s') else 'is'} not implemented"
+        return f"{self.name}: {describe(missing)} {verb_for(missing)} not implemented"
 
     def supports_weights(self, arch: ModelArch, quantization: str) -> str | None:
         """``supports``, and the features it computes only on some weight formats
@@ -553,9 +552,7 @@ class Backend(ABC):
         missing = arch.features() - only if not why and only is not None else frozenset()
         if why or not missing:
             return why
-        what = describe(missing)
-        verb = "are" if what.endswith("s") else "is"
-        return f"{self.name}: {what} on {quantization!r} weights {verb} not implemented"
+        return f"{self.name}: {describe(missing)} on {quantization!r} weights {verb_for(missing)} not implemented"
 
     def supports_phase(self, arch: ModelArch, quantization: str, phase: str) -> str | None:
         """``supports_weights``, and the features it computes in the other phase only
@@ -566,10 +563,8 @@ class Backend(ABC):
         missing = arch.features() - only if not why and only is not None else frozenset()
         if why or not missing:
             return why
-        what = describe(missing)
-        verb = "are" if what.endswith("s") else "is"
-        return (f"{self.name}: {what} in {phase} {verb} not implemented (give {phase} another "
-                f"backend: [backend.{phase}] name = ...)")
+        return (f"{self.name}: {describe(missing)} in {phase} {verb_for(missing)} not implemented (give {phase} "
+                f"another backend: [backend.{phase}] name = ...)")
 
     @abstractmethod
     def load(self, model: ModelSpec, cfg: BackendConfig) -> None:

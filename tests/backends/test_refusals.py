@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     out = {}
-    for family in ("qwen3", "mixtral", "gpt_oss"):
+    for family in ("qwen3", "mixtral", "gpt_oss", "deepseek_v3"):
         out[family] = tmp_path_factory.mktemp(family)
         tiny_hf_model(family, out[family])
     return out
@@ -33,15 +33,15 @@ def test_a_run_on_a_backend_without_the_feature_names_it(folders):
         LLM.from_config(_cfg(folders["mixtral"], "native", "q4"))
     with pytest.raises(BackendUnavailable, match="onnxruntime: mixture-of-experts MLPs on 'q4' weights are not"):
         LLM.from_config(_cfg(folders["mixtral"], "onnxruntime", "q4"))
-    with pytest.raises(BackendUnavailable, match=r"native: attention sinks .*, the clamped SwiGLU \(gpt-oss\) "
-                                                 "and router and expert biases are not implemented"):
-        LLM.from_config(_cfg(folders["gpt_oss"], "native"))
+    with pytest.raises(BackendUnavailable, match=r"onnxruntime: multi-head latent attention .* and DeepSeek's "
+                                                 r"expert routing .* are not implemented"):
+        LLM.from_config(_cfg(folders["deepseek_v3"], "onnxruntime"))
 
 
 def test_each_phase_is_asked(folders):
-    cfg = _cfg(folders["gpt_oss"], "torch")
-    cfg["backend"] = {"prefill": {"name": "torch"}, "decode": {"name": "native"}}
-    with pytest.raises(BackendUnavailable, match="native: attention sinks"):
+    cfg = _cfg(folders["deepseek_v3"], "torch")
+    cfg["backend"] = {"prefill": {"name": "torch"}, "decode": {"name": "onnxruntime"}}
+    with pytest.raises(BackendUnavailable, match="onnxruntime: multi-head latent attention"):
         LLM.from_config(cfg)
 
 

@@ -221,8 +221,8 @@ def test_gguf_files_of_a_family_not_read_yet_are_refused_by_name(tmp_path):
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(ModelError, match="GGUF architecture 'qwen2moe' is not supported; the architectures "
-                                         "that load: gemma2, gemma3, granitehybrid, lfm2, llama, phi3, "
-                                         "qwen2, qwen3, qwen35, qwen3moe, qwen3next"):
+                                         "that load: gemma2, gemma3, gpt-oss, granitehybrid, lfm2, llama, "
+                                         "phi3, qwen2, qwen3, qwen35, qwen3moe, qwen3next"):
         hf_config(GGUFFile(path))
     # a family that loads, from a file lacking what it must state: the key is named
     w = gguf.GGUFWriter(str(tmp_path / "q.gguf"), "qwen3")
