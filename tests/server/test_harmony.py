@@ -81,6 +81,13 @@ def test_replies_are_read_into_reasoning_content_and_calls(text, reasoning, cont
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in reply.calls] == calls
 
 
+def test_a_calls_arguments_are_returned_as_the_model_wrote_them():
+    """Arguments that are not JSON (cut short, or the model's own mistake) come back as written,
+    for the client to judge, not as ``null``."""
+    reply = H.parse(CALL.replace('{"city": "Oslo"}', '{"city": "Os'), ("get_weather",))
+    assert reply.calls[0]["function"]["arguments"] == '{"city": "Os'
+
+
 def test_a_whole_reply_as_the_openai_client_reads_it(tokenizer):
     fmt = _format(tokenizer)
     resp = openai.types.chat.ChatCompletion.model_validate(fmt.whole([_output(tokenizer, THOUGHT + ANSWER)]))

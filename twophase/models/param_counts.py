@@ -71,18 +71,20 @@ def biases(arch: ModelArch) -> dict[str, int]:
     return out
 
 
+def read_by_a_token(arch: ModelArch, name: str, shape: tuple[int, ...]) -> float:
+    """Elements of parameter ``name`` one token multiplies: a stacked experts' tensor's top k of
+    its experts, the embedding's one row, any other whole."""
+    if stacked(name):
+        spec = arch.layers[int(name.split(".")[1])].mlp
+        return _numel(shape) * spec.top_k / spec.num_experts
+    return shape[-1] if name.startswith("embed.") else _numel(shape)
+
+
 def active_layer_params(arch: ModelArch) -> float:
     """Matrix weights one token multiplies in an average layer (norms and biases left out): a
     MoE layer's routed experts only."""
-    total = 0.0
-    for name, s in shapes(arch).items():
-        if not name.startswith("layers.") or group(name) == "norms" or name.endswith(".bias"):
-            continue
-        n = _numel(s)
-        if stacked(name):             # top_k of the experts for each token
-            spec = arch.layers[int(name.split(".")[1])].mlp
-            n = n * spec.top_k / spec.num_experts
-        total += n
+    total = sum(read_by_a_token(arch, name, s) for name, s in shapes(arch).items()
+                if name.startswith("layers.") and group(name) != "norms" and not name.endswith(".bias"))
     return total / arch.num_layers
 
 
@@ -91,13 +93,7 @@ def active_group_params(arch: ModelArch) -> dict[str, float]:
     num_experts`` of their size, the embedding one row (the head whole)."""
     out = dict.fromkeys(GROUPS, 0.0)
     for name, s in shapes(arch).items():
-        n: float = _numel(s)
-        if stacked(name):
-            spec = arch.layers[int(name.split(".")[1])].mlp
-            n = n * spec.top_k / spec.num_experts
-        elif name.startswith("embed."):
-            n = s[-1]
-        out[group(name)] += n
+        out[group(name)] += read_by_a_token(arch, name, s)
     return out
 
 

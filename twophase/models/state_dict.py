@@ -79,8 +79,11 @@ def text_model_names(names: Iterable[str], arch: ModelArch, folder: Path) -> dic
     embedding models ship: ``layers.0...``, no ``model.``) gets the prefix; any other checkpoint's
     names are kept as they are."""
     names = list(names)
-    if family(arch.family).hf_stored_names:
-        return {n: _table_name(n, arch) for n in names}
+    # then a name the family's checkpoints store otherwise than its table (``Family.hf_stored_names``)
+    return {n: _table_name(hf, arch) for n, hf in _checkpoint_names(names, arch, folder).items()}
+
+
+def _checkpoint_names(names: list[str], arch: ModelArch, folder: Path) -> dict[str, str]:
     if any(n.startswith("layers.") for n in names) and not any(n.startswith("model.") for n in names):
         return {n: n if n.startswith("lm_head.") else "model." + n for n in names}
     if not family(arch.family).hf_multimodal_type or not any(n.startswith(LANGUAGE_MODEL) for n in names):
@@ -97,6 +100,8 @@ def _table_name(name: str, arch: ModelArch) -> str:
     """A layer's tensor as the family's table names it where its checkpoints store it under
     another name (gpt-oss: ``model.layers.3.mlp.experts.down_proj_bias`` is ``...down_proj.bias``)."""
     stored = {theirs: table for table, theirs in family(arch.family).hf_stored_names.items()}
+    if not stored:
+        return name
     model, layers, i, rest = (name.split(".", 3) + ["", "", ""])[:4]
     return f"{model}.{layers}.{i}.{stored[rest]}" if layers == "layers" and rest in stored else name
 

@@ -88,8 +88,9 @@ class ChatFormat:
             if index not in self.streams:
                 tok = self.server.tokenizer
                 assert tok is not None
+                vocab = tok.vocabulary()
                 self.streams[index] = H.HarmonyStream(lambda ids: tok.decode(ids, skip_special_tokens=False),
-                                                      self.names)
+                                                      self.names, frozenset(vocab[m] for m in H.CLOSERS if m in vocab))
             content = self.streams[index].feed(list(delta.token_ids))
         elif calls is not None:
             content = {k: v for k, v in {"tool_calls": calls.feed(delta.text)}.items() if v}

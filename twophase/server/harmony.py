@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from twophase.server import tools as T
 
 MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>")
+CLOSERS = ("<|end|>", "<|call|>", "<|return|>")     # what ends a message
 _MESSAGE = re.compile(
     r"(?:<\|start\|>(?P<role>[^<]*))?(?:<\|channel\|>(?P<header>[^<]*))?(?:<\|constrain\|>[^<]*)?"
     r"<\|message\|>(?P<body>.*?)(?P<close><\|end\|>|<\|call\|>|<\|return\|>|$)", re.S)
@@ -59,7 +60,7 @@ def parse(text: str, names: tuple[str, ...] = ()) -> Reply:
         if to and to.startswith("functions."):
             name = to.removeprefix("functions.")
             if name in names:
-                out.calls.append(T.call(name, T._loads(body) if body.strip() else {}))
+                out.calls.append(T.call(name, body.strip() or "{}"))     # the arguments as written
                 continue
         (reasoning if channel == "analysis" else content).append(body)
     out.reasoning = "".join(reasoning) or None
@@ -68,19 +69,26 @@ def parse(text: str, names: tuple[str, ...] = ()) -> Reply:
 
 
 class HarmonyStream:
-    """One streamed choice: its token ids so far, decoded with their markers at each delta, and
-    what of the reasoning and the answer was not sent yet (a call goes out once it is closed)."""
+    """One streamed choice: its token ids so far, decoded with their markers, and what of the
+    reasoning and the answer was not sent yet (a call goes out once it is closed). The text of
+    closed messages is decoded once (a message's closing marker is a special token, so the
+    text splits there exactly); each delta decodes the open message's ids only."""
 
-    def __init__(self, decode, names: tuple[str, ...]):
-        self.decode, self.names = decode, names
+    def __init__(self, decode, names: tuple[str, ...], closers: frozenset[int] = frozenset()):
+        self.decode, self.names, self.closers = decode, names, closers
         self.ids: list[int] = []
+        self.closed, self.closed_text = 0, ""        # ids up to the last closing marker, decoded
         self.sent_reasoning = self.sent_content = 0
         self.sent_calls = 0
 
     def feed(self, token_ids: list[int]) -> dict:
         """The delta's fields (``reasoning_content``, ``content``, ``tool_calls``) for these ids."""
-        self.ids += token_ids
-        text = self.decode(self.ids)
+        for t in token_ids:
+            self.ids.append(t)
+            if t in self.closers:
+                self.closed_text += self.decode(self.ids[self.closed:])
+                self.closed = len(self.ids)
+        text = self.closed_text + self.decode(self.ids[self.closed:])
         if text.endswith("\ufffd"):           # a character split across tokens: wait for the rest
             return {}
         reply = parse(_closed_calls_only(text), self.names)
@@ -100,6 +108,6 @@ class HarmonyStream:
 def _closed_calls_only(text: str) -> str:
     """``text`` without a tool call still being written (its arguments go out whole, once its
     ``<|call|>`` came): a message to a recipient after the last closing marker is cut."""
-    last = max(text.rfind(m) for m in ("<|end|>", "<|call|>", "<|return|>"))
+    last = max(text.rfind(m) for m in CLOSERS)
     tail = text[last:] if last >= 0 else text
     return text[:last] if last >= 0 and "to=" in tail else (text if "to=" not in tail else "")

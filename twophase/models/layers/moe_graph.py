@@ -83,8 +83,7 @@ def moe_op(x: torch.Tensor, logits: torch.Tensor, w1: torch.Tensor, b1: torch.Te
     gu = torch.einsum("th,eoh->teo", x, w1) + b1
     g, u = gu[..., 0::2].clamp(max=limit), gu[..., 1::2].clamp(-limit, limit)
     y = torch.einsum("tef,ehf->teh", g * torch.sigmoid(alpha * g) * (u + beta), w2) + b2
-    every = torch.zeros(logits.shape, dtype=weights.dtype, device=x.device).scatter(1, experts, weights)
-    return torch.einsum("te,teh->th", every.to(x.dtype), y)
+    return torch.einsum("te,teh->th", spread(weights, experts, logits.shape[-1]).to(x.dtype), y)
 
 
 @moe_op.register_fake
