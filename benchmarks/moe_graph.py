@@ -4,11 +4,13 @@ IREE's two static forms (every expert on every token, its prefill; each token's 
 gathered, its decode). Tokens/s a step of N tokens, each engine in a process of its own,
 rounds interleaved, the median of the rounds.
 
-    python benchmarks/moe_graph.py [--shape qwen3|gpt-oss] [--tokens 1,8,64,256] [--rounds 3]
+    python benchmarks/moe_graph.py [--shape qwen3|gpt-oss|deepseek] [--tokens 1,8,64,256] [--rounds 3]
 
 The shapes keep their models' ratio of experts to chosen ones and their gate, at a hidden size
 of 1024 so a layer's weights stay near 200 MB: ``qwen3`` 64 experts of 256, top 4 (SiLU);
-``gpt-oss`` 32 experts of 512, top 4, biased, the clamped SwiGLU.
+``gpt-oss`` 32 experts of 512, top 4, biased, the clamped SwiGLU; ``deepseek`` 64 experts of 256,
+top 6, V3's routing (sigmoid scores, a choosing bias, the best 4 of 8 groups, renormalised,
+scaled by 2.5: ONNX Runtime's operator gets it as logits) and a shared expert of 512.
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ import time
 from pathlib import Path
 
 SHAPES = {"qwen3": dict(hidden=1024, f=256, experts=64, top_k=4, act="silu", bias=False),
-          "gpt-oss": dict(hidden=1024, f=512, experts=32, top_k=4, act="clamped_swiglu", bias=True)}
+          "gpt-oss": dict(hidden=1024, f=512, experts=32, top_k=4, act="clamped_swiglu", bias=True),
+          "deepseek": dict(hidden=1024, f=256, experts=64, top_k=6, act="silu", bias=False,
+                           routing=dict(scoring="sigmoid", score_bias=True, groups=8, topk_groups=4,
+                                        group_score="top2", routed_scale=2.5, shared_intermediate_size=512))}
 ENGINES = ("torch", "onnxruntime", "iree-dense", "iree-gathered")
 
 
@@ -35,7 +40,7 @@ def layer(shape: dict):
     from twophase.models.layers.moe import MoE
 
     torch.manual_seed(0)
-    m = MoE(shape["hidden"], MLPSpec(shape["f"], shape["experts"], shape["top_k"], True),
+    m = MoE(shape["hidden"], MLPSpec(shape["f"], shape["experts"], shape["top_k"], True, **shape.get("routing", {})),
             Glu(shape["act"]), shape["bias"]).eval().requires_grad_(False)
     for p in m.parameters():
         torch.nn.init.normal_(p, 0.0, 0.02)

@@ -33,15 +33,15 @@ def test_a_run_on_a_backend_without_the_feature_names_it(folders):
         LLM.from_config(_cfg(folders["mixtral"], "native", "q4"))
     with pytest.raises(BackendUnavailable, match="onnxruntime: mixture-of-experts MLPs on 'q4' weights are not"):
         LLM.from_config(_cfg(folders["mixtral"], "onnxruntime", "q4"))
-    with pytest.raises(BackendUnavailable, match=r"onnxruntime: multi-head latent attention .* and DeepSeek's "
+    with pytest.raises(BackendUnavailable, match=r"native: multi-head latent attention .* and DeepSeek's "
                                                  r"expert routing .* are not implemented"):
-        LLM.from_config(_cfg(folders["deepseek_v3"], "onnxruntime"))
+        LLM.from_config(_cfg(folders["deepseek_v3"], "native"))
 
 
 def test_each_phase_is_asked(folders):
     cfg = _cfg(folders["deepseek_v3"], "torch")
-    cfg["backend"] = {"prefill": {"name": "torch"}, "decode": {"name": "onnxruntime"}}
-    with pytest.raises(BackendUnavailable, match="onnxruntime: multi-head latent attention"):
+    cfg["backend"] = {"prefill": {"name": "torch"}, "decode": {"name": "native"}}
+    with pytest.raises(BackendUnavailable, match="native: multi-head latent attention"):
         LLM.from_config(cfg)
 
 

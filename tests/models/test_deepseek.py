@@ -1,6 +1,7 @@
 """DeepSeek V2/V3 beyond ``test_families`` (which checks both against transformers, whole, in
 chunks, served): the decode form (attention over the latents with ``kv_b`` absorbed) against the
-prefill form on the same cache; the pool holding one latent a token; what is refused by name."""
+prefill form on the same cache; the static form the graph backends trace, and DeepSeek on ONNX
+Runtime against torch; the pool holding one latent a token; what is refused by name."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from helpers.hf_models import tiny_hf_model
 from twophase import LLM
 from twophase.arch import AttentionSpec, LayerSpec, MLASpec, MLPSpec, ModelArch
 from twophase.errors import ConfigError, ModelError
+from twophase.graph.inputs import layer_blocks
+from twophase.models.graph_attention import GraphMeta
 from twophase.models.layers.mla import LatentAttention, gather_latents, write_latent
 
 pytest.importorskip("transformers")
@@ -47,6 +50,35 @@ def test_absorbed_decode_equals_the_expanded_form_on_a_paged_cache():
         assert float((got[b] - want).abs().max() / want.abs().max()) < 1e-5
 
 
+def test_the_traced_form_of_a_mixed_step_equals_the_eager_forms():
+    """The graph's one dataflow (``LatentAttention.graph``, run by torch here) over a step of two
+    decodes (37 and 20 tokens cached) and two padded chunks (5 tokens on nothing cached, 3 on
+    16), against the eager expanded form on each sequence's cached latents and its own."""
+    torch.manual_seed(1)
+    layer = LatentAttention(ARCH).eval().requires_grad_(False)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, 0.0, 0.3)
+    pool = torch.zeros(1, 1, 40, 1, 8, MLA.latent_dim)
+    tables = torch.randperm(40)[:24].view(4, 6)
+    cached, new = [37, 20, 0, 16], [1, 1, 5, 3]
+    for b, n in enumerate(cached):
+        pos = torch.arange(n)
+        write_latent(pool[0], torch.randn(n, MLA.latent_dim), tables[b][pos // 8] * 8 + pos % 8)
+    T = sum(new)
+    q_nope, q_pe, latent = torch.randn(T, 4, 16), torch.randn(T, 4, 8), torch.randn(T, MLA.latent_dim)
+    blocks = layer_blocks(tables, tuple(pool.shape), None)                     # [1, 4, 6]
+    meta = GraphMeta(torch.tensor([0, 1]), blocks[:, :2, :5], torch.tensor([37, 20]),
+                     torch.tensor([[2, 3, 4, 5, 6], [7, 8, 9, T, T]]), blocks[:, 2:, :2], torch.tensor([0, 16]),
+                     torch.tensor([5, 3]))
+    got = layer.graph(q_nope, q_pe, latent, pool, meta)
+    first = 0
+    for b, (c, n) in enumerate(zip(cached, new)):
+        ctx = torch.cat([gather_latents(pool[0], tables[b:b + 1], torch.float32)[0, :c], latent[first:first + n]])
+        want = layer.expanded(q_nope[first:first + n], q_pe[first:first + n], ctx, c)
+        assert float((got[first:first + n] - want).abs().max() / want.abs().max()) < 1e-5, b
+        first += n
+
+
 @pytest.fixture(scope="module")
 def v3(tmp_path_factory):
     folder = tmp_path_factory.mktemp("deepseek_v3")
@@ -60,6 +92,25 @@ def test_the_pool_holds_one_latent_a_token_in_each_layer(v3):
     assert tuple(pool.shape) == (3, 1, 32, 1, 8, 32 + 8)          # layers, one plane, blocks, one row
     assert [s.kind for s in llm.loaded.layout.specs] == ["latent"]
     assert llm.loaded.layout.slot_bytes_per_token == 40 * 4
+
+
+def test_onnx_runtime_gives_torch_s_tokens_and_log_probabilities(v3):
+    """DeepSeek V3 (latent attention, sigmoid routing in groups with a choosing bias, shared
+    experts, a first dense layer) traced and run by ONNX Runtime, its experts in the fused
+    operator: steps that mix a prompt's chunks with other sequences' decodes, one with nothing
+    decoding (the graph's decode group empty)."""
+    from twophase import SamplingParams
+
+    prompts = [list(range(5, 45)), list(range(50, 53)), [(7 * i) % 290 + 5 for i in range(30)]]
+    p = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1)
+    cfg = {"model": {"path": str(v3)}, "cache": {"num_blocks": 64, "block_size": 8},
+           "scheduler": {"max_num_batched_tokens": 24, "max_num_seqs": 4}}
+    want = LLM.from_config(cfg).generate(prompts, p)
+    got = LLM.from_config({**cfg, "backend": {"name": "onnxruntime"}}).generate(prompts, p)
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids
+        assert [lp[t] for t, lp in zip(g.token_ids, g.logprobs)] == \
+            pytest.approx([lp[t] for t, lp in zip(w.token_ids, w.logprobs)], abs=1e-4)
 
 
 def test_a_cache_format_that_cannot_hold_the_latent_names_it(v3):

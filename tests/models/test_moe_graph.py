@@ -1,6 +1,7 @@
 """The static forms experts are traced in (``models/layers/moe_graph.py``) against the eager
-routed loop: each in torch, ONNX Runtime's fused operator as the exporter writes it, and IREE's
-two forms compiled over two layers (a second layer routes by its own router, not the first's)."""
+routed loop: each in torch, with the plain routing and DeepSeek's, ONNX Runtime's fused operator
+as the exporter writes it (DeepSeek's routing handed to it as logits), and IREE's two forms
+compiled over two layers (a second layer routes by its own router, not the first's)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,21 @@ from twophase.models.layers.moe import MoE, traced_as
 GATES = {"silu": (Glu(), False), "clamped_swiglu": (Glu("clamped_swiglu", 1.702, 7.0), True)}
 
 
-def _moe(gate: str, shared: int = 0, seed: int = 0) -> MoE:
+# DeepSeek's routings (``MoE.choose``): V2's softmax, its best 2 of 4 groups by their best
+# score, scaled and not renormalised; V3's sigmoid with a choosing bias, groups by their best
+# two, renormalised and scaled
+ROUTINGS = {"v2": {"groups": 4, "topk_groups": 2, "routed_scale": 16.0},
+            "v3": {"scoring": "sigmoid", "score_bias": True, "groups": 4, "topk_groups": 2,
+                   "group_score": "top2", "routed_scale": 2.5}}
+
+
+def _moe(gate: str, shared: int = 0, seed: int = 0, routing: str | None = None) -> MoE:
     glu, bias = GATES[gate]
     torch.manual_seed(seed)
-    m = MoE(32, MLPSpec(16, 6, 2, gate == "silu", shared_intermediate_size=shared), glu, bias)
+    how = ROUTINGS[routing] if routing else {}
+    spec = MLPSpec(16, 8 if routing else 6, 3 if routing else 2, routing == "v3" or (gate == "silu" and not routing),
+                   shared_intermediate_size=shared, **how)
+    m = MoE(32, spec, glu, bias)
     for p in m.parameters():
         torch.nn.init.normal_(p, 0.0, 0.5)      # large enough that the clamp bites
     return m.eval().requires_grad_(False)
@@ -40,11 +52,25 @@ def test_each_static_form_equals_the_routed_loop(gate, form):
     assert m.graph_form is None
 
 
-def test_onnxruntime_s_fused_operator_equals_the_routed_loop(tmp_path):
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("form", ["op", "dense", "gathered"])
+def test_deepseek_s_routing_in_each_static_form_equals_the_routed_loop(routing, form):
+    m = _moe("silu", shared=8, routing=routing)
+    x = torch.randn(9, 32)
+    want = m(x)
+    with traced_as(m, form):
+        assert _rel(m(x), want) < 1e-5
+    # the routing matters: plain softmax routing over the same weights gives another answer
+    m.spec = MLPSpec(16, 8, 3, True)
+    assert _rel(m(x), want) > 1e-2
+
+
+@pytest.mark.parametrize("routing", [None, "v3"])
+def test_onnxruntime_s_fused_operator_equals_the_routed_loop(tmp_path, routing):
     ort = pytest.importorskip("onnxruntime")
     from twophase.exporters import onnx_moe
 
-    m = _moe("clamped_swiglu")
+    m = _moe("clamped_swiglu", routing=routing)
     x = torch.randn(9, 32)
     with traced_as(m, "op"):
         torch.onnx.export(m, (x,), str(tmp_path / "m.onnx"), dynamo=True, optimize=False,

@@ -38,6 +38,7 @@ import torch
 
 from twophase.backends.hookspecs import hookimpl
 from twophase.backends.traced import GRAPH_FEATURES, MOE_IREE, STATE_DECODE
+from twophase.cache.layout import KVHeads
 from twophase.contract import (
     CONTRACT_VERSION,
     Backend,
@@ -115,8 +116,7 @@ class IreeBackend(Backend):
         self.arch = model.arch
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        a = self.arch
-        return KVCacheSpec(len(a.attention_layers), a.num_kv_heads, a.head_dim, torch.float32, self.device)
+        return KVHeads.of(self.arch).spec(len(self.arch.attention_layers), torch.float32, self.device)
 
     def bind_kv_cache(self, kv: KVCache) -> None:
         from twophase.exporters import mlir

@@ -47,6 +47,7 @@ import torch
 
 from twophase.backends.hookspecs import hookimpl
 from twophase.backends.traced import GRAPH_FEATURES, MOE_ONNXRUNTIME, STATE_DECODE, TRACED_FEATURES
+from twophase.cache.layout import KVHeads
 from twophase.contract import (
     CONTRACT_VERSION,
     Backend,
@@ -235,8 +236,7 @@ class OnnxRuntimeBackend(Backend):
         return sess
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        return KVCacheSpec(len(self.arch.attention_layers), self.arch.num_kv_heads, self.arch.head_dim,
-                           self.dtype, self.device)
+        return KVHeads.of(self.arch).spec(len(self.arch.attention_layers), self.dtype, self.device)
 
     def bind_kv_cache(self, kv: KVCache) -> None:
         if kv.pool.dtype != self.dtype:
@@ -309,11 +309,11 @@ class OnnxRuntimeBackend(Backend):
             io.bind_input(name, kind, index, element_type(t.dtype), list(t.shape), t.data_ptr())
         T = inputs["input_ids"].shape[0]
         N = inputs["logits_index"].shape[0] if "logits_index" in inputs else T
-        a = self.arch
+        a, kv = self.arch, KVHeads.of(self.arch)
         L = len(a.attention_layers)
         outs = {"logits": torch.empty(N, a.vocab_size, dtype=torch.float32, device=dev),
-                "new_k": torch.empty(L, T, a.num_kv_heads, a.head_dim, dtype=self.dtype, device=dev),
-                "new_v": torch.empty(L, T, a.num_kv_heads, a.head_dim, dtype=self.dtype, device=dev),
+                "new_k": torch.empty(L, T, kv.num_kv_heads, kv.head_dim, dtype=self.dtype, device=dev),
+                "new_v": torch.empty(L, T, kv.num_kv_heads, kv.head_dim, dtype=self.dtype, device=dev),
                 **(more_outputs or {})}
         for name, t in outs.items():
             keep.append(t)

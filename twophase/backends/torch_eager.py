@@ -97,9 +97,8 @@ class TorchBackend(Backend):
         self.use_graphs = self.device.type == "cuda" and bool(cfg.options.get("cuda_graphs", True))
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        kv = KVHeads.of(self.arch)           # heads' K and V, or one latent (MLA)
-        return KVCacheSpec(len(self.arch.attention_layers), kv.num_kv_heads, kv.head_dim, self.dtype, self.device,
-                           scratch_blocks=1 if self.use_graphs else 0, planes=kv.planes)
+        return KVHeads.of(self.arch).spec(len(self.arch.attention_layers), self.dtype, self.device,
+                                          scratch_blocks=1 if self.use_graphs else 0)
 
     def bind_kv_cache(self, kv: KVCache) -> None:
         self.kv = kv

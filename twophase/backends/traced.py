@@ -16,16 +16,19 @@ TRACED_FEATURES = frozenset({
 STATE_DECODE = frozenset({"gated_deltanet", "short_conv", "mamba2"})
 # experts traced in a static form (``models/layers/moe_graph.py``): ONNX Runtime's fused MoE
 # operator, IREE's every-expert prefill and gathered decode; not TensorRT's (no such operator)
-MOE = frozenset({"moe", "moe_bias", "clamped_swiglu"})
+MOE = frozenset({"moe", "moe_bias", "clamped_swiglu", "moe_routing"})
 # what the onnxruntime and iree backends compute: the traced features, the state layers in
-# decode, experts, and what the families that have them add (the decoder's own code, traced as the rest)
+# decode, experts, latent attention (``LatentAttention.graph``: its pool of one plane the TensorRT
+# path's profiles do not size), and what the families that have them add (the decoder's own
+# code, traced as the rest)
 GRAPH_FEATURES = (TRACED_FEATURES | STATE_DECODE | MOE
-                  | {"attn_output_gate", "no_rope", "residual_scale", "logit_divisor"})
+                  | {"mla", "attn_output_gate", "no_rope", "residual_scale", "logit_divisor"})
 
 # how each graph backend computes experts (``Capabilities.computes``), and at what cost against
 # torch's routed loop: ``benchmarks/moe_graph.py``, docs/measurements.md
 MOE_ONNXRUNTIME = ("ONNX Runtime's fused MoE operator: each expert on the tokens routed to it, the routed "
-                   "loop's reads and FLOPs in one kernel")
+                   "loop's reads and FLOPs in one kernel (DeepSeek's routing computed in the graph and "
+                   "handed to it as logits)")
 MOE_IREE = ("static forms: prefill runs every expert on every token (experts / top-k times the routed FLOPs), "
             "decode gathers each token's experts (top-k expert reads a token): far slower than torch's "
             "routed loop past a few tokens")

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+import torch
+
 from twophase.arch import ModelArch
 from twophase.cache.spec import (
     CacheSpec,
@@ -21,7 +23,7 @@ from twophase.cache.spec import (
     sequence_blocks,
     step_blocks,
 )
-from twophase.contract import Capabilities, KVGroups
+from twophase.contract import Capabilities, KVCacheSpec, KVGroups
 
 GiB = 1 << 30
 CPU_POOL_CAP = 2 * GiB              # the CPU pool's default: min(2 GiB, a quarter of free)
@@ -59,6 +61,10 @@ class KVHeads:
         if arch.mla is not None:          # one latent a token, shared by every head
             return cls(1, arch.mla.latent_dim, 1)
         return cls(arch.num_kv_heads, arch.head_dim)
+
+    def spec(self, num_layers: int, dtype: torch.dtype, device: torch.device, scratch_blocks: int = 0) -> KVCacheSpec:
+        """A backend's ``kv_cache_spec`` for layers of these heads (or this latent)."""
+        return KVCacheSpec(num_layers, self.num_kv_heads, self.head_dim, dtype, device, scratch_blocks, self.planes)
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from twophase.cache.layout import KVHeads
 from twophase.contract import ModelSpec
 from twophase.device import cpu_name
 from twophase.exporters.cache import build_cached, cache_folder, weights_digest
@@ -57,8 +58,8 @@ from twophase.models.graph_attention import GraphMeta
 from twophase.models.layers.moe import traced_as
 from twophase.models.q4_weights import cpu_model
 
-FORMAT = "twophase-mlir/6"      # 3: write_kv and clear_kv entry points; 4: layers' block indices;
-                                # 5: the decodes' states; 6: experts (top k without topk)
+FORMAT = "twophase-mlir/7"      # 3: write_kv and clear_kv entry points; 4: layers' block indices;
+                                # 5: the decodes' states; 6: experts (top k without topk); 7: latent pools
 log = logging.getLogger(__name__)
 
 
@@ -190,8 +191,8 @@ def _compile_to(model: ModelSpec, device: str, block_size: int, folder: Path) ->
 def _examples(arch, dtype: torch.dtype, bs: int):
     from torch.export import Dim
 
-    L, kvh, hd = len(arch.attention_layers), arch.num_kv_heads, arch.head_dim
-    pool = torch.zeros(2, 2, 16, kvh, bs, hd, dtype=dtype)
+    L, heads = len(arch.attention_layers), KVHeads.of(arch)
+    pool = torch.zeros(2, heads.planes, 16, heads.num_kv_heads, bs, heads.head_dim, dtype=dtype)
     groups = example_groups(L)
     T = 6                                         # chunks of 2 and 4 tokens after cached ones
     pre = (torch.arange(T) % arch.vocab_size, torch.tensor([3, 4, 5, 6, 7, 8]), pool,
@@ -213,7 +214,8 @@ def _examples(arch, dtype: torch.dtype, bs: int):
 
 
 def _pool_examples(arch, dtype: torch.dtype, bs: int):
-    L, kvh, hd, T = len(arch.attention_layers), arch.num_kv_heads, arch.head_dim, 3
-    pool = torch.zeros(2, 2, 16, kvh, bs, hd, dtype=dtype)
+    L, heads, T = len(arch.attention_layers), KVHeads.of(arch), 3
+    kvh, hd = heads.num_kv_heads, heads.head_dim
+    pool = torch.zeros(2, heads.planes, 16, kvh, bs, hd, dtype=dtype)
     rows = kv_rows(tuple(pool.shape), torch.tensor([[0, 5, 17]] * 2), example_groups(L))
     return (pool, torch.ones(L, T, kvh, hd, dtype=dtype), torch.ones(L, T, kvh, hd, dtype=dtype), rows)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from twophase.cache.layout import KVHeads
 from twophase.contract import KVGroups, ModelSpec
 from twophase.exporters import decode_graph, onnx_moe
 from twophase.exporters.cache import build_cached, cache_folder, weights_digest
@@ -98,8 +99,8 @@ Q4_FORMAT = 3                   # 2: a float model's head at 8 bits; 3: centred 
 # 2: dynamic block size; 3: no onnxscript pass; 4: flat pool gather; 5: K and V gathered apart;
 # 6: masks built once a step, slices for splits; 7: decode.onnx beside it; 9: it gathers whole
 # blocks; 13: new K/V joined once at the end; 15: verify.onnx; 16: each layer's block indices, a
-# pool of any slot count (10 to 12, 14: unreleased trials)
-FORMAT = "twophase-onnx/16"
+# pool of any slot count; 17: latent pools (one plane) and DeepSeek's routing (10 to 12, 14: unreleased trials)
+FORMAT = "twophase-onnx/17"
 
 
 def manifest_for(model: ModelSpec) -> dict[str, Any]:
@@ -207,9 +208,9 @@ def _example(arch, dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], dict[s
     for a model with state layers, the decodes' states (``*states``)."""
     from torch.export import Dim
 
-    L, kvh, hd = len(arch.attention_layers), arch.num_kv_heads, arch.head_dim
+    L, heads = len(arch.attention_layers), KVHeads.of(arch)
     bs, nb = 4, 16
-    pool = torch.zeros(2, 2, nb, kvh, bs, hd, dtype=dtype)
+    pool = torch.zeros(2, heads.planes, nb, heads.num_kv_heads, bs, heads.head_dim, dtype=dtype)
     groups = example_groups(L)
     T = 8                                      # 2 decode tokens + chunks of 3 and 3
     ex = {

@@ -3,7 +3,8 @@ runtime side every graph backend shares (a graph cannot update its pool input in
 returns the step's K/V and the backend writes them at the batch's slots).
 
 Graphs never see the pool's layout (``KVGroups``): they take each layer's blocks as indices of
-the pool viewed as one flat array of ``S * 2 * NB`` blocks (``layer_blocks``), so one graph
+the pool viewed as one flat array of ``S * P * NB`` blocks (``layer_blocks``; ``P`` planes: K
+and V, or one latent), so one graph
 reads a plain pool (a slot a layer) and a pool in groups (sliding layers holding only their
 window) alike, and the backend writes the new K/V at rows computed the same way (``kv_rows``).
 """
@@ -28,20 +29,21 @@ def _per_group(t: torch.Tensor, dims: int) -> torch.Tensor:
 
 def layer_blocks(tables: torch.Tensor, pool_shape: tuple[int, ...],
                  groups: KVGroups | None) -> torch.Tensor:
-    """``[L, B, W]``: the index of each layer's K block among the pool's ``S * 2 * NB`` blocks
-    (its V block is ``NB`` further), for ``tables [B, W]`` or ``[G, B, W]`` (one a group)."""
+    """``[L, B, W]``: the index of each layer's K block among the pool's ``S * P * NB`` blocks
+    (its V block, if the pool has that plane, is ``NB`` further), for ``tables [B, W]`` or ``[G,
+    B, W]`` (one a group)."""
     group, slot = _layout(pool_shape, groups)
-    nb = pool_shape[2]
-    return _per_group(tables, 2)[group] + (2 * nb * slot).view(-1, 1, 1)
+    planes, nb = pool_shape[1], pool_shape[2]
+    return _per_group(tables, 2)[group] + (planes * nb * slot).view(-1, 1, 1)
 
 
 def kv_rows(pool_shape: tuple[int, ...], slots: torch.Tensor, groups: KVGroups | None) -> torch.Tensor:
-    """``[L, 2, T, KVH]``: the row of the pool viewed as ``[-1, hd]`` where each layer's K and V
-    of each token go, for ``slots [T]`` or ``[G, T]``."""
-    _, _, nb, kvh, bs, _ = pool_shape
+    """``[L, P, T, KVH]``: the row of the pool viewed as ``[-1, hd]`` where each layer's K and V
+    (``P = 2``) or latent (``P = 1``) of each token go, for ``slots [T]`` or ``[G, T]``."""
+    _, planes, nb, kvh, bs, _ = pool_shape
     group, slot = _layout(pool_shape, groups)
     s = _per_group(slots.cpu(), 1)[group]                                   # [L, T]
-    block = (2 * slot.view(-1, 1) * nb + s // bs).unsqueeze(1) + torch.tensor([0, nb]).view(1, 2, 1)
+    block = (planes * slot.view(-1, 1) * nb + s // bs).unsqueeze(1) + (torch.arange(planes) * nb).view(1, -1, 1)
     heads = torch.arange(kvh).view(1, 1, 1, kvh)
     return ((block.unsqueeze(-1) * kvh + heads) * bs + (s % bs).view(s.shape[0], 1, -1, 1))
 
@@ -150,9 +152,10 @@ def write_new_kv(pool: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor,
 
 
 def write_rows(pool: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor, rows: torch.Tensor) -> None:
-    """The write at ``rows`` (``kv_rows``'s ``[L, 2, T, KVH]``): also an MLIR entry point."""
+    """The write at ``rows`` (``kv_rows``'s ``[L, P, T, KVH]``): also an MLIR entry point. A
+    latent pool (one plane) takes ``new_k``; its graph returns the latents as ``new_v`` too."""
     hd = pool.shape[-1]
-    src = torch.stack([new_k, new_v], dim=1).reshape(-1, hd)              # [L, 2, T, KVH, hd]
+    src = (torch.stack([new_k, new_v], dim=1) if rows.shape[1] == 2 else new_k).reshape(-1, hd)  # [L, P, T, KVH, hd]
     pool.view(-1, hd).index_copy_(0, rows.reshape(-1), src.to(pool.dtype))
 
 

@@ -2,7 +2,8 @@
 
 Dimension names: ``T`` packed tokens, ``N`` logits rows, ``D`` one-token (decode) sequences and
 ``Wd`` their block-table width, ``C`` chunks padded to ``Q`` tokens with block tables ``Wc``
-wide; the pool is ``[S, 2, NB, KVH, BS, hd]``, ``S`` slots of layers (``L`` in a plain pool, fewer
+wide; the pool is ``[S, 2, NB, KVH, BS, hd]`` (a latent pool, MLA's, ``[S, 1, NB, 1, BS,
+latent]``: the traced example fixes the planes), ``S`` slots of layers (``L`` in a plain pool, fewer
 in groups: ``KVGroups``), and graphs index it through each layer's block indices ``[L, ...]``.
 ``L``, ``KVH`` and ``hd`` are fixed by the model; every other name is dynamic in an export and
 ranges over a TensorRT profile.

@@ -109,7 +109,7 @@ def _decodes(q1, k1, v1, pool, m: GraphMeta, scale: Scores, sinks: torch.Tensor 
     qd = q1.index_select(0, m.dec_index).reshape(D, 1, kvh, g, hd)
     kd, vd = (t.to(q1.dtype) for t in pool_gather(pool, m.dec_blocks[m.layer]))  # [D, Wd, KVH, BS, hd]
     s = scale(qd @ kd.transpose(-1, -2))                                # [D, Wd, KVH, g, BS]
-    invalid = m.shared(f"dec_invalid_{scale.window}", lambda: _dec_invalid(m, Wd, bs, scale.window, q1.device))
+    invalid = m.shared(f"dec_invalid_{scale.window}", lambda: dec_invalid(m, Wd, bs, scale.window, q1.device))
     s = s.masked_fill(invalid, minf)
     k_self = k1.index_select(0, m.dec_index).reshape(D, kvh, 1, hd)
     v_self = v1.index_select(0, m.dec_index).reshape(D, kvh, 1, hd)
@@ -127,7 +127,7 @@ def _decodes(q1, k1, v1, pool, m: GraphMeta, scale: Scores, sinks: torch.Tensor 
     return (o / den.unsqueeze(-1)).to(q1.dtype).reshape(D, H, hd)
 
 
-def _dec_invalid(m: GraphMeta, Wd: int, bs: int, window: int | None, device) -> torch.Tensor:
+def dec_invalid(m: GraphMeta, Wd: int, bs: int, window: int | None, device) -> torch.Tensor:
     """``[D, Wd, 1, 1, BS]``: cached keys a decode does not see: past its cache, or (sliding)
     not after ``position - window``, its position being the count of cached tokens."""
     D = m.dec_cached.shape[0]
@@ -157,7 +157,7 @@ def _chunks(q1, k1, v1, pool, m: GraphMeta, scale: Scores, sinks: torch.Tensor |
     vals = torch.cat([vc, vn], dim=2).unsqueeze(2)
     s = scale(qc @ keys.transpose(-1, -2))                                # [C, KVH, g, Q, S+Q]
     hidden = m.shared(f"chunk_hidden_{scale.window}",
-                      lambda: ~_chunk_visible(m, Wc * bs, Q, q1.device, scale.window))
+                      lambda: ~chunk_visible(m, Wc * bs, Q, q1.device, scale.window))
     s = s.masked_fill(hidden, minf)
     if sinks is not None:                 # a column of each head's sink, dropped after the softmax
         sink = sinks.float().reshape(1, kvh, g, 1, 1).expand(C, kvh, g, Q, 1)
@@ -167,7 +167,7 @@ def _chunks(q1, k1, v1, pool, m: GraphMeta, scale: Scores, sinks: torch.Tensor |
     return (p @ vals).permute(0, 3, 1, 2, 4).reshape(C * Q, H, hd)
 
 
-def _chunk_visible(m: GraphMeta, cached_width: int, Q: int, device, window: int | None = None) -> torch.Tensor:
+def chunk_visible(m: GraphMeta, cached_width: int, Q: int, device, window: int | None = None) -> torch.Tensor:
     """``[C, 1, 1, Q, S+Q]``: query i of a chunk sees the cached tokens and its chunk's new
     tokens up to itself (padding queries see only cached ones; their rows are dropped); in a
     sliding layer only keys after ``position - window``."""

@@ -181,14 +181,24 @@ def float_weights(spec: ModelSpec, ours: Callable[[str], bool],
 
         assert source.path is not None
         files = sorted(source.path.glob("*.safetensors"))
-        stored: list[str] = []
-        for f in files:
-            with safe_open(str(f), framework="pt") as st:
-                stored += st.keys()
-        renamed = text_model_names(stored, arch, source.path)
-        for f in files:
-            with safe_open(str(f), framework="pt") as st:
-                hf.update({renamed[k]: st.get_tensor(k) for k in st.keys() if renamed.get(k) in names})
+        unpack = family(arch.family).hf_unpack
+        if unpack is not None:      # packed tensors are stored under names of their own: read all, unpacked
+            every: dict[str, torch.Tensor] = {}
+            for f in files:
+                with safe_open(str(f), framework="pt") as st:
+                    every.update({k: st.get_tensor(k) for k in st.keys()})
+            every = unpack(every)
+            renamed = text_model_names(every, arch, source.path)
+            hf = {renamed[k]: v for k, v in every.items() if renamed.get(k) in names}
+        else:
+            stored: list[str] = []
+            for f in files:
+                with safe_open(str(f), framework="pt") as st:
+                    stored += st.keys()
+            renamed = text_model_names(stored, arch, source.path)
+            for f in files:
+                with safe_open(str(f), framework="pt") as st:
+                    hf.update({renamed[k]: st.get_tensor(k) for k in st.keys() if renamed.get(k) in names})
     # rounded to the model's dtype, as the model built from them holds them
     return {k: v.to(spec.dtype).float() for k, v in from_hf_state_dict(hf, arch).items()
             if k in held and ours(k)}
@@ -214,6 +224,9 @@ def build_model(arch: ModelArch, dtype: torch.dtype, device: torch.device,
         hf: dict[str, torch.Tensor] = {}
         for f in sorted(folder.glob("*.safetensors")):
             hf.update(load_file(str(f)))
+        unpack = family(arch.family).hf_unpack
+        if unpack is not None:
+            hf = unpack(hf)
         hf = {n: hf[k] for k, n in text_model_names(hf, arch, folder).items()}
         # copies of what is still a view of the file's mapping (it would keep the whole mapping
         # resident, the unfused sources of q/k/v and gate/up with it: ~16% over the weights'

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from twophase.arch import AttentionSpec, LayerSpec, MLPSpec, ModelArch, uniform_layers
 from twophase.models.layers.rotary import check_scaling
+
+if TYPE_CHECKING:
+    import torch
 
 # ours -> (HF names, GGUF names), per layer under "model.layers.{i}." / "blk.{i}."
 LayerNames = dict[str, tuple[tuple[str, ...], tuple[str, ...]]]
@@ -83,6 +86,9 @@ class Family:
     # our tensors (``mlp.experts_gate_up.weight``) that its checkpoints hold in another layout
     # (gpt-oss's experts transposed, gate and up interleaved): how each converts both ways
     hf_layouts: dict[str, Layout] = field(default_factory=dict, hash=False)
+    # a checkpoint's tensors stored packed (gpt-oss's MXFP4 experts: ``*_blocks`` and
+    # ``*_scales``), given back unpacked under the names its float form stores them under
+    hf_unpack: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
 
 
 def stated(get: Callable[..., Any], key: str) -> Any:

@@ -4,7 +4,10 @@ alternating, YaRN RoPE.
 
 Its checkpoints store each layer's experts as one stacked tensor a matrix, transposed against
 ours (``[E, in, out]``) with gate and up interleaved column by column, and the biases beside them
-as ``*_bias``: the layouts below turn them into ours and back.
+as ``*_bias``: the layouts below turn them into ours and back. The published checkpoints hold the
+experts' matrices in MXFP4 (``*_blocks``: two 4-bit E2M1 codes a byte, 32 values a block;
+``*_scales``: a block's E8M0 exponent), which ``unpack_mxfp4`` turns into that float form, exact
+in bfloat16 (a code has one mantissa bit, the scale is a power of two).
 """
 
 from __future__ import annotations
@@ -62,11 +65,42 @@ _LAYOUTS: dict[str, Layout] = {
 }
 
 
+# E2M1: a sign bit, two exponent bits, one mantissa bit; code 8 is -0
+MXFP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``blocks [E, rows, G, 16]`` (uint8, the low nibble the first of a pair) under ``scales
+    [E, rows, G]`` (``2 ** (s - 127)``) → ``[E, rows, G * 32]``, one expert at a time (the codes'
+    indices would take 8 bytes a value of a whole layer)."""
+    lut = torch.tensor(MXFP4_VALUES, dtype=torch.float32)
+    out = torch.empty(*blocks.shape[:-2], blocks.shape[-2] * 32, dtype=dtype)
+    for e in range(blocks.shape[0]):
+        b = blocks[e]
+        values = lut[torch.stack([b & 0x0F, b >> 4], dim=-1).int()].flatten(-2)         # [rows, G, 32]
+        exps = scales[e].to(torch.int32).unsqueeze(-1) - 127
+        out[e] = torch.ldexp(values, exps).flatten(-2).to(dtype)
+    return out
+
+
+def unpack_mxfp4(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint's ``X_blocks`` and ``X_scales`` ([E, out, in / 32, 16] and [E, out, in / 32])
+    as the float checkpoint's ``X`` (``[E, in, out]``); the other tensors as they are."""
+    out = {k: v for k, v in hf.items() if not k.endswith(("_blocks", "_scales"))}
+    for k in hf:
+        if k.endswith("_blocks"):
+            name = k.removesuffix("_blocks")
+            if name + "_scales" not in hf:
+                raise ModelError(f"{k} has no {name}_scales beside it: not an MXFP4 checkpoint as gpt-oss's")
+            out[name] = mxfp4_dequantize(hf[k], hf[name + "_scales"]).transpose(1, 2)
+    return out
+
+
 def arch_from_hf(c: dict[str, Any]) -> ModelArch:
-    if c.get("quantization_config"):
-        method = (c["quantization_config"] or {}).get("quant_method", "?")
+    method = (c.get("quantization_config") or {}).get("quant_method")
+    if method not in (None, "mxfp4"):
         raise ModelError(f"gpt-oss checkpoints quantized with {method!r} are not read here: load its "
-                         f"dequantized (bf16) form, or its GGUF")
+                         f"MXFP4 or bf16 form, or its GGUF")
     n, window = c["num_hidden_layers"], c.get("sliding_window") or 128
     types = c.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
     mlp = MLPSpec(c["intermediate_size"], c["num_local_experts"], c["num_experts_per_tok"], True)
@@ -116,4 +150,5 @@ def gpt_oss_tensors(name: str, hf: str, w: np.ndarray, read: Callable[[str], np.
 
 FAMILY = Family("gpt_oss", ("gpt_oss",), ("gpt-oss",), arch_from_hf, GPT_OSS_LAYER,
                 hf_architecture="GptOssForCausalLM", gguf_config=gpt_oss_gguf, gguf_experts=True,
-                gguf_tensors=gpt_oss_tensors, hf_stored_names=_STORED, hf_layouts=_LAYOUTS)
+                gguf_tensors=gpt_oss_tensors, hf_stored_names=_STORED, hf_layouts=_LAYOUTS,
+                hf_unpack=unpack_mxfp4)

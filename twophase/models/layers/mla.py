@@ -25,6 +25,7 @@ from torch import nn
 
 from twophase.arch import ModelArch
 from twophase.kv_formats import kv_format_of
+from twophase.models.graph_attention import GraphMeta, chunk_visible, dec_invalid
 from twophase.models.layers.attention import AttnMeta
 from twophase.models.layers.norm import RMSNorm
 from twophase.models.layers.rotary import apply_rope
@@ -50,7 +51,7 @@ class LatentAttention(nn.Module):
         self.kv_b = nn.Linear(m.kv_lora_rank, self.h * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
         self.o = nn.Linear(self.h * m.v_head_dim, arch.hidden_size, bias=arch.o_bias)
 
-    def forward(self, x, cos, sin, kv_layer: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+    def forward(self, x, cos, sin, kv_layer: torch.Tensor, meta: AttnMeta | GraphMeta) -> torch.Tensor:
         m, T = self.m, x.shape[0]
         nope, r = m.qk_nope_head_dim, m.qk_rope_head_dim
         q = (self.q_b(self.q_a_norm(self.q_a(x))) if m.q_lora_rank else self.q(x)).view(T, self.h, nope + r)
@@ -58,6 +59,9 @@ class LatentAttention(nn.Module):
         ckv = self.kv_a(x)
         k_pe = apply_rope(self._halves(ckv[:, None, m.kv_lora_rank:]), cos, sin)[:, 0]
         latent = torch.cat([self.kv_a_norm(ckv[:, :m.kv_lora_rank]), k_pe], dim=-1)     # [T, latent_dim]
+        if isinstance(meta, GraphMeta):     # traced for export: the latents are an output, not a write
+            meta.new_kv.append((latent[:, None], latent[:, None]))
+            return self.o(self.graph(q_nope, q_pe, latent, kv_layer, meta).reshape(T, -1))
         write_latent(kv_layer, latent, meta.slot_mapping)
 
         out = x.new_empty(T, self.h, m.v_head_dim)
@@ -86,13 +90,19 @@ class LatentAttention(nn.Module):
         w = self.kv_b.weight.view(self.h, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         return w[:, :m.qk_nope_head_dim], w[:, m.qk_nope_head_dim:]
 
+    def _heads(self, ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every head's keys ``[..., S, H, qk]`` and values ``[..., S, H, v]`` made from the
+        latents ``ctx [..., S, latent_dim]``: the rotary key is shared by every head."""
+        m = self.m
+        kv = self.kv_b(ctx[..., :m.kv_lora_rank]).unflatten(-1, (self.h, m.qk_nope_head_dim + m.v_head_dim))
+        k_pe = ctx[..., None, m.kv_lora_rank:].expand(*kv.shape[:-1], m.qk_rope_head_dim)
+        return torch.cat([kv[..., :m.qk_nope_head_dim], k_pe], dim=-1), kv[..., m.qk_nope_head_dim:]
+
     def expanded(self, q_nope, q_pe, ctx: torch.Tensor, start: int) -> torch.Tensor:
         """A chunk of ``n`` queries after ``start`` cached tokens over its context's latents
         ``ctx [start + n, latent_dim]``: every head's keys and values made from them."""
-        m, S, n = self.m, ctx.shape[0], q_nope.shape[0]
-        kv = self.kv_b(ctx[:, :m.kv_lora_rank]).view(S, self.h, -1)
-        k_nope, v = kv[..., :m.qk_nope_head_dim], kv[..., m.qk_nope_head_dim:]
-        k = torch.cat([k_nope, ctx[:, None, m.kv_lora_rank:].expand(S, self.h, m.qk_rope_head_dim)], dim=-1)
+        S, n = ctx.shape[0], q_nope.shape[0]
+        k, v = self._heads(ctx)
         q = torch.cat([q_nope, q_pe], dim=-1)
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
         mask = torch.arange(S, device=q.device)[None, :] <= torch.arange(start, start + n, device=q.device)[:, None]
@@ -100,17 +110,72 @@ class LatentAttention(nn.Module):
         return o[0].transpose(0, 1)
 
     def absorbed(self, q_nope, q_pe, kv_layer, tables, lens) -> torch.Tensor:
-        """One query a sequence (``[B, H, ...]``) over its cached latents, ``kv_b`` folded into the
-        query and the output: scores ``(q_nope W_uk) . c + q_pe . k_pe``, output ``(p c) W_uv``."""
+        """One query a sequence (``[B, H, ...]``) over its cached latents."""
+        ctx = gather_latents(kv_layer, tables, q_nope.dtype)                      # [B, S, latent_dim]
+        hidden = torch.arange(ctx.shape[1], device=ctx.device)[None, None, :] >= lens.view(-1, 1, 1)
+        return self._absorbed(q_nope, q_pe, ctx, hidden)
+
+    def _absorbed(self, q_nope, q_pe, ctx: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """``kv_b`` folded into the query and the output: scores ``(q_nope W_uk) . c + q_pe .
+        k_pe``, output ``(p c) W_uv``; ``ctx [B, S, latent_dim]``, ``hidden [B, 1, S]`` the
+        latents a query does not see."""
         m = self.m
         w_uk, w_uv = self._kv_b()
-        ctx = gather_latents(kv_layer, tables, q_nope.dtype)                      # [B, S, latent_dim]
         c, k_pe = ctx[..., :m.kv_lora_rank], ctx[..., m.kv_lora_rank:]
-        q_lat = torch.einsum("bhn,hnc->bhc", q_nope, w_uk)
-        s = (torch.einsum("bhc,bsc->bhs", q_lat, c) + torch.einsum("bhr,bsr->bhs", q_pe, k_pe)).float() * self.scale
-        hidden = torch.arange(ctx.shape[1], device=s.device)[None, None, :] >= lens.view(-1, 1, 1)
+        # batched matmuls, not einsums: ONNX Runtime's Einsum dies (SIGFPE) on a batch of 0 (no decodes)
+        q_lat = (q_nope.transpose(0, 1) @ w_uk).transpose(0, 1)                       # [B, H, kv_lora]
+        s = (q_lat @ c.transpose(1, 2) + q_pe @ k_pe.transpose(1, 2)).float() * self.scale   # [B, H, S]
         p = torch.softmax(s.masked_fill(hidden, torch.finfo(s.dtype).min), dim=-1).to(c.dtype)
-        return torch.einsum("bhc,hvc->bhv", torch.einsum("bhs,bsc->bhc", p, c), w_uv)
+        return ((p @ c).transpose(0, 1) @ w_uv.transpose(1, 2)).transpose(0, 1)       # [B, H, v]
+
+    def graph(self, q_nope, q_pe, latent, pool: torch.Tensor, meta: GraphMeta) -> torch.Tensor:
+        """A step as one static dataflow (``graph_attention``'s groups over a latent pool
+        ``[S, 1, NB, 1, BS, latent_dim]``): decodes absorbed over their cached latents and their
+        own, chunks expanded over their cached latents and the chunk's; row ``T`` is zeros,
+        where padding slots read and write."""
+        T, H = q_nope.shape[:2]
+        qn, qp, lat = (torch.cat([t, t.new_zeros(1, *t.shape[1:])]) for t in (q_nope, q_pe, latent))
+        out = q_nope.new_zeros(T + 1, H, self.m.v_head_dim)
+        bs = pool.shape[4]
+        if meta.dec_index is not None:
+            D, Wd = meta.dec_blocks.shape[1:]
+            ctx = torch.cat([_pool_latents(pool, meta.dec_blocks[meta.layer], lat.dtype),
+                             lat.index_select(0, meta.dec_index).unsqueeze(1)], dim=1)      # [D, Wd BS + 1, R]
+            hidden = meta.shared("latent_dec_hidden", lambda: torch.cat(
+                [dec_invalid(meta, Wd, bs, None, lat.device).reshape(D, 1, Wd * bs),
+                 torch.zeros(D, 1, 1, dtype=torch.bool, device=lat.device)], dim=-1))
+            out = out.index_copy(0, meta.dec_index, self._absorbed(qn.index_select(0, meta.dec_index),
+                                                                   qp.index_select(0, meta.dec_index), ctx, hidden))
+        if meta.chunk_index is not None:
+            out = out.index_copy(0, meta.chunk_index.reshape(-1), self._graph_chunks(qn, qp, lat, pool, meta))
+        return out[:T]
+
+    def _graph_chunks(self, qn, qp, lat, pool: torch.Tensor, meta: GraphMeta) -> torch.Tensor:
+        """Padded chunks ``[C, Q]`` over [cached latents | the chunk's own], expanded."""
+        C, Q = meta.chunk_index.shape
+        width = meta.chunk_blocks.shape[2] * pool.shape[4]
+        idx = meta.chunk_index.reshape(-1)
+        ctx = torch.cat([_pool_latents(pool, meta.chunk_blocks[meta.layer], lat.dtype),
+                         lat.index_select(0, idx).reshape(C, Q, lat.shape[-1])], dim=1)               # [C, S + Q, R]
+        k, v = self._heads(ctx)
+        q = torch.cat([qn.index_select(0, idx), qp.index_select(0, idx)], dim=-1)
+        q = q.reshape(C, Q, self.h, qn.shape[-1] + qp.shape[-1])
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))                                 # [C, H, ., .]
+        s = (q @ k.transpose(-1, -2)).float() * self.scale                                # [C, H, Q, S + Q]
+        visible = meta.shared("latent_chunk_visible",
+                              lambda: chunk_visible(meta, width, Q, lat.device).reshape(C, 1, Q, width + Q))
+        p = torch.softmax(s.masked_fill(~visible, torch.finfo(s.dtype).min), dim=-1).to(v.dtype)
+        return (p @ v).transpose(1, 2).reshape(C * Q, self.h, self.m.v_head_dim)
+
+
+def _pool_latents(pool: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, W BS, latent_dim]``: the latents of blocks ``[B, W]``, indices of the pool's
+    ``S * NB`` blocks (``graph.inputs.layer_blocks``), as a graph reads them (a cast, no format)."""
+    bs, row = pool.shape[-2], pool.shape[-1]
+    every = pool.reshape(-1, bs, row)                                          # [S NB, BS, R]
+    rows = every.index_select(0, blocks.reshape(-1)).to(dtype)
+    # no -1 beside a dimension that may be 0 (no decodes, or no chunks): ONNX Runtime's Reshape divides by it
+    return rows.reshape(blocks.shape[0], blocks.shape[1] * bs, row)
 
 
 def write_latent(kv_layer: torch.Tensor, latent: torch.Tensor, slots: torch.Tensor) -> None:

@@ -24,18 +24,43 @@ from twophase.errors import ModelError
 
 def route(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's top k experts and their weights: softmax over all, the top k, renormalised
-    where ``norm`` (as the eager loop routes). The top k are taken one maximum at a time, not by
-    ``topk``: IREE 3.x gave a second layer's ``topk`` the first one's indices."""
+    where ``norm`` (the plain routing, and what ONNX Runtime's fused operator computes)."""
     probs = torch.softmax(logits.float(), dim=-1)
+    weights, experts = _top(probs, top_k)
+    return (weights / weights.sum(-1, keepdim=True) if norm else weights), experts
+
+
+def _top(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest of each row and where they are, one maximum at a time, not by
+    ``topk``: IREE 3.x gave a second layer's ``topk`` the first one's indices."""
     picked = []
-    for _ in range(top_k):
-        picked.append(probs.max(dim=-1))
-        probs = probs.masked_fill(torch.nn.functional.one_hot(picked[-1].indices, probs.shape[-1]).bool(), -1.0)
-    weights = torch.stack([p.values for p in picked], dim=-1)
-    experts = torch.stack([p.indices for p in picked], dim=-1)
-    if norm:
-        weights = weights / weights.sum(-1, keepdim=True)
-    return weights, experts
+    for _ in range(k):
+        picked.append(scores.max(dim=-1))
+        scores = scores.masked_fill(torch.nn.functional.one_hot(picked[-1].indices, scores.shape[-1]).bool(),
+                                    torch.finfo(scores.dtype).min)
+    return torch.stack([p.values for p in picked], dim=-1), torch.stack([p.indices for p in picked], dim=-1)
+
+
+def choose(moe: Any, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``MoE.choose`` in static ops: scores (softmax or sigmoid), a choosing bias, only the
+    best groups' experts, the chosen scores renormalised where asked and scaled."""
+    spec = moe.spec
+    if spec.routing_is_plain:
+        return route(logits, moe.top_k, moe.norm_topk)
+    logits = logits.float()
+    scores = torch.softmax(logits, dim=-1) if spec.scoring == "softmax" else torch.sigmoid(logits)
+    pick = scores + moe.score_bias.float() if spec.score_bias else scores
+    if spec.groups > 1:
+        grouped = pick.reshape(pick.shape[0], spec.groups, -1)
+        best = _top(grouped, 1 if spec.group_score == "max" else 2)[0].sum(-1)      # [T, groups]
+        kept = spread(torch.ones(1, dtype=pick.dtype).expand(best.shape[0], spec.topk_groups),
+                      _top(best, spec.topk_groups)[1], spec.groups)                  # 1 in each kept group
+        pick = pick.masked_fill(kept.repeat_interleave(grouped.shape[-1], dim=1) == 0, torch.finfo(pick.dtype).min)
+    experts = _top(pick, moe.top_k)[1]
+    weights = scores.gather(1, experts)
+    if moe.norm_topk:
+        weights = weights / (weights.sum(-1, keepdim=True) + (1e-20 if spec.scoring == "sigmoid" else 0.0))
+    return weights * spec.routed_scale, experts
 
 
 def spread(weights: torch.Tensor, experts: torch.Tensor, E: int) -> torch.Tensor:
@@ -46,7 +71,7 @@ def spread(weights: torch.Tensor, experts: torch.Tensor, E: int) -> torch.Tensor
 def dense(moe: Any, x: torch.Tensor) -> torch.Tensor:
     T, f = x.shape[0], moe.f
     E = moe.experts_gate_up.weight.shape[0]
-    weights, experts = route(moe.router(x), moe.top_k, moe.norm_topk)
+    weights, experts = choose(moe, moe.router(x))
     gu = torch.bmm(x.unsqueeze(0).expand(E, T, x.shape[1]), moe.experts_gate_up.weight.transpose(1, 2))  # [E, T, 2f]
     if moe.experts_gate_up.bias is not None:
         gu = gu + moe.experts_gate_up.bias.unsqueeze(1)
@@ -60,7 +85,7 @@ def dense(moe: Any, x: torch.Tensor) -> torch.Tensor:
 def gathered(moe: Any, x: torch.Tensor) -> torch.Tensor:
     T, f = x.shape[0], moe.f
     k = moe.top_k
-    weights, experts = route(moe.router(x), k, moe.norm_topk)
+    weights, experts = choose(moe, moe.router(x))
     w1 = moe.experts_gate_up.weight.index_select(0, experts.reshape(-1))      # [T k, 2f, h]
     gu = torch.bmm(w1, x.repeat_interleave(k, dim=0).unsqueeze(-1)).squeeze(-1)   # [T k, 2f]
     if moe.experts_gate_up.bias is not None:
@@ -107,8 +132,24 @@ def op(moe: Any, x: torch.Tensor) -> torch.Tensor:
     b1 = (torch.stack([b[:, :f], b[:, f:]], dim=2).reshape(E, two_f) if b is not None
           else torch.zeros(E, two_f, dtype=x.dtype))
     b2 = moe.experts_down.bias if moe.experts_down.bias is not None else torch.zeros(E, hidden, dtype=x.dtype)
-    return moe_op(x, moe.router(x), w1, b1, moe.experts_down.weight, b2, moe.top_k, moe.norm_topk,
-                  alpha, beta, limit)
+    logits, normalize, scale = _as_softmax_routing(moe, moe.router(x))
+    out = moe_op(x, logits, w1, b1, moe.experts_down.weight, b2, moe.top_k, normalize, alpha, beta, limit)
+    return out if scale is None else out * scale.to(x.dtype)
+
+
+def _as_softmax_routing(moe: Any, logits: torch.Tensor) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
+    """Router logits the fused operator (softmax, top k, renormalised or not) reads as
+    ``choose`` routes, and a factor a token for its output (None: none). Another routing's
+    weights ``w`` go in as ``log w`` at the chosen experts and a logit no softmax keeps
+    elsewhere, renormalised: the operator then weighs expert ``i`` by ``w_i / sum(w)``, and
+    the output times ``sum(w)`` (the experts' sum is linear in their weights) is the routing's."""
+    if moe.spec.routing_is_plain:
+        return logits, moe.norm_topk, None
+    weights, experts = choose(moe, logits)
+    chosen = spread(torch.ones_like(weights), experts, logits.shape[-1]) > 0
+    ln = spread(torch.log(weights.clamp_min(1e-30)), experts, logits.shape[-1])
+    total = weights.sum(-1, keepdim=True)
+    return ln.masked_fill(~chosen, -1e4), True, total
 
 
 FORMS = {"op": op, "dense": dense, "gathered": gathered}
