@@ -7,6 +7,8 @@ special tokens (no model: random weights write no harmony)."""
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -122,6 +124,24 @@ def test_a_streamed_reply_sends_reasoning_then_content_or_the_call(tokenizer, to
     assert deltas[-1].finish_reason == ("tool_calls" if tools else "stop")
 
 
+def test_a_reply_sent_back_with_its_reasoning_reaches_the_template(tokenizer):
+    """An agent's loop sends the assistant's reply back as the client read it, with the
+    server's ``reasoning_content`` beside the call: accepted (not an unknown field), and given
+    to the template as ``thinking`` (gpt-oss's keeps it before the call) and
+    ``reasoning_content`` (Qwen3's)."""
+    fmt = _format(tokenizer, tools=True)
+    reply = openai.types.chat.ChatCompletion.model_validate(fmt.whole([_output(tokenizer, THOUGHT + CALL)]))
+    sent = reply.choices[0].message.model_dump(exclude_none=True)
+    body = P.ChatCompletionRequest.model_validate({"model": "m", "tools": TOOLS, "messages": [
+        {"role": "user", "content": "Weather in Oslo?"}, sent,
+        {"role": "tool", "tool_call_id": sent["tool_calls"][0]["id"], "content": "clear"}]})
+    assistant = body.messages[1].for_template()
+    assert assistant["thinking"] == assistant["reasoning_content"] == "The user asks about Oslo. Check the weather."
+    assert assistant["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+    with pytest.raises(Exception, match="only assistant messages carry reasoning_content"):
+        P.ChatMessage.model_validate({"role": "user", "content": "hi", "reasoning_content": "x"})
+
+
 def test_reasoning_effort_reaches_the_template(tokenizer):
     from twophase.server.chat import prepare
 
@@ -133,3 +153,50 @@ def test_reasoning_effort_reaches_the_template(tokenizer):
     with pytest.raises(Exception, match="reasoning_effort"):
         P.ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
                                                 "reasoning_effort": "maximal"})
+
+
+PUBLISHED = os.environ.get("TWOPHASE_GPT_OSS_TEMPLATE")
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "required": ["city"], "properties": {
+        "city": {"type": "string", "description": "The city"},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"], "default": "celsius"},
+        "days": {"type": "integer", "default": 1},
+        "hours": {"type": "array", "items": {"type": "integer"}, "nullable": True},
+        "where": {"type": "object", "properties": {"lat": {"type": "number"}, "lon": {"type": "number"}}},
+        "any": {"oneOf": [{"type": "string"}, {"type": "number"}]}}}}}
+CONVERSATIONS = [
+    ({"messages": [{"role": "user", "content": "Hi"}]}, {}),
+    ({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]},
+     {"reasoning_effort": "high"}),
+    ({"messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": [WEATHER]}, {"reasoning_effort": "low"}),
+    ({"messages": [{"role": "developer", "content": "Use tools."}, {"role": "user", "content": "Weather in Oslo?"},
+                   {"role": "assistant", "content": "", "thinking": "Check the weather.", "tool_calls": [
+                       {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Zürich"}}}]},
+                   {"role": "tool", "content": "{\"sky\": \"clear\"}"}], "tools": [WEATHER]}, {}),
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "thinking": "Greet.", "content": "Hello!"},
+                   {"role": "user", "content": "Bye"}]}, {}),
+]
+
+
+@pytest.mark.skipif(not PUBLISHED, reason="gpt-oss's published chat template is not shipped here: set "
+                                          "TWOPHASE_GPT_OSS_TEMPLATE to its file to check it")
+@pytest.mark.parametrize("case", range(len(CONVERSATIONS)))
+def test_the_published_template_renders_as_transformers_renders_it(tokenizer, tmp_path, case):
+    """The chat template gpt-oss ships (its typescript-like tool namespace, developer message,
+    reasoning effort, analysis kept before a call, tool replies under the call's name) through
+    this engine's template environment and through transformers', the same text."""
+    import transformers
+
+    from twophase.models.tokenizer import HFTokenizer
+
+    template = Path(PUBLISHED).read_text()                              # type: ignore[arg-type]
+    tokenizer._tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "chat_template.jinja").write_text(template)
+    ours = HFTokenizer(tmp_path)
+    assert H.is_harmony(ours.chat_template)
+    theirs = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    body, extra = CONVERSATIONS[case]
+    want = theirs.apply_chat_template(body["messages"], tools=body.get("tools"), chat_template=template,
+                                      tokenize=False, add_generation_prompt=True, **extra)
+    assert ours.apply_chat_template(body["messages"], tools=body.get("tools"), **extra) == want

@@ -248,6 +248,10 @@ class ChatMessage(BaseModel):
     name: Text | None = None
     tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None
     tool_call_id: Text | None = None
+    # an earlier reply's reasoning, sent back as this server returned it (``reasoning`` is the
+    # name other servers use)
+    reasoning_content: Text | None = None
+    reasoning: Text | None = None
 
     @model_validator(mode="after")
     def _content_or_calls(self) -> ChatMessage:
@@ -255,12 +259,16 @@ class ChatMessage(BaseModel):
             raise ValueError("content is required (only an assistant message with tool_calls may omit it)")
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only assistant messages carry tool_calls")
+        if (self.reasoning_content or self.reasoning) and self.role != "assistant":
+            raise ValueError("only assistant messages carry reasoning_content")
         return self
 
     def for_template(self) -> dict[str, Any]:
         """What a chat template reads: text content, ``developer`` as ``system`` (OpenAI's
-        newer name for the same role; templates know the older one), and tool calls with their
-        arguments as objects (templates write them with ``tojson``)."""
+        newer name for the same role; templates know the older one), tool calls with their
+        arguments as objects (templates write them with ``tojson``), and an earlier reply's
+        reasoning as ``reasoning_content`` (Qwen3's templates) and ``thinking`` (gpt-oss's,
+        which keeps it before a call)."""
         text = self.content if isinstance(self.content, str) or self.content is None \
             else "".join(p.text for p in self.content)
         out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
@@ -269,6 +277,9 @@ class ChatMessage(BaseModel):
             out["name"] = self.name
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning_content or self.reasoning
+        if reasoning:
+            out["reasoning_content"] = out["thinking"] = reasoning
         if self.tool_calls:
             out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
                 "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
