@@ -3,10 +3,13 @@ divergence of the next-token distributions from the float32 cache's, over the sa
 how often the top token agrees; beside llama.cpp's own figure for its f16, q8_0 and q4_0 caches
 against its f32 cache, on the same GGUF file and the same token ids, measured the same way
 (logits at every position, batches of 512, flash attention on: llama.cpp needs it for a
-quantised V cache). twophase runs the file dequantised (float32 weights) on torch; llama.cpp
-runs its blocks: each measures its cache against its own float32 cache on its own weights.
+quantised V cache). twophase runs the file dequantised (float32 weights) on torch, and its
+blocks as stored on the native backend (``quantization = "gguf"``, each of the caches it reads);
+llama.cpp runs its blocks: each measures its cache against its own float32 cache on its own
+weights. One more line, native's float32 cache against torch's: how far native's arithmetic
+(8-bit or bf16 activations on the blocks) already is before any cache rounding.
 
-    python benchmarks/kv_quality.py [--tokens 1024] [--llama-python /path/to/python]
+    python benchmarks/kv_quality.py [--tokens 1024] [--llama-python /path/to/python] [--no-native]
 
 ``--llama-python``: an interpreter that has ``llama-cpp-python`` (it compiles llama.cpp; a venv
 of its own keeps this one's packages as they are); without it only twophase's lines print.
@@ -50,14 +53,18 @@ def kl_and_top1(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
     return kl, float((ref.argmax(-1) == got.argmax(-1)).float().mean())
 
 
-def ours(ids: list[int]) -> dict[str, tuple[float, float]]:
-    def logits(fmt: str) -> torch.Tensor:
-        llm = LLM.from_config({"model": {"name": MODEL}, "cache": {"dtype": fmt, "num_blocks": 256},
-                               "scheduler": {"max_num_batched_tokens": 512}})
-        return torch.cat([x for _, x in all_logits(llm, ids, 512)])
+def logits(ids: list[int], fmt: str, native: bool = False) -> torch.Tensor:
+    model = {"name": MODEL, "quantization": "gguf"} if native else {"name": MODEL}
+    llm = LLM.from_config({"model": model, "cache": {"dtype": fmt, "num_blocks": 256},
+                           "backend": {"name": "native" if native else "torch"},
+                           "scheduler": {"max_num_batched_tokens": 512}})
+    return torch.cat([x for _, x in all_logits(llm, ids, 512)])
 
-    ref = logits("float32")
-    return {fmt: kl_and_top1(ref, logits(fmt)) for fmt in ("float16", "bfloat16", "int8", "fp8")}
+
+def ours(ids: list[int], native: bool = False) -> dict[str, tuple[float, float]]:
+    ref = logits(ids, "float32", native)
+    formats = ("float16", "bfloat16", "int8") if native else ("float16", "bfloat16", "int8", "fp8")
+    return {fmt: kl_and_top1(ref, logits(ids, fmt, native)) for fmt in formats}
 
 
 def llama_cpp(python: str, ids: list[int], threads: int) -> dict[str, tuple[float, float]]:
@@ -77,11 +84,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--llama-python", help="a Python with llama-cpp-python installed")
+    ap.add_argument("--no-native", action="store_true", help="leave out the native backend's lines")
     args = ap.parse_args()
     ref = LLM.from_config({"model": {"name": MODEL}, "cache": {"num_blocks": 16}})
     ids = ref.tokenizer.encode(shipped_text())[:args.tokens]
     del ref
     rows = [("twophase", fmt, *v) for fmt, v in ours(ids).items()]
+    if not args.no_native:
+        rows += [("native", fmt, *v) for fmt, v in ours(ids, native=True).items()]
+        rows.append(("native", "f32/torch", *kl_and_top1(logits(ids, "float32"), logits(ids, "float32", True))))
     if args.llama_python:
         rows += [("llama.cpp", t, *v) for t, v in llama_cpp(args.llama_python, ids, args.threads).items()]
     print(f"{len(ids)} tokens of twophase/data/prose.txt, {MODEL}; KL from each engine's float32 cache")
