@@ -104,6 +104,29 @@ def test_call_sequence_and_tokens_through_the_standin(standin):
     assert llm.engine.kv.num_free_blocks == llm.num_blocks
 
 
+def test_experts_run_in_standard_operators_tensorrt_parses(standin, tmp_path):
+    """gpt-oss (experts with biases and the clamped SwiGLU, sinks, windows) through the engine:
+    its graph holds the experts in standard ONNX operators (the stand-in's parser, as
+    TensorRT's, refuses ONNX Runtime's fused ``MoE``), and gives torch's tokens; DeepSeek's
+    latent attention is refused by name."""
+    from helpers.hf_models import tiny_hf_model
+
+    pytest.importorskip("transformers")
+    tiny_hf_model("gpt_oss", tmp_path / "oss")
+    cfg = {"model": {"path": str(tmp_path / "oss")}, "cache": {"num_blocks": 64, "block_size": 8},
+           "scheduler": {"max_num_batched_tokens": 32, "max_num_seqs": 4}}
+    prompts = [list(range(5, 45)), list(range(50, 53)), [(7 * i) % 290 + 5 for i in range(30)]]
+    p = SamplingParams(max_tokens=8, ignore_eos=True)
+    want = [o.token_ids for o in LLM.from_config(cfg).generate(prompts, p)]
+    llm = LLM.from_config({**cfg, "backend": {"name": "tensorrt", "device": "cpu"}})
+    assert [o.token_ids for o in llm.generate(prompts, p)] == want
+    assert "every expert on every token" in llm.prefill_backend.capabilities().computes["moe"]
+    tiny_hf_model("deepseek_v3", tmp_path / "ds")
+    with pytest.raises(BackendUnavailable, match="tensorrt: multi-head latent attention"):
+        LLM.from_config({**cfg, "model": {"path": str(tmp_path / "ds")},
+                         "backend": {"name": "tensorrt", "device": "cpu"}})
+
+
 def test_a_step_cut_into_calls_computes_the_same_tokens(standin, monkeypatch):
     """With a tile this small, long chunks are cut into pieces run one after another and the
     decodes of long contexts split over calls: the tokens are the torch backend's."""

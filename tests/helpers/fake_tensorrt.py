@@ -99,12 +99,22 @@ class OnnxParser:
         self.num_errors = 0
 
     def parse_from_file(self, model: str) -> bool:
+        """As TensorRT's parser: standard ONNX operators only (no ``com.microsoft`` ones, which
+        are ONNX Runtime's), else False with an error a node."""
+        import onnx
+
         _record("OnnxParser.parse_from_file", model)
+        graph = onnx.load(model, load_external_data=False).graph
+        self.errors = [f"no importer for {n.domain}::{n.op_type}" for n in graph.node
+                       if n.domain not in ("", "ai.onnx")]
+        self.num_errors = len(self.errors)
         self.network.onnx_path = model
-        return True
+        return not self.errors
 
     def get_error(self, index: int):
-        raise IndexError(index)
+        if index >= self.num_errors:
+            raise IndexError(index)
+        return self.errors[index]
 
 
 class IOptimizationProfile:

@@ -142,7 +142,7 @@ def test_graph_backends_trace_each_family_they_claim(hf_model, backend, monkeypa
     refused before any export."""
     from helpers import fake_tensorrt
 
-    from twophase.backends.traced import GRAPH_FEATURES, TRACED_FEATURES
+    from twophase.backends.traced import GRAPH_FEATURES, MOE, TRACED_FEATURES
     from twophase.errors import BackendUnavailable
 
     _, _, llm = hf_model
@@ -153,7 +153,7 @@ def test_graph_backends_trace_each_family_they_claim(hf_model, backend, monkeypa
            {"name": backend, "device": "cpu"} if backend == "tensorrt" else {"name": backend},
            "scheduler": {"max_num_batched_tokens": 24, "max_num_seqs": 4}}
     prompts = [list(range(5, 45)), list(range(50, 53)), [(7 * i) % 290 + 5 for i in range(30)]]
-    if not llm.model.arch.features() <= (TRACED_FEATURES if backend == "tensorrt" else GRAPH_FEATURES):
+    if not llm.model.arch.features() <= (TRACED_FEATURES | MOE if backend == "tensorrt" else GRAPH_FEATURES):
         name = "onnxruntime" if backend == "split" else backend
         with pytest.raises(BackendUnavailable, match=f"{name}: .* not implemented"):
             LLM.from_config(cfg)

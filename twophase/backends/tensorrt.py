@@ -32,7 +32,7 @@ import math
 import torch
 
 from twophase.backends.hookspecs import hookimpl
-from twophase.backends.traced import TRACED_FEATURES
+from twophase.backends.traced import MOE, MOE_TENSORRT, TRACED_FEATURES
 from twophase.backends.trt_calls import last_rows, plan_calls, sub_batch
 from twophase.contract import (
     CONTRACT_VERSION,
@@ -92,10 +92,11 @@ class TensorRTBackend(Backend):
         from twophase.exporters import trt_profiles
 
         lim = getattr(self, "limits", None)
-        return Capabilities(features=TRACED_FEATURES, devices=("cuda",), dtypes=DTYPES,
+        return Capabilities(features=TRACED_FEATURES | MOE, devices=("cuda",), dtypes=DTYPES,
                             max_num_seqs=lim.max_num_seqs if lim else None,
                             max_num_tokens=lim.max_num_batched_tokens if lim else None,
-                            max_pool_elements=trt_profiles.ELEMENT_LIMIT, kv_groups=True)
+                            max_pool_elements=trt_profiles.ELEMENT_LIMIT, kv_groups=True,
+                            computes={"moe": MOE_TENSORRT})
 
     def load(self, model: ModelSpec, cfg: BackendConfig) -> None:
         from twophase.exporters.tensorrt import require_export_packages

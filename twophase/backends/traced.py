@@ -29,6 +29,8 @@ GRAPH_FEATURES = (TRACED_FEATURES | STATE_DECODE | MOE
 MOE_ONNXRUNTIME = ("ONNX Runtime's fused MoE operator: each expert on the tokens routed to it, the routed "
                    "loop's reads and FLOPs in one kernel (DeepSeek's routing computed in the graph and "
                    "handed to it as logits)")
+MOE_TENSORRT = ("a static form in standard ONNX ops: every expert on every token, weighted by the routing "
+                "(experts / top-k times the routed FLOPs; TensorRT has no MoE operator to parse)")
 MOE_IREE = ("static forms: prefill runs every expert on every token (experts / top-k times the routed FLOPs), "
             "decode gathers each token's experts (top-k expert reads a token): far slower than torch's "
             "routed loop past a few tokens")

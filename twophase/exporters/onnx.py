@@ -103,10 +103,14 @@ Q4_FORMAT = 3                   # 2: a float model's head at 8 bits; 3: centred 
 FORMAT = "twophase-onnx/17"
 
 
-def manifest_for(model: ModelSpec) -> dict[str, Any]:
+def manifest_for(model: ModelSpec, moe_form: str = "op") -> dict[str, Any]:
+    """What the export is a function of; ``moe_form``: the static form experts are traced in
+    (``moe_graph.FORMS``: ONNX Runtime's fused operator, or standard ops for another runtime),
+    named only for a model that has experts."""
     import onnx
 
-    return {"format": FORMAT, "model_id": model.model_id, "arch": model.arch.to_dict(),
+    experts = {"moe_form": moe_form} if "moe" in model.arch.features() else {}
+    return {"format": FORMAT, **experts, "model_id": model.model_id, "arch": model.arch.to_dict(),
             "dtype": str(model.dtype).removeprefix("torch."), "opset": OPSET,
             "exporter": f"torch {torch.__version__}", "onnx": onnx.__version__,
             "weights_sha256": weights_digest(model), "inputs": signature(model.arch).names,
@@ -122,29 +126,29 @@ def export_dir(manifest: dict[str, Any]) -> Path:
     return cache_folder("onnx", manifest)
 
 
-def export(model: ModelSpec, out_dir: Path | None = None, force: bool = False) -> Path:
+def export(model: ModelSpec, out_dir: Path | None = None, force: bool = False, moe_form: str = "op") -> Path:
     """The ONNX graph for ``model`` (``model.onnx`` + external weights + ``manifest.json``, and
     for float32 models ``decode.onnx`` and ``verify.onnx``, the hand-built graphs for decodes
     and for short chunks), exported now unless an up-to-date one is already in ``out_dir``
     (default: the cache)."""
-    manifest = manifest_for(model)
+    manifest = manifest_for(model, moe_form)
     folder = Path(out_dir) if out_dir else export_dir(manifest)
     if model.quantization == "q4":           # rewritten from the (cached) float export
         build = lambda tmp: _quantize_to(model, export(replace(model, quantization="none")), tmp)  # noqa: E731
     else:
-        build = lambda tmp: _export_to(model, tmp)  # noqa: E731
+        build = lambda tmp: _export_to(model, tmp, moe_form)  # noqa: E731
     build_cached(folder, manifest, build, force, "ONNX export")
     return folder / "model.onnx"
 
 
-def _export_to(model: ModelSpec, folder: Path) -> None:
+def _export_to(model: ModelSpec, folder: Path, moe_form: str = "op") -> None:
     """``model.onnx``, the step graph (torch's trace), and for float32 models the hand-built
     graphs for all-decode steps and short chunks (``twophase.exporters.decode_graph``)."""
     step = PagedStep(cpu_model(model)).eval()
     args, dynamic = _example(step.model.arch, model.dtype)
     sig = signature(step.model.arch)
     log.info("tracing the step graph (model.onnx)")
-    with quiet_exporter_logs(), warnings.catch_warnings(), traced_as(step, "op"):
+    with quiet_exporter_logs(), warnings.catch_warnings(), traced_as(step, moe_form):
         warnings.simplefilter("ignore")
         torch.onnx.export(step, args, str(folder / "model.onnx"), dynamo=True,
                           custom_translation_table=onnx_moe.translations(),

@@ -35,8 +35,11 @@ from twophase.exporters.trt_profiles import WORKSPACE_BYTES, Profile, cache_key,
 __all__ = ["EngineMismatch", "build_engine", "export", "import_tensorrt", "profile_shapes",
            "require_export_packages"]
 # 2: a ladder of profiles (rungs) and a dynamic pool block count; 3: the pool within TensorRT's
-# element limit, its kernels tuned for the pool bound (not part of the key)
-FORMAT = "twophase-tensorrt/3"
+# element limit, its kernels tuned for the pool bound (not part of the key); 4: experts (MOE_FORM)
+FORMAT = "twophase-tensorrt/4"
+# experts in standard ONNX ops (TensorRT's parser reads no ``com.microsoft`` operator): every
+# expert on every token, weighted by the routing (``models/layers/moe_graph.py: dense``)
+MOE_FORM = "dense"
 # what the engine is built from: the ONNX export (onnx, and onnxscript for torch's dynamo exporter)
 EXPORT_PACKAGES = ("onnx", "onnxscript")
 log = logging.getLogger(__name__)
@@ -155,7 +158,7 @@ def export(model: ModelSpec, limits: EngineLimits, block_size: int, num_blocks: 
     trt = import_tensorrt()
     require_export_packages()
     profiles = profile_shapes(model.arch, limits, block_size, num_blocks, slots)
-    onnx_manifest = onnx.manifest_for(model)
+    onnx_manifest = onnx.manifest_for(model, MOE_FORM)
     gpu = gpu_identity(device_index)
     manifest = manifest_for(model, profiles, trt.__version__, gpu, onnx_manifest)
     if out_dir and (Path(out_dir) / "model.engine").exists() and not force:
@@ -165,7 +168,7 @@ def export(model: ModelSpec, limits: EngineLimits, block_size: int, num_blocks: 
     folder = Path(out_dir) if out_dir else cache_folder("tensorrt", manifest)
 
     def build(tmp: Path) -> None:
-        graph = onnx.export(model)
+        graph = onnx.export(model, moe_form=MOE_FORM)
         log.info("building a TensorRT engine for %s (%d profiles): minutes", model.model_id,
                  len(profiles))
         build_engine(trt, graph, profiles, tmp / "model.engine", timing_cache_path(gpu, trt.__version__))

@@ -69,8 +69,15 @@ def rung_tensors(arch: ModelArch, rung: Rung, block_size: int) -> dict[str, int]
         attention = {"kv_gather": rung.rows * (keys + rung.chunk) * KVH * hd,
                      "scores": rung.rows * H * rung.chunk * (keys + rung.chunk)}
     T = rung.tokens
-    return {**attention, "qkv": T * (H + 2 * KVH) * hd, "mlp": T * 2 * arch.intermediate_size,
+    return {**attention, "qkv": T * (H + 2 * KVH) * hd, "mlp": T * mlp_width(arch),
             "logits": T * arch.vocab_size}
+
+
+def mlp_width(arch: ModelArch) -> int:
+    """A token's widest MLP activation in any layer: gate and up, of every expert where the
+    graph runs every expert on every token (``exporters.tensorrt.MOE_FORM``), a shared one too."""
+    return max((max(s.mlp.num_experts, 1) * 2 * s.mlp.intermediate_size + 2 * s.mlp.shared_intermediate_size)
+               for s in arch.layers)
 
 
 def rung_bytes(arch: ModelArch, rung: Rung, block_size: int, size: int) -> int:
