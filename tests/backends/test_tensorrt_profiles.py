@@ -25,8 +25,8 @@ POOL_BLOCKS = 50_000                          # llama3-8b: 105 GB of 16-token bl
 
 
 def fake_arch(arch: ModelArch) -> dict:
-    return {"H": arch.num_heads, "KVH": arch.num_kv_heads, "hd": arch.head_dim,
-            "F": arch.intermediate_size, "vocab": arch.vocab_size, "hidden": arch.hidden_size,
+    return {"H": arch.num_heads, "key": arch.num_kv_heads * arch.head_dim,
+            "mlp": 2 * arch.intermediate_size, "vocab": arch.vocab_size, "hidden": arch.hidden_size,
             "itemsize": 2}
 
 
@@ -64,6 +64,25 @@ def test_the_pool_is_within_the_element_limit_and_the_standin_refuses_a_larger_o
         for blocks in (2048, POOL_BLOCKS):
             wider = {**profile, "kv_pool": (*profile["kv_pool"][:2], (32, 2, blocks, 8, 16, 128))}
             assert fake_tensorrt._profile_tensors(arch, wider)["kv_pool"] > fake_tensorrt.ELEMENT_LIMIT
+
+
+def test_deepseek_v3_s_latent_pool_is_profiled_as_one_plane_of_its_latent():
+    """DeepSeek V3: the pool's profile is ``[61, 1, NB, 1, BS, 576]``, a block 61 x 16 x 576
+    elements, so 16-token blocks fit TensorRT's limit 3.8 thousand at a time (per-head K and V
+    would fit 53); the prefill's expanded keys and values (128 heads x (192 + 128) a cached
+    token) bound the rungs' width, every tensor within the element limit; a context whose
+    expanded keys and values would not fit one tensor is refused with the longest that does."""
+    ds = SHAPES["deepseek-v3"]
+    assert trt_profiles.pool_block_elements(ds, 16) == 61 * 16 * 576
+    assert trt_profiles.max_pool_blocks(ds, 16) == ELEMENT_LIMIT // (61 * 16 * 576)
+    assert trt_profiles.key_width(ds) == 128 * (128 + 64 + 128)
+    with pytest.raises(ConfigError, match="32768 tokens: .* at most 13104"):
+        rungs(ds, EngineLimits(64, 4096, 32768), 100_000, 16)
+    limits = EngineLimits(64, 4096, 8192)
+    for profile in profile_shapes(ds, limits, 16, 1000):
+        assert [s[:2] + s[3:] for s in profile["kv_pool"]] == [(61, 1, 1, 16, 576)] * 3
+    for r in rungs(ds, limits, 1000, 16):
+        assert max(rung_tensors(ds, r, 16).values()) <= ELEMENT_LIMIT, r
 
 
 def test_the_profiles_per_dimension_maxima_did_not_fit():

@@ -205,12 +205,20 @@ def _graph_arch(onnx_path: str) -> dict:
     pool = next(i for i in model.graph.input if i.name == "kv_pool")
     dims = [d.dim_value for d in pool.type.tensor_type.shape.dim]
     kvh, hd = dims[3], dims[5]
-    qkv = next(v for k, v in shapes.items() if k.endswith("qkv.weight"))
-    gate_up = next(v for k, v in shapes.items() if k.endswith("gate_up.weight"))
-    embed = next(v for k, v in shapes.items() if k.endswith("embed.weight"))
+
+    def weight(*ends: str) -> list[int]:
+        return next(v for k, v in shapes.items() if k.endswith(ends))
+
+    # a token's widest MLP activation: gate and up, of every expert where the graph runs them all
+    mlp = max(v[0] * v[1] if len(v) == 3 else v[0] for k, v in shapes.items() if k.endswith("gate_up.weight"))
+    embed = weight("embed.weight")
     itemsize = {1: 4, 10: 2, 16: 2}[pool.type.tensor_type.elem_type]
-    return {"H": qkv[0] // hd - 2 * kvh, "KVH": kvh, "hd": hd, "F": gate_up[0] // 2,
-            "vocab": embed[0], "hidden": embed[1], "itemsize": itemsize}
+    if any(k.endswith("qkv.weight") for k in shapes):
+        H, key = weight("qkv.weight")[0] // hd - 2 * kvh, kvh * hd
+    else:           # latent attention: every head's key (q's width) and value (o's) made from a latent
+        q, kv_b, o = weight("attn.q_b.weight", "attn.q.weight"), weight("kv_b.weight"), weight("attn.o.weight")
+        H, key = (q[0] - kv_b[0] + o[1]) // (hd - kv_b[1]), max(hd, q[0] + o[1])
+    return {"H": H, "key": key, "mlp": mlp, "vocab": embed[0], "hidden": embed[1], "itemsize": itemsize}
 
 
 def _profile_tensors(arch: dict, shapes: dict) -> dict[str, int]:
@@ -218,14 +226,14 @@ def _profile_tensors(arch: dict, shapes: dict) -> dict[str, int]:
     largest intermediates: attention scores and gathered K/V of both groups, the MLP, the logits."""
     mx = {name: s[2] for name, s in shapes.items()}
     out = {n: int(np.prod(s)) for n, s in mx.items()}
-    H, KVH, hd = arch["H"], arch["KVH"], arch["hd"]
+    H, key = arch["H"], arch["key"]
     bs = mx["kv_pool"][4]
     C, Q = mx["chunk_index"]
     Wc, (D, Wd), T = mx["chunk_blocks"][2], mx["dec_blocks"][1:], mx["input_ids"][0]
     out.update({
-        "chunk_scores": C * H * Q * (Wc * bs + Q), "chunk_kv": C * (Wc * bs + Q) * KVH * hd,
-        "decode_scores": D * Wd * bs * H, "decode_kv": D * Wd * bs * KVH * hd,
-        "mlp": T * 2 * arch["F"], "logits": mx["logits_index"][0] * arch["vocab"]})
+        "chunk_scores": C * H * Q * (Wc * bs + Q), "chunk_kv": C * (Wc * bs + Q) * key,
+        "decode_scores": D * Wd * bs * H, "decode_kv": D * Wd * bs * key,
+        "mlp": T * arch["mlp"], "logits": mx["logits_index"][0] * arch["vocab"]})
     return out
 
 

@@ -34,6 +34,7 @@ import torch
 from twophase.backends.hookspecs import hookimpl
 from twophase.backends.traced import MOE, MOE_TENSORRT, TRACED_FEATURES
 from twophase.backends.trt_calls import last_rows, plan_calls, sub_batch
+from twophase.cache.layout import KVHeads
 from twophase.contract import (
     CONTRACT_VERSION,
     Backend,
@@ -113,8 +114,7 @@ class TensorRTBackend(Backend):
         self.device = torch.device(cfg.device)
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        a = self.arch
-        return KVCacheSpec(a.num_layers, a.num_kv_heads, a.head_dim, self.model.dtype, self.device)
+        return KVHeads.of(self.arch).spec(self.arch.num_layers, self.model.dtype, self.device)
 
     def bind_kv_cache(self, kv: KVCache) -> None:
         from twophase.exporters import tensorrt as exporter

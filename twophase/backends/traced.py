@@ -8,7 +8,7 @@ traced from the decoder (``twophase.models.graph_attention``), so they claim one
 TRACED_FEATURES = frozenset({
     "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "norm_offset", "post_norms", "gelu_tanh", "embed_scale",
     "attn_softcap", "final_softcap", "query_scale", "partial_rotary", "rope_per_layer", "sliding_window",
-    "rope_yarn", "attn_sinks",
+    "rope_yarn", "attn_sinks", "mla",
 })
 
 # the kinds of state layer whose one step the step graph traces (``models/layers/state.py``):
@@ -18,11 +18,9 @@ STATE_DECODE = frozenset({"gated_deltanet", "short_conv", "mamba2"})
 # operator, IREE's every-expert prefill and gathered decode; not TensorRT's (no such operator)
 MOE = frozenset({"moe", "moe_bias", "clamped_swiglu", "moe_routing"})
 # what the onnxruntime and iree backends compute: the traced features, the state layers in
-# decode, experts, latent attention (``LatentAttention.graph``: its pool of one plane the TensorRT
-# path's profiles do not size), and what the families that have them add (the decoder's own
-# code, traced as the rest)
+# decode, experts, and what the families that have them add (the decoder's own code, traced as the rest)
 GRAPH_FEATURES = (TRACED_FEATURES | STATE_DECODE | MOE
-                  | {"mla", "attn_output_gate", "no_rope", "residual_scale", "logit_divisor"})
+                  | {"attn_output_gate", "no_rope", "residual_scale", "logit_divisor"})
 
 # how each graph backend computes experts (``Capabilities.computes``), and at what cost against
 # torch's routed loop: ``benchmarks/moe_graph.py``, docs/measurements.md

@@ -143,7 +143,7 @@ def build(torch_model, path: Path, qweights: dict[str, QWeight] | None = None,
             joined = op("Transpose", [joined], [name + "_rows"], perm=[0, 1, 3, 2, 4])
         op("Reshape", [joined, "new_kv"], [name])
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
-    model_dims = {"L": L, "KVH": KVH, "hd": hd, "2L": 2 * L}
+    model_dims = {"L": L, "P": 2, "KVH": KVH, "hd": hd, "2L": 2 * L}
     sig = VERIFY_GRAPH if verify else DECODE_GRAPH
     graph = helper.make_graph(
         nodes, "verify" if verify else "decode",

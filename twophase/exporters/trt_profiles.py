@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from twophase.arch import ModelArch
+from twophase.cache.layout import KVHeads
 from twophase.contract import EngineLimits
 from twophase.errors import ConfigError
 from twophase.graph.signature import STEP
@@ -61,15 +62,15 @@ def itemsize(dtype: Any) -> int:
 def rung_tensors(arch: ModelArch, rung: Rung, block_size: int) -> dict[str, int]:
     """Elements of the largest tensors the step graph computes at ``rung``'s maxima, one layer's
     worth (TensorRT reuses activation memory from layer to layer)."""
-    H, KVH, hd = arch.num_heads, arch.num_kv_heads, arch.head_dim
+    H, width = arch.num_heads, key_width(arch)
     keys = rung.blocks * block_size
     if rung.phase == "decode":
-        attention = {"kv_gather": rung.rows * keys * KVH * hd, "scores": rung.rows * keys * H}
+        attention = {"kv_gather": rung.rows * keys * width, "scores": rung.rows * keys * H}
     else:
-        attention = {"kv_gather": rung.rows * (keys + rung.chunk) * KVH * hd,
+        attention = {"kv_gather": rung.rows * (keys + rung.chunk) * width,
                      "scores": rung.rows * H * rung.chunk * (keys + rung.chunk)}
     T = rung.tokens
-    return {**attention, "qkv": T * (H + 2 * KVH) * hd, "mlp": T * mlp_width(arch),
+    return {**attention, "qkv": T * (H + 2 * arch.num_kv_heads) * arch.head_dim, "mlp": T * mlp_width(arch),
             "logits": T * arch.vocab_size}
 
 
@@ -91,9 +92,20 @@ def rung_bytes(arch: ModelArch, rung: Rung, block_size: int, size: int) -> int:
 
 
 def pool_block_elements(arch: ModelArch, block_size: int, slots: int | None = None) -> int:
-    """Elements of one block of the pool: K and V for ``block_size`` tokens of each of its
-    ``slots`` (every layer in a plain pool; ``KVGroups.num_slots`` in groups)."""
-    return (slots or arch.num_layers) * 2 * arch.num_kv_heads * block_size * arch.head_dim
+    """Elements of one block of the pool: K and V (or a latent) for ``block_size`` tokens of
+    each of its ``slots`` (every layer in a plain pool; ``KVGroups.num_slots`` in groups)."""
+    kv = KVHeads.of(arch)
+    return (slots or arch.num_layers) * kv.planes * kv.num_kv_heads * block_size * kv.head_dim
+
+
+def key_width(arch: ModelArch) -> int:
+    """A cached token's largest footprint in a row of the graph's attention: its K or V (or
+    latent) gathered, a score a head, and under latent attention every head's key and value
+    made from its latent (the prefill's expanded form)."""
+    kv = KVHeads.of(arch)
+    width = max(arch.num_heads, kv.num_kv_heads * kv.head_dim)
+    m = arch.mla
+    return width if m is None else max(width, arch.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim))
 
 
 def max_pool_blocks(arch: ModelArch, block_size: int, slots: int | None = None) -> int:
@@ -115,11 +127,14 @@ def rungs(arch: ModelArch, limits: EngineLimits, num_blocks: int, block_size: in
     many rows as keep its tensors within ``TILE``, no more than the scheduler ever sends. A
     width has a rung for chunks as long as fit and, where that holds few, one for many chunks
     of a fair share of the token budget; narrowing stops once the context is shorter than the
-    longest chunk and the decodes are all in one call."""
-    H, KVH, hd = arch.num_heads, arch.num_kv_heads, arch.head_dim
-    budget, seqs = limits.max_num_batched_tokens, limits.max_num_seqs
+    longest chunk and the decodes are all in one call. A call's tokens are at most what keeps the
+    MLP's activations within ``TILE`` too (an MoE traced with every expert on every token is
+    that many times wider: DeepSeek V3's, 510 tokens)."""
+    H = arch.num_heads
+    tokens = max(1, TILE // mlp_width(arch))
+    budget, seqs = min(limits.max_num_batched_tokens, tokens), min(limits.max_num_seqs, tokens)
     width = max(1, min(-(-limits.max_model_len // block_size), num_blocks))
-    per_key = max(H, KVH * hd)                   # a cached token's largest footprint in a row
+    per_key = key_width(arch)
     if width * block_size * per_key > TILE:
         longest = TILE // per_key // block_size * block_size
         raise ConfigError("model.max_model_len", f"{limits.max_model_len} tokens: TensorRT's "
@@ -167,8 +182,8 @@ def profile_shapes(arch: ModelArch, limits: EngineLimits, block_size: int,
     (``cache_key``): a pool sized by the free memory of the day reuses the engine; only maxima
     that depend on it (a context wider than the pool) rebuild it. ``slots``: the pool's first
     dimension (``KVGroups.num_slots``; default every layer), fixed in the engine."""
-    fixed = {"L": arch.num_layers, "KVH": arch.num_kv_heads, "hd": arch.head_dim,
-             "BS": block_size}
+    kv = KVHeads.of(arch)
+    fixed = {"L": arch.num_layers, "P": kv.planes, "KVH": kv.num_kv_heads, "hd": kv.head_dim, "BS": block_size}
     fixed["S"] = slots or arch.num_layers
     most = max_pool_blocks(arch, block_size, slots)
     profiles = []

@@ -2,10 +2,10 @@
 
 Dimension names: ``T`` packed tokens, ``N`` logits rows, ``D`` one-token (decode) sequences and
 ``Wd`` their block-table width, ``C`` chunks padded to ``Q`` tokens with block tables ``Wc``
-wide; the pool is ``[S, 2, NB, KVH, BS, hd]`` (a latent pool, MLA's, ``[S, 1, NB, 1, BS,
-latent]``: the traced example fixes the planes), ``S`` slots of layers (``L`` in a plain pool, fewer
+wide; the pool is ``[S, P, NB, KVH, BS, hd]``, ``P`` planes (K and V, or one latent: MLA's
+``[S, 1, NB, 1, BS, latent]``, ``cache.layout.KVHeads``), ``S`` slots of layers (``L`` in a plain pool, fewer
 in groups: ``KVGroups``), and graphs index it through each layer's block indices ``[L, ...]``.
-``L``, ``KVH`` and ``hd`` are fixed by the model; every other name is dynamic in an export and
+``L``, ``P``, ``KVH`` and ``hd`` are fixed by the model; every other name is dynamic in an export and
 ranges over a TensorRT profile.
 """
 
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 Dim = str | int
-MODEL_DIMS = frozenset({"L", "KVH", "hd"})          # fixed once the model is known
-POOL: tuple[Dim, ...] = ("S", 2, "NB", "KVH", "BS", "hd")
+MODEL_DIMS = frozenset({"L", "P", "KVH", "hd"})          # fixed once the model is known
+POOL: tuple[Dim, ...] = ("S", "P", "NB", "KVH", "BS", "hd")
 
 
 @dataclass(frozen=True)
