@@ -86,6 +86,38 @@ def test_decode_routed_by_batch_size_keeps_the_tokens_and_uses_each_backend(monk
     assert {n for n, seqs in seen if seqs > 2} == {"onnxruntime"}
 
 
+def test_a_candidate_computing_in_bf16_prefills_in_it_beside_a_float32_decode(monkeypatch):
+    """``torch:bfloat16`` (torch's ``compute_dtype``) is a candidate only where named: routed to
+    prefill, its weights are bf16 and it writes the float32 pool that torch in float32 decodes
+    from, a route of its own at small batches; a dtype on another backend is refused by name."""
+    import torch
+
+    reg = Registry()
+    auto = {"name": "auto", "options": {"candidates": ["torch", "torch:bfloat16"]}}
+    names, _ = routing.candidates(load_config({"model": TINY, "backend": auto}), reg)
+    assert names == ["torch", "torch:bfloat16"]
+    assert "torch:bfloat16" not in routing.candidates(load_config({"model": TINY, "backend": {"name": "auto"}}), reg)[0]
+    for bad in ("native:bfloat16", "torch:int8"):
+        with pytest.raises(ConfigError, match=f"candidates: '{bad}': a candidate's compute dtype is torch's"):
+            routing.candidates(load_config({"model": TINY, "backend": {"name": "auto", "options": {
+                "candidates": ["torch", bad]}}}), reg)
+    t = _table({"torch": 900, "torch:bfloat16": 2400},
+               {"torch": {1: 300, 2: 320, 4: 330}, "torch:bfloat16": {1: 100, 2: 180, 4: 340}})
+    chosen = routing.choose(t)
+    assert (chosen.prefill, chosen.routes, chosen.decode) == ("torch:bfloat16", [(2, "torch")], "torch:bfloat16")
+    monkeypatch.setattr(routing, "resolve", lambda config, registry, **kw: chosen)
+    cache = {"num_blocks": 64, "block_size": 4}
+    llm = LLM.from_config({"model": TINY, "backend": auto, "cache": cache})
+    assert llm.prefill_backend.compute_dtype("prefill") == torch.bfloat16
+    assert llm.prefill_backend.model.embed.weight.dtype == torch.bfloat16
+    small = llm.decode_routes[0][1]
+    assert small is not llm.prefill_backend and small.compute_dtype("decode") is None
+    assert llm.kv_cache.pool.dtype == torch.float32
+    prompts = random_prompts(4, seed=2, longest=30)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+    assert all(len(o.token_ids) == 6 for o in outs)
+
+
 def test_calibration_is_measured_once_and_cached(monkeypatch):
     pytest.importorskip("onnxruntime")
     monkeypatch.setattr(routing.machine, "busy_reasons", lambda m: [])     # as on a quiet machine

@@ -333,6 +333,8 @@ class BackendMemory:
     cuda_graphs: bool = False
     # device memory it sizes itself from ``MemoryQuery.limits`` and the pool (TensorRT's profiles)
     workspace: Workspace | None = None
+    # the dtype it holds "dense" weights in where not the model's (torch's ``compute_dtype``)
+    dtype: str | None = None
 
 
 @dataclass(frozen=True)

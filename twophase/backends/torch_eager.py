@@ -2,6 +2,12 @@
 
 On CUDA, pure-decode steps replay CUDA graphs captured per (batch-size, context-blocks) bucket:
 an eager decode of a large model is bound by kernel launches, not by memory bandwidth.
+
+Option ``compute_dtype`` holds the weights and computes in another dtype than the model's (its
+K/V still go into the engine's pool in the pool's own format): ``"bfloat16"`` for a prefill on a
+CPU's matrix engine (oneDNN runs bf16 matmuls on AMX tiles), beside a decode backend in float32
+over the same pool: ``[backend.prefill] name = "torch"``, ``options = {compute_dtype =
+"bfloat16"}``.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from twophase.contract import (
     PrefillBatch,
 )
 from twophase.device import require_device, threads_option
+from twophase.errors import ConfigError
 from twophase.kv_formats import KV_FORMATS
 from twophase.models.decoder import AttnMeta, Decoder, StateMeta
 from twophase.models.state_dict import build_model
@@ -46,7 +53,8 @@ TORCH_FEATURES = frozenset({
     "gated_deltanet", "attn_output_gate", "short_conv", "mamba2", "no_rope", "residual_scale", "logit_divisor",
     "rope_yarn", "attn_sinks", "moe_bias", "clamped_swiglu", "mla", "moe_routing",
 })
-OPTIONS = {"threads", "cuda_graphs", "keep_freed_memory"}
+OPTIONS = {"threads", "cuda_graphs", "keep_freed_memory", "compute_dtype"}
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class TorchBackend(Backend):
@@ -73,9 +81,12 @@ class TorchBackend(Backend):
 
     @classmethod
     def memory(cls, query: MemoryQuery) -> BackendMemory:
-        """On CUDA its captured decode steps too, unless option ``cuda_graphs = false``."""
+        """On CUDA its captured decode steps too, unless option ``cuda_graphs = false``; its
+        weights in option ``compute_dtype`` where given."""
         graphs = query.device_kind == "cuda" and bool(query.options.get("cuda_graphs", True))
-        return dataclasses.replace(super().memory(query), cuda_graphs=graphs)
+        held = query.options.get("compute_dtype")
+        return dataclasses.replace(super().memory(query), cuda_graphs=graphs,
+                                   dtype=held if held in COMPUTE_DTYPES else None)
 
     def capabilities(self) -> Capabilities:
         return Capabilities(devices=("cpu", "cuda"), features=TORCH_FEATURES,
@@ -91,10 +102,14 @@ class TorchBackend(Backend):
             keep_freed_memory()
         self.device = torch.device(cfg.device)
         self.arch = model.arch
-        self.model = build_model(self.arch, model.dtype, self.device, model.source.floats,
+        self.compute = _compute_dtype(cfg.options, model.dtype)
+        self.model = build_model(self.arch, self.compute, self.device, model.source.floats,
                                  model.source.seed)
-        self.dtype = model.dtype
+        self.dtype = model.dtype           # the pool's, as the other phase's backend reads it
         self.use_graphs = self.device.type == "cuda" and bool(cfg.options.get("cuda_graphs", True))
+
+    def compute_dtype(self, phase: str) -> torch.dtype | None:
+        return self.compute if self.compute != self.dtype else None
 
     def kv_cache_spec(self) -> KVCacheSpec:
         return KVHeads.of(self.arch).spec(len(self.arch.attention_layers), self.dtype, self.device,
@@ -126,7 +141,7 @@ class TorchBackend(Backend):
             if self.graphs is not None:
                 log.info("torch: decode runs without CUDA graphs once adapters are served")
                 self.graphs = None
-        place(self.lora[1], slot, adapter, self.device, self.dtype)
+        place(self.lora[1], slot, adapter, self.device, self.compute)
 
     def _adapters(self, slots: list[int] | None, lens: list[int]) -> None:
         """Which tokens of this call run with which adapter slot."""
@@ -227,3 +242,14 @@ def keep_freed_memory() -> None:
 @hookimpl
 def twophase_backends() -> list[type[Backend]]:
     return [TorchBackend]
+
+
+def _compute_dtype(options: dict[str, Any], model_dtype: torch.dtype) -> torch.dtype:
+    """Option ``compute_dtype`` (default: the model's), named if it is not a dtype torch computes in."""
+    name = options.get("compute_dtype")
+    if name is None:
+        return model_dtype
+    if name not in COMPUTE_DTYPES:
+        raise ConfigError("backend.options.compute_dtype",
+                          f"must be one of {', '.join(COMPUTE_DTYPES)}; got {name!r}")
+    return COMPUTE_DTYPES[name]

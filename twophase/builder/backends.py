@@ -4,13 +4,12 @@ does not run the weights or read the K/V format asked for."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from twophase.backends.registry import Registry
-from twophase.builder.routing import Routing
+from twophase.builder.routing import Routing, name_of, section
 from twophase.config import BackendSection, Config
 from twophase.contract import Backend, BackendConfig, EngineLimits, ModelArch, ModelSpec
 from twophase.errors import ConfigError
@@ -52,10 +51,10 @@ def load_backends(config: Config, registry: Registry, arch: ModelArch, spec: Mod
         check_pool_sharing(prefill, decode, pcfg, dcfg)
     routes: list[tuple[int, Backend]] = []
     if routing is not None and routing.routes:
-        loaded = {pcfg.name: prefill, dcfg.name: decode}
+        loaded = {name_of(pcfg): prefill, name_of(dcfg): decode}
         for largest, name in routing.routes:
             if name not in loaded:
-                sec = dataclasses.replace(dcfg, name=name)
+                sec = section(name, dcfg.device, {k: v for k, v in dcfg.options.items() if k != "compute_dtype"})
                 loaded[name] = load_backend(config, registry, arch, sec, spec, limits)
                 check_pool_sharing(prefill, loaded[name], pcfg, sec)
             routes.append((largest, loaded[name]))

@@ -11,7 +11,10 @@ under ``$TWOPHASE_CACHE/routing``; ``twophase backends CONFIG`` shows it.
 
 Candidates: ``torch``, ``onnxruntime`` and ``native`` where installed and able to run the model
 (IREE and TensorRT compile for minutes: name them in ``[backend.options] candidates`` to include
-them). All share one KV pool, so only backends that read and write it in place qualify.
+them). All share one KV pool, so only backends that read and write it in place qualify. A
+candidate may name the dtype a backend computes in, ``torch:bfloat16`` (torch's
+``compute_dtype``: on a CPU with AMX, oneDNN's bf16 tiles): ``auto`` never lowers the model's
+precision on its own, so such a candidate is timed only where the config names it.
 """
 
 from __future__ import annotations
@@ -80,6 +83,19 @@ def _passed_on(sec: BackendSection) -> dict[str, Any]:
     return {"threads": sec.options["threads"]} if "threads" in sec.options else {}
 
 
+def section(name: str, device: str, options: dict[str, Any]) -> BackendSection:
+    """A candidate's backend section: ``torch:bfloat16`` is torch with ``compute_dtype =
+    "bfloat16"``."""
+    base, _, dtype = name.partition(":")
+    return BackendSection(name=base, device=device, options={**options, **({"compute_dtype": dtype} if dtype else {})})
+
+
+def name_of(sec: BackendSection) -> str:
+    """The candidate a section is (``section``'s inverse)."""
+    dtype = sec.options.get("compute_dtype")
+    return f"{sec.name}:{dtype}" if dtype else sec.name
+
+
 def wanted(config: Config) -> bool:
     return any(s.name == AUTO for s in config.phases())
 
@@ -101,13 +117,14 @@ def candidates(config: Config, registry) -> tuple[list[str], dict[str, str]]:
     chosen, left_out = [], {}
     arch = planned_model(config.model).arch
     for name in names:
-        if name not in registry.backends:
+        name, base, dtype = _candidate(name, registry)
+        if base not in registry.backends:
             if "candidates" in sec.options:
                 raise ConfigError("backend.options.candidates", f"no backend named {name!r}; installed: "
                                                                 f"{', '.join(sorted(registry.backends))}")
             left_out[name] = "not installed"
             continue
-        why = _why_not(registry.get(name), config, sec.device, arch)
+        why = _why_not(registry.get(base), config, sec.device, arch)
         if why:
             left_out[name] = why
         else:
@@ -116,6 +133,17 @@ def candidates(config: Config, registry) -> tuple[list[str], dict[str, str]]:
         raise ConfigError("backend.name", "auto found no backend that runs this model here: "
                           + "; ".join(f"{n}: {w}" for n, w in left_out.items()))
     return chosen, left_out
+
+
+def _candidate(name: str, registry) -> tuple[str, str, str]:
+    """``(name, its backend, the dtype it computes in or "")``; a dtype only torch takes."""
+    from twophase.backends.torch_eager import COMPUTE_DTYPES
+
+    base, _, dtype = name.partition(":")
+    if dtype and (base != "torch" or dtype not in COMPUTE_DTYPES):
+        raise ConfigError("backend.options.candidates", f"{name!r}: a candidate's compute dtype is torch's "
+                          f"(torch:{', torch:'.join(COMPUTE_DTYPES)})")
+    return name, base, dtype
 
 
 def _why_not(cls, config: Config, device: str, arch: ModelArch) -> str | None:
@@ -179,8 +207,8 @@ def resolve(config: Config, registry, *, make_engine: EngineFactory, recalibrate
     planned_model(config.model)              # a model that does not exist is its own error, first
     names, left_out = candidates(config, registry)
     pcfg, dcfg = config.phases()
-    fixed_prefill = None if pcfg.name == AUTO else pcfg.name
-    fixed_decode = None if dcfg.name == AUTO else dcfg.name
+    fixed_prefill = None if pcfg.name == AUTO else name_of(pcfg)
+    fixed_decode = None if dcfg.name == AUTO else name_of(dcfg)
     if len(names) == 1:
         only = names[0]
         return Routing(fixed_prefill or only, fixed_decode or only, table={"left_out": left_out})
@@ -213,7 +241,7 @@ def cached(config: Config, registry) -> Routing | None:
     """The routing already measured for ``config`` here, without measuring (None if none)."""
     names, left_out = candidates(config, registry)
     pcfg, dcfg = config.phases()
-    fixed = (None if pcfg.name == AUTO else pcfg.name, None if dcfg.name == AUTO else dcfg.name)
+    fixed = (None if pcfg.name == AUTO else name_of(pcfg), None if dcfg.name == AUTO else name_of(dcfg))
     if len(names) == 1:
         return Routing(fixed[0] or names[0], fixed[1] or names[0], table={"left_out": left_out})
     table = _read(cache_dir() / "routing" / f"{_key(config, names)}.json")
@@ -259,7 +287,7 @@ def _sources(names: list[str]) -> str:
     import importlib
 
     h = hashlib.sha256()
-    for name in names:
+    for name in dict.fromkeys(n.partition(":")[0] for n in names):
         try:
             mod = importlib.import_module(f"twophase.backends.{'torch_eager' if name == 'torch' else name}")
         except ImportError:                    # a plugin: its version is in the key's versions
@@ -291,7 +319,7 @@ def _timing_config(config: Config, name: str) -> Config:
     options = _passed_on(sec)
     return dataclasses.replace(
         config, model=dataclasses.replace(config.model, max_model_len=None),   # the pool's, as it is
-        backend=BackendSection(name=name, device=sec.device, options=options),
+        backend=section(name, sec.device, options),
         scheduler=SchedulerConfig(policy="prefill-first", max_num_seqs=max(batches),
                                   max_num_batched_tokens=max(n, max(batches) + 1)),
         cache=CacheConfig(block_size=bs, num_blocks=blocks, prefix_caching=True),
@@ -374,7 +402,7 @@ def apply(config: Config, routing: Routing) -> Config:
     def named(phase: BackendSection, name: str) -> BackendSection:
         if phase.name != AUTO:
             return phase
-        return BackendSection(name=name, device=phase.device, options=dict(options))
+        return section(name, phase.device, options)
 
     p, d = named(pcfg, routing.prefill), named(dcfg, routing.decode)
     backend = dataclasses.replace(config.backend, name=p.name, device=p.device, options=p.options,

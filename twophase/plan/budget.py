@@ -236,7 +236,7 @@ def weight_items(config: Config, model: PlannedModel, device_kind: str, registry
     items = []
     for sec in sections:
         mem = backend_memory(registry, sec, config, arch, device_kind, max_model_len)
-        groups, how = weight_groups(mem.layout, config, model, dtype)
+        groups, how = weight_groups(mem.layout, config, model, mem.dtype or dtype)
         if mem.tied_head_apart and arch.tie_word_embeddings:
             groups["head"] = groups["embedding"]
             how += ", tied head prepacked apart"
