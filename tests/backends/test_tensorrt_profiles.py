@@ -81,8 +81,14 @@ def test_deepseek_v3_s_latent_pool_is_profiled_as_one_plane_of_its_latent():
     limits = EngineLimits(64, 4096, 8192)
     for profile in profile_shapes(ds, limits, 16, 1000):
         assert [s[:2] + s[3:] for s in profile["kv_pool"]] == [(61, 1, 1, 16, 576)] * 3
-    for r in rungs(ds, limits, 1000, 16):
+    ladder = rungs(ds, limits, 1000, 16)
+    for r in ladder:
         assert max(rung_tensors(ds, r, 16).values()) <= ELEMENT_LIMIT, r
+    # every expert on every token: [256, T, 7168] at most a profile's largest tensor, so 291 tokens a call
+    assert trt_profiles.mlp_width(ds) == 256 * 7168 + 2 * 2048 and max(r.tokens for r in ladder) == 291
+    # a decode attends over the latents as they lie: its rows are sized by 576 a key, not 40,960
+    widest = next(r for r in ladder if r.phase == "decode")
+    assert widest.rows == min(64, 291, trt_profiles.TILE // (widest.blocks * 16 * 576)) > 1
 
 
 def test_the_profiles_per_dimension_maxima_did_not_fit():

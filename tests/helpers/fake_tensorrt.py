@@ -210,7 +210,9 @@ def _graph_arch(onnx_path: str) -> dict:
         return next(v for k, v in shapes.items() if k.endswith(ends))
 
     # a token's widest MLP activation: gate and up, of every expert where the graph runs them all
-    mlp = max(v[0] * v[1] if len(v) == 3 else v[0] for k, v in shapes.items() if k.endswith("gate_up.weight"))
+    # (or their [E, T, hidden] input and output, where wider)
+    mlp = max(v[0] * max(v[1], v[2]) if len(v) == 3 else v[0]
+              for k, v in shapes.items() if k.endswith("gate_up.weight"))
     embed = weight("embed.weight")
     itemsize = {1: 4, 10: 2, 16: 2}[pool.type.tensor_type.elem_type]
     if any(k.endswith("qkv.weight") for k in shapes):

@@ -104,3 +104,28 @@ def test_a_quantization_not_read_is_named_and_a_lone_half_of_a_pair(published, t
     save_file(sd, str(tmp_path / "model.safetensors"))
     with pytest.raises(ModelError, match="down_proj_blocks has no .*down_proj_scales beside it"):
         LLM.from_config({"model": {"path": str(tmp_path)}})
+
+
+def test_only_the_tensors_asked_for_are_read_and_unpacked(published, monkeypatch):
+    """A reader asking for the norms (native's float tensors) reads no expert's blocks: each
+    tensor is read, and dequantised, only when taken."""
+    from twophase.models import state_dict
+
+    folder, _ = published
+    llm = LLM.from_config({"model": {"path": str(folder)}, "cache": {"num_blocks": 16}})
+    read = []
+    real = state_dict._read_tensor
+    monkeypatch.setattr(state_dict, "_read_tensor", lambda path, name: read.append(name) or real(path, name))
+    norms = state_dict.float_weights(llm.model, lambda k: k.endswith("norm.weight"))
+    assert norms and read and all(n.endswith("norm.weight") for n in read)
+
+
+def test_a_lone_half_of_a_pair_or_a_nan_scale_is_named():
+    from twophase.models.families.gpt_oss import unpack_mxfp4
+
+    blocks, scales = _random_mxfp4(2, 4, 32, torch.Generator().manual_seed(0))
+    with pytest.raises(ModelError, match="x_scales has no x_blocks beside it"):
+        unpack_mxfp4({"x_scales": scales})
+    scales[1, 2, 0] = 255
+    with pytest.raises(ModelError, match="x_scales holds 255, E8M0's NaN"):
+        unpack_mxfp4({"x_blocks": blocks, "x_scales": scales})["x"]

@@ -138,8 +138,17 @@ def test_a_reply_sent_back_with_its_reasoning_reaches_the_template(tokenizer):
     assistant = body.messages[1].for_template()
     assert assistant["thinking"] == assistant["reasoning_content"] == "The user asks about Oslo. Check the weather."
     assert assistant["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
-    with pytest.raises(Exception, match="only assistant messages carry reasoning_content"):
-        P.ChatMessage.model_validate({"role": "user", "content": "hi", "reasoning_content": "x"})
+    # a preamble beside the call (gpt-oss's template refuses both a thinking and a content on a
+    # call): the template gets the preamble; Qwen3's field keeps the reasoning
+    both = P.ChatMessage.model_validate({**sent, "content": "Let me check."}).for_template()
+    assert "thinking" not in both and both["reasoning_content"] == assistant["thinking"]
+    # a reply that stopped while reasoning (no content) comes back too
+    assert P.ChatMessage.model_validate({"role": "assistant", "reasoning": "Hmm"}).for_template()["thinking"] == "Hmm"
+    for field in ("reasoning_content", "reasoning"):
+        with pytest.raises(Exception, match=f"only assistant messages carry {field}"):
+            P.ChatMessage.model_validate({"role": "user", "content": "hi", field: "x"})
+    with pytest.raises(Exception, match="reasoning_content and reasoning differ"):
+        P.ChatMessage.model_validate({"role": "assistant", "content": "a", "reasoning_content": "x", "reasoning": "y"})
 
 
 def test_reasoning_effort_reaches_the_template(tokenizer):

@@ -15,7 +15,8 @@ TRACED_FEATURES = frozenset({
 # decodes only, their prefill runs on another backend
 STATE_DECODE = frozenset({"gated_deltanet", "short_conv", "mamba2"})
 # experts traced in a static form (``models/layers/moe_graph.py``): ONNX Runtime's fused MoE
-# operator, IREE's every-expert prefill and gathered decode; not TensorRT's (no such operator)
+# operator, IREE's every-expert prefill and gathered decode, TensorRT's every-expert graph in
+# standard operators (it parses no MoE operator)
 MOE = frozenset({"moe", "moe_bias", "clamped_swiglu", "moe_routing"})
 # what the onnxruntime and iree backends compute: the traced features, the state layers in
 # decode, experts, and what the families that have them add (the decoder's own code, traced as the rest)

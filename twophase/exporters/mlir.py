@@ -8,7 +8,7 @@ empty, so ``decode`` contains no chunk path and ``prefill`` no decode path. The 
 explicit-softmax one the ONNX graph uses: IREE's lowering of ``scaled_dot_product_attention``
 ran about 5x slower than torch on this CPU.
 
-Entry points (int64 indices, the pool ``[S, 2, NB, KVH, BS, hd]``, its layers' blocks as
+Entry points (int64 indices, the pool ``[S, P, NB, KVH, BS, hd]``, its layers' blocks as
 ``graph.inputs.layer_blocks`` gives them, so a pool in groups is read as a plain one):
 
 - ``prefill(input_ids [T], positions [T], kv_pool, chunk_index [C, Q], chunk_blocks [L, C, Wc],
@@ -26,7 +26,7 @@ DLPack), the backend writes the new K/V at the batch's slots with torch. Two mor
 the module keeps in its own device memory (the backend's ``owned`` mode, for a runtime that
 cannot import torch's memory):
 
-- ``write_kv(kv_pool, new_k, new_v, rows [L, 2, T, KVH])`` (``graph.inputs.kv_rows``) writes a
+- ``write_kv(kv_pool, new_k, new_v, rows [L, P, T, KVH])`` (``graph.inputs.kv_rows``) writes a
   step's K/V into the pool, so the K/V never leave the device (the argument is mutated, as
   shark-ai's paged models mutate ``cache_state``; IREE 3.13 does it by copying the whole pool);
 - ``clear_kv(kv_pool)`` zeroes a freshly allocated pool in place (masked attention reads unused

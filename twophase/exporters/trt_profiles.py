@@ -62,7 +62,7 @@ def itemsize(dtype: Any) -> int:
 def rung_tensors(arch: ModelArch, rung: Rung, block_size: int) -> dict[str, int]:
     """Elements of the largest tensors the step graph computes at ``rung``'s maxima, one layer's
     worth (TensorRT reuses activation memory from layer to layer)."""
-    H, width = arch.num_heads, key_width(arch)
+    H, width = arch.num_heads, key_width(arch, rung.phase)
     keys = rung.blocks * block_size
     if rung.phase == "decode":
         attention = {"kv_gather": rung.rows * keys * width, "scores": rung.rows * keys * H}
@@ -75,10 +75,13 @@ def rung_tensors(arch: ModelArch, rung: Rung, block_size: int) -> dict[str, int]
 
 
 def mlp_width(arch: ModelArch) -> int:
-    """A token's widest MLP activation in any layer: gate and up, of every expert where the
-    graph runs every expert on every token (``exporters.tensorrt.MOE_FORM``), a shared one too."""
-    return max((max(s.mlp.num_experts, 1) * 2 * s.mlp.intermediate_size + 2 * s.mlp.shared_intermediate_size)
-               for s in arch.layers)
+    """A token's widest MLP activation in any layer: gate and up; where the graph runs every
+    expert on every token (``exporters.tensorrt.MOE_FORM``) each expert's gate and up, or its
+    input and output (``[E, T, hidden]``, the wider where hidden is), and a shared one's."""
+    def width(s) -> int:
+        f, e = s.mlp.intermediate_size, s.mlp.num_experts
+        return (e * max(2 * f, arch.hidden_size) if e else 2 * f) + 2 * s.mlp.shared_intermediate_size
+    return max(width(s) for s in arch.layers)
 
 
 def rung_bytes(arch: ModelArch, rung: Rung, block_size: int, size: int) -> int:
@@ -98,14 +101,17 @@ def pool_block_elements(arch: ModelArch, block_size: int, slots: int | None = No
     return (slots or arch.num_layers) * kv.planes * kv.num_kv_heads * block_size * kv.head_dim
 
 
-def key_width(arch: ModelArch) -> int:
+def key_width(arch: ModelArch, phase: str = "prefill") -> int:
     """A cached token's largest footprint in a row of the graph's attention: its K or V (or
-    latent) gathered, a score a head, and under latent attention every head's key and value
-    made from its latent (the prefill's expanded form)."""
+    latent) gathered, a score a head, and under latent attention in a prefill every head's key
+    and value made from its latent (the expanded form; a decode attends over the latents as
+    they lie)."""
     kv = KVHeads.of(arch)
     width = max(arch.num_heads, kv.num_kv_heads * kv.head_dim)
     m = arch.mla
-    return width if m is None else max(width, arch.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim))
+    if m is None or phase == "decode":
+        return width
+    return max(width, arch.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim))
 
 
 def max_pool_blocks(arch: ModelArch, block_size: int, slots: int | None = None) -> int:
@@ -129,12 +135,12 @@ def rungs(arch: ModelArch, limits: EngineLimits, num_blocks: int, block_size: in
     of a fair share of the token budget; narrowing stops once the context is shorter than the
     longest chunk and the decodes are all in one call. A call's tokens are at most what keeps the
     MLP's activations within ``TILE`` too (an MoE traced with every expert on every token is
-    that many times wider: DeepSeek V3's, 510 tokens)."""
+    that many times wider: DeepSeek V3's, 291 tokens)."""
     H = arch.num_heads
     tokens = max(1, TILE // mlp_width(arch))
     budget, seqs = min(limits.max_num_batched_tokens, tokens), min(limits.max_num_seqs, tokens)
     width = max(1, min(-(-limits.max_model_len // block_size), num_blocks))
-    per_key = key_width(arch)
+    per_key, per_decode_key = key_width(arch), key_width(arch, "decode")
     if width * block_size * per_key > TILE:
         longest = TILE // per_key // block_size * block_size
         raise ConfigError("model.max_model_len", f"{limits.max_model_len} tokens: TensorRT's "
@@ -154,7 +160,7 @@ def rungs(arch: ModelArch, limits: EngineLimits, num_blocks: int, block_size: in
             if c == seqs:
                 break
         if not decode or decode[-1].rows < seqs:
-            d = min(seqs, TILE // (keys * per_key))
+            d = min(seqs, TILE // (keys * per_decode_key))
             decode.append(Rung("decode", d, 1, w, d))
         full = prefill[-1].rows == seqs and long == budget
         if (keys < long or full) and decode[-1].rows == seqs:   # a narrower context gains nothing

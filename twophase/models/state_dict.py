@@ -7,7 +7,8 @@ nothing is allocated twice and a 16 GB random model never touches host memory on
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ from twophase.errors import ModelError
 from twophase.models.decoder import Decoder, rope_inv_freq
 from twophase.models.families import family
 from twophase.models.families.family import BARE, LANGUAGE_MODEL
+from twophase.models.lazy_tensors import LazyTensors, lazily
 from twophase.models.meta import no_init
 
 log = logging.getLogger(__name__)
@@ -49,7 +51,7 @@ def dotted(*parts: str) -> str:
     return ".".join(p for p in parts if p)
 
 
-def from_hf_state_dict(hf: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, torch.Tensor]:
+def from_hf_state_dict(hf: Mapping[str, torch.Tensor], arch: ModelArch) -> dict[str, torch.Tensor]:
     """HF names → ours, by the family's table; parts of a fused matrix concatenated."""
     out: dict[str, torch.Tensor] = {}
     fam = family(arch.family)
@@ -106,7 +108,7 @@ def _table_name(name: str, arch: ModelArch) -> str:
     return f"{model}.{layers}.{i}.{stored[rest]}" if layers == "layers" and rest in stored else name
 
 
-def _fused(hf: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor | None:
+def _fused(hf: Mapping[str, torch.Tensor], names: list[str]) -> torch.Tensor | None:
     """The parts concatenated along rows (None unless all are there)."""
     if not all(n in hf for n in names):
         return None
@@ -180,28 +182,27 @@ def float_weights(spec: ModelSpec, ours: Callable[[str], bool],
         from safetensors import safe_open
 
         assert source.path is not None
-        files = sorted(source.path.glob("*.safetensors"))
+        where: dict[str, Path] = {}
+        for f in sorted(source.path.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as st:
+                where.update({k: f for k in st.keys()})
+        # each tensor read (and unpacked) only if asked for
+        stored: Mapping[str, torch.Tensor] = LazyTensors({k: partial(_read_tensor, f, k) for k, f in where.items()})
         unpack = family(arch.family).hf_unpack
-        if unpack is not None:      # packed tensors are stored under names of their own: read all, unpacked
-            every: dict[str, torch.Tensor] = {}
-            for f in files:
-                with safe_open(str(f), framework="pt") as st:
-                    every.update({k: st.get_tensor(k) for k in st.keys()})
-            every = unpack(every)
-            renamed = text_model_names(every, arch, source.path)
-            hf = {renamed[k]: v for k, v in every.items() if renamed.get(k) in names}
-        else:
-            stored: list[str] = []
-            for f in files:
-                with safe_open(str(f), framework="pt") as st:
-                    stored += st.keys()
-            renamed = text_model_names(stored, arch, source.path)
-            for f in files:
-                with safe_open(str(f), framework="pt") as st:
-                    hf.update({renamed[k]: st.get_tensor(k) for k in st.keys() if renamed.get(k) in names})
+        if unpack is not None:
+            stored = unpack(stored)
+        renamed = text_model_names(stored, arch, source.path)
+        hf = {renamed[k]: stored[k] for k in stored if renamed.get(k) in names}
     # rounded to the model's dtype, as the model built from them holds them
     return {k: v.to(spec.dtype).float() for k, v in from_hf_state_dict(hf, arch).items()
             if k in held and ours(k)}
+
+
+def _read_tensor(path: Path, name: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as st:
+        return st.get_tensor(name)
 
 
 def hf_weights(arch: ModelArch, folder: Path | None, seed: int) -> dict[str, torch.Tensor]:
@@ -221,21 +222,20 @@ def build_model(arch: ModelArch, dtype: torch.dtype, device: torch.device,
     if folder is not None:
         from safetensors.torch import load_file
 
-        hf: dict[str, torch.Tensor] = {}
+        raw: dict[str, torch.Tensor] = {}
         for f in sorted(folder.glob("*.safetensors")):
-            hf.update(load_file(str(f)))
-        unpack = family(arch.family).hf_unpack
-        if unpack is not None:
-            hf = unpack(hf)
-        hf = {n: hf[k] for k, n in text_model_names(hf, arch, folder).items()}
+            raw.update(load_file(str(f)))
         # copies of what is still a view of the file's mapping (it would keep the whole mapping
         # resident, the unfused sources of q/k/v and gate/up with it: ~16% over the weights'
         # bytes); the fused tensors are fresh already, and a second copy of them costs page
         # faults (docs/measurements.md)
-        mapped = {t.untyped_storage().data_ptr() for t in hf.values()}
+        mapped = {t.untyped_storage().data_ptr() for t in raw.values()}
+        unpack = family(arch.family).hf_unpack
+        stored = lazily(raw) if unpack is None else unpack(raw)       # packed tensors unpacked as read
+        hf = stored.renamed(text_model_names(stored, arch, folder))
         sd = {k: v.to(device=device, dtype=dtype, copy=v.untyped_storage().data_ptr() in mapped)
               for k, v in from_hf_state_dict(hf, arch).items()}
-        del hf
+        del hf, stored, raw
         missing = set(model.state_dict()) - set(sd) - ({"lm_head.weight"} if arch.tie_word_embeddings else set())
         if missing:
             raise ModelError(f"weights in {folder} lack {', '.join(sorted(missing)[:5])}"

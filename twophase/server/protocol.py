@@ -255,12 +255,17 @@ class ChatMessage(BaseModel):
 
     @model_validator(mode="after")
     def _content_or_calls(self) -> ChatMessage:
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError("content is required (only an assistant message with tool_calls may omit it)")
+        thought = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if self.content is None and not (self.role == "assistant" and (self.tool_calls or thought)):
+            raise ValueError("content is required (only an assistant message with tool_calls or "
+                             "reasoning_content may omit it)")
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only assistant messages carry tool_calls")
-        if (self.reasoning_content or self.reasoning) and self.role != "assistant":
-            raise ValueError("only assistant messages carry reasoning_content")
+        for field in ("reasoning_content", "reasoning"):
+            if getattr(self, field) is not None and self.role != "assistant":
+                raise ValueError(f"only assistant messages carry {field}")
+        if None not in (self.reasoning_content, self.reasoning) and self.reasoning_content != self.reasoning:
+            raise ValueError("reasoning_content and reasoning differ: send one of them")
         return self
 
     def for_template(self) -> dict[str, Any]:
@@ -268,7 +273,8 @@ class ChatMessage(BaseModel):
         newer name for the same role; templates know the older one), tool calls with their
         arguments as objects (templates write them with ``tojson``), and an earlier reply's
         reasoning as ``reasoning_content`` (Qwen3's templates) and ``thinking`` (gpt-oss's,
-        which keeps it before a call)."""
+        which keeps it before a call, and refuses a call that has both a thinking and a
+        content: there the content, the preamble the model wrote, is what it keeps)."""
         text = self.content if isinstance(self.content, str) or self.content is None \
             else "".join(p.text for p in self.content)
         out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
@@ -279,7 +285,9 @@ class ChatMessage(BaseModel):
             out["tool_call_id"] = self.tool_call_id
         reasoning = self.reasoning_content or self.reasoning
         if reasoning:
-            out["reasoning_content"] = out["thinking"] = reasoning
+            out["reasoning_content"] = reasoning
+            if not (self.tool_calls and text):
+                out["thinking"] = reasoning
         if self.tool_calls:
             out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
                 "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}

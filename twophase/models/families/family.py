@@ -9,7 +9,7 @@ the GGUF converter and the q4 loader all read it, so a name is spelled once.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +18,8 @@ from twophase.models.layers.rotary import check_scaling
 
 if TYPE_CHECKING:
     import torch
+
+    from twophase.models.lazy_tensors import LazyTensors
 
 # ours -> (HF names, GGUF names), per layer under "model.layers.{i}." / "blk.{i}."
 LayerNames = dict[str, tuple[tuple[str, ...], tuple[str, ...]]]
@@ -88,7 +90,7 @@ class Family:
     hf_layouts: dict[str, Layout] = field(default_factory=dict, hash=False)
     # a checkpoint's tensors stored packed (gpt-oss's MXFP4 experts: ``*_blocks`` and
     # ``*_scales``), given back unpacked under the names its float form stores them under
-    hf_unpack: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
+    hf_unpack: Callable[[Mapping[str, torch.Tensor]], LazyTensors] | None = None
 
 
 def stated(get: Callable[..., Any], key: str) -> Any:

@@ -12,7 +12,8 @@ in bfloat16 (a code has one mantissa bit, the scale is a power of two).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,7 @@ from twophase.models.families.family import (
     rope_theta,
     stated,
 )
+from twophase.models.lazy_tensors import LazyTensors, lazily
 
 GPT_OSS_LAYER: LayerNames = {
     **{k: v for k, v in LLAMA_LAYER.items() if k in ("attn_norm", "attn.qkv", "attn.o")},
@@ -83,17 +85,29 @@ def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     return out
 
 
-def unpack_mxfp4(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def unpack_mxfp4(hf: Mapping[str, torch.Tensor]) -> LazyTensors:
     """A checkpoint's ``X_blocks`` and ``X_scales`` ([E, out, in / 32, 16] and [E, out, in / 32])
-    as the float checkpoint's ``X`` (``[E, in, out]``); the other tensors as they are."""
-    out = {k: v for k, v in hf.items() if not k.endswith(("_blocks", "_scales"))}
+    as the float checkpoint's ``X`` (``[E, in, out]``), dequantised when read; the other tensors
+    as they are."""
+    hf = lazily(hf)
+    makers = {}
     for k in hf:
+        base = k.removesuffix("_blocks").removesuffix("_scales")
+        if k.endswith(("_blocks", "_scales")) and (base + "_blocks" not in hf or base + "_scales" not in hf):
+            half = "_scales" if k.endswith("_blocks") else "_blocks"
+            raise ModelError(f"{k} has no {base}{half} beside it: not an MXFP4 checkpoint as gpt-oss's")
         if k.endswith("_blocks"):
-            name = k.removesuffix("_blocks")
-            if name + "_scales" not in hf:
-                raise ModelError(f"{k} has no {name}_scales beside it: not an MXFP4 checkpoint as gpt-oss's")
-            out[name] = mxfp4_dequantize(hf[k], hf[name + "_scales"]).transpose(1, 2)
-    return out
+            makers[base] = partial(_dequantized, hf.maker(k), hf.maker(base + "_scales"), base)
+        elif not k.endswith("_scales"):
+            makers[k] = hf.maker(k)
+    return LazyTensors(makers)
+
+
+def _dequantized(blocks: Callable[[], torch.Tensor], scales: Callable[[], torch.Tensor], name: str) -> torch.Tensor:
+    s = scales()
+    if bool((s == 255).any()):
+        raise ModelError(f"{name}_scales holds 255, E8M0's NaN: the checkpoint is damaged")
+    return mxfp4_dequantize(blocks(), s).transpose(1, 2)
 
 
 def arch_from_hf(c: dict[str, Any]) -> ModelArch:

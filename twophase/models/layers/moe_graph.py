@@ -32,7 +32,9 @@ def route(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, t
 
 def _top(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` largest of each row and where they are, one maximum at a time, not by
-    ``topk``: IREE 3.x gave a second layer's ``topk`` the first one's indices."""
+    ``topk``: IREE 3.x gave a second layer's ``topk`` the first one's indices. Of scores that
+    tie exactly it takes the lowest-numbered expert, where the eager ``topk`` may take another:
+    the two forms can route a tied token apart (float32 scores of real inputs rarely tie)."""
     picked = []
     for _ in range(k):
         picked.append(scores.max(dim=-1))
@@ -149,7 +151,8 @@ def _as_softmax_routing(moe: Any, logits: torch.Tensor) -> tuple[torch.Tensor, b
     chosen = spread(torch.ones_like(weights), experts, logits.shape[-1]) > 0
     ln = spread(torch.log(weights.clamp_min(1e-30)), experts, logits.shape[-1])
     total = weights.sum(-1, keepdim=True)
-    return ln.masked_fill(~chosen, -1e4), True, total
+    # the operator takes its router logits in the input's dtype (-1e4 and log(1e-30) fit in fp16)
+    return ln.masked_fill(~chosen, -1e4).to(logits.dtype), True, total
 
 
 FORMS = {"op": op, "dense": dense, "gathered": gathered}
