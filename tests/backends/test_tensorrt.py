@@ -104,6 +104,7 @@ def test_call_sequence_and_tokens_through_the_standin(standin):
     assert llm.engine.kv.num_free_blocks == llm.num_blocks
 
 
+@pytest.mark.exhaustive        # an export; the families' exhaustive run catches the same mistakes
 def test_experts_run_in_standard_operators_tensorrt_parses(standin, tmp_path):
     """gpt-oss (experts with biases and the clamped SwiGLU, sinks, windows) through the engine:
     its graph holds the experts in standard ONNX operators (the stand-in's parser, as

@@ -102,7 +102,7 @@ def test_onnx_runtime_gives_torch_s_tokens_and_log_probabilities(v3):
     from twophase import SamplingParams
 
     prompts = [list(range(5, 45)), list(range(50, 53)), [(7 * i) % 290 + 5 for i in range(30)]]
-    p = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1)
+    p = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=1)
     cfg = {"model": {"path": str(v3)}, "cache": {"num_blocks": 64, "block_size": 8},
            "scheduler": {"max_num_batched_tokens": 24, "max_num_seqs": 4}}
     want = LLM.from_config(cfg).generate(prompts, p)
