@@ -116,6 +116,8 @@ def test_a_candidate_computing_in_bf16_prefills_in_it_beside_a_float32_decode(mo
     prompts = random_prompts(4, seed=2, longest=30)
     outs = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
     assert all(len(o.token_ids) == 6 for o in outs)
+    with pytest.raises(ConfigError, match="backend.options.compute_dtype: must be one of float32, bfloat16"):
+        LLM.from_config({"model": TINY, "backend": {"name": "torch", "options": {"compute_dtype": "int4"}}})
 
 
 def test_calibration_is_measured_once_and_cached(monkeypatch):
