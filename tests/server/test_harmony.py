@@ -209,3 +209,27 @@ def test_the_published_template_renders_as_transformers_renders_it(tokenizer, tm
     want = theirs.apply_chat_template(body["messages"], tools=body.get("tools"), chat_template=template,
                                       tokenize=False, add_generation_prompt=True, **extra)
     assert ours.apply_chat_template(body["messages"], tools=body.get("tools"), **extra) == want
+
+
+def test_a_tool_without_a_description_gets_an_empty_one():
+    """OpenAI's API lets a tool omit its description; gpt-oss's template writes every one (and
+    fails on a missing one), so a harmony template gets an empty one; a given one is kept."""
+    tools = [{"type": "function", "function": {"name": "a"}},
+             {"type": "function", "function": {"name": "b", "description": "B"}}]
+    assert [t["function"]["description"] for t in H.described(tools)] == ["", "B"]
+    assert "description" not in tools[0]["function"] and H.described(None) is None
+
+
+@pytest.mark.skipif(not PUBLISHED, reason="gpt-oss's published chat template is not shipped here: set "
+                                          "TWOPHASE_GPT_OSS_TEMPLATE to its file to check it")
+def test_the_published_template_takes_a_request_whose_tool_has_no_description(tokenizer, tmp_path):
+    from twophase.models.tokenizer import HFTokenizer
+    from twophase.server.chat import prepare
+
+    tokenizer._tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "chat_template.jinja").write_text(Path(PUBLISHED).read_text())    # type: ignore[arg-type]
+    body = P.ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                   "tools": TOOLS})
+    server = SimpleNamespace(tokenizer=HFTokenizer(tmp_path), adapter_of=lambda name: None, default_max_tokens=16)
+    prompt, _, _ = prepare(server, body)     # type: ignore[arg-type]
+    assert "// \ntype get_weather = () => any;" in prompt

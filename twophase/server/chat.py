@@ -172,8 +172,9 @@ def render(server: ServerState, body: P.ChatCompletionRequest, tools: T.ToolPlan
     assert server.tokenizer is not None
     template = server.tokenizer.chat_template
     messages = T.messages_for(template, [m.for_template() for m in body.messages], tools.tools)
+    rendered = H.described(tools.tools) if H.is_harmony(template) else tools.tools
     try:
-        return server.tokenizer.apply_chat_template(messages, tools=tools.tools, **extra)
+        return server.tokenizer.apply_chat_template(messages, tools=rendered, **extra)
     except Exception as exc:            # a template may refuse a conversation (roles' order)
         raise P.ApiError(400, f"the model's chat template refused these messages: {exc}",
                          "messages") from None

@@ -30,6 +30,14 @@ def is_harmony(template: str | None) -> bool:
     return bool(template) and all(m in template for m in MARKERS)   # type: ignore[operator]
 
 
+def described(tools: list[dict] | None) -> list[dict] | None:
+    """The tools with an empty description where a client sent none (OpenAI's API allows it):
+    gpt-oss's template writes every tool's description and fails on a missing one."""
+    if not tools:
+        return tools
+    return [{**t, "function": {"description": "", **t["function"]}} for t in tools]
+
+
 @dataclass
 class Reply:
     """A harmony reply read into the chat API's fields."""
