@@ -54,7 +54,7 @@ def load_backends(config: Config, registry: Registry, arch: ModelArch, spec: Mod
         loaded = {name_of(pcfg): prefill, name_of(dcfg): decode}
         for largest, name in routing.routes:
             if name not in loaded:
-                sec = section(name, dcfg.device, {k: v for k, v in dcfg.options.items() if k != "compute_dtype"})
+                sec = section(name, dcfg.device, dcfg.options)
                 loaded[name] = load_backend(config, registry, arch, sec, spec, limits)
                 check_pool_sharing(prefill, loaded[name], pcfg, sec)
             routes.append((largest, loaded[name]))

@@ -84,10 +84,12 @@ def _passed_on(sec: BackendSection) -> dict[str, Any]:
 
 
 def section(name: str, device: str, options: dict[str, Any]) -> BackendSection:
-    """A candidate's backend section: ``torch:bfloat16`` is torch with ``compute_dtype =
-    "bfloat16"``."""
+    """A candidate's backend section with ``options``: ``torch:bfloat16`` is torch with
+    ``compute_dtype = "bfloat16"``, ``torch`` torch in the model's dtype (whatever ``options``
+    held)."""
     base, _, dtype = name.partition(":")
-    return BackendSection(name=base, device=device, options={**options, **({"compute_dtype": dtype} if dtype else {})})
+    kept = {k: v for k, v in options.items() if k != "compute_dtype"}
+    return BackendSection(name=base, device=device, options=kept | ({"compute_dtype": dtype} if dtype else {}))
 
 
 def name_of(sec: BackendSection) -> str:
@@ -117,7 +119,7 @@ def candidates(config: Config, registry) -> tuple[list[str], dict[str, str]]:
     chosen, left_out = [], {}
     arch = planned_model(config.model).arch
     for name in names:
-        name, base, dtype = _candidate(name, registry)
+        base = _backend_of(name)
         if base not in registry.backends:
             if "candidates" in sec.options:
                 raise ConfigError("backend.options.candidates", f"no backend named {name!r}; installed: "
@@ -135,15 +137,15 @@ def candidates(config: Config, registry) -> tuple[list[str], dict[str, str]]:
     return chosen, left_out
 
 
-def _candidate(name: str, registry) -> tuple[str, str, str]:
-    """``(name, its backend, the dtype it computes in or "")``; a dtype only torch takes."""
+def _backend_of(name: str) -> str:
+    """A candidate's backend; the dtype it may name is one torch computes in."""
     from twophase.backends.torch_eager import COMPUTE_DTYPES
 
     base, _, dtype = name.partition(":")
     if dtype and (base != "torch" or dtype not in COMPUTE_DTYPES):
         raise ConfigError("backend.options.candidates", f"{name!r}: a candidate's compute dtype is torch's "
                           f"(torch:{', torch:'.join(COMPUTE_DTYPES)})")
-    return name, base, dtype
+    return base
 
 
 def _why_not(cls, config: Config, device: str, arch: ModelArch) -> str | None:

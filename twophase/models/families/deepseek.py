@@ -13,7 +13,7 @@ from typing import Any
 from twophase.arch import AttentionSpec, LayerSpec, MLASpec, MLPSpec, ModelArch
 from twophase.errors import ModelError
 from twophase.models.families.family import LLAMA_LAYER, Family, LayerNames, common_fields, rope_theta
-from twophase.models.layers.rotary import _mscale
+from twophase.models.layers.rotary import yarn_mscale
 
 DEEPSEEK_LAYER: LayerNames = {
     **{k: v for k, v in LLAMA_LAYER.items() if k in ("attn_norm", "mlp_norm", "attn.o", "mlp.gate_up", "mlp.down")},
@@ -68,7 +68,7 @@ def arch_from_hf(c: dict[str, Any], family: str) -> ModelArch:
     scale = qk ** -0.5
     params = c.get("rope_scaling") or c.get("rope_parameters") or {}
     if scaling and params.get("mscale_all_dim"):      # every dimension's scale too (transformers' yarn_apply_mscale)
-        scale *= _mscale(scaling["factor"], params["mscale_all_dim"]) ** 2
+        scale *= yarn_mscale(scaling["factor"], params["mscale_all_dim"]) ** 2
     dense, experts = MLPSpec(c["intermediate_size"]), _experts(c, v3)
     attention = AttentionSpec(None, rope_theta(c))
     layers = tuple(LayerSpec(attention, dense if i < c.get("first_k_dense_replace", 0) else experts)

@@ -55,13 +55,15 @@ def _yarn(s: dict[str, Any], max_positions: int | None) -> dict[str, Any]:
     attention = s.get("attention_factor")
     if attention is None:
         mscale, all_dims = s.get("mscale"), s.get("mscale_all_dim")
-        attention = _mscale(factor, mscale) / _mscale(factor, all_dims) if mscale and all_dims else _mscale(factor)
+        attention = yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dims) if mscale and all_dims \
+            else yarn_mscale(factor)
     return {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(old),
             "beta_fast": float(s.get("beta_fast") or 32), "beta_slow": float(s.get("beta_slow") or 1),
             "truncate": bool(s.get("truncate", True)), "attention_factor": float(attention)}
 
 
-def _mscale(factor: float, mscale: float = 1.0) -> float:
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude scale for a context ``factor`` times the original."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
