@@ -22,10 +22,10 @@ def _needs_native():
     native_or_skip()
 
 
-def _llm(fmt: str, native: bool = True, **sections) -> LLM:
+def _llm(fmt: str, native: bool = True, backend: dict | None = None, **sections) -> LLM:
     cfg: dict = {"cache": {"dtype": fmt, "num_blocks": 64, "block_size": 16}, **sections}
     if native:
-        cfg |= {"model": {"quantization": "q4"}, "backend": {"name": "native"}}
+        cfg |= {"model": {"quantization": "q4"}, "backend": backend or {"name": "native"}}
     return LLM.from_config(cfg)
 
 
@@ -54,10 +54,14 @@ def test_native_logits_over_each_format_follow_torchs(fmt):
 
 
 def test_batching_chunking_and_preemption_change_no_token_at_8_bits():
+    """On the vector paths (``amx = false``: where the CPU has AMX, a chunk of 24 rows or more
+    attends on the bf16 tiles instead, other bits than a shorter chunk's) each token is computed
+    on its own, so neither its neighbours in a batch nor where its prompt was cut change it."""
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    alone = _llm("int8")
+    vector = {"name": "native", "options": {"amx": False}}
+    alone = _llm("int8", backend=vector)
     want = [alone.generate([p], params)[0].token_ids for p in PROMPTS]
-    tight = _llm("int8", cache={"dtype": "int8", "num_blocks": 10, "block_size": 8},
+    tight = _llm("int8", backend=vector, cache={"dtype": "int8", "num_blocks": 10, "block_size": 8},
                  scheduler={"max_num_batched_tokens": 24, "max_num_seqs": 3})
     outs = tight.generate(PROMPTS, params)
     assert tight.report(outs)["preemptions"] > 0

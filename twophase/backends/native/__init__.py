@@ -138,13 +138,16 @@ class NativeBackend(Backend):
         self.governor = ThreadGovernor(threads, name="native") if share and threads > 1 else None
         self.weights = NativeWeights.build(model)
         self.amx = self._amx(cfg.options.get("amx", True), model.quantization)   # rows from which; 0 never
+        self.tiled_projections = bool(self.amx) and model.quantization == "gguf"
         self.scratch = torch.empty(0)
         self.logit_buffers: list[np.ndarray] = []
 
     def _amx(self, want: object, quantization: str) -> int:
-        """Steps of this many rows or more (0: none) run the stored formats' projections on AMX
-        bf16 tiles (amx_tiles.h): where asked (true: from AMX_ROWS; a number: from that many),
-        the build has them and Linux lends the tile state; else the int8 paths, said."""
+        """Steps of this many rows or more (0: none) take AMX bf16 tiles: a prompt chunk of as
+        many rows attends on them (amx_attention.h), and the stored formats' projections run on
+        them (amx_tiles.h; q4's keep the int8 dots). Where asked (true: from AMX_ROWS; a number:
+        from that many), the build has them and Linux lends the tile state; else the vector
+        paths, said."""
         if not (isinstance(want, bool) or isinstance(want, int) and want >= 1):
             raise ConfigError("backend.options.amx", f"must be true, false or a number of rows (1 or "
                               f"more) from which a step takes the tiles; got {want!r}")
@@ -152,14 +155,13 @@ class NativeBackend(Backend):
             return 0
         rows = AMX_ROWS if want is True else int(want)
         got = self.lib.amx_request()
-        if got == 1 and quantization == "gguf":
-            log.info("native prefill: AMX bf16 tiles for steps of %d tokens or more", rows)
-        elif got == 1:
-            log.info("native prefill: this CPU has AMX tiles, which run quantization = \"gguf\" (the file's "
-                     "blocks as stored); %r keeps the int8 paths", quantization)
+        if got == 1:
+            log.info("native prefill: AMX bf16 tiles for steps of %d tokens or more (%s)", rows,
+                     "projections and attention" if quantization == "gguf" else
+                     f"attention; quantization {quantization!r} keeps int8 dots for the projections")
         else:
             log.info("native prefill: no AMX tiles, %s", AMX_OFF.get(got, f"answer {got}"))
-        return rows if got == 1 and quantization == "gguf" else 0
+        return rows if got == 1 else 0
 
     @classmethod
     def engines_here(cls, device: str = "cpu") -> str | None:
@@ -167,13 +169,14 @@ class NativeBackend(Backend):
         dots = ("AVX-512 VNNI" if {"avx512f", "avx512_vnni"} <= flags else
                 "AVX-VNNI" if "avx_vnni" in flags else "AVX2") + " int8 dots"
         if {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags:
-            return f"{dots}; gguf steps of {AMX_ROWS}+ tokens on AMX bf16 tiles"
+            return f"{dots}; steps of {AMX_ROWS}+ tokens on AMX bf16 tiles (attention; gguf's projections)"
         return dots
 
     def compute_dtype(self, phase: str) -> torch.dtype | None:
-        """bf16 tiles for a prefill where AMX takes it (a long one), else int8 dots (a decode
-        batch of ``self.amx`` sequences or more takes the tiles too: its roof is then bf16's)."""
-        return torch.bfloat16 if phase == "prefill" and self.amx else torch.int8
+        """bf16 tiles for a prefill where AMX takes its projections (a long one, on the stored
+        formats), else int8 dots (a decode batch of ``self.amx`` sequences or more takes the
+        tiles too: its roof is then bf16's)."""
+        return torch.bfloat16 if phase == "prefill" and self.tiled_projections else torch.int8
 
     def kv_cache_spec(self) -> KVCacheSpec:
         a = self.arch

@@ -200,7 +200,7 @@ def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     return so
 
 
-HEADERS = ("gguf_blocks.h", "amx_tiles.h")     # step.c's own, each included once, in this order
+HEADERS = ("gguf_blocks.h", "amx_tiles.h", "amx_attention.h")     # step.c's own, each included once, in this order
 
 
 def one_source(here) -> bytes:

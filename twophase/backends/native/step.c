@@ -161,8 +161,9 @@ typedef struct {
                                  what the scratch and the attention's split are laid out for */
     int team;                 /* threads that run this step, 1..threads: fewer while other processes
                                  hold cores (thread_governor.py); the results do not depend on it */
-    int amx;                  /* stored projections of this many rows or more on the AMX tiles
-                                 (amx_tiles.h; amx_request() granted); 0 never */
+    int amx;                  /* AMX tiles (amx_request() granted) for stored projections of this many
+                                 rows or more (amx_tiles.h) and prompt chunks of as many rows'
+                                 attention (amx_attention.h); 0 never */
 } step_t;
 
 
@@ -1367,6 +1368,8 @@ static void combine(const model_t *m, const float *res, int np, float *out, cons
     }
 }
 
+#include "amx_attention.h"
+
 /* whether a step's parts are tasks of their own: when its (row, K/V head) pairs are too few to
    keep the threads busy (the results then go through memory shared by the threads) */
 static inline int split_parts(const model_t *m, int rows, int threads) {
@@ -1383,12 +1386,23 @@ static inline int attn_rows(const model_t *m, int max_ctx) {
     return n < 1 ? 1 : n > ATTN_ROWS ? ATTN_ROWS : (int)n;
 }
 
-/* floats of scratch a thread's attention takes: scores, the tile, its parts' results (each
-   for attn_rows rows) */
-static long attn_thread_floats(const model_t *m, int max_ctx) {
+/* floats of scratch a thread's attention takes: the vector path's scores, tile and its parts'
+   results (each for attn_rows rows) */
+static long vector_thread_floats(const model_t *m, int max_ctx) {
     const int G = m->heads / m->kv_heads, AR = attn_rows(m, max_ctx);
     return (long)AR * G * part_len(m) + (long)(part_len(m) + ATTN_ROWS) * m->head_dim
          + (long)AR * parts_of(m, max_ctx) * G * part_floats(m);
+}
+
+/* ... and the tiles' tasks' after it */
+static long attn_thread_floats(const model_t *m, int max_ctx) {
+    return vector_thread_floats(m, max_ctx) + amx_attn_floats(m);
+}
+
+/* floats the threads share for a step's attention parts (when split_parts) */
+static long attn_parts_floats(const model_t *m, int rows, int max_ctx, int threads) {
+    return split_parts(m, rows, threads)
+        ? (long)rows * m->kv_heads * parts_of(m, max_ctx) * (m->heads / m->kv_heads) * part_floats(m) : 0;
 }
 
 /* every row's attention for layer l: q of row r at wide + r * W, its output at attn + r * QD
@@ -1400,6 +1414,15 @@ static void attention(const model_t *m, const step_t *s, int layer, const float 
     const lay_t ly = layer_of(m, s, layer);
     const int AR = attn_rows(m, s->max_ctx);
     float *sc = mine, *tile = sc + (size_t)AR * G * part_len(m), *res = tile + (size_t)(part_len(m) + ATTN_ROWS) * hd;
+    /* long prompt chunks on the tiles first (amx_attention.h), the other rows meanwhile */
+    const int tiles = amx_attends(m, s);
+    int32_t *blk = (int32_t *)(shared + attn_parts_floats(m, R, s->max_ctx, s->threads));
+    if (tiles) {
+        #pragma omp single
+        amx_mark_tasks(m, s, blk);
+        amx_attention(m, s, &ly, layer, wide, W, attn, blk, mine + vector_thread_floats(m, s->max_ctx));
+    }
+    #define VECTOR(r) (!tiles || blk[r] == 0)
     #define Q_OF(r, kh) (wide + (size_t)(r) * W + (size_t)(kh) * G * hd)
     #define OUT_OF(r, kh) (attn + (size_t)(r) * QD + (size_t)(kh) * G * hd)
     #define PARTS(r) parts_of(m, s->ctx[r] - first_key(&ly, s, r))
@@ -1408,12 +1431,13 @@ static void attention(const model_t *m, const step_t *s, int layer, const float 
         #pragma omp for schedule(dynamic)
         for (int i = 0; i < R * KVH * NP; i++) {
             const int r = i / (KVH * NP), kh = i / NP % KVH, p = i % NP;
-            if (p < PARTS(r))
+            if (p < PARTS(r) && VECTOR(r))
                 attend_part(m, s, &ly, r, kh, p, Q_OF(r, kh), shared + (size_t)i * G * PF, sc, tile);
         }
         #pragma omp for
         for (int i = 0; i < R * KVH; i++)
-            combine(m, shared + (size_t)i * NP * G * PF, PARTS(i / KVH), OUT_OF(i / KVH, i % KVH), SINK(i % KVH));
+            if (VECTOR(i / KVH))
+                combine(m, shared + (size_t)i * NP * G * PF, PARTS(i / KVH), OUT_OF(i / KVH, i % KVH), SINK(i % KVH));
     } else {
         /* blocks of AR rows; within one, each run of a sequence's consecutive rows together */
         const int NB = (R + AR - 1) / AR;
@@ -1421,6 +1445,7 @@ static void attention(const model_t *m, const step_t *s, int layer, const float 
         for (int i = 0; i < NB * KVH; i++) {
             const int r0 = i / KVH * AR, r1 = r0 + AR < R ? r0 + AR : R, kh = i % KVH;
             for (int a = r0, z; a < r1; a = z) {
+                if (!VECTOR(a)) { z = a + 1; continue; }
                 for (z = a + 1; z < r1 && s->seq[z] == s->seq[a] && s->ctx[z] == s->ctx[z - 1] + 1; z++) {}
                 attend_rows(m, s, &ly, a, z, kh, wide, W, res, (size_t)NP * G * PF, sc, tile);
                 for (int r = a; r < z; r++)
@@ -1428,6 +1453,7 @@ static void attention(const model_t *m, const step_t *s, int layer, const float 
             }
         }
     }
+    #undef VECTOR
     #undef Q_OF
     #undef OUT_OF
     #undef PARTS
@@ -1494,10 +1520,10 @@ static moe_t moe_layout(const model_t *m, float *at, int rows) {
     return e;
 }
 
-/* floats the threads share for a step's attention parts (when split_parts) */
+/* floats the threads share for a step's attention: its parts' results, then each row's task on
+   the tiles (amx_mark_tasks) */
 static long attn_shared_floats(const model_t *m, int rows, int max_ctx, int threads) {
-    return split_parts(m, rows, threads)
-        ? (long)rows * m->kv_heads * parts_of(m, max_ctx) * (m->heads / m->kv_heads) * part_floats(m) : 0;
+    return attn_parts_floats(m, rows, max_ctx, threads) + rows;
 }
 
 /* the instruction set this build's kernels run: 0 AVX2 (no VNNI), 1 AVX-VNNI (256-bit), 2 AVX-512 VNNI */
