@@ -1882,6 +1882,24 @@ int check_matmul_amx(const proj_g *p, int rows, const float *x, float *fast, flo
     return ok;
 }
 
+/* For benchmarks: y = W x ([rows][n]) on the tiles, the rows rounded as a step rounds them, on
+   `threads` threads; returns amx_request()'s answer (y untouched unless 1); scratch:
+   act_floats(rows, k) */
+int run_matmul_amx(const proj_g *p, int rows, const float *x, float *y, float *scratch, int threads) {
+    const int ok = amx_request();
+    if (ok != 1) return ok;
+#if HAVE_AMX
+    gact g = gact_layout(scratch, rows, p->k, x, p->k);
+    g.amx = 1;
+    for (int r = 0; r < rows; r++) gquantize_row(&g, r);
+    #pragma omp parallel num_threads(threads)
+    matmul_amx(p, rows, &g, y, p->n, 0);
+#else
+    (void)p; (void)rows; (void)x; (void)y; (void)scratch; (void)threads;
+#endif
+    return ok;
+}
+
 /* For tests: layer 0's attention alone, for the step's rows (q: [rows][heads * head_dim], out:
    [rows][heads * head_dim]), on s->threads threads; s->scratch: step_scratch_floats */
 void check_attention(const model_t *m, const step_t *s, const float *q, float *out) {
