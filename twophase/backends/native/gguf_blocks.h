@@ -496,6 +496,14 @@ static inline void put_rows(float *y, int ystride, int n, const float *out, int 
     }
 }
 
+/* how far ahead of the weight row it reads a thread asks for the bytes it will read next (a
+   prefetch never faults, so past a part's end it costs a wasted line at most): the rows stream
+   from memory once a step, and at one activation row the hardware's prefetcher alone left the
+   loads waiting */
+#ifndef STREAM_AHEAD
+#define STREAM_AHEAD 4096
+#endif
+
 /* rows_vec over nw consecutive weight rows of one type (rs bytes apart) against activation
    rows r0 .. r0 + rows, into y[r][i] (y at the first weight row's column), for each type and
    for 1 and G_ROWS rows, each compiled with both constant (the switches on the type fold away,
@@ -506,6 +514,7 @@ static inline void put_rows(float *y, int ystride, int n, const float *out, int 
                              float *y, int ystride, int accumulate) {                             \
         for (int i = 0; i < nw; i++) {                                                            \
             const uint8_t *wi = w + (size_t)i * rs;                                               \
+            for (size_t o = 0; o < rs; o += 64) _mm_prefetch((const char *)wi + STREAM_AHEAD + o, _MM_HINT_T0); \
             for (int r1 = r0; r1 < r0 + rows; r1 += G_ROWS) {                                     \
                 const int nr = r0 + rows - r1 < G_ROWS ? r0 + rows - r1 : G_ROWS;                 \
                 float out[G_ROWS];                                                                \
