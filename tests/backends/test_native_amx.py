@@ -192,3 +192,12 @@ def test_sinks_and_a_soft_cap_on_the_tiles(lib):
     ctx, seq = np.arange(1, 200, dtype=np.int32), np.zeros(199, np.int32)
     out, want = _attend(lib, 4, 1, 64, ctx, seq, amx=1, sinks=[0.5, -1.0, 2.0, 3.0], cap=5.0)
     assert np.abs(out - want).max() < 1e-2
+
+
+def test_heads_the_tiles_do_not_divide_keep_the_vector_path(lib):
+    """head_dim 48 (not a multiple of the tiles' 32 values a row): a long chunk's rows are the
+    vector path's bits, as with the tiles off."""
+    ctx, seq = np.arange(1, 60, dtype=np.int32), np.zeros(59, np.int32)
+    on, want = _attend(lib, 4, 2, 48, ctx, seq, amx=16)
+    off, _ = _attend(lib, 4, 2, 48, ctx, seq, amx=0)
+    assert np.array_equal(on.view(np.uint32), off.view(np.uint32)) and np.abs(on - want).max() < 2e-5
