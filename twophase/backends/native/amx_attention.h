@@ -233,26 +233,32 @@ static void att_scores(const model_t *m, int n32, int Mp, att_scratch *a) {
 static void att_weigh(const model_t *m, int b, int n, int n32, int Mp, att_scratch *a) {
     const int hd = m->head_dim;
     const __m512 scale = _mm512_set1_ps(m->scale), ninf = _mm512_set1_ps(-INFINITY);
-    for (int u = 0; u < n; u++) {
-        float *row = a->st + (size_t)u * Mp;
-        for (int q = 0; q < Mp; q += 16) _mm512_storeu_ps(row + q, _mm512_mul_ps(_mm512_loadu_ps(row + q), scale));
-        if (m->attn_cap) softcap(row, Mp, m->attn_cap);
-    }
+    const __m512 cap = _mm512_set1_ps(m->attn_cap), inv_cap = _mm512_set1_ps(m->attn_cap ? 1.f / m->attn_cap : 0.f);
     for (int q0 = 0; q0 < Mp; q0 += 16) {
         const __m512i first = _mm512_loadu_si512(a->first + q0), end = _mm512_loadu_si512(a->end + q0);
+        /* every key of the part in every query's range (a causal chunk's parts but its last): no masks */
+        const int open = b >= _mm512_reduce_max_epi32(first) && b + n <= _mm512_reduce_min_epi32(end);
         const __m512 was = _mm512_loadu_ps(a->best + q0);
         __m512 best = was, total = _mm512_setzero_ps();
-        for (int u = 0; u < n; u++) {
-            const __m512i key = _mm512_set1_epi32(b + u);
-            const __mmask16 in = _mm512_cmp_epi32_mask(first, key, _MM_CMPINT_LE) & _mm512_cmp_epi32_mask(key, end, _MM_CMPINT_LT);
-            best = _mm512_max_ps(best, _mm512_mask_blend_ps(in, ninf, _mm512_loadu_ps(a->st + (size_t)u * Mp + q0)));
+        for (int u = 0; u < n; u++) {           /* scaled (and capped) in place; their maximum */
+            float *at = a->st + (size_t)u * Mp + q0;
+            __m512 sv = _mm512_mul_ps(_mm512_loadu_ps(at), scale);
+            if (m->attn_cap) sv = _mm512_mul_ps(cap, tanh16(_mm512_mul_ps(sv, inv_cap)));
+            _mm512_storeu_ps(at, sv);
+            if (!open) {
+                const __m512i key = _mm512_set1_epi32(b + u);
+                sv = _mm512_mask_blend_ps(_mm512_cmp_epi32_mask(first, key, _MM_CMPINT_LE) &
+                                          _mm512_cmp_epi32_mask(key, end, _MM_CMPINT_LT), ninf, sv);
+            }
+            best = _mm512_max_ps(best, sv);
         }
         /* queries with no key yet: weights 0 against a base of 0, not e^(-inf + inf) */
         const __m512 base = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(best, ninf, _CMP_EQ_OQ), best, _mm512_setzero_ps());
         for (int u = 0; u < n32; u++) {
             float *at = a->st + (size_t)u * Mp + q0;
             const __m512i key = _mm512_set1_epi32(b + u);
-            const __mmask16 in = u < n ? _mm512_cmp_epi32_mask(first, key, _MM_CMPINT_LE) & _mm512_cmp_epi32_mask(key, end, _MM_CMPINT_LT) : 0;
+            const __mmask16 in = u >= n ? 0 : open ? 0xFFFF
+                               : _mm512_cmp_epi32_mask(first, key, _MM_CMPINT_LE) & _mm512_cmp_epi32_mask(key, end, _MM_CMPINT_LT);
             const __m512 w = _mm512_maskz_mov_ps(in, exp16(_mm512_sub_ps(_mm512_loadu_ps(at), base)));
             _mm512_storeu_ps(at, w);
             total = _mm512_add_ps(total, w);
