@@ -156,9 +156,11 @@ class NativeBackend(Backend):
         rows = AMX_ROWS if want is True else int(want)
         got = self.lib.amx_request()
         if got == 1:
+            attends = self.arch.head_dim % 32 == 0      # the tiles take rows of 32 values
             log.info("native prefill: AMX bf16 tiles for steps of %d tokens or more (%s)", rows,
-                     "projections and attention" if quantization == "gguf" else
-                     f"attention; quantization {quantization!r} keeps int8 dots for the projections")
+                     ("projections" if quantization == "gguf" else f"no projections: {quantization!r} keeps int8 dots")
+                     + ("; prompt chunks' attention" if attends else
+                        f"; attention on the vector path (head_dim {self.arch.head_dim} is no multiple of 32)"))
         else:
             log.info("native prefill: no AMX tiles, %s", AMX_OFF.get(got, f"answer {got}"))
         return rows if got == 1 else 0
@@ -174,8 +176,9 @@ class NativeBackend(Backend):
 
     def compute_dtype(self, phase: str) -> torch.dtype | None:
         """bf16 tiles for a prefill where AMX takes its projections (a long one, on the stored
-        formats), else int8 dots (a decode batch of ``self.amx`` sequences or more takes the
-        tiles too: its roof is then bf16's)."""
+        formats), else int8 dots (the roof a decode is read against, though with the stored
+        formats a decode batch of ``self.amx`` sequences or more runs its projections on the
+        tiles too)."""
         return torch.bfloat16 if phase == "prefill" and self.tiled_projections else torch.int8
 
     def kv_cache_spec(self) -> KVCacheSpec:

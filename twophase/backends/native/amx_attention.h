@@ -47,11 +47,12 @@ static long amx_attn_floats(const model_t *m) {
 #endif
 }
 
-/* whether this step's long prompt chunks take the tiles: asked (s->amx), lent (amx_request),
-   and heads the tiles divide (32 values a row) */
+/* whether this step's long prompt chunks take the tiles: asked (s->amx), rows enough for one
+   (a decode step of fewer pays nothing), lent (amx_request: asked by the backend at load, so
+   the threads only read its answer), and heads the tiles divide (32 values a row) */
 static inline int amx_attends(const model_t *m, const step_t *s) {
 #if HAVE_AMX
-    return s->amx > 0 && m->head_dim % 32 == 0 && amx_request() == 1;
+    return s->amx > 0 && s->rows >= s->amx && m->head_dim % 32 == 0 && amx_request() == 1;
 #else
     (void)m; (void)s;
     return 0;
@@ -349,6 +350,9 @@ static void amx_attention(const model_t *m, const step_t *s, const lay_t *ly, in
                           int W, float *attn, const int32_t *blk, float *scratch) {
 #if HAVE_AMX
     const int KVH = m->kv_heads, G = m->heads / KVH;
+    int any = 0;                            /* every thread reads the same marks: all skip or none */
+    for (int r = 0; r < s->rows && !any; r++) any = blk[r] > 0;
+    if (!any) return;
     amx_configure();
     #pragma omp for schedule(dynamic) nowait
     for (int i = s->rows * KVH - 1; i >= 0; i--) {
