@@ -40,7 +40,11 @@ static inline int att_positions(const model_t *m) { return att_m(m) / (m->heads 
 static long amx_attn_floats(const model_t *m) {
 #if HAVE_AMX
     const long M = att_m(m), hd = m->head_dim;
-    return M * hd + M * hd + 4 * M + (long)ATT_KP * hd * 3 / 2 + 32 * hd + (long)ATT_KP * M + M * ATT_KP / 2;
+    return 2 * M * hd                   /* queries in bf16 pairs (qh, ql); outputs */
+         + 4 * M                        /* maxima, sums, keys' bounds */
+         + (long)ATT_KP * hd * 3 / 2    /* keys in bf16 (kh, kl); values in pairs */
+         + 32 * hd                      /* rows decoded */
+         + (long)ATT_KP * M * 3 / 2;    /* scores; weights in bf16 */
 #else
     (void)m;
     return 0;
@@ -138,7 +142,8 @@ static att_scratch att_carve(const model_t *m, float *at) {
 }
 
 /* the task's queries (M of Mp; the rest zero) into B tiles' pair order, bf16 and what it left
-   (qh, then ql: hd / 32 chunks apart), their keys' bounds, and empty outputs. Query vector mq: position r0 + mq / G, head kh * G + mq % G. */
+   (qh, then ql: hd / 32 chunks apart), their keys' bounds, and empty outputs. Query vector mq:
+   position r0 + mq / G, head kh * G + mq % G. */
 static void att_queries(const model_t *m, const step_t *s, const lay_t *ly, int r0, int kh, int M, int Mp,
                         const float *wide, int W, att_scratch *a) {
     const int hd = m->head_dim, G = m->heads / m->kv_heads;

@@ -1874,6 +1874,25 @@ void run_matmul_stored(const proj_g *p, int rows, const float *x, float *y, floa
     matmul_g(p, rows, &g, y, p->n, 0, 1);
 }
 
+/* For benchmarks and tests: y = W x ([rows][n]) on the tiles whatever the rows and types (a
+   step gives float rows and small steps the other paths), the rows rounded as a step rounds
+   them, on `threads` threads; returns amx_request()'s answer (y untouched unless 1); scratch:
+   act_floats(rows, k) */
+int run_matmul_amx(const proj_g *p, int rows, const float *x, float *y, float *scratch, int threads) {
+    const int ok = amx_request();
+    if (ok != 1) return ok;
+#if HAVE_AMX
+    gact g = gact_layout(scratch, rows, p->k, x, p->k);
+    g.amx = 1;
+    for (int r = 0; r < rows; r++) gquantize_row(&g, r);
+    #pragma omp parallel num_threads(threads)
+    matmul_amx(p, rows, &g, y, p->n, 0);
+#else
+    (void)p; (void)rows; (void)x; (void)y; (void)scratch; (void)threads;
+#endif
+    return ok;
+}
+
 /* f rounded to the nearest bfloat16, ties to even (finite f) */
 static float bf16_round(float f) {
     uint32_t u;
@@ -1886,8 +1905,8 @@ static float bf16_round(float f) {
 /* For tests: y = W x for `rows` rows of x through the AMX tiles into fast ([rows][n]), and the
    reference on the same bf16 values into ref: each weight decoded a run at a time from the
    layout's definition (sub_terms, codes_ref), both sides rounded to bf16 (to nearest even), the
-   products summed in double. The tiles take any rows and types here (a step gives float rows
-   and small steps the other paths). Returns amx_request()'s answer; fast is untouched unless 1. */
+   products summed in double (run_matmul_amx's rows and types). Returns amx_request()'s answer;
+   fast is untouched unless 1. */
 int check_matmul_amx(const proj_g *p, int rows, const float *x, float *fast, float *ref, float *scratch, int threads) {
     const int K = p->k;
     for (int r = 0; r < rows; r++)
@@ -1911,36 +1930,7 @@ int check_matmul_amx(const proj_g *p, int rows, const float *x, float *fast, flo
             }
             ref[(size_t)r * p->n + n] = (float)acc;
         }
-    const int ok = amx_request();
-    if (ok != 1) return ok;
-#if HAVE_AMX
-    gact g = gact_layout(scratch, rows, K, x, K);
-    g.amx = 1;                                  /* the tiles whatever the rows and types */
-    for (int r = 0; r < rows; r++) gquantize_row(&g, r);
-    #pragma omp parallel num_threads(threads)
-    matmul_amx(p, rows, &g, fast, p->n, 0);
-#else
-    (void)fast; (void)scratch; (void)threads;
-#endif
-    return ok;
-}
-
-/* For benchmarks: y = W x ([rows][n]) on the tiles, the rows rounded as a step rounds them, on
-   `threads` threads; returns amx_request()'s answer (y untouched unless 1); scratch:
-   act_floats(rows, k) */
-int run_matmul_amx(const proj_g *p, int rows, const float *x, float *y, float *scratch, int threads) {
-    const int ok = amx_request();
-    if (ok != 1) return ok;
-#if HAVE_AMX
-    gact g = gact_layout(scratch, rows, p->k, x, p->k);
-    g.amx = 1;
-    for (int r = 0; r < rows; r++) gquantize_row(&g, r);
-    #pragma omp parallel num_threads(threads)
-    matmul_amx(p, rows, &g, y, p->n, 0);
-#else
-    (void)p; (void)rows; (void)x; (void)y; (void)scratch; (void)threads;
-#endif
-    return ok;
+    return run_matmul_amx(p, rows, x, fast, scratch, threads);
 }
 
 /* For tests: layer 0's attention alone, for the step's rows (q: [rows][heads * head_dim], out:
