@@ -182,6 +182,8 @@ def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     so.check_matmul.restype = None
     so.check_attention.argtypes = [POINTER(Model), POINTER(Step), c_void_p, c_void_p]
     so.check_attention.restype = None
+    so.check_glu.argtypes = [POINTER(Model), c_void_p, c_void_p, c_void_p, c_int]
+    so.check_glu.restype = None
     so.check_matmul_stored.argtypes = [POINTER(ProjStored), c_int, c_void_p, c_void_p, c_void_p, c_void_p,
                                        c_void_p, c_int]
     so.check_matmul_stored.restype = None

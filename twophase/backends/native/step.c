@@ -1933,6 +1933,9 @@ int check_matmul_amx(const proj_g *p, int rows, const float *x, float *fast, flo
     return run_matmul_amx(p, rows, x, fast, scratch, threads);
 }
 
+/* For tests: the model's GLU (m->act) of n gates g and values u into y, as a step computes it */
+void check_glu(const model_t *m, float *g, float *u, float *y, int n) { glu(m, g, u, y, n); }
+
 /* For tests: layer 0's attention alone, for the step's rows (q: [rows][heads * head_dim], out:
    [rows][heads * head_dim]), on s->threads threads; s->scratch: step_scratch_floats */
 void check_attention(const model_t *m, const step_t *s, const float *q, float *out) {
